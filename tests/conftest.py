@@ -1,0 +1,99 @@
+"""Session-wide servers and backend fixtures shared by every layer's tests.
+
+Under CI (``CI=true``) a server that cannot start is a failure, never a skip; on a developer
+machine without one, the tests that need it skip with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests import servers
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+def unavailable(reason: str) -> None:
+    """Skip locally, fail under CI: CI must exercise every real backend."""
+    if IN_CI:
+        pytest.fail(f"required under CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[servers.S3Server]:
+    try:
+        with servers.s3_server() as server:
+            yield server
+    except servers.ServerUnavailable as exc:
+        unavailable(str(exc))
+
+
+@pytest.fixture(scope="session")
+def gcs() -> Iterator[servers.GCSServer]:
+    try:
+        with servers.gcs_server() as server:
+            yield server
+    except servers.ServerUnavailable as exc:
+        unavailable(str(exc))
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    url = servers.postgres_url()
+    reason = servers.postgres_reachable(url)
+    if reason is not None:
+        unavailable(reason)
+    return url
+
+
+@dataclass
+class Backend:
+    """A fresh, empty storage root on one backend: the URL plus its fsspec storage options."""
+
+    name: str
+    url: str
+    storage_options: dict = field(default_factory=dict)
+
+
+BACKENDS = ["local", "memory", "s3", "gcs"]
+
+
+def make_backend(name: str, request: pytest.FixtureRequest, tmp_path) -> Backend:
+    unique = uuid.uuid4().hex[:12]
+    if name == "local":
+        return Backend("local", str(tmp_path / "ckpt"))
+    if name == "memory":
+        return Backend("memory", f"memory://zephon-test-{unique}")
+    if name == "s3":
+        server: servers.S3Server = request.getfixturevalue("s3")
+        bucket = f"zt-{unique}"
+        server.create_bucket(bucket)
+        return Backend("s3", f"s3://{bucket}/ckpt", server.storage_options())
+    if name == "gcs":
+        server_g: servers.GCSServer = request.getfixturevalue("gcs")
+        bucket = f"zt-{unique}"
+        server_g.create_bucket(bucket)
+        return Backend("gcs", f"gs://{bucket}/ckpt", server_g.storage_options())
+    raise ValueError(f"unknown backend {name!r}")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
+    """Every storage backend in turn: the conformance suites take this fixture."""
+    return make_backend(request.param, request, tmp_path)
+
+
+@pytest.fixture
+def s3_backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
+    return make_backend("s3", request, tmp_path)
+
+
+@pytest.fixture
+def local_backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
+    return make_backend("local", request, tmp_path)

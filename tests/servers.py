@@ -1,0 +1,164 @@
+"""Local stand-ins for the real services Zephon talks to, started as separate processes.
+
+Used by the test suite (session fixtures in ``tests/conftest.py``) and by ``benchmarks/``:
+moto's S3 server, gcp-storage-emulator, and a probe of the PostgreSQL server the machine runs.
+Each server is a real HTTP or SQL endpoint on 127.0.0.1; nothing here patches a client library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# gcsfs probes every bucket's layout over gRPC first; the emulator cannot answer and each call
+# would wait ~60 s. Must be set before gcsfs is imported anywhere in this process or its children.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+POSTGRES_URL_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+class ServerUnavailable(RuntimeError):
+    """A local test server could not be started or reached."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _console_script(name: str) -> str:
+    # Prefer the script next to this interpreter, so a venv's server is used even if its bin/
+    # directory is not on PATH.
+    local = os.path.join(os.path.dirname(sys.executable), name)
+    if os.path.exists(local):
+        return local
+    found = shutil.which(name)
+    if found is None:
+        raise ServerUnavailable(
+            f"{name} is not installed; install the test extra: pip install -e '.[test]'"
+        )
+    return found
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerUnavailable(f"server for {url} exited early with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return  # the server answered, which is all we wait for
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise ServerUnavailable(f"server did not answer at {url} within {timeout:.0f} s")
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint_url: str
+
+    def storage_options(self) -> dict:
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": self.endpoint_url},
+        }
+
+    def create_bucket(self, name: str) -> None:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options())
+        if not fs.exists(name):
+            fs.mkdir(name)
+
+
+@dataclass(frozen=True)
+class GCSServer:
+    endpoint_url: str
+
+    def storage_options(self) -> dict:
+        return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "test"}
+
+    def create_bucket(self, name: str) -> None:
+        import gcsfs
+
+        fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **self.storage_options())
+        if not fs.exists(name):
+            fs.mkdir(name)
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen:
+    log = open(os.devnull, "wb")  # noqa: SIM115 - owned by the child for its lifetime
+    return subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+    )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[S3Server]:
+    """moto's S3 server in its own process on a free port of 127.0.0.1."""
+    port = free_port()
+    proc = _spawn([_console_script("moto_server"), "-H", "127.0.0.1", "-p", str(port)])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/moto-api/", proc, timeout=30)
+        yield S3Server(url)
+    finally:
+        _stop(proc)
+
+
+@contextlib.contextmanager
+def gcs_server() -> Iterator[GCSServer]:
+    """gcp-storage-emulator, in memory, in its own process on a free port of 127.0.0.1."""
+    port = free_port()
+    argv = [_console_script("gcp-storage-emulator"), "start", "--host", "127.0.0.1",
+            "--port", str(port), "--in-memory", "--quiet"]
+    proc = _spawn(argv)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/storage/v1/b", proc, timeout=30)
+        yield GCSServer(url)
+    finally:
+        _stop(proc)
+
+
+def postgres_url() -> str:
+    """The PostgreSQL test database URL (``ZEPHON_TEST_POSTGRES_URL`` overrides the default)."""
+    return os.environ.get("ZEPHON_TEST_POSTGRES_URL", POSTGRES_URL_DEFAULT)
+
+
+def postgres_reachable(url: str) -> str | None:
+    """None if ``url`` accepts a connection, else the reason it does not."""
+    try:
+        import psycopg
+    except ImportError:
+        return "psycopg is not installed (pip install -e '.[test]')"
+    dsn = url.replace("postgresql+psycopg://", "postgresql://", 1)
+    try:
+        with psycopg.connect(dsn, connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+    except Exception as exc:  # any failure means "not reachable" to the caller
+        return f"PostgreSQL at {dsn.split('@')[-1]} is not reachable: {exc}".strip()
+    return None
