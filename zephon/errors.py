@@ -1,0 +1,11 @@
+"""The zephon layer's exception root and the errors shared across its modules."""
+
+from __future__ import annotations
+
+
+class ZephonError(Exception):
+    """Root of every error the zephon layer raises on purpose."""
+
+
+class ConfigError(ZephonError, ValueError):
+    """A configuration value is invalid; the message names the key, the value and what is allowed."""
