@@ -1,0 +1,47 @@
+"""Zephon's storage layer: checkpoints on any fsspec filesystem, made visible by an atomic
+commit marker holding a manifest of every file (sizes and CRC32C).
+
+Knows nothing of the catalog or torch.
+"""
+
+from storage.errors import (
+    BackendUnavailableError,
+    CheckpointNotFoundError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    InvalidNameError,
+    StorageError,
+    WriteAbortedError,
+)
+from storage.layout import MARKER_NAME, validate_run, validate_step
+from storage.location import Location, mask_url, open_location
+from storage.manifest import FileEntry, Manifest
+from storage.scan import StepListing
+from storage.store import CheckpointReader, CheckpointStore, Orphan
+from storage.verify import FileProblem, VerifyReport
+from storage.writer import CheckpointWriter
+
+__all__ = [
+    "MARKER_NAME",
+    "BackendUnavailableError",
+    "CheckpointNotFoundError",
+    "CheckpointReader",
+    "CheckpointStore",
+    "CheckpointWriter",
+    "CommitConflictError",
+    "CorruptCheckpointError",
+    "FileEntry",
+    "FileProblem",
+    "InvalidNameError",
+    "Location",
+    "Manifest",
+    "Orphan",
+    "StepListing",
+    "StorageError",
+    "VerifyReport",
+    "WriteAbortedError",
+    "mask_url",
+    "open_location",
+    "validate_run",
+    "validate_step",
+]

@@ -21,9 +21,20 @@ __all__ = ["Location", "open_location", "mask_url", "protocol_of"]
 
 # Packages that provide fsspec protocols, for an install hint when one is missing.
 _PROTOCOL_PACKAGES = {
-    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
-    "abfss": "adlfs", "hf": "huggingface_hub", "sftp": "paramiko", "ssh": "paramiko",
-    "hdfs": "pyarrow", "webhdfs": "requests", "oci": "ocifs", "oss": "ossfs",
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "hf": "huggingface_hub",
+    "sftp": "paramiko",
+    "ssh": "paramiko",
+    "hdfs": "pyarrow",
+    "webhdfs": "requests",
+    "oci": "ocifs",
+    "oss": "ossfs",
 }
 _SECRET_QUERY_KEYS = re.compile(r"(key|secret|token|password|signature|credential)", re.I)
 
@@ -75,8 +86,10 @@ class Location:
         """A full, credential-free URL for a path of this filesystem, for messages."""
         if self.is_local:
             return path
-        return f"{self.protocol}://{path.lstrip('/')}" if self.protocol != "memory" else (
-            f"memory://{path}"
+        return (
+            f"{self.protocol}://{path.lstrip('/')}"
+            if self.protocol != "memory"
+            else (f"memory://{path}")
         )
 
 
@@ -105,18 +118,16 @@ def open_location(url: str, storage_options: dict | None = None) -> Location:
         package = _PROTOCOL_PACKAGES.get(protocol, f"the fsspec implementation of {protocol}://")
         raise BackendUnavailableError(
             f"cannot open {masked}: the {protocol}:// backend needs {package}; "
-            f"install it with `pip install {package}`" if protocol in _PROTOCOL_PACKAGES else
-            f"cannot open {masked}: {exc}",
+            f"install it with `pip install {package}`"
+            if protocol in _PROTOCOL_PACKAGES
+            else f"cannot open {masked}: {exc}",
             url=masked,
         ) from exc
     except ValueError as exc:
         raise InvalidNameError(
             f"cannot open {masked}: {exc}; check the URL's protocol", url=masked
         ) from exc
-    if isinstance(fs.protocol, str):
-        fs_protocol = fs.protocol
-    else:
-        fs_protocol = fs.protocol[0]
+    fs_protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if fs_protocol in {"file", "local"}:
         root = fs._strip_protocol(root)
     root = root.rstrip("/") or root

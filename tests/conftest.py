@@ -59,6 +59,25 @@ class Backend:
     name: str
     url: str
     storage_options: dict = field(default_factory=dict)
+    #: False where the server accepts but ignores create-only preconditions (the GCS emulator);
+    #: tests then check that the request carried the precondition instead of its effect.
+    enforces_exclusive_create: bool = True
+    gcs: servers.GCSServer | None = None
+
+    @property
+    def bucket(self) -> str:
+        return self.url.split("://", 1)[1].split("/", 1)[0]
+
+    def create_only_requests(self) -> list[str]:
+        """GCS only: the emulator's logged requests on this bucket that carried
+        ``ifGenerationMatch=0``."""
+        assert self.gcs is not None, "only the GCS backend keeps a request log"
+        with open(self.gcs.log_path, errors="replace") as log:
+            return [
+                line
+                for line in log
+                if f"/b/{self.bucket}/o" in line and "ifGenerationMatch=0" in line
+            ]
 
 
 BACKENDS = ["local", "memory", "s3", "gcs"]
@@ -79,7 +98,13 @@ def make_backend(name: str, request: pytest.FixtureRequest, tmp_path) -> Backend
         server_g: servers.GCSServer = request.getfixturevalue("gcs")
         bucket = f"zt-{unique}"
         server_g.create_bucket(bucket)
-        return Backend("gcs", f"gs://{bucket}/ckpt", server_g.storage_options())
+        return Backend(
+            "gcs",
+            f"gs://{bucket}/ckpt",
+            server_g.storage_options(),
+            enforces_exclusive_create=False,
+            gcs=server_g,
+        )
     raise ValueError(f"unknown backend {name!r}")
 
 

@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -87,6 +88,8 @@ class S3Server:
 @dataclass(frozen=True)
 class GCSServer:
     endpoint_url: str
+    #: the emulator's request log: one line per request, with its query string
+    log_path: str
 
     def storage_options(self) -> dict:
         return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "test"}
@@ -99,11 +102,15 @@ class GCSServer:
             fs.mkdir(name)
 
 
-def _spawn(argv: list[str]) -> subprocess.Popen:
-    log = open(os.devnull, "wb")  # noqa: SIM115 - owned by the child for its lifetime
-    return subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-    )
+def _spawn(argv: list[str], log_path: str = os.devnull) -> subprocess.Popen:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -131,17 +138,31 @@ def s3_server() -> Iterator[S3Server]:
 
 @contextlib.contextmanager
 def gcs_server() -> Iterator[GCSServer]:
-    """gcp-storage-emulator, in memory, in its own process on a free port of 127.0.0.1."""
+    """gcp-storage-emulator, in memory, in its own process on a free port of 127.0.0.1.
+
+    Its request log is kept (``log_path``): the emulator accepts but ignores GCS preconditions,
+    so tests read the log to check that a request carried one.
+    """
     port = free_port()
-    argv = [_console_script("gcp-storage-emulator"), "start", "--host", "127.0.0.1",
-            "--port", str(port), "--in-memory", "--quiet"]
-    proc = _spawn(argv)
+    argv = [
+        _console_script("gcp-storage-emulator"),
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--in-memory",
+    ]
+    log_dir = tempfile.mkdtemp(prefix="zephon-gcs-")
+    log_path = os.path.join(log_dir, "requests.log")
+    proc = _spawn(argv, log_path)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_http(f"{url}/storage/v1/b", proc, timeout=30)
-        yield GCSServer(url)
+        yield GCSServer(url, log_path)
     finally:
         _stop(proc)
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def postgres_url() -> str:

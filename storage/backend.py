@@ -1,0 +1,146 @@
+"""The boundary between the storage layer and fsspec: backend errors translated once, listing
+entries normalised, and the few primitive operations whose behaviour differs per backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from storage.errors import BackendUnavailableError, StorageError
+from storage.location import Location
+
+__all__ = [
+    "ListedFile",
+    "backend_errors",
+    "list_files",
+    "mtime_of",
+    "multipart_options",
+    "remove_empty_dirs",
+    "remove_files",
+]
+
+_PASSTHROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "requests", "urllib3")
+
+
+def _is_backend_failure(exc: BaseException) -> bool:
+    if isinstance(exc, (*_PASSTHROUGH, StorageError)):
+        return False
+    if isinstance(exc, OSError | ConnectionError | TimeoutError):
+        return True
+    module = type(exc).__module__ or ""
+    return module.startswith(_NETWORK_MODULES)
+
+
+@contextlib.contextmanager
+def backend_errors(location: Location, action: str) -> Iterator[None]:
+    """Turn a backend's transport, permission and disk errors into ``BackendUnavailableError``.
+
+    ``action`` says what was being done ("listing run r1", "writing save-5/x.bin"); file-level
+    not-found and exists errors pass through for the caller to interpret.
+    """
+    try:
+        yield
+    except Exception as exc:
+        if not _is_backend_failure(exc):
+            raise
+        if isinstance(exc, PermissionError):
+            fix = "check the credentials and permissions in storage_options"
+        elif isinstance(exc, OSError) and exc.errno in {errno.ENOSPC, errno.EDQUOT}:
+            fix = "free space or use another save_dir"
+        else:
+            fix = "check that the endpoint is reachable and storage_options are right"
+        raise BackendUnavailableError(
+            f"{action} failed on {location.url}: {type(exc).__name__}: {exc}; {fix}",
+            url=location.url,
+        ) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ListedFile:
+    """One object or file from a listing: path in the filesystem's form, size, mtime (epoch s)."""
+
+    path: str
+    size: int
+    mtime: float | None
+
+
+def mtime_of(info: dict) -> float | None:
+    """Modification time of a listing entry, across the keys each backend uses."""
+    for key in ("mtime", "LastModified", "updated", "created"):
+        value = info.get(key)
+        if value is None or value == "":
+            continue
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, dt.datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def list_files(location: Location, path: str) -> list[ListedFile]:
+    """Every file below ``path`` with one listing where the backend allows it (object stores
+    list a prefix recursively in pages); an absent path lists as empty."""
+    fs = location.fs
+    try:
+        found = fs.find(path, detail=True, withdirs=False)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name, info in found.items():
+        if info.get("type") == "directory":
+            continue
+        out.append(ListedFile(name, int(info.get("size") or 0), mtime_of(info)))
+    return out
+
+
+def remove_files(location: Location, paths: Iterable[str]) -> int:
+    """Delete files in as few requests as the backend allows (S3 DeleteObjects: 1000 keys each,
+    GCS batch: 100); missing ones are ignored. Returns how many paths were passed."""
+    paths = list(paths)
+    if not paths:
+        return 0
+    fs = location.fs
+    if location.is_local:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return len(paths)
+    try:
+        fs.rm(paths)
+    except FileNotFoundError:
+        # Some backends refuse the whole batch when one key is already gone; finish one by one.
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(path)
+    return len(paths)
+
+
+def remove_empty_dirs(location: Location, top: str) -> None:
+    """Remove now-empty directories under and including ``top`` (POSIX and memory only: object
+    stores have no directories to remove)."""
+    if location.is_local:
+        for dirpath, _dirs, _files in os.walk(top, topdown=False):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
+    elif location.protocol == "memory":
+        with contextlib.suppress(FileNotFoundError, OSError):
+            location.fs.rm(top, recursive=True)
+
+
+_CHUNKED_PUT = {"s3", "s3a", "gs", "gcs"}
+
+
+def multipart_options(location: Location, part_size: int) -> dict:
+    """Keyword arguments that make ``pipe_file`` split data of at least two parts into a
+    multipart (S3) or resumable (GCS) upload of ``part_size`` parts; s3fs sends the parts
+    concurrently. Other backends take a single write."""
+    return {"chunksize": part_size} if location.protocol in _CHUNKED_PUT else {}

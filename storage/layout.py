@@ -1,0 +1,87 @@
+"""Names and paths of the checkpoint layout: ``<root>/<run>/save-<step>/`` and its marker.
+
+A training job's checkpoints live under ``<root>/<run>/``; an inference job has no run name
+and saves straight under ``<root>/`` (``run=None`` everywhere in this package).
+"""
+
+from __future__ import annotations
+
+import re
+
+from storage.errors import InvalidNameError
+
+__all__ = [
+    "MARKER_NAME",
+    "STEP_PREFIX",
+    "validate_run",
+    "validate_step",
+    "validate_file_name",
+    "step_dirname",
+    "parse_step_dirname",
+]
+
+MARKER_NAME = "_COMMIT"
+STEP_PREFIX = "save-"
+_RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_STEP_DIR = re.compile(r"save-(0|[1-9][0-9]*)")
+_RESERVED_PREFIXES = (MARKER_NAME,)
+
+
+def validate_run(run: str | None) -> str | None:
+    """Return ``run`` if it is a valid run name (or None for the inference layout), else raise."""
+    if run is None:
+        return None
+    if not isinstance(run, str):
+        raise InvalidNameError(
+            f"run name must be a string, got {type(run).__name__} {run!r}", run=None
+        )
+    if not _RUN_NAME.fullmatch(run) or run in {".", ".."} or _STEP_DIR.fullmatch(run):
+        raise InvalidNameError(
+            f"invalid run name {run!r}: use 1-128 characters from A-Z a-z 0-9 . _ - "
+            "(not '.', '..' or a step directory name like 'save-5'), e.g. 'llama-7b.lr3e-4'",
+            run=run if len(run) <= 200 else run[:200] + "...",
+        )
+    return run
+
+
+def validate_step(step: int) -> int:
+    """Return ``step`` if it is a non-negative int (bools refused), else raise."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidNameError(
+            f"invalid step {step!r}: a step is a non-negative integer such as 0 or 1500"
+        )
+    return step
+
+
+def validate_file_name(name: str) -> str:
+    """A file's path relative to its checkpoint directory: ``a/b.bin``, no ``..``, no marker."""
+    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name:
+        raise InvalidNameError(
+            f"invalid checkpoint file name {name!r}: use a relative path such as "
+            "'model/shard-0.bin' (no leading '/', no backslashes)",
+            path=str(name),
+        )
+    parts = name.split("/")
+    if any(p in {"", ".", ".."} for p in parts):
+        raise InvalidNameError(
+            f"invalid checkpoint file name {name!r}: empty, '.' and '..' path parts are "
+            "not allowed",
+            path=name,
+        )
+    if parts[0].startswith(_RESERVED_PREFIXES):
+        raise InvalidNameError(
+            f"invalid checkpoint file name {name!r}: names starting with {MARKER_NAME!r} are "
+            "reserved for the commit marker",
+            path=name,
+        )
+    return name
+
+
+def step_dirname(step: int) -> str:
+    return f"{STEP_PREFIX}{validate_step(step)}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step of a ``save-<step>`` directory name, or None for anything else."""
+    match = _STEP_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None

@@ -1,0 +1,113 @@
+"""Checking a committed checkpoint against its manifest: shallow (every file exists with its
+size, one listing) or deep (every file's CRC32C, by reading it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from storage.backend import backend_errors, list_files
+from storage.checksum import Crc32c
+from storage.errors import CorruptCheckpointError
+from storage.location import Location
+from storage.manifest import Manifest
+
+__all__ = ["FileProblem", "VerifyReport", "verify_checkpoint"]
+
+_READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class FileProblem:
+    name: str
+    kind: str  # "missing" | "size" | "checksum" | "unreadable"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.detail}"
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """The outcome of verifying one checkpoint; ``problems`` names every bad file."""
+
+    url: str
+    run: str | None
+    step: int
+    deep: bool
+    files_checked: int = 0
+    bytes_checked: int = 0
+    problems: list[FileProblem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_for_problems(self) -> None:
+        """Raise ``CorruptCheckpointError`` naming every bad file, if there is any."""
+        if self.ok:
+            return
+        names = "; ".join(str(p) for p in self.problems[:20])
+        more = f" (and {len(self.problems) - 20} more)" if len(self.problems) > 20 else ""
+        raise CorruptCheckpointError(
+            f"checkpoint {self.url} failed verification: {names}{more}; it cannot be resumed "
+            "from: delete it and resume from an earlier checkpoint",
+            url=self.url,
+            run=self.run,
+            step=self.step,
+            problems=[str(p) for p in self.problems],
+        )
+
+
+def _crc_of_file(location: Location, path: str) -> tuple[int, str]:
+    running = Crc32c()
+    with location.fs.open(path, "rb", block_size=_READ_CHUNK, cache_type="none") as handle:
+        while chunk := handle.read(_READ_CHUNK):
+            running.update(chunk)
+    return running.size, running.encoded()
+
+
+def verify_checkpoint(
+    location: Location,
+    path: str,
+    manifest: Manifest,
+    *,
+    url: str,
+    deep: bool,
+    executor_factory: Callable[[], Executor],
+) -> VerifyReport:
+    report = VerifyReport(url=url, run=manifest.run, step=manifest.step, deep=deep)
+    with backend_errors(location, f"listing {url}"):
+        listed = {f.path: f.size for f in list_files(location, path)}
+    prefix = f"{path}/"
+    present = []
+    for entry in manifest.files:
+        size = listed.get(prefix + entry.name)
+        if size is None:
+            report.problems.append(FileProblem(entry.name, "missing", "missing"))
+        elif size != entry.size:
+            report.problems.append(
+                FileProblem(entry.name, "size", f"size {size} bytes, manifest says {entry.size}")
+            )
+        else:
+            present.append(entry)
+    report.files_checked = len(manifest.files)
+    if not deep:
+        report.bytes_checked = sum(e.size for e in present)
+        return report
+    pool = executor_factory()
+    futures = {e.name: (e, pool.submit(_crc_of_file, location, prefix + e.name)) for e in present}
+    for name, (entry, future) in futures.items():
+        try:
+            size, crc = future.result()
+        except Exception as exc:  # a file that cannot be read is a finding, not a crash
+            report.problems.append(FileProblem(name, "unreadable", f"unreadable: {exc}"))
+            continue
+        report.bytes_checked += size
+        if crc != entry.crc32c or size != entry.size:
+            report.problems.append(
+                FileProblem(name, "checksum", f"crc32c {crc}, manifest says {entry.crc32c}")
+            )
+    report.problems.sort(key=lambda p: p.name)
+    return report

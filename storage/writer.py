@@ -1,0 +1,389 @@
+"""Writing one checkpoint's payload and committing it with the marker.
+
+A ``CheckpointWriter`` is made by ``CheckpointStore.begin`` (the primary writer, the only one
+that may commit) or ``CheckpointStore.attach`` (a secondary writer, e.g. another rank writing
+its own shards into the same checkpoint; its entries reach the primary through
+``add_entries``). Size and CRC32C of every file are recorded while the bytes go out, never by
+reading them back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import socket
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, TYPE_CHECKING, Any, BinaryIO
+
+from storage.backend import (
+    backend_errors,
+    list_files,
+    multipart_options,
+    remove_empty_dirs,
+    remove_files,
+)
+from storage.checksum import Crc32c
+from storage.commit import fsync_dir, marker_protocol_for
+from storage.errors import (
+    BackendUnavailableError,
+    CommitConflictError,
+    InvalidNameError,
+    WriteAbortedError,
+)
+from storage.layout import MARKER_NAME, validate_file_name
+from storage.manifest import FileEntry, Manifest
+
+if TYPE_CHECKING:
+    from storage.store import CheckpointStore
+
+__all__ = ["CheckpointWriter", "Payload"]
+
+#: What ``write_many`` accepts per file: bytes-like data, a local file path, or a readable stream.
+Payload = bytes | bytearray | memoryview | str | os.PathLike | BinaryIO
+
+_CHUNK = 8 << 20
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+
+
+class _RecordingFile:
+    """A write-only file that feeds every byte to a running CRC32C on its way out."""
+
+    def __init__(self, handle: IO[bytes], local: bool) -> None:
+        self._handle = handle
+        self._local = local
+        self.crc = Crc32c()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self.crc.update(data)
+        self._handle.write(data)
+        return len(data)
+
+    def finish(self) -> None:
+        if self._local:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+        self._handle.close()
+
+    def discard(self) -> None:
+        with contextlib.suppress(Exception):
+            self._handle.close()
+
+
+class CheckpointWriter:
+    """Writes files into ``<root>/<run>/save-<step>/`` and commits them.
+
+    Thread-safe: files may be written from many threads at once. Not process-safe by itself:
+    other processes write through their own ``attach``-ed writer and hand over their entries.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        run: str | None,
+        step: int,
+        attempt_id: str,
+        *,
+        primary: bool,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._store = store
+        self.run = run
+        self.step = step
+        self.attempt_id = attempt_id
+        self.primary = primary
+        self.path = store.checkpoint_path(run, step)
+        self.url = store.location.display(self.path)
+        self._metadata = dict(metadata or {})
+        self._entries: dict[str, FileEntry] = {}
+        self._own: set[str] = set()  # names this writer wrote itself (not add_entries)
+        self._lock = threading.Lock()
+        self._dirs: set[str] = {self.path}
+        self._state = "open"
+        self._created_at = _now()
+
+    # -- writing -------------------------------------------------------------------------------
+
+    @property
+    def entries(self) -> list[FileEntry]:
+        """Every file this writer knows about, its own and those added from other writers."""
+        with self._lock:
+            return sorted(self._entries.values(), key=lambda e: e.name)
+
+    def write_bytes(self, name: str, data: bytes | bytearray | memoryview) -> FileEntry:
+        """Write one file from memory."""
+        target = self._claim(name)
+        location = self._store.location
+        with self._guard(name):
+            if location.is_local:
+                with self._open_local(target) as out:
+                    out.write(data)
+                return self._record(name, out.crc)
+            crc = Crc32c()
+            crc.update(data)
+            payload = data if isinstance(data, bytes) else bytes(data)
+            location.fs.pipe_file(
+                target, payload, **multipart_options(location, self._store.part_size)
+            )
+            return self._record(name, crc)
+
+    def write_stream(self, name: str, stream: BinaryIO) -> FileEntry:
+        """Write one file from a readable binary stream, in bounded-memory chunks."""
+        with self.open(name) as out:
+            while chunk := stream.read(_CHUNK):
+                out.write(chunk)
+        return self._entries[name]
+
+    def put_file(self, name: str, local_path: str | os.PathLike) -> FileEntry:
+        """Copy one local file into the checkpoint."""
+        with open(local_path, "rb") as stream:
+            return self.write_stream(name, stream)
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[_RecordingFile]:
+        """A file to ``write()`` into; recorded in the manifest when the block exits cleanly.
+
+        Large files on object stores go out as multipart uploads as the buffer fills.
+        """
+        target = self._claim(name)
+        location = self._store.location
+        with self._guard(name):
+            cm = self._open_local(target) if location.is_local else self._open_remote(target)
+            with cm as out:
+                yield out
+            self._record(name, out.crc)
+
+    def write_many(self, files: Mapping[str, Payload]) -> list[FileEntry]:
+        """Write several files in parallel on the store's thread pool; returns their entries.
+
+        On the first failure the remaining writes still finish or fail, then the first error
+        is raised; the checkpoint stays uncommitted either way.
+        """
+        pool: ThreadPoolExecutor = self._store._executor()
+        futures = [pool.submit(self._write_any, name, payload) for name, payload in files.items()]
+        results, first_error = [], None
+        for future in futures:
+            try:
+                results.append(future.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below after all finish
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def add_entries(self, entries: Iterable[FileEntry]) -> None:
+        """Include files that another writer (another process or rank) wrote into this step."""
+        self._check_open()
+        with self._lock:
+            for entry in entries:
+                validate_file_name(entry.name)
+                known = self._entries.get(entry.name)
+                if known is not None and known != entry:
+                    raise InvalidNameError(
+                        f"file {entry.name!r} of {self.url} was reported twice with different "
+                        "sizes or checksums: two writers wrote the same name; give each rank "
+                        "its own file names",
+                        run=self.run,
+                        step=self.step,
+                        path=entry.name,
+                    )
+                self._entries[entry.name] = entry
+
+    # -- commit / abort ------------------------------------------------------------------------
+
+    def commit(self, metadata: Mapping[str, Any] | None = None) -> Manifest:
+        """Make the checkpoint complete: check the payload with one listing, then create the
+        marker exclusively. Only the primary writer may call this, once.
+
+        Raises ``CommitConflictError`` if the step is already committed (by anyone) and
+        ``WriteAbortedError`` if a file this writer recorded is missing from storage.
+        """
+        self._check_open()
+        if not self.primary:
+            raise WriteAbortedError(
+                f"only the primary writer (CheckpointStore.begin) may commit {self.url}; hand "
+                "this writer's entries to it with add_entries()",
+                run=self.run,
+                step=self.step,
+            )
+        location = self._store.location
+        entries = self.entries
+        if location.is_local:
+            for directory in sorted(self._dirs, key=len, reverse=True):
+                fsync_dir(directory)
+        self._check_payload_present(entries)
+        manifest = Manifest(
+            run=self.run,
+            step=self.step,
+            attempt_id=self.attempt_id,
+            files=tuple(entries),
+            writer={"host": socket.gethostname(), "pid": os.getpid()},
+            metadata={**self._metadata, **dict(metadata or {})},
+            created_at=self._created_at,
+            committed_at=_now(),
+        )
+        marker = f"{self.path}/{MARKER_NAME}"
+        protocol = marker_protocol_for(location)
+        try:
+            with backend_errors(location, f"committing {self.url}"):
+                protocol.create(location.fs, marker, manifest.to_json())
+        except FileExistsError:
+            self._state = "lost"
+            holder = self._store._describe_commit(self.run, self.step)
+            raise CommitConflictError(
+                f"{self.url} is already committed{holder}; a committed step is never "
+                "overwritten: save under a new step, or delete that checkpoint first",
+                url=self.url,
+                run=self.run,
+                step=self.step,
+            ) from None
+        self._state = "committed"
+        return manifest
+
+    def abort(self) -> None:
+        """Remove what was written. The primary removes the whole uncommitted step directory;
+        a secondary, or a primary that lost a commit race, removes only its own files."""
+        if self._state == "committed":
+            return
+        location = self._store.location
+        with backend_errors(location, f"aborting {self.url}"):
+            if self.primary and not self._store.is_committed(self.run, self.step):
+                remove_files(location, [f.path for f in list_files(location, self.path)])
+                remove_empty_dirs(location, self.path)
+            else:
+                keep = set()
+                with contextlib.suppress(Exception):
+                    keep = {e.name for e in self._store.read_manifest(self.run, self.step).files}
+                with self._lock:
+                    own = [f"{self.path}/{n}" for n in self._own if n not in keep]
+                remove_files(location, own)
+        self._state = "aborted"
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self._state in {"open", "lost"}:
+            with contextlib.suppress(Exception):
+                self.abort()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _write_any(self, name: str, payload: Payload) -> FileEntry:
+        if isinstance(payload, bytes | bytearray | memoryview):
+            return self.write_bytes(name, payload)
+        if isinstance(payload, str | os.PathLike):
+            return self.put_file(name, payload)
+        return self.write_stream(name, payload)
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise WriteAbortedError(
+                f"writer for {self.url} is {self._state}; begin a new checkpoint to write again",
+                run=self.run,
+                step=self.step,
+            )
+
+    def _claim(self, name: str) -> str:
+        self._check_open()
+        validate_file_name(name)
+        with self._lock:
+            if name in self._own or name in self._entries:
+                raise InvalidNameError(
+                    f"file {name!r} was already written to {self.url}; each name is written once",
+                    run=self.run,
+                    step=self.step,
+                    path=name,
+                )
+            self._own.add(name)
+        target = f"{self.path}/{name}"
+        if self._store.location.is_local:
+            parent = os.path.dirname(target)
+            os.makedirs(parent, exist_ok=True)
+            with self._lock:
+                while parent.startswith(self.path) and parent not in self._dirs:
+                    self._dirs.add(parent)
+                    parent = os.path.dirname(parent)
+        return target
+
+    @contextlib.contextmanager
+    def _guard(self, name: str) -> Iterator[None]:
+        """On failure, forget the claimed name so the caller may retry it, and translate."""
+        try:
+            with backend_errors(self._store.location, f"writing {name} to {self.url}"):
+                try:
+                    yield
+                except FileNotFoundError as exc:
+                    raise BackendUnavailableError(
+                        f"writing {name} to {self.url} failed: {exc}; the bucket or directory "
+                        f"{self._store.url} must exist: create it first",
+                        url=self._store.url,
+                        run=self.run,
+                        step=self.step,
+                        path=name,
+                    ) from exc
+        except BaseException:
+            with self._lock:
+                self._own.discard(name)
+                self._entries.pop(name, None)
+            raise
+
+    def _record(self, name: str, crc: Crc32c) -> FileEntry:
+        entry = FileEntry(name=name, size=crc.size, crc32c=crc.encoded())
+        with self._lock:
+            self._entries[name] = entry
+        return entry
+
+    @contextlib.contextmanager
+    def _open_local(self, target: str) -> Iterator[_RecordingFile]:
+        out = _RecordingFile(open(target, "wb"), local=True)  # noqa: SIM115 - closed in finish
+        try:
+            yield out
+        except BaseException:
+            out.discard()
+            raise
+        out.finish()
+
+    @contextlib.contextmanager
+    def _open_remote(self, target: str) -> Iterator[_RecordingFile]:
+        fs = self._store.location.fs
+        handle = fs.open(target, "wb", block_size=self._store.part_size)
+        out = _RecordingFile(handle, local=False)
+        try:
+            yield out
+        except BaseException:
+            # Closing would publish a partial object: drop the upload and mark the handle
+            # closed so neither close() nor its finaliser flushes what was buffered.
+            with contextlib.suppress(Exception):
+                handle.discard()
+            with contextlib.suppress(Exception):
+                handle.closed = True
+            raise
+        out.finish()
+
+    def _check_payload_present(self, entries: list[FileEntry]) -> None:
+        location = self._store.location
+        with backend_errors(location, f"listing {self.url} before commit"):
+            listed = {f.path: f.size for f in list_files(location, self.path)}
+        prefix = f"{self.path}/"
+        problems = []
+        for entry in entries:
+            size = listed.get(prefix + entry.name)
+            if size is None:
+                problems.append(f"{entry.name}: missing")
+            elif size != entry.size:
+                problems.append(f"{entry.name}: {size} bytes on storage, {entry.size} written")
+        if problems:
+            self._state = "failed"
+            raise WriteAbortedError(
+                f"refusing to commit {self.url}: {len(problems)} written file(s) are not on "
+                f"storage as written ({'; '.join(problems[:5])}); is another job saving the "
+                "same run and step? Save again once only one writer is left",
+                run=self.run,
+                step=self.step,
+            )
