@@ -1,0 +1,105 @@
+"""Operator specifications: plain, immutable descriptions of what each builder method asked for.
+
+The lane machinery (``lanes.py``) interprets them. Keeping them as data lets the pipeline
+validate a chain before running it, describe it in the state dict (``signature``) and refuse a
+restore into a different chain.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zephon.errors import ConfigError
+
+__all__ = [
+    "BatchSpec", "MapOp", "Operator", "PackOp", "PrefetchSpec", "ShuffleOp", "jitter_order",
+    "reorders", "signature",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class MapOp:
+    """``fn`` applied to every record; ``None`` results are dropped when ``drop_none``."""
+
+    fn: Callable[[Any], Any]
+    drop_none: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ShuffleOp:
+    """A bounded-displacement shuffle inside each flush window (see ``jitter_order``)."""
+
+    buffer_size: int
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PackOp:
+    """First-fit packing of token sequences into bins of at most ``max_length`` tokens."""
+
+    max_length: int
+    key: Callable[[Any], Sequence[Any]] | None = None
+    max_open_bins: int = 64
+    overflow: str = "truncate"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSpec:
+    microbatch_size: int
+    drop_last: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchSpec:
+    buffer_size: int
+    parallelism: int = 1
+
+
+Operator = MapOp | ShuffleOp | PackOp
+
+
+def reorders(ops: Sequence[Operator]) -> bool:
+    """True if the chain re-orders or regroups records, so it needs flush windows > 1 chunk."""
+    return any(isinstance(op, (ShuffleOp, PackOp)) for op in ops)
+
+
+def signature(ops: Sequence[Operator]) -> str:
+    """A description of the chain's position-shaping parameters, stored in the state dict.
+
+    Map functions are described by their drop_none flag only (a function's name says nothing
+    about what it computes); batch size and prefetch are absent because a restore may change them.
+    """
+    parts = []
+    for op in ops:
+        if isinstance(op, MapOp):
+            parts.append(f"map(drop_none={op.drop_none})")
+        elif isinstance(op, ShuffleOp):
+            parts.append(f"shuffle({op.buffer_size},seed={op.seed})")
+        else:
+            parts.append(f"pack({op.max_length},bins={op.max_open_bins},{op.overflow})")
+    return "|".join(parts)
+
+
+def jitter_order(n: int, buffer_size: int, seed: int) -> list[int]:
+    """A permutation of ``range(n)`` that moves each position by less than ``buffer_size``.
+
+    Each position ``i`` gets the key ``i + U[0, buffer_size)`` and positions are sorted by key:
+    the same locality as a streaming shuffle buffer of that size, but computed for a whole
+    window at once from the seed alone, without touching records. That is what makes skipping
+    already-delivered records on restore cost a sort of integers instead of re-running maps.
+    """
+    if buffer_size <= 1 or n <= 1:
+        return list(range(n))
+    draw = random.Random(seed).random
+    keys = [i + draw() * buffer_size for i in range(n)]
+    return sorted(range(n), key=keys.__getitem__)
+
+
+def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    """``value`` if it is an int >= ``minimum``, else a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value

@@ -1,0 +1,68 @@
+"""``PipelineStateful``: the pipeline behind torch's ``Stateful`` protocol.
+
+torch.distributed.checkpoint (DCP), torchtitan and the Zephon checkpoint manager save any
+object with ``state_dict()``/``load_state_dict()``. This adapter stores the pipeline's state as
+one JSON string under one key: DCP keeps non-tensor values as opaque objects, and a string
+survives its flattening of nested dicts and lists unchanged.
+
+The only module of ``zephon.pipeline`` that imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch.distributed as dist
+
+from zephon.pipeline.errors import PipelineStateError
+from zephon.pipeline.pipeline import Pipeline
+
+__all__ = ["PipelineStateful"]
+
+STATE_KEY = "zephon_pipeline_state"
+
+
+class PipelineStateful:
+    """Wraps a ``Pipeline`` so a torch checkpointer can save and load its position.
+
+    ``state_dict()`` calls ``Pipeline.checkpoint()``, so in a distributed job every rank must
+    call it at the same step (as DCP's ``save`` does). Only global rank 0 gets the merged state
+    from ``checkpoint()``; when ``torch.distributed`` is initialised the adapter broadcasts it
+    so every rank returns the same dict, which is what DCP expects of a value saved under one
+    key on every rank. Without an initialised process group, ranks other than 0 return the key
+    with ``None``: save rank 0's dict.
+    """
+
+    def __init__(self, pipeline: Pipeline, *, broadcast: bool = True) -> None:
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"PipelineStateful wraps a zephon.Pipeline, got {type(pipeline)!r}")
+        self.pipeline = pipeline
+        self.broadcast = broadcast
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.pipeline.checkpoint()
+        text = None if state is None else json.dumps(state, separators=(",", ":"))
+        if self.broadcast and dist.is_available() and dist.is_initialized() and \
+                dist.get_world_size() > 1:
+            box = [text]
+            dist.broadcast_object_list(box, src=0)
+            text = box[0]
+        return {STATE_KEY: text}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        text = state_dict.get(STATE_KEY) if isinstance(state_dict, dict) else None
+        if not isinstance(text, (str, bytes)):
+            raise PipelineStateError(
+                f"load_state_dict needs {{{STATE_KEY!r}: <JSON string>}} as saved by "
+                f"PipelineStateful.state_dict() on global rank 0, got {text!r}",
+                field=STATE_KEY, value=text, expected="a JSON string",
+            )
+        try:
+            state = json.loads(text)
+        except ValueError as exc:
+            raise PipelineStateError(
+                f"{STATE_KEY} is not valid JSON ({exc}); the checkpoint is damaged",
+                field=STATE_KEY, value=text[:80], expected="a JSON string",
+            ) from exc
+        self.pipeline.restore(state)

@@ -1,0 +1,258 @@
+"""The curriculum: a deterministic sequence of work chunks over one or more datasets.
+
+A *chunk* is ``chunk_size`` consecutive records of a dataset's pass (the last chunk of a pass
+may be shorter, and is never dropped). Each pass orders the dataset's shards (shuffled per pass
+when ``shuffle_shards``), concatenates them and cuts the result into chunks, so a chunk may span
+a shard boundary. Datasets are interleaved by weight: the next chunk always comes from the
+dataset that is furthest behind its share (records taken / weight), ties to the earlier one.
+Chunk ``k`` of the curriculum goes to lane ``k % canonical_replicas``.
+
+Nothing here reads records: planning uses shard lengths only, so it is cheap and identical on
+every rank, in every run with the same configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zephon.errors import ConfigError
+from zephon.pipeline.dataset import Dataset
+
+__all__ = ["Chunk", "StaticMixtureWorkSource", "derive_seed"]
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 64-bit seed from any tuple of ints and strings, the same on every machine and run."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One unit of work: records ``segments`` of dataset ``dataset`` (pass ``pass_index``).
+
+    ``index`` is the chunk's position in the whole curriculum (its id in provenance);
+    ``segments`` are ``(shard_id, start, stop)`` ranges read in order.
+    """
+
+    index: int
+    dataset: str
+    pass_index: int
+    segments: tuple[tuple[str, int, int], ...]
+    size: int
+
+    def read(self, dataset: Dataset) -> list[Any]:
+        rows: list[Any] = []
+        for shard_id, start, stop in self.segments:
+            rows += dataset.shards[shard_id].read(start, stop)
+        return rows
+
+    def sample_id(self, offset: int) -> str:
+        """``"<dataset>/<shard>/<row>"`` of the record at ``offset`` within this chunk."""
+        if not 0 <= offset < self.size:
+            raise IndexError(f"offset {offset} outside chunk {self.index} of {self.size} records")
+        for shard_id, start, stop in self.segments:
+            if offset < stop - start:
+                return f"{self.dataset}/{shard_id}/{start + offset}"
+            offset -= stop - start
+        raise AssertionError("unreachable: segments cover size")
+
+
+class StaticMixtureWorkSource:
+    """A deterministic curriculum of work chunks from datasets mixed by weight.
+
+    Args:
+        datasets: one ``Dataset`` or a sequence of them (names must differ).
+        mixture: weights, as a sequence parallel to ``datasets`` or a mapping from dataset name;
+            ``None`` weighs each dataset by its record count, so all finish a pass together.
+            Weights set the share of *records* each dataset contributes.
+        chunk_size: records per work chunk; the unit of lane assignment and of replay.
+        seed: seeds the per-pass shard order.
+        shuffle_shards: shuffle the shard order in every pass (otherwise sorted by shard id).
+        stop_after_passes: passes over each dataset before it leaves the mixture (``None``:
+            never, an endless curriculum). With finite passes the weights hold until the first
+            dataset finishes; the others then continue on their own.
+    """
+
+    def __init__(
+        self,
+        datasets: Dataset | Sequence[Dataset],
+        mixture: Sequence[float] | Mapping[str, float] | None = None,
+        *,
+        chunk_size: int = 1024,
+        seed: int = 0,
+        shuffle_shards: bool = True,
+        stop_after_passes: int | None = 1,
+    ) -> None:
+        if isinstance(datasets, Dataset):
+            datasets = [datasets]
+        datasets = list(datasets)
+        if not datasets or not all(isinstance(d, Dataset) for d in datasets):
+            raise ConfigError(
+                "datasets must be a Dataset or a non-empty sequence of Dataset objects, got "
+                f"{datasets!r}"
+            )
+        names = [d.name for d in datasets]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"datasets must have distinct names, got {names}")
+        _check_int("chunk_size", chunk_size, minimum=1)
+        _check_int("seed", seed, minimum=0)
+        if stop_after_passes is not None:
+            _check_int("stop_after_passes", stop_after_passes, minimum=1, none_ok=True)
+        if not isinstance(shuffle_shards, bool):
+            raise ConfigError(f"shuffle_shards must be True or False, got {shuffle_shards!r}")
+        self.datasets = {d.name: d for d in datasets}
+        self._order = names
+        self.chunk_size = chunk_size
+        self.seed = seed
+        self.shuffle_shards = shuffle_shards
+        self.stop_after_passes = stop_after_passes
+        self._mixture_arg = mixture
+        self._weights: list[float] | None = None
+        if mixture is not None:
+            self._weights = _parse_mixture(mixture, names)
+        self._lock = threading.Lock()
+        self._chunks: list[Chunk] = []
+        self._finished = False
+        self._gen = None
+        self._shard_lengths: dict[str, list[tuple[str, int]]] | None = None
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def _lengths(self) -> dict[str, list[tuple[str, int]]]:
+        if self._shard_lengths is None:
+            self._shard_lengths = {
+                name: [(sid, len(shard)) for sid, shard in self.datasets[name].shards.items()]
+                for name in self._order
+            }
+        return self._shard_lengths
+
+    def _pass_chunks(self, name: str, pass_index: int) -> list[tuple[tuple, int]]:
+        shards = list(self._lengths()[name])
+        if self.shuffle_shards:
+            random.Random(derive_seed("shards", self.seed, name, pass_index)).shuffle(shards)
+        out: list[tuple[tuple, int]] = []
+        segments: list[tuple[str, int, int]] = []
+        fill = 0
+        for shard_id, length in shards:
+            start = 0
+            while start < length:
+                take = min(length - start, self.chunk_size - fill)
+                segments.append((shard_id, start, start + take))
+                start += take
+                fill += take
+                if fill == self.chunk_size:
+                    out.append((tuple(segments), fill))
+                    segments, fill = [], 0
+        if fill:
+            out.append((tuple(segments), fill))  # the last, partial chunk is part of the pass
+        return out
+
+    def _generate(self):
+        lengths = self._lengths()
+        names = self._order
+        weights = self._weights or [float(sum(n for _, n in lengths[x])) or 1.0 for x in names]
+        taken = [0] * len(names)
+        passes = [0] * len(names)
+        position = [0] * len(names)
+        plans: list[list[tuple[tuple, int]] | None] = [None] * len(names)
+        active = [sum(n for _, n in lengths[x]) > 0 for x in names]
+        index = 0
+        while True:
+            candidates = [i for i in range(len(names)) if active[i]]
+            if not candidates:
+                return
+            i = min(candidates, key=lambda j: (taken[j] / weights[j], j))
+            if plans[i] is None:
+                plans[i] = self._pass_chunks(names[i], passes[i])
+            segments, size = plans[i][position[i]]
+            yield Chunk(index, names[i], passes[i], segments, size)
+            index += 1
+            taken[i] += size
+            position[i] += 1
+            if position[i] == len(plans[i]):
+                passes[i] += 1
+                position[i] = 0
+                plans[i] = None
+                if self.stop_after_passes is not None and passes[i] >= self.stop_after_passes:
+                    active[i] = False
+
+    def chunk(self, index: int) -> Chunk | None:
+        """Chunk ``index`` of the curriculum, or ``None`` past its end."""
+        chunks = self._chunks
+        if index < len(chunks):
+            return chunks[index]
+        with self._lock:
+            if self._gen is None:
+                self._gen = self._generate()
+            while len(self._chunks) <= index and not self._finished:
+                try:
+                    self._chunks.append(next(self._gen))
+                except StopIteration:
+                    self._finished = True
+            return self._chunks[index] if index < len(self._chunks) else None
+
+    def lane_chunk(self, lane: int, position: int, lanes: int) -> Chunk | None:
+        """The ``position``-th chunk (0-based) of ``lane`` when there are ``lanes`` lanes."""
+        return self.chunk(position * lanes + lane)
+
+    def read(self, chunk: Chunk) -> list[Any]:
+        """The records of ``chunk``, in order."""
+        return chunk.read(self.datasets[chunk.dataset])
+
+    def fingerprint(self) -> str:
+        """A short digest of everything that shapes the curriculum, stored in pipeline state.
+
+        Shard ids and lengths are included, so a dataset that changed on disk is noticed at
+        ``restore()`` instead of silently shifting every position.
+        """
+        parts = (
+            [(name, self._lengths()[name]) for name in self._order],
+            self._weights, self.chunk_size, self.seed, self.shuffle_shards,
+            self.stop_after_passes,
+        )
+        return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+
+    def __repr__(self) -> str:
+        return (
+            f"StaticMixtureWorkSource({self._order}, mixture={self._mixture_arg!r}, "
+            f"chunk_size={self.chunk_size}, seed={self.seed}, "
+            f"stop_after_passes={self.stop_after_passes})"
+        )
+
+
+def _parse_mixture(mixture, names: list[str]) -> list[float]:
+    if isinstance(mixture, Mapping):
+        if set(mixture) != set(names):
+            raise ConfigError(
+                f"mixture keys must be exactly the dataset names {sorted(names)}, got "
+                f"{sorted(mixture)}"
+            )
+        weights = [mixture[n] for n in names]
+    else:
+        weights = list(mixture)
+        if len(weights) != len(names):
+            raise ConfigError(
+                f"mixture must have one weight per dataset ({len(names)}), got {len(weights)}"
+            )
+    for name, w in zip(names, weights, strict=True):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise ConfigError(
+                f"mixture weight for dataset {name!r} must be a finite number > 0, got {w!r}"
+            )
+    return [float(w) for w in weights]
+
+
+def _check_int(name: str, value: Any, *, minimum: int, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = f"an integer >= {minimum}" + (" or None" if none_ok else "")
+        raise ConfigError(f"{name} must be {allowed}, got {value!r}")
+
