@@ -1,0 +1,165 @@
+"""Benchmark of the data pipeline against same-run baselines (issue 5).
+
+200,000 in-memory records (an int id and a 64-character string) in 20 shards, through
+map + shuffle(1024) + batch(32) on 4 lanes. Prints, in one run:
+
+- records/s against a torch DataLoader doing the same work (num_workers=0, identity collate);
+- ``checkpoint()`` latency and state size after 1,000 batches;
+- time from ``restore()`` to the first batch after 100, 1,000 and 4,000 batches, against a fresh
+  pipeline's time to its first batch;
+- records delivered in one full pass.
+
+Run: ``python benchmarks/pipeline.py`` (needs torch for the baseline).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import string
+import time
+
+import torch.utils.data
+
+import zephon
+
+RECORDS = 200_000
+SHARDS = 20
+BATCH = 32
+SHUFFLE = 1024
+LANES = 4
+CHUNK = 4096
+
+
+def make_rows() -> dict[str, list[dict]]:
+    alphabet = string.ascii_letters + string.digits
+    per = RECORDS // SHARDS
+    shards = {}
+    for s in range(SHARDS):
+        rows = []
+        for j in range(per):
+            i = s * per + j
+            text = "".join(alphabet[(i * 7 + k * 13) % len(alphabet)] for k in range(64))
+            rows.append({"id": i, "text": text})
+        shards[f"shard-{s:02d}"] = rows
+    return shards
+
+
+def transform(record: dict) -> dict:
+    """The per-record work both loaders do: a little string processing, a new dict."""
+    text = record["text"]
+    return {"id": record["id"], "prefix": text[:8], "vowels": text.count("a") + text.count("e")}
+
+
+def build(shards: dict[str, list[dict]]) -> zephon.Pipeline:
+    dataset = zephon.Dataset.from_dict(
+        "bench", {k: zephon.InMemoryShard(v) for k, v in shards.items()}
+    )
+    source = zephon.StaticMixtureWorkSource(dataset, chunk_size=CHUNK, seed=0)
+    return (zephon.Pipeline(source).map_transform(transform).shuffle(SHUFFLE).batch(BATCH)
+            .options(canonical_replicas=LANES))
+
+
+class MapDataset(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return transform(self.rows[index])
+
+
+def identity(batch):
+    return batch
+
+
+def dataloader_rate(rows: list[dict]) -> tuple[float, int]:
+    loader = torch.utils.data.DataLoader(
+        MapDataset(rows), batch_size=BATCH, shuffle=True, num_workers=0, collate_fn=identity,
+        generator=torch.Generator().manual_seed(0),
+    )
+    start = time.perf_counter()
+    count = sum(len(b) for b in loader)
+    return count / (time.perf_counter() - start), count
+
+
+def zephon_rate(shards) -> tuple[float, int]:
+    pipeline = build(shards)
+    start = time.perf_counter()
+    count = sum(len(b) for b in pipeline)
+    return count / (time.perf_counter() - start), count
+
+
+def state_after(shards, batches: int) -> dict:
+    pipeline = build(shards)
+    it = iter(pipeline)
+    for _ in range(batches):
+        next(it)
+    state = pipeline.checkpoint()
+    pipeline.close()
+    return state
+
+
+def fresh_first_batch(shards) -> float:
+    pipeline = build(shards)
+    start = time.perf_counter()
+    next(iter(pipeline))
+    elapsed = time.perf_counter() - start
+    pipeline.close()
+    return elapsed
+
+
+def restore_first_batch(shards, state: dict) -> float:
+    pipeline = build(shards)
+    start = time.perf_counter()
+    pipeline.restore(state)
+    next(iter(pipeline))
+    elapsed = time.perf_counter() - start
+    pipeline.close()
+    return elapsed
+
+
+def main() -> None:
+    shards = make_rows()
+    rows = [r for v in shards.values() for r in v]
+    repeats = 3
+
+    dl = [dataloader_rate(rows) for _ in range(repeats)]
+    zp = [zephon_rate(shards) for _ in range(repeats)]
+    dl_rate = statistics.median(r for r, _ in dl)
+    zp_rate = statistics.median(r for r, _ in zp)
+    print(f"throughput   DataLoader (baseline)   {dl_rate:12,.0f} records/s")
+    print(f"             zephon Pipeline         {zp_rate:12,.0f} records/s   "
+          f"ratio {zp_rate / dl_rate:.2f} (goal >= 0.20)")
+
+    pipeline = build(shards)
+    it = iter(pipeline)
+    for _ in range(1000):
+        next(it)
+    latencies = []
+    for _ in range(20):
+        start = time.perf_counter()
+        state = pipeline.checkpoint()
+        latencies.append(time.perf_counter() - start)
+    pipeline.close()
+    size = len(json.dumps(state).encode())
+    print(f"checkpoint   after 1,000 batches     {statistics.median(latencies) * 1e3:8.3f} ms "
+          f"(goal <= 5 ms), {size:,} bytes (goal <= 8,192)")
+
+    fresh = statistics.median(fresh_first_batch(shards) for _ in range(5))
+    print(f"first batch  fresh (baseline)        {fresh * 1e3:8.2f} ms")
+    for position in (100, 1000, 4000):
+        state = state_after(shards, position)
+        restored = statistics.median(restore_first_batch(shards, state) for _ in range(5))
+        print(f"             restore after {position:>5,}      {restored * 1e3:8.2f} ms   "
+              f"ratio {restored / fresh:.2f} (goal <= 2.00)")
+
+    delivered = zp[0][1]
+    print(f"full pass    records delivered       {delivered:,} of {RECORDS:,}"
+          f" (DataLoader: {dl[0][1]:,})")
+
+
+if __name__ == "__main__":
+    main()
