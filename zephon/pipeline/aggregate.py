@@ -7,9 +7,13 @@ Layout under ``aggregate_dir`` (any fsspec URL)::
 ``epoch`` names where this process's progress started (``fresh``, or a digest of the state it
 restored) and ``seq`` counts its ``checkpoint()`` calls since then. All ranks start from the
 same state and call ``checkpoint()`` at the same steps, so they agree on the key without
-talking to each other, while parts left by an earlier checkpoint or an earlier attempt sit
-under another key and never mix in. A part is written whole (local disk: temp file + rename;
-object stores: one PUT), so rank 0 never reads half a part.
+talking to each other, and parts of an earlier checkpoint sit under another key. Each part
+also says how many batches its rank delivered since the epoch began; in lockstep training that
+number is the same on every rank, so rank 0 ignores a part that disagrees with its own count:
+that is a leftover of an earlier attempt that reached the same key at another step (a crashed
+run restarted with the same ``run_id``), and the live rank will overwrite it. A part is
+written whole (local disk: temp file + rename; object stores: one PUT), so rank 0 never reads
+half a part.
 
 Rank 0 polls until all ``world_size - 1`` other parts exist or ``aggregate_timeout_s`` passes,
 merges, then deletes that key and older keys of the run: nothing in the directory is needed
@@ -105,42 +109,69 @@ class Aggregator:
                     ranks.add(int(digits))
         return ranks
 
-    def gather(self, key: str) -> list[dict[str, Any]]:
-        """Rank 0: wait for every other rank's part of ``key`` and return them, by rank."""
+    def _read(self, key: str, rank: int) -> dict[str, Any]:
+        path = self._part_path(key, rank)
+        try:
+            return json.loads(self.location.fs.cat_file(path))
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise AggregationError(
+                f"cannot read the pipeline checkpoint part {self.location.display(path)}: "
+                f"{exc}", run_id=self.run_id, url=self.location.url,
+            ) from exc
+
+    def gather(self, key: str, delivered: int) -> list[dict[str, Any]]:
+        """Rank 0: wait for every other rank's part of ``key`` and return them, by rank.
+
+        ``delivered`` is rank 0's count of batches delivered since the epoch began; a part
+        with another count is a leftover and is waited past (see the module docstring).
+        """
         expected = set(range(1, self.world_size))
+        accepted: dict[int, dict[str, Any]] = {}
+        stale: dict[int, Any] = {}
         deadline = time.monotonic() + self.timeout_s
         delay = 0.005
         while True:
-            missing = expected - self._present(key)
+            for rank in sorted(self._present(key) & expected - set(accepted)):
+                try:
+                    part = self._read(key, rank)
+                except FileNotFoundError:
+                    continue
+                if isinstance(part, dict) and part.get("delivered") == delivered:
+                    accepted[rank] = part
+                    stale.pop(rank, None)
+                else:
+                    stale[rank] = part.get("delivered") if isinstance(part, dict) else None
+            missing = expected - set(accepted)
             if not missing:
                 break
             if time.monotonic() >= deadline:
+                detail = ""
+                if stale:
+                    detail = (
+                        f"; ranks {sorted(stale)} have parts there at another position "
+                        f"(batches delivered {stale} vs rank 0's {delivered}): they did not "
+                        "checkpoint at the same step, or those are leftovers of an earlier "
+                        "attempt with the same run_id"
+                    )
                 raise AggregationTimeoutError(
                     f"pipeline checkpoint {key!r} of run {self.run_id!r}: ranks "
                     f"{sorted(missing)} did not write their part to "
                     f"{self.location.display(self._key_dir(key))} within "
-                    f"{self.timeout_s:g} s; every rank in world_size={self.world_size} must call "
-                    "checkpoint() at the same step (raise aggregate_timeout_s if they are slow)",
+                    f"{self.timeout_s:g} s{detail}; every rank in world_size={self.world_size} "
+                    "must call checkpoint() at the same step (raise aggregate_timeout_s if "
+                    "they are slow)",
                     missing_ranks=sorted(missing), timeout_s=self.timeout_s, run_id=self.run_id,
                     url=self.location.url,
                 )
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, self.poll_interval_s)
-        parts = []
-        for rank in sorted(expected):
-            path = self._part_path(key, rank)
-            try:
-                parts.append(json.loads(self.location.fs.cat_file(path)))
-            except (OSError, ValueError) as exc:
-                raise AggregationError(
-                    f"cannot read the pipeline checkpoint part {self.location.display(path)}: "
-                    f"{exc}", run_id=self.run_id, url=self.location.url,
-                ) from exc
-        return parts
+        return [accepted[rank] for rank in sorted(accepted)]
 
     def cleanup(self, key: str) -> None:
-        """Rank 0, after merging: remove ``key`` and every older key of this run. Best effort:
-        a leftover costs space, never correctness, since keys are never reused."""
+        """Rank 0, after merging: remove ``key``, older keys of this epoch and every key of
+        other epochs. Best effort: a leftover costs space, never correctness."""
         current = _parse_key(key)
         fs = self.location.fs
         run_dir = self.location.join(self.run_id)

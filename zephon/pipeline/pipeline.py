@@ -137,6 +137,7 @@ class Pipeline:
         self._progress: dict[int, LaneProgress] = {}
         self._epoch = "fresh"
         self._seq = 0
+        self._delivered = 0  # batches handed out since the epoch (fresh start or restore) began
         self._active: _Run | None = None
         self._aggregator: Aggregator | None = None
         self._lock = threading.Lock()
@@ -322,8 +323,9 @@ class Pipeline:
             self._active = run
         return run
 
-    def _deliver(self, run: _Run, lane: int, progress: LaneProgress) -> None:
+    def _deliver(self, lane: int, progress: LaneProgress) -> None:
         self._progress[lane] = progress
+        self._delivered += 1
 
     def _close_active(self) -> None:
         if self._active is not None:
@@ -361,11 +363,12 @@ class Pipeline:
         part = build_part(
             identity, lanes, run_id=opts.run_id, key=key, rank=opts.global_rank,
             world_size=opts.world_size, dp_degree=opts.dp_degree, dp_group_id=opts.dp_group_id,
+            delivered=self._delivered,
         )
         if opts.global_rank != 0:
             self._aggregator.write_part(key, part)
             return None
-        others = self._aggregator.gather(key)
+        others = self._aggregator.gather(key, self._delivered)
         state = merge_parts([part, *others], identity, run_id=opts.run_id,
                             url=self._aggregator.location.url)
         self._aggregator.cleanup(key)
@@ -389,6 +392,7 @@ class Pipeline:
             self._progress = progress
             self._epoch = digest
             self._seq = 0
+            self._delivered = 0
 
     def __repr__(self) -> str:
         ops = signature(self._ops) or "-"
@@ -405,6 +409,43 @@ class _Failure:
         self.exc = exc
 
 
+def _produce(readers: dict[int, LaneReader], spec: BatchSpec
+             ) -> Iterator[tuple[Batch, int, LaneProgress]]:
+    """The group's batches in delivery order: each from the owned lane whose turn it is."""
+    active = sorted(readers)
+    size, drop_last = spec.microbatch_size, spec.drop_last
+    while active:
+        lane = next_lane(active, readers)
+        result = readers[lane].next_batch(size, drop_last)
+        if result is None:
+            active.remove(lane)
+            continue
+        batch, progress = result
+        yield batch, lane, progress
+
+
+def _fill(items: Iterator, out: queue.Queue, stop: threading.Event) -> None:
+    """Prefetch thread body. It holds no reference to the iterator object, so an iterator the
+    caller drops is collected and its ``__del__`` stops this thread."""
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for item in items:
+            if not put(item):
+                return
+        put(_END)
+    except BaseException as exc:  # handed to the consumer, which re-raises it
+        put(_Failure(exc))
+
+
 class _Run:
     """One iteration: lane readers, the turn order, and (optionally) a prefetch thread."""
 
@@ -414,52 +455,21 @@ class _Run:
         spec = pipeline._prefetch
         parallelism = spec.parallelism if spec else 1
         self._pool = ThreadPoolExecutor(parallelism) if parallelism > 1 else None
-        self._readers = {
+        readers = {
             lane: LaneReader(plan, lane, progress[lane], self._pool, parallelism) for lane in owned
         }
-        self._batch = pipeline._batch
         self._closed = False
         self._stop = threading.Event()
-        self._gen = self._produce()
+        self._gen = _produce(readers, pipeline._batch)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         if spec is not None:
             self._queue = queue.Queue(maxsize=spec.buffer_size)
             self._thread = threading.Thread(
-                target=self._fill, name="zephon-pipeline-prefetch", daemon=True
+                target=_fill, args=(self._gen, self._queue, self._stop),
+                name="zephon-pipeline-prefetch", daemon=True,
             )
             self._thread.start()
-
-    def _produce(self) -> Iterator[tuple[Batch, int, LaneProgress]]:
-        readers = self._readers
-        active = sorted(readers)
-        size, drop_last = self._batch.microbatch_size, self._batch.drop_last
-        while active:
-            lane = next_lane(active, readers)
-            result = readers[lane].next_batch(size, drop_last)
-            if result is None:
-                active.remove(lane)
-                continue
-            batch, progress = result
-            yield batch, lane, progress
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _fill(self) -> None:
-        try:
-            for item in self._gen:
-                if not self._put(item):
-                    return
-            self._put(_END)
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            self._put(_Failure(exc))
 
     def __iter__(self) -> _Run:
         return self
@@ -480,7 +490,7 @@ class _Run:
             self._finish()
             raise item.exc
         batch, lane, progress = item
-        self._pipeline._deliver(self, lane, progress)
+        self._pipeline._deliver(lane, progress)
         return batch
 
     def _finish(self) -> None:
@@ -493,3 +503,6 @@ class _Run:
         self._finish()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+
+    def __del__(self) -> None:
+        self._stop.set()

@@ -83,12 +83,14 @@ def build_state(identity: Identity, lanes: list[dict[str, int]]) -> dict[str, An
 
 
 def build_part(identity: Identity, lanes: list[dict[str, int]], *, run_id: str, key: str,
-               rank: int, world_size: int, dp_degree: int, dp_group_id: int) -> dict[str, Any]:
-    """One rank's contribution to a distributed checkpoint: the lanes its group owns."""
+               rank: int, world_size: int, dp_degree: int, dp_group_id: int,
+               delivered: int) -> dict[str, Any]:
+    """One rank's contribution to a distributed checkpoint: the lanes its group owns, and how
+    many batches it delivered since its progress began (fresh or restored)."""
     return {
         "format": PART_FORMAT, "version": STATE_VERSION, "run_id": run_id, "key": key,
         "rank": rank, "world_size": world_size, "dp_degree": dp_degree,
-        "dp_group_id": dp_group_id, **identity.header(), "lanes": lanes,
+        "dp_group_id": dp_group_id, "delivered": delivered, **identity.header(), "lanes": lanes,
     }
 
 
