@@ -1,0 +1,95 @@
+"""Zephon's SQL catalog of runs and checkpoints (SQLite embedded, PostgreSQL in production).
+
+The catalog is an index: storage holds the bytes and the commit markers, the catalog answers
+"latest complete checkpoint of run R" with one indexed query, keeps the retention policy, and
+coordinates deletions between jobs and gc processes. It never imports fsspec, torch,
+``storage`` or ``zephon``; the ``zephon`` package composes it with storage.
+
+Start with ``Catalog`` (docs/catalog.md describes the tables, states and protocols).
+"""
+
+from __future__ import annotations
+
+from catalog.catalog import DEFAULT_GRACE, MISSING_MARKER_REASON, Catalog
+from catalog.claims import DEFAULT_LEASE
+from catalog.engine import mask_url
+from catalog.errors import (
+    CatalogDatabaseError,
+    CatalogError,
+    CatalogUnavailableError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidTransitionError,
+    InvalidValueError,
+    RunConflictError,
+    RunExistsError,
+    RunNotFoundError,
+    SchemaError,
+    SchemaOutdatedError,
+    SchemaUnversionedError,
+    StateConflictError,
+)
+from catalog.models import CheckpointState, RunKind, RunStatus
+from catalog.records import CheckpointRecord, EventRecord, RunRecord, RunSummary
+from catalog.retention import Action, Decision, RetentionPlan, plan_retention
+from catalog.runs import UNSET
+from catalog.transitions import SyncOutcome
+
+
+def upgrade(url: str) -> tuple[str | None, str]:
+    """Migrate the catalog at ``url`` to the schema head (``zephon db upgrade``).
+
+    Returns ``(revision before, revision after)``; an empty database is created.
+    """
+    with Catalog(url, check_schema=False) as catalog:
+        return catalog.upgrade()
+
+
+def current_revision(url: str) -> str | None:
+    """The schema revision of the catalog at ``url`` (``zephon db current``)."""
+    with Catalog(url, check_schema=False) as catalog:
+        return catalog.current_revision()
+
+
+def head_revision() -> str:
+    """The schema revision this version of the code needs."""
+    return Catalog.head_revision()
+
+
+__all__ = [
+    "DEFAULT_GRACE",
+    "DEFAULT_LEASE",
+    "MISSING_MARKER_REASON",
+    "UNSET",
+    "Action",
+    "Catalog",
+    "CatalogDatabaseError",
+    "CatalogError",
+    "CatalogUnavailableError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CheckpointRecord",
+    "CheckpointState",
+    "Decision",
+    "EventRecord",
+    "InvalidTransitionError",
+    "InvalidValueError",
+    "RetentionPlan",
+    "RunConflictError",
+    "RunExistsError",
+    "RunKind",
+    "RunNotFoundError",
+    "RunRecord",
+    "RunStatus",
+    "RunSummary",
+    "SchemaError",
+    "SchemaOutdatedError",
+    "SchemaUnversionedError",
+    "StateConflictError",
+    "SyncOutcome",
+    "current_revision",
+    "head_revision",
+    "mask_url",
+    "plan_retention",
+    "upgrade",
+]

@@ -1,0 +1,202 @@
+"""Engines and transactions for the two supported backends, and the translation of driver errors.
+
+``Database`` wraps one SQLAlchemy engine and hands out sessions in two flavours:
+
+- ``read()``: a plain transaction.
+- ``write()``: on SQLite ``BEGIN IMMEDIATE``, which takes the write lock at the start. A
+  deferred transaction that reads and then writes can fail at once with "database is locked"
+  when another writer committed in between (the busy timeout does not apply to that upgrade);
+  taking the lock first makes writers queue behind the busy timeout instead. On PostgreSQL it is
+  an ordinary READ COMMITTED transaction; guarded updates and row locks do the rest.
+
+Both commit on success, roll back on any exception, and translate SQLAlchemy's connectivity
+errors into ``CatalogUnavailableError`` with the password masked. One ``Database`` may be shared
+by threads (the pool hands each session its own connection); processes must build their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    InterfaceError,
+    NoSuchModuleError,
+    OperationalError,
+)
+from sqlalchemy.orm import Session, sessionmaker
+
+from catalog.errors import CatalogDatabaseError, CatalogUnavailableError, InvalidValueError
+
+SQLITE_BUSY_TIMEOUT_S = 30
+POSTGRES_CONNECT_TIMEOUT_S = 10
+_IMMEDIATE = "zephon_sqlite_immediate"
+
+
+def parse_url(url: str | URL) -> URL:
+    """Parse a catalog URL, refusing anything but SQLite files and PostgreSQL via psycopg."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise InvalidValueError(
+            "catalog URL", mask_url(url), "expected sqlite:///PATH or postgresql+psycopg://..."
+        ) from exc
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            raise InvalidValueError(
+                "catalog URL",
+                mask_url(parsed),
+                "an in-memory SQLite catalog is private to one connection; use sqlite:///PATH",
+            )
+    elif backend == "postgresql":
+        if "+" not in parsed.drivername:
+            # SQLAlchemy's default PostgreSQL driver is psycopg2; Zephon depends on psycopg 3.
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        elif parsed.get_driver_name() not in ("psycopg", "psycopg2"):
+            raise InvalidValueError(
+                "catalog URL", mask_url(parsed), "expected sqlite:///PATH or postgresql+psycopg://..."
+            )
+    else:
+        raise InvalidValueError(
+            "catalog URL", mask_url(parsed), "expected sqlite:///PATH or postgresql+psycopg://..."
+        )
+    return parsed
+
+
+def mask_url(url: str | URL) -> str:
+    """The URL as text with any password replaced by ``***``; safe for messages and logs."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        # Unparseable, so mask a "user:password@" part textually.
+        return re.sub(r"//([^/@:]*):[^/@]*@", r"//\1:***@", str(url))
+    return parsed.render_as_string(hide_password=True)
+
+
+def _sqlite_engine(url: URL) -> Engine:
+    if url.database and not url.database.startswith("file:"):
+        directory = os.path.dirname(os.path.abspath(url.database))
+        # The default catalog lives in the user's data directory, which may not exist yet.
+        os.makedirs(directory, exist_ok=True)
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take BEGIN away from the sqlite3 module (it skips it for SELECT and DDL), so that
+        # _on_begin below decides which kind of transaction each session gets.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_S * 1000}")
+            cursor.execute("PRAGMA foreign_keys = ON")
+            # WAL lets readers (resuming jobs, `zephon runs`) proceed while gc writes.
+            cursor.execute("PRAGMA journal_mode = WAL")
+            # NORMAL is crash-safe in WAL mode; a power cut may lose the last commits, which
+            # the marker probe and `zephon sync` repair from storage (the source of truth).
+            cursor.execute("PRAGMA synchronous = NORMAL")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        if connection.get_execution_options().get(_IMMEDIATE):
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+        else:
+            connection.exec_driver_sql("BEGIN")
+
+    return engine
+
+
+def _postgres_engine(url: URL) -> Engine:
+    return create_engine(
+        url,
+        # A pooled connection may have been closed by the server or a proxy since its last use.
+        pool_pre_ping=True,
+        connect_args={
+            "connect_timeout": POSTGRES_CONNECT_TIMEOUT_S,
+            "application_name": "zephon-catalog",
+        },
+    )
+
+
+def make_engine(url: str | URL) -> Engine:
+    """A configured engine for a catalog URL (SQLite pragmas, or PostgreSQL pre-ping)."""
+    parsed = parse_url(url)
+    try:
+        if parsed.get_backend_name() == "sqlite":
+            return _sqlite_engine(parsed)
+        return _postgres_engine(parsed)
+    except NoSuchModuleError as exc:
+        raise CatalogUnavailableError(
+            mask_url(parsed), f"no driver for {parsed.drivername} (pip install 'zephon[postgres]')"
+        ) from exc
+    except ModuleNotFoundError as exc:
+        raise CatalogUnavailableError(
+            mask_url(parsed), f"{exc} (pip install 'zephon[postgres]')"
+        ) from exc
+
+
+def driver_reason(exc: DBAPIError) -> str:
+    """The first line of the driver's message: enough for a one-line CLI error."""
+    original = exc.orig if exc.orig is not None else exc
+    lines = [line.strip() for line in str(original).splitlines() if line.strip()]
+    return lines[0] if lines else type(original).__name__
+
+
+@contextlib.contextmanager
+def translate_errors(url: str, action: str) -> Iterator[None]:
+    """Turn SQLAlchemy errors raised inside the block into catalog errors naming ``url``."""
+    try:
+        yield
+    except (OperationalError, InterfaceError) as exc:
+        raise CatalogUnavailableError(url, driver_reason(exc)) from exc
+    except DBAPIError as exc:
+        raise CatalogDatabaseError(url, action, driver_reason(exc)) from exc
+
+
+class Database:
+    """One engine plus the session factories the catalog uses; see the module docstring."""
+
+    def __init__(self, url: str | URL) -> None:
+        self.engine = make_engine(url)
+        self.url = mask_url(self.engine.url)
+        self.dialect = self.engine.dialect.name
+        self._reader = sessionmaker(self.engine, expire_on_commit=False)
+        self._writer = sessionmaker(
+            self.engine.execution_options(**{_IMMEDIATE: True}), expire_on_commit=False
+        )
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.dialect == "sqlite"
+
+    @contextlib.contextmanager
+    def read(self, action: str) -> Iterator[Session]:
+        """A session for queries; ``action`` names the operation in error messages."""
+        with translate_errors(self.url, action), self._reader.begin() as session:
+            yield session
+
+    @contextlib.contextmanager
+    def write(self, action: str) -> Iterator[Session]:
+        """A session for changes, committed on success (``BEGIN IMMEDIATE`` on SQLite)."""
+        with translate_errors(self.url, action), self._writer.begin() as session:
+            yield session
+
+    @contextlib.contextmanager
+    def immediate_connection(self, action: str) -> Iterator[Any]:
+        """A Core connection inside one write transaction (schema creation and upgrade)."""
+        with translate_errors(self.url, action), self.engine.connect() as connection:
+            connection.execution_options(**{_IMMEDIATE: True})
+            with connection.begin():
+                yield connection
+
+    def dispose(self) -> None:
+        self.engine.dispose()

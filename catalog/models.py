@@ -1,0 +1,194 @@
+"""ORM models of the catalog: ``runs``, ``checkpoints`` and the ``events`` audit log.
+
+This module describes the schema that the newest Alembic revision in ``migrations/`` creates;
+the two are kept equal by a test (``compare_metadata`` finds no difference). Changing a model
+therefore always comes with a new revision (``alembic -c migrations/alembic.ini revision
+--autogenerate``).
+
+Only catalog modules use these classes; callers get the frozen records of ``catalog.records``.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    false,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class CheckpointState(StrEnum):
+    """States of a checkpoint row; transitions are in ``docs/catalog.md``."""
+
+    PENDING = "pending"
+    COMMITTED = "committed"
+    DELETING = "deleting"
+    DELETED = "deleted"
+    FAILED = "failed"
+
+
+class RunKind(StrEnum):
+    TRAIN = "train"
+    INFERENCE = "inference"
+
+
+class RunStatus(StrEnum):
+    ACTIVE = "active"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+def _in(column: str, enum: type[StrEnum]) -> str:
+    values = ", ".join(f"'{member.value}'" for member in enum)
+    return f"{column} IN ({values})"
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python, whatever the backend.
+
+    SQLite has no timezone type and returns naive values; normalising here means every caller
+    can compare catalog timestamps with ``datetime.now(UTC)``. On SQLite the stored text has a
+    fixed width, so comparisons in SQL (lease and grace cut-offs) order correctly as strings.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"catalog timestamps must be timezone-aware, got {value!r}")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+# JSONB on PostgreSQL (indexable, compact); JSON text elsewhere. ``none_as_null`` stores Python
+# None as SQL NULL rather than the JSON literal 'null', so "no metadata" is one thing.
+JsonDocument = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
+
+# Named constraints make Alembic revisions deterministic and let SQLite batch migrations
+# find the constraints they must recreate.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Run(Base):
+    """A training or inference job; its checkpoints live under ``storage_url``."""
+
+    __tablename__ = "runs"
+    __table_args__ = (
+        UniqueConstraint("name"),
+        CheckConstraint(_in("kind", RunKind), name="kind"),
+        CheckConstraint(_in("status", RunStatus), name="status"),
+        CheckConstraint("num_to_keep IS NULL OR num_to_keep >= 1", name="num_to_keep"),
+        CheckConstraint(
+            "keep_every_steps IS NULL OR keep_every_steps >= 1", name="keep_every_steps"
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    storage_url: Mapped[str] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    total_steps: Mapped[int | None] = mapped_column(BigInteger)
+    num_to_keep: Mapped[int | None] = mapped_column(Integer)
+    keep_every_steps: Mapped[int | None] = mapped_column(BigInteger)
+    config: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class Checkpoint(Base):
+    """One step of one run. ``(run_id, step)`` is unique; a re-save re-arms the same row.
+
+    ``attempt_id`` identifies the ``begin_checkpoint`` call that armed the row, so a slow or
+    crashed writer can never commit over a newer attempt. ``claimed_by``/``claimed_at`` are the
+    deletion lease held while the row is ``deleting``.
+    """
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("run_id", "step"),
+        # "Newest committed of run R" is a backward scan of this index that stops at the first
+        # entry; listing a run's rows in one state uses the same index.
+        Index("ix_checkpoints_run_id_state_step", "run_id", "state", "step"),
+        CheckConstraint(_in("state", CheckpointState), name="state"),
+        CheckConstraint("step >= 0", name="step"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16))
+    path: Mapped[str] = mapped_column(Text)
+    attempt_id: Mapped[str] = mapped_column(String(64))
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    file_count: Mapped[int | None] = mapped_column(Integer)
+    manifest_checksum: Mapped[str | None] = mapped_column(String(128))
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # "metadata" is reserved on declarative classes; the column keeps the documented name.
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JsonDocument)
+    failure_reason: Mapped[str | None] = mapped_column(Text)
+    claimed_by: Mapped[str | None] = mapped_column(String(255))
+    claimed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    committed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class Event(Base):
+    """Audit log: who (``actor`` = user@host:pid) did what to which run/step, and when.
+
+    ``run_name`` is a plain string, not a foreign key, so the log also records actions on runs
+    that are not (or no longer) in the catalog.
+    """
+
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_name_at", "run_name", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UtcDateTime)
+    actor: Mapped[str] = mapped_column(String(255))
+    action: Mapped[str] = mapped_column(String(32))
+    run_name: Mapped[str | None] = mapped_column(String(128))
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
+
+
+CATALOG_TABLES = ("runs", "checkpoints", "events")

@@ -1,0 +1,152 @@
+"""Frozen snapshots of catalog rows: what every ``Catalog`` method returns.
+
+Records are plain values detached from any database session, so callers can keep them, pass
+them between threads and print them (``to_dict()`` gives JSON-ready values for ``--json``).
+A record is a snapshot: the row may have changed since it was read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from catalog.models import Checkpoint, Event, Run
+
+
+def _jsonable(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
+class _Record:
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field name -> value, timestamps as ISO 8601 strings."""
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord(_Record):
+    name: str
+    storage_url: str
+    kind: str
+    status: str
+    total_steps: int | None
+    num_to_keep: int | None
+    keep_every_steps: int | None
+    config: dict[str, Any] | None
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, row: Run) -> RunRecord:
+        return cls(
+            name=row.name,
+            storage_url=row.storage_url,
+            kind=str(row.kind),
+            status=str(row.status),
+            total_steps=row.total_steps,
+            num_to_keep=row.num_to_keep,
+            keep_every_steps=row.keep_every_steps,
+            config=row.config,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary(_Record):
+    """A run plus aggregates over its checkpoints, as ``zephon runs`` shows it.
+
+    ``last_activity`` is the newest ``updated_at`` of the run or any of its checkpoints.
+    """
+
+    run: RunRecord
+    committed_count: int
+    committed_bytes: int
+    latest_step: int | None
+    pending_count: int
+    last_activity: datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        values = self.run.to_dict()
+        values.update(
+            committed_count=self.committed_count,
+            committed_bytes=self.committed_bytes,
+            latest_step=self.latest_step,
+            pending_count=self.pending_count,
+            last_activity=_jsonable(self.last_activity),
+        )
+        return values
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord(_Record):
+    """One checkpoint row. ``path`` is the URL of its ``save-<step>`` directory.
+
+    ``attempt_id`` is what ``mark_committed``/``mark_failed`` must present; ``claimed_by`` is the
+    claim token ``mark_deleted`` must present while the row is ``deleting``.
+    """
+
+    run: str
+    step: int
+    state: str
+    path: str
+    attempt_id: str
+    bytes: int | None
+    file_count: int | None
+    manifest_checksum: str | None
+    pinned: bool
+    metadata: dict[str, Any] | None
+    failure_reason: str | None
+    claimed_by: str | None
+    claimed_at: datetime | None
+    created_at: datetime
+    committed_at: datetime | None
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, row: Checkpoint, run: str) -> CheckpointRecord:
+        return cls(
+            run=run,
+            step=row.step,
+            state=str(row.state),
+            path=row.path,
+            attempt_id=row.attempt_id,
+            bytes=row.bytes,
+            file_count=row.file_count,
+            manifest_checksum=row.manifest_checksum,
+            pinned=row.pinned,
+            metadata=row.meta,
+            failure_reason=row.failure_reason,
+            claimed_by=row.claimed_by,
+            claimed_at=row.claimed_at,
+            created_at=row.created_at,
+            committed_at=row.committed_at,
+            updated_at=row.updated_at,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord(_Record):
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    run: str | None
+    step: int | None
+    detail: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, row: Event) -> EventRecord:
+        return cls(
+            id=row.id,
+            at=row.at,
+            actor=row.actor,
+            action=row.action,
+            run=row.run_name,
+            step=row.step,
+            detail=row.detail,
+        )

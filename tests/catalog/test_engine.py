@@ -1,0 +1,106 @@
+"""Connections: SQLite pragmas, PostgreSQL errors with masked passwords, URL checks, layering."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from sqlalchemy import text
+
+from catalog import Catalog, CatalogUnavailableError, InvalidValueError, mask_url
+from catalog.engine import Database
+
+
+def test_sqlite_connections_use_wal_busy_timeout_and_foreign_keys(tmp_path):
+    db = Database(f"sqlite:///{tmp_path}/c.db")
+    try:
+        with db.read("test") as session:
+            assert session.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+            assert session.execute(text("PRAGMA busy_timeout")).scalar() == 30000
+            assert session.execute(text("PRAGMA foreign_keys")).scalar() == 1
+    finally:
+        db.dispose()
+
+
+def test_sqlite_write_sessions_take_the_write_lock_at_begin(tmp_path):
+    # A writer holding BEGIN IMMEDIATE makes a second BEGIN IMMEDIATE wait (and time out here),
+    # which proves write() asks for the lock up front rather than on the first write.
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path}/c.db"
+    Catalog(url).close()
+    db = Database(url)
+    try:
+        with db.write("test") as session:
+            session.execute(text("SELECT 1"))  # sessions begin lazily, on the first statement
+            other = sqlite3.connect(tmp_path / "c.db", timeout=0.1, isolation_level=None)
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("BEGIN IMMEDIATE")
+            other.close()
+    finally:
+        db.dispose()
+
+
+def test_sqlite_catalog_creates_its_parent_directory(tmp_path):
+    with Catalog(f"sqlite:///{tmp_path}/a/b/catalog.db") as catalog:
+        assert catalog.list_runs() == []
+    assert (tmp_path / "a" / "b" / "catalog.db").exists()
+
+
+def test_mask_url_hides_passwords():
+    masked = mask_url("postgresql+psycopg://alice:s3cret@db.example:5432/zephon")
+    assert "s3cret" not in masked
+    assert masked == "postgresql+psycopg://alice:***@db.example:5432/zephon"
+    assert "s3cret" not in mask_url("not a url://alice:s3cret@host")
+
+
+def test_unreachable_postgres_names_the_masked_url_and_the_fix():
+    url = "postgresql+psycopg://alice:s3cret@127.0.0.1:1/zephon"
+    with pytest.raises(CatalogUnavailableError) as caught:
+        Catalog(url)
+    message = str(caught.value)
+    assert "s3cret" not in message
+    assert "postgresql+psycopg://alice:***@127.0.0.1:1/zephon" in message
+    assert "ZEPHON_CATALOG_URL" in message
+    assert caught.value.url == "postgresql+psycopg://alice:***@127.0.0.1:1/zephon"
+
+
+def test_wrong_postgres_password_never_appears_in_the_error(postgres_url):
+    from sqlalchemy.engine import make_url
+
+    url = make_url(postgres_url).set(password="s3cret-pw", database="zephon_no_such_db_x")
+    with pytest.raises(CatalogUnavailableError) as caught:
+        Catalog(url.render_as_string(hide_password=False))
+    assert "s3cret-pw" not in str(caught.value)
+    assert "***" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["sqlite://", "sqlite:///:memory:", "mysql://x/y", "not a url", "postgresql+asyncpg://h/d"],
+)
+def test_unsupported_catalog_urls_are_refused(url):
+    with pytest.raises(InvalidValueError, match="sqlite:///PATH"):
+        Catalog(url)
+
+
+def test_postgresql_without_driver_uses_psycopg(postgres_url):
+    from sqlalchemy.engine import make_url
+
+    plain = make_url(postgres_url).set(drivername="postgresql").render_as_string(False)
+    db = Database(plain)
+    try:
+        assert db.engine.url.drivername == "postgresql+psycopg"
+    finally:
+        db.dispose()
+
+
+def test_catalog_imports_neither_storage_nor_zephon_nor_fsspec_nor_torch():
+    code = (
+        "import sys, catalog, catalog.catalog, catalog.schema, catalog.retention\n"
+        "bad = sorted(m for m in ('fsspec', 'torch', 'storage', 'zephon') if m in sys.modules)\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -1,0 +1,205 @@
+"""Schema management: created at head when empty, equal to the ORM models, stale ones refused,
+upgrades through ``zephon db upgrade``'s function, concurrent first opens, and query plans."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from datetime import UTC, datetime
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, insert, text
+
+import catalog
+import migrations
+from catalog import Catalog, SchemaOutdatedError, SchemaUnversionedError, schema
+from catalog.engine import Database
+from catalog.models import Base, Checkpoint, Run
+from catalog.queries import latest_committed
+from tests.catalog import workers
+
+
+def _diff_against_models(url: str) -> list:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            context = MigrationContext.configure(
+                connection, opts={"compare_type": True, "compare_server_default": True}
+            )
+            return compare_metadata(context, Base.metadata)
+    finally:
+        engine.dispose()
+
+
+def _execute(url: str, *statements: str) -> None:
+    engine = create_engine(url)
+    try:
+        with engine.begin() as connection:
+            for statement in statements:
+                connection.execute(text(statement))
+    finally:
+        engine.dispose()
+
+
+def test_an_empty_database_is_created_at_head_on_first_open(catalog_url):
+    with Catalog(catalog_url) as opened:
+        assert opened.current_revision() == catalog.head_revision()
+        assert [e.action for e in opened.events()] == ["schema_created"]
+    assert catalog.current_revision(catalog_url) == catalog.head_revision()
+
+
+def test_upgrade_from_empty_equals_the_orm_models(catalog_url):
+    assert catalog.upgrade(catalog_url) == (None, catalog.head_revision())
+    assert _diff_against_models(catalog_url) == []
+
+
+def test_reopening_a_catalog_at_head_changes_nothing(catalog_url):
+    Catalog(catalog_url).close()
+    with Catalog(catalog_url) as opened:
+        assert len(opened.events()) == 1
+        assert catalog.upgrade(catalog_url) == (catalog.head_revision(),) * 2
+
+
+def test_an_alembic_version_table_without_a_row_is_behind_and_upgrade_fixes_it(catalog_url):
+    _execute(catalog_url, "CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
+    with pytest.raises(SchemaOutdatedError) as caught:
+        Catalog(catalog_url)
+    error = caught.value
+    assert error.current is None and error.known and error.head == catalog.head_revision()
+    assert f"zephon db upgrade --catalog {catalog.mask_url(catalog_url)}" in str(error)
+
+    assert catalog.upgrade(catalog_url) == (None, catalog.head_revision())
+    with Catalog(catalog_url) as opened:
+        assert opened.list_runs() == []
+    assert _diff_against_models(catalog_url) == []
+
+
+def test_an_unknown_revision_is_refused_by_open_and_by_upgrade(catalog_url):
+    Catalog(catalog_url).close()
+    _execute(catalog_url, "UPDATE alembic_version SET version_num = '0123456789ab'")
+    for attempt in (lambda: Catalog(catalog_url), lambda: catalog.upgrade(catalog_url)):
+        with pytest.raises(SchemaOutdatedError) as caught:
+            attempt()
+        assert caught.value.current == "0123456789ab" and not caught.value.known
+        assert "zephon db upgrade" in str(caught.value)
+        assert "newer Zephon" in str(caught.value)
+
+
+def _migrations_with_one_more_revision(tmp_path) -> str:
+    copy = tmp_path / "migrations_next"
+    shutil.copytree(migrations.LOCATION, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "versions" / "feedc0ffee01_events_action_index.py").write_text(
+        "from alembic import op\n"
+        "revision = 'feedc0ffee01'\n"
+        f"down_revision = {catalog.head_revision()!r}\n"
+        "branch_labels = None\n"
+        "depends_on = None\n"
+        "def upgrade():\n"
+        "    op.create_index('ix_events_action', 'events', ['action'])\n"
+        "def downgrade():\n"
+        "    op.drop_index('ix_events_action', table_name='events')\n"
+    )
+    return str(copy)
+
+
+def test_a_database_behind_the_code_is_refused_until_upgraded(catalog_url, tmp_path):
+    # The installed head plays "the old release"; a copy of the migrations with one more
+    # revision plays "the new release" that finds the database behind it.
+    Catalog(catalog_url).close()
+    newer = _migrations_with_one_more_revision(tmp_path)
+    db = Database(catalog_url)
+    try:
+        with pytest.raises(SchemaOutdatedError) as caught:
+            schema.ensure_schema(db, script_location=newer)
+        assert caught.value.known and caught.value.current == catalog.head_revision()
+        assert caught.value.head == "feedc0ffee01"
+        assert "zephon db upgrade --catalog" in str(caught.value)
+
+        assert schema.upgrade_schema(db, newer) == (catalog.head_revision(), "feedc0ffee01")
+        schema.ensure_schema(db, script_location=newer)
+        assert schema.current_revision(db) == "feedc0ffee01"
+    finally:
+        db.dispose()
+    # ...and the old release now meets a revision it has never heard of.
+    with pytest.raises(SchemaOutdatedError) as caught:
+        Catalog(catalog_url)
+    assert not caught.value.known
+
+
+def test_catalog_tables_without_alembic_version_are_refused(catalog_url):
+    engine = create_engine(catalog_url)
+    Base.metadata.create_all(engine)
+    engine.dispose()
+    for attempt in (lambda: Catalog(catalog_url), lambda: catalog.upgrade(catalog_url)):
+        with pytest.raises(SchemaUnversionedError) as caught:
+            attempt()
+        assert set(caught.value.tables) == {"runs", "checkpoints", "events"}
+        assert "alembic_version" in str(caught.value)
+
+
+def test_unrelated_tables_do_not_stop_creation(catalog_url):
+    _execute(catalog_url, "CREATE TABLE someone_elses (id INTEGER PRIMARY KEY)")
+    with Catalog(catalog_url) as opened:
+        assert opened.current_revision() == catalog.head_revision()
+
+
+@pytest.mark.slow
+def test_processes_opening_an_empty_database_at_once_all_succeed(catalog_url):
+    start_at = time.time() + 3  # spawned interpreters take ~1 s to import the catalog
+    results = workers.run_in_processes(workers.open_catalog, [(catalog_url, start_at)] * 4)
+    assert results == [catalog.head_revision()] * 4
+    with Catalog(catalog_url) as opened:
+        assert [e.action for e in opened.events()] == ["schema_created"]
+
+
+def _populate(url: str, runs: int, per_run: int) -> None:
+    now = datetime.now(UTC)
+    engine = create_engine(url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                insert(Run),
+                [
+                    dict(name=f"run-{r}", storage_url=f"/c/run-{r}", kind="train",
+                         status="active", created_at=now, updated_at=now)
+                    for r in range(runs)
+                ],
+            )
+            ids = dict(connection.execute(text("SELECT name, id FROM runs")).all())
+            states = ["committed", "committed", "deleted", "pending"]
+            connection.execute(
+                insert(Checkpoint),
+                [
+                    dict(run_id=ids[f"run-{r}"], step=s, state=states[s % 4], path=f"/c/{s}",
+                         attempt_id="a", pinned=False, created_at=now, updated_at=now)
+                    for r in range(runs)
+                    for s in range(per_run)
+                ],
+            )
+    finally:
+        engine.dispose()
+
+
+def test_latest_committed_is_one_backward_index_scan(catalog_url):
+    Catalog(catalog_url).close()
+    _populate(catalog_url, runs=20, per_run=500)
+    statement = latest_committed("run-7")
+    engine = create_engine(catalog_url)
+    try:
+        with engine.connect() as connection:
+            sql = str(statement.compile(engine, compile_kwargs={"literal_binds": True}))
+            if engine.dialect.name == "postgresql":
+                connection.execute(text("ANALYZE"))
+                plan = "\n".join(connection.execute(text(f"EXPLAIN {sql}")).scalars())
+                assert "Index Scan Backward using ix_checkpoints_run_id_state_step" in plan, plan
+                assert "Sort" not in plan and "Seq Scan on checkpoints" not in plan, plan
+            else:
+                rows = connection.execute(text(f"EXPLAIN QUERY PLAN {sql}")).all()
+                plan = "\n".join(row[-1] for row in rows)
+                assert "USING INDEX ix_checkpoints_run_id_state_step" in plan, plan
+                assert "TEMP B-TREE" not in plan, plan
+            assert connection.execute(statement).one().step == 497
+    finally:
+        engine.dispose()
