@@ -24,6 +24,11 @@ _LAZY = {
     "Pipeline": "zephon.pipeline",
     "PipelineStateful": "zephon.pipeline.torch_adapter",
     "check_elastic_config": "zephon.pipeline",
+    "Batch": "zephon.pipeline",
+    "Record": "zephon.pipeline",
+    "PipelineError": "zephon.pipeline",
+    "PipelineStateError": "zephon.pipeline",
+    "AggregationTimeoutError": "zephon.pipeline",
 }
 
 __all__ = ["CatalogError", "ConfigError", "StorageError", "ZephonError", "__version__", *_LAZY]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import subprocess
 import sys
@@ -68,3 +70,32 @@ def test_the_pipeline_imports_and_runs_without_torch():
                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "adapter needs torch" in out.stdout
+
+
+def test_every_rank_saves_the_merged_state_and_dcp_restores_it(tmp_path):
+    """Two gloo ranks: the adapter broadcasts rank 0's merged state, DCP saves and loads it."""
+    from tests import servers
+    from tests.zephon.pipeline.agg_worker import build
+
+    port = servers.free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "tests.zephon.pipeline.dist_worker", str(rank), str(port),
+         str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for rank in (0, 1)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert results[0]["saved"] == results[1]["saved"]
+    state = json.loads(results[0]["saved"]["zephon_pipeline_state"])
+    # group 0 read lanes 0, 2, 0 and group 1 lanes 1, 3, 1
+    assert [lane["batches"] for lane in state["lanes"]] == [2, 2, 1, 1]
+
+    # each rank continues where its group stopped
+    for rank in (0, 1):
+        reference = build(rank, 2, 2, str(tmp_path / "ref"), {}, "ref", 60)
+        keys = keys_of(itertools.islice(reference, 5))
+        assert results[rank]["after"] == [list(k) for k in keys[12:20]]
+        reference.close()
