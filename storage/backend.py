@@ -20,11 +20,16 @@ __all__ = [
     "list_files",
     "mtime_of",
     "multipart_options",
+    "read_small",
+    "read_ranges",
+    "file_exists",
     "remove_empty_dirs",
     "remove_files",
 ]
 
 _PASSTHROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+#: backends whose listings filter by key prefix on the server, and whose uploads can be chunked
+SERVER_SIDE_PREFIX = frozenset({"s3", "s3a", "gs", "gcs"})
 _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "requests", "urllib3")
 
 
@@ -91,7 +96,13 @@ def list_files(location: Location, path: str) -> list[ListedFile]:
     list a prefix recursively in pages); an absent path lists as empty."""
     fs = location.fs
     try:
-        found = fs.find(path, detail=True, withdirs=False)
+        if location.protocol in SERVER_SIDE_PREFIX:
+            # Listing <parent> with prefix "<name>/" is one paged LIST; listing <path> itself
+            # would add a HEAD and a second LIST whenever the directory is empty.
+            parent, _, name = path.rstrip("/").rpartition("/")
+            found = fs.find(parent, detail=True, withdirs=False, prefix=f"{name}/")
+        else:
+            found = fs.find(path, detail=True, withdirs=False)
     except FileNotFoundError:
         return []
     out = []
@@ -136,11 +147,44 @@ def remove_empty_dirs(location: Location, top: str) -> None:
             location.fs.rm(top, recursive=True)
 
 
-_CHUNKED_PUT = {"s3", "s3a", "gs", "gcs"}
-
-
 def multipart_options(location: Location, part_size: int) -> dict:
     """Keyword arguments that make ``pipe_file`` split data of at least two parts into a
     multipart (S3) or resumable (GCS) upload of ``part_size`` parts; s3fs sends the parts
     concurrently. Other backends take a single write."""
-    return {"chunksize": part_size} if location.protocol in _CHUNKED_PUT else {}
+    return {"chunksize": part_size} if location.protocol in SERVER_SIDE_PREFIX else {}
+
+
+def read_small(location: Location, path: str) -> bytes:
+    """The whole content of a small object (a marker) in one GET; s3fs would otherwise HEAD
+    first to decide whether to download in concurrent ranges."""
+    if location.protocol in {"s3", "s3a"}:
+        return location.fs.cat_file(path, max_concurrency=1)
+    return location.fs.cat_file(path)
+
+
+def file_exists(location: Location, path: str) -> bool:
+    """Whether one file exists, in one request. (s3fs's ``exists`` follows a missing key's HEAD
+    with a LIST to see whether it is a directory.)"""
+    if location.is_local:
+        return os.path.isfile(path)
+    if location.protocol in SERVER_SIDE_PREFIX:
+        parent, _, name = path.rpartition("/")
+        try:
+            return path in location.fs.find(parent, prefix=name, withdirs=False)
+        except FileNotFoundError:
+            return False
+    return location.fs.isfile(path)
+
+
+def read_ranges(location: Location, path: str, size: int, chunk: int) -> Iterator[bytes]:
+    """A file of known size as consecutive chunks, without first asking the backend its size."""
+    if location.is_local:
+        with open(path, "rb") as handle:
+            while piece := handle.read(chunk):
+                yield piece
+        return
+    if size == 0:
+        yield read_small(location, path)
+        return
+    for start in range(0, size, chunk):
+        yield location.fs.cat_file(path, start=start, end=min(start + chunk, size))

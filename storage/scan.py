@@ -11,13 +11,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from storage.backend import backend_errors, list_files, mtime_of
+from storage.backend import SERVER_SIDE_PREFIX, backend_errors, list_files, mtime_of
 from storage.layout import MARKER_NAME, STEP_PREFIX, parse_step_dirname
 from storage.location import Location
 
 __all__ = ["StepListing", "scan_steps", "newest_mtime_local"]
-
-_SERVER_SIDE_PREFIX = {"s3", "s3a", "gs", "gcs"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +71,7 @@ def _scan_posix(base: str, with_ages: bool) -> list[StepListing]:
 
 def _scan_listing(location: Location, base: str) -> list[StepListing]:
     fs = location.fs
-    if location.protocol in _SERVER_SIDE_PREFIX:
+    if location.protocol in SERVER_SIDE_PREFIX:
         # Only keys under <base>/save-..., filtered by the server.
         try:
             found = fs.find(base, detail=True, withdirs=False, prefix=STEP_PREFIX)

@@ -17,7 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from storage.backend import backend_errors, list_files, remove_empty_dirs, remove_files
+from storage.backend import (
+    backend_errors,
+    file_exists,
+    list_files,
+    read_small,
+    remove_empty_dirs,
+    remove_files,
+)
 from storage.commit import fsync_dir
 from storage.errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
 from storage.layout import MARKER_NAME, step_dirname, validate_run, validate_step
@@ -224,17 +231,11 @@ class CheckpointStore:
     # -- reading -------------------------------------------------------------------------------
 
     def is_committed(self, run: str | None, step: int) -> bool:
-        """Whether the step's marker exists: one HEAD (or stat)."""
+        """Whether the step's marker exists: one request (or stat)."""
         marker = self._marker(run, step)
         location = self.location
         with backend_errors(location, f"checking {self.checkpoint_url(run, step)}"):
-            if location.is_local:
-                return os.path.exists(marker)
-            try:
-                location.fs.info(marker, refresh=True)
-                return True
-            except FileNotFoundError:
-                return False
+            return file_exists(location, marker)
 
     def list_steps(self, run: str | None) -> list[StepListing]:
         """Every step directory of a run, committed or not, from one listing."""
@@ -268,7 +269,7 @@ class CheckpointStore:
         location = self.location
         with backend_errors(location, f"reading the marker of {url}"):
             try:
-                data = location.fs.cat_file(marker)
+                data = read_small(location, marker)
             except FileNotFoundError:
                 raise CheckpointNotFoundError(
                     f"{url} is not a committed checkpoint (no {MARKER_NAME} marker); list the "

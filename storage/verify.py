@@ -7,7 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from storage.backend import backend_errors, list_files
+from storage.backend import backend_errors, list_files, read_ranges
 from storage.checksum import Crc32c
 from storage.errors import CorruptCheckpointError
 from storage.location import Location
@@ -15,7 +15,7 @@ from storage.manifest import Manifest
 
 __all__ = ["FileProblem", "VerifyReport", "verify_checkpoint"]
 
-_READ_CHUNK = 8 << 20
+_READ_CHUNK = 32 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +60,10 @@ class VerifyReport:
         )
 
 
-def _crc_of_file(location: Location, path: str) -> tuple[int, str]:
+def _crc_of_file(location: Location, path: str, size: int) -> tuple[int, str]:
     running = Crc32c()
-    with location.fs.open(path, "rb", block_size=_READ_CHUNK, cache_type="none") as handle:
-        while chunk := handle.read(_READ_CHUNK):
-            running.update(chunk)
+    for piece in read_ranges(location, path, size, _READ_CHUNK):
+        running.update(piece)
     return running.size, running.encoded()
 
 
@@ -97,7 +96,9 @@ def verify_checkpoint(
         report.bytes_checked = sum(e.size for e in present)
         return report
     pool = executor_factory()
-    futures = {e.name: (e, pool.submit(_crc_of_file, location, prefix + e.name)) for e in present}
+    futures = {
+        e.name: (e, pool.submit(_crc_of_file, location, prefix + e.name, e.size)) for e in present
+    }
     for name, (entry, future) in futures.items():
         try:
             size, crc = future.result()

@@ -58,7 +58,7 @@ def crash_backend(request, tmp_path):
 @pytest.mark.parametrize("kill_at", KILL_POINTS)
 def test_sigkill_at_an_exact_point_of_the_commit(crash_backend, kill_at):
     backend = crash_backend
-    store = CheckpointStore(backend.url, backend.storage_options)
+    store = backend.open_store()
     args = dict(url=backend.url, storage_options=backend.storage_options, run="r", step=1)
     proc = spawn({**args, "files": 6, "kill_at": kill_at})
     proc.wait(120)
@@ -75,7 +75,7 @@ def test_sigkill_at_random_moments_never_lists_a_torn_checkpoint(crash_backend):
     backend = crash_backend
     rounds = {"local": 16, "s3": 10, "gcs": 5}[backend.name]
     files = 12
-    store = CheckpointStore(backend.url, backend.storage_options)
+    store = backend.open_store()
     base = dict(url=backend.url, storage_options=backend.storage_options, run="r", files=files)
     rng = random.Random(1234)
     outcomes = []
@@ -100,7 +100,7 @@ def test_sigkill_at_random_moments_never_lists_a_torn_checkpoint(crash_backend):
 @pytest.mark.parametrize("name", ["local", "s3"])
 def test_two_writers_racing_to_commit_one_step_exactly_one_wins(name, request, tmp_path):
     backend = make_backend(name, request, tmp_path)
-    store = CheckpointStore(backend.url, backend.storage_options)
+    store = backend.open_store()
     for step in range(4):
         sync = tmp_path / f"sync-{step}"
         sync.mkdir()

@@ -21,11 +21,12 @@ from storage import (
     WriteAbortedError,
 )
 from storage.checksum import crc32c_of
+from tests.conftest import random_payload
 
 
 @pytest.fixture
 def store(backend):
-    with CheckpointStore(backend.url, backend.storage_options, part_size=5 << 20) as s:
+    with backend.open_store(part_size=5 << 20) as s:
         yield s
 
 
@@ -159,7 +160,7 @@ def exclusive_store(request, tmp_path):
     from tests.conftest import make_backend
 
     b = make_backend(request.param, request, tmp_path)
-    with CheckpointStore(b.url, b.storage_options) as s:
+    with b.open_store() as s:
         yield s
 
 
@@ -206,7 +207,7 @@ def test_begin_removes_an_uncommitted_leftover_first(store):
 
 
 def test_parallel_writes_record_every_file(store):
-    files = {f"shard-{i:02d}.bin": os.urandom(1000 + i) for i in range(32)}
+    files = {f"shard-{i:02d}.bin": random_payload(1000 + i) for i in range(32)}
     manifest = save(store, "r", 1, files)
     assert manifest.file_count == 32
     assert store.verify("r", 1, deep=True).ok
@@ -364,7 +365,7 @@ def test_a_name_is_written_once(store):
 
 
 def test_large_files_upload_and_verify(store):
-    data = os.urandom(11 << 20)  # more than two 5 MiB parts: multipart on S3 and GCS
+    data = random_payload(11 << 20)  # more than two 5 MiB parts: multipart on S3 and GCS
     with store.begin("r", 1) as writer:
         writer.write_bytes("big.bin", data)
         with writer.open("big-streamed.bin") as out:

@@ -1,0 +1,65 @@
+"""Shared helpers for the benchmark scripts: repo on sys.path, timing, and the local servers.
+
+Every benchmark reports ratios against a baseline measured in the same run, because the machine
+is shared and absolute numbers drift from run to run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from tests import servers  # noqa: E402  (needs the repo on sys.path)
+
+__all__ = ["REPO", "servers", "timed", "best_of", "count_s3_requests", "table"]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def best_of(repeats: int, fn: Callable[[], object], setup: Callable[[], object] = lambda: None):
+    """Median and minimum wall time of ``fn`` over ``repeats`` runs, ``setup`` untimed."""
+    times = []
+    for _ in range(repeats):
+        setup()
+        times.append(timed(fn))
+    return statistics.median(times), min(times)
+
+
+class count_s3_requests:  # noqa: N801 - used as a context manager, reads like a function
+    """Count the HTTP requests an s3fs filesystem sends while the block runs."""
+
+    def __init__(self, fs) -> None:
+        self.fs = fs
+        self.count = 0
+        self.by_operation: dict[str, int] = {}
+
+    def _on_call(self, model, **_):
+        self.count += 1
+        self.by_operation[model.name] = self.by_operation.get(model.name, 0) + 1
+
+    def __enter__(self):
+        self.fs.connect()  # make sure the client exists before hooking it
+        self.fs.s3.meta.events.register("before-call.s3", self._on_call)
+        return self
+
+    def __exit__(self, *exc):
+        self.fs.s3.meta.events.unregister("before-call.s3", self._on_call)
+
+
+def table(rows: list[tuple], headers: tuple) -> str:
+    cells = [tuple(str(c) for c in headers)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
