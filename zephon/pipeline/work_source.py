@@ -17,6 +17,7 @@ import hashlib
 import math
 import random
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from zephon.errors import ConfigError
 from zephon.pipeline.dataset import Dataset
 
 __all__ = ["Chunk", "StaticMixtureWorkSource", "derive_seed"]
+
+_RECENT_CHUNKS = 1 << 16
 
 
 def derive_seed(*parts: Any) -> int:
@@ -118,8 +121,11 @@ class StaticMixtureWorkSource:
         if mixture is not None:
             self._weights = _parse_mixture(mixture, names)
         self._lock = threading.Lock()
-        self._chunks: list[Chunk] = []
-        self._finished = False
+        # A sliding cache of recently planned chunks: lanes advance together, so lookups stay
+        # near a moving front; an older index is planned again from the start (rare, and
+        # cheap: no data is read). Keeps memory flat over endless curricula.
+        self._recent: deque[Chunk] = deque(maxlen=_RECENT_CHUNKS)
+        self._end: int | None = None  # number of chunks, once the generator ran out
         self._gen = None
         self._shard_lengths: dict[str, list[tuple[str, int]]] | None = None
 
@@ -185,18 +191,22 @@ class StaticMixtureWorkSource:
 
     def chunk(self, index: int) -> Chunk | None:
         """Chunk ``index`` of the curriculum, or ``None`` past its end."""
-        chunks = self._chunks
-        if index < len(chunks):
-            return chunks[index]
         with self._lock:
-            if self._gen is None:
+            recent = self._recent
+            if self._end is not None and index >= self._end:
+                return None
+            if recent and recent[0].index <= index <= recent[-1].index:
+                return recent[index - recent[0].index]
+            if self._gen is None or (recent and index < recent[0].index):
                 self._gen = self._generate()
-            while len(self._chunks) <= index and not self._finished:
+                recent.clear()
+            while not recent or recent[-1].index < index:
                 try:
-                    self._chunks.append(next(self._gen))
+                    recent.append(next(self._gen))
                 except StopIteration:
-                    self._finished = True
-            return self._chunks[index] if index < len(self._chunks) else None
+                    self._end = recent[-1].index + 1 if recent else 0
+                    return None
+            return recent[index - recent[0].index]
 
     def lane_chunk(self, lane: int, position: int, lanes: int) -> Chunk | None:
         """The ``position``-th chunk (0-based) of ``lane`` when there are ``lanes`` lanes."""

@@ -105,3 +105,22 @@ def test_invalid_arguments_name_the_parameter(kwargs, match):
 def test_datasets_must_have_distinct_names():
     with pytest.raises(ConfigError, match="distinct names"):
         zephon.StaticMixtureWorkSource([make_dataset("x"), make_dataset("x")])
+
+
+def test_planning_keeps_a_bounded_cache_and_replans_older_chunks_identically(monkeypatch):
+    from zephon.pipeline import work_source
+
+    def plan():
+        return zephon.StaticMixtureWorkSource(make_dataset(shards=5, per_shard=40), chunk_size=3,
+                                              seed=9, stop_after_passes=3)
+
+    expected = chunks(plan())
+    monkeypatch.setattr(work_source, "_RECENT_CHUNKS", 4)
+    source = plan()
+    for k in [50, 3, 51, 0, 199, 7, len(expected) - 1, len(expected), 2]:
+        got = source.chunk(k)
+        assert got == (expected[k] if k < len(expected) else None)
+    assert len(source._recent) <= 4
+    # a whole pipeline over the small cache gives the same records
+    p = zephon.Pipeline(source).shuffle(4).batch(5, drop_last=False).options(canonical_replicas=3)
+    assert len([r for b in p for r in b]) == 600
