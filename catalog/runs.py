@@ -162,7 +162,8 @@ def summaries(session: Session, status: str | None = None) -> list[SummaryRow]:
         SummaryRow(
             run=row.Run,
             committed_count=row.committed_count or 0,
-            committed_bytes=row.committed_bytes or 0,
+            # PostgreSQL's sum(bigint) is numeric (Decimal in Python).
+            committed_bytes=int(row.committed_bytes or 0),
             latest_step=row.latest_step,
             pending_count=row.pending or 0,
             last_update=row.last_update,

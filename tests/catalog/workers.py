@@ -10,31 +10,27 @@ from typing import Any
 from catalog import Catalog
 
 
-def wait_until(start_at: float) -> None:
-    """Sleep until the wall-clock time ``start_at``, so spawned children start together."""
-    import time
-
-    time.sleep(max(0.0, start_at - time.time()))
-
-
-def open_catalog(url: str, start_at: float) -> str | None:
-    wait_until(start_at)
+def open_catalog(url: str, start: Any) -> str | None:
+    start.wait(60)
     with Catalog(url) as opened:
         return opened.current_revision()
 
 
-def _child(target: Any, args: tuple, results: Any, index: int) -> None:
+def _child(target: Any, args: tuple, start: Any, results: Any, index: int) -> None:
     import traceback
 
     try:
-        results.put((index, True, target(*args)))
+        results.put((index, True, target(*args, start)))
     except BaseException:  # report everything: the parent asserts nothing failed
         results.put((index, False, traceback.format_exc()))
 
 
-def run_in_processes(target: Any, arg_lists: list[tuple], timeout: float = 120) -> list[Any]:
-    """Run ``target(*args)`` in one spawned process per entry; return results in order.
+def run_in_processes(jobs: list[tuple[Any, tuple]], timeout: float = 120) -> list[Any]:
+    """Run each ``(target, args)`` as ``target(*args, start)`` in a spawned process; results
+    in order.
 
+    ``start`` is a barrier shared by the children: each calls ``start.wait(60)`` once ready
+    (catalog opened), so the contended part begins at the same moment in all of them.
     Raises AssertionError with the child's traceback if any child raised or hung.
     """
     import multiprocessing
@@ -42,9 +38,10 @@ def run_in_processes(target: Any, arg_lists: list[tuple], timeout: float = 120) 
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
+    start = context.Barrier(len(jobs))
     processes = [
-        context.Process(target=_child, args=(target, args, results, i))
-        for i, args in enumerate(arg_lists)
+        context.Process(target=_child, args=(target, args, start, results, i))
+        for i, (target, args) in enumerate(jobs)
     ]
     for process in processes:
         process.start()
@@ -69,3 +66,92 @@ def run_in_processes(target: Any, arg_lists: list[tuple], timeout: float = 120) 
                 process.join()
     assert not failures, "\n".join(failures)
     return [collected[i] for i in range(len(processes))]
+
+
+def begin_then_commit(url: str, run: str, step: int, start: Any) -> str:
+    """Race to save the same step: 'committed', 'conflict' (re-armed by another) or 'exists'."""
+    from catalog import CheckpointExistsError, StateConflictError
+
+    with Catalog(url) as catalog:
+        start.wait(60)
+        try:
+            begun = catalog.begin_checkpoint(run, step, f"/c/{run}/save-{step}")
+        except CheckpointExistsError:
+            return "exists"
+        try:
+            catalog.mark_committed(run, step, begun.attempt_id, bytes=1, file_count=1,
+                                   manifest_checksum=begun.attempt_id)
+        except StateConflictError:
+            return "conflict"
+        return "committed"
+
+
+def claim_steps(url: str, run: str, steps: list[int], start: Any) -> list[int]:
+    with Catalog(url) as catalog:
+        start.wait(60)
+        return [c.step for c in catalog.claim_for_deletion(run, steps)]
+
+
+def ensure_run(url: str, run: str, start: Any) -> str:
+    with Catalog(url) as catalog:
+        start.wait(60)
+        return catalog.ensure_run(run, f"/c/{run}", num_to_keep=2).name
+
+
+def stress_committer(url: str, run: str, first_step: int, seconds: float, start: Any):
+    """Commit increasing steps until time is up; every 5th step is begun and left pending.
+
+    Returns ``(commits, pending)``: ``commits`` as ``(step, call started, call ended)``,
+    ``pending`` as ``(step, attempt_id)``.
+    """
+    import random
+    import time
+
+    commits, pending = [], []
+    with Catalog(url) as catalog:
+        start.wait(60)
+        deadline = time.time() + seconds
+        step = first_step
+        while time.time() < deadline:
+            begun = catalog.begin_checkpoint(run, step, f"/c/{run}/save-{step}")
+            if step % 5 == 0:
+                pending.append((step, begun.attempt_id))
+            else:
+                started = time.time()
+                catalog.mark_committed(run, step, begun.attempt_id, bytes=step, file_count=1,
+                                       manifest_checksum=None)
+                commits.append((step, started, time.time()))
+            step += 1
+            time.sleep(random.uniform(0, 0.01))
+    return commits, pending
+
+
+def stress_gc(url: str, run: str, seconds: float, greedy: bool, start: Any):
+    """Plan, claim and delete until time is up, like `zephon gc` in a loop.
+
+    A ``greedy`` gc asks to claim every committed step, so only the claim's own re-check
+    stands between it and the rows retention must keep.
+
+    Returns ``[(step, token, claim call started, claim call ended, mark_deleted result)]``.
+    """
+    import random
+    import time
+
+    deleted = []
+    with Catalog(url) as catalog:
+        start.wait(60)
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            if greedy:
+                wanted = [c.step for c in catalog.list_checkpoints(run, states="committed")]
+            else:
+                wanted = catalog.retention_plan(run).to_delete
+            started = time.time()
+            won = catalog.claim_for_deletion(run, wanted)
+            ended = time.time()
+            for claimed in won:
+                time.sleep(random.uniform(0, 0.003))  # the storage delete
+                marked = catalog.mark_deleted(run, claimed.step, claimed.claimed_by)
+                deleted.append((claimed.step, claimed.claimed_by, started, ended, marked))
+            time.sleep(random.uniform(0, 0.01))
+    return deleted

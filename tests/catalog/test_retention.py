@@ -1,0 +1,158 @@
+"""Retention planning (pure): table-driven cases and a property test over random runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from catalog import Action, InvalidValueError, plan_retention
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+GRACE = timedelta(hours=24)
+
+
+@dataclass(frozen=True)
+class Row:
+    step: int
+    state: str = "committed"
+    pinned: bool = False
+    created_at: datetime = NOW - timedelta(days=3)
+    attempt_id: str = "a"
+
+
+def _committed(*steps: int) -> list[Row]:
+    return [Row(s) for s in steps]
+
+
+@pytest.mark.parametrize(
+    ("rows", "num_to_keep", "keep_every", "deleted"),
+    [
+        pytest.param(_committed(1, 2, 3, 4, 5), 2, None, [1, 2, 3], id="keep-2-newest"),
+        pytest.param(_committed(1, 2, 3), None, None, [], id="null-keeps-all"),
+        pytest.param(_committed(1, 2, 3), 1, None, [1, 2], id="keep-1"),
+        pytest.param(_committed(1, 2, 3), 10, None, [], id="fewer-than-n"),
+        pytest.param(_committed(100, 200, 300, 400, 500), 1, 200, [100, 300],
+                     id="milestones-kept"),
+        pytest.param([Row(1, pinned=True), Row(2), Row(3)], 1, None, [2], id="pinned-kept"),
+        pytest.param([Row(0)], 1, 1000, [], id="only-one"),
+        pytest.param(_committed(30, 10, 20), 1, None, [10, 20], id="unordered-input"),
+        pytest.param(
+            [Row(1), Row(2), Row(3, "pending"), Row(4, "pending")], 1, None, [1],
+            id="pending-not-counted",
+        ),
+        pytest.param(
+            [Row(1, "deleting"), Row(2, "deleted"), Row(3, "failed"), Row(4), Row(5)], 1, None,
+            [4], id="other-states-ignored",
+        ),
+        pytest.param([], 1, None, [], id="empty"),
+    ],
+)
+def test_plan_deletes_exactly_the_unprotected_older_committed_rows(
+    rows, num_to_keep, keep_every, deleted
+):
+    plan = plan_retention(rows, num_to_keep, keep_every, NOW, GRACE)
+    assert plan.to_delete == deleted
+
+
+def test_every_decision_explains_itself():
+    rows = [Row(100, pinned=True), Row(150), Row(200), Row(250), Row(300)]
+    plan = plan_retention(rows, 2, 100, NOW, GRACE)
+    reasons = {d.step: d.reason for d in plan.decisions}
+    assert reasons == {
+        100: "milestone (every 100 steps); pinned",
+        150: "older than the 2 newest committed",
+        200: "milestone (every 100 steps)",
+        250: "one of the 2 newest committed",
+        300: "newest committed; one of the 2 newest committed; milestone (every 100 steps)",
+    }
+    assert [d.step for d in plan.decisions] == [100, 150, 200, 250, 300]
+
+
+def test_young_pending_rows_are_kept_and_old_ones_expire_with_their_attempt():
+    rows = [
+        Row(1),
+        Row(2, "pending", created_at=NOW - timedelta(hours=1), attempt_id="young"),
+        Row(3, "pending", created_at=NOW - timedelta(hours=30), attempt_id="stale"),
+        Row(4, "pending", created_at=NOW - GRACE, attempt_id="exactly-grace"),
+    ]
+    plan = plan_retention(rows, 1, None, NOW, GRACE)
+    assert [(d.step, d.attempt_id) for d in plan.to_expire] == [(3, "stale"), (4, "exactly-grace")]
+    young = next(d for d in plan.decisions if d.step == 2)
+    assert young.action is Action.KEEP and "within grace 24h" in young.reason
+    assert "probe its commit marker" in plan.to_expire[0].reason
+    assert plan.to_delete == []
+
+
+@pytest.mark.parametrize(
+    ("num_to_keep", "keep_every", "grace", "now"),
+    [
+        (0, None, GRACE, NOW),
+        (None, 0, GRACE, NOW),
+        (1.5, None, GRACE, NOW),
+        (1, None, timedelta(seconds=-1), NOW),
+        (1, None, GRACE, NOW.replace(tzinfo=None)),
+    ],
+)
+def test_invalid_policies_are_refused(num_to_keep, keep_every, grace, now):
+    with pytest.raises(InvalidValueError):
+        plan_retention([], num_to_keep, keep_every, now, grace)
+
+
+states = st.sampled_from(["pending", "committed", "committed", "deleting", "deleted", "failed"])
+rows_strategy = st.lists(
+    st.builds(
+        Row,
+        step=st.integers(0, 500),
+        state=states,
+        pinned=st.booleans(),
+        created_at=st.integers(0, 72 * 3600).map(lambda s: NOW - timedelta(seconds=s)),
+    ),
+    max_size=40,
+    unique_by=lambda r: r.step,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    rows=rows_strategy,
+    num_to_keep=st.none() | st.integers(1, 10),
+    keep_every=st.none() | st.integers(1, 200),
+    grace_hours=st.integers(0, 48),
+)
+def test_plans_never_delete_what_must_be_kept(rows, num_to_keep, keep_every, grace_hours):
+    grace = timedelta(hours=grace_hours)
+    plan = plan_retention(rows, num_to_keep, keep_every, NOW, grace)
+    by_step = {r.step: r for r in rows}
+    deleted = set(plan.to_delete)
+    committed = sorted((r.step for r in rows if r.state == "committed"), reverse=True)
+
+    if committed:
+        assert committed[0] not in deleted  # the newest committed, whatever the policy
+    if num_to_keep is None:
+        assert not deleted
+    else:
+        assert not deleted & set(committed[:num_to_keep])
+    for step in deleted:
+        row = by_step[step]
+        assert row.state == "committed" and not row.pinned
+        assert keep_every is None or step % keep_every != 0
+    # Exactly the unprotected committed rows go: retention keeps nothing it need not keep.
+    expected = {
+        s for s in committed[num_to_keep or len(committed):]
+        if not by_step[s].pinned and (keep_every is None or s % keep_every)
+    }
+    assert deleted == expected
+    for decision in plan.decisions:
+        row = by_step[decision.step]
+        if row.state == "pending":
+            young = NOW - row.created_at < grace
+            assert decision.action is (Action.KEEP if young else Action.EXPIRE)
+        else:
+            assert row.state == "committed" and decision.action is not Action.EXPIRE
+    assert {d.step for d in plan.decisions} == {
+        r.step for r in rows if r.state in ("committed", "pending")
+    }
