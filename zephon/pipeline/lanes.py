@@ -145,6 +145,24 @@ class Window:
         return chunk.index, offset, chunk.sample_id(offset)
 
 
+class _Segment:
+    """Fetched entries ``[lo, hi)`` of a window, and how many of its records were taken."""
+
+    __slots__ = ("lo", "hi", "payloads", "positions", "entries", "taken")
+
+    def __init__(self, lo: int, hi: int, fetched: tuple) -> None:
+        self.lo, self.hi = lo, hi
+        self.payloads, self.positions, self.entries = fetched
+        self.taken = 0
+
+    def cursor_after(self, taken: int) -> int:
+        """The window cursor once ``taken`` records of this segment are delivered."""
+        if taken >= len(self.payloads):
+            return self.hi  # dropped entries at the segment's tail are consumed too
+        last = self.entries[taken - 1] if self.entries is not None else self.lo + taken - 1
+        return last + 1
+
+
 class _Segments:
     """Fetches a window's entries from ``start`` on in fixed-size segments, maybe in parallel.
 
@@ -161,29 +179,36 @@ class _Segments:
         self.lookahead = lookahead
         self.pending: deque = deque()
 
+    def _bounds(self) -> tuple[int, int]:
+        lo = self.next_start
+        self.next_start = min(lo + self.size, self.window.size)
+        return lo, self.next_start
+
     def _submit(self) -> None:
         while len(self.pending) < self.lookahead and self.next_start < self.window.size:
-            lo, hi = self.next_start, min(self.next_start + self.size, self.window.size)
+            lo, hi = self._bounds()
             self.pending.append((lo, hi, self.pool.submit(self.window.fetch, lo, hi)))
-            self.next_start = hi
 
-    def next(self) -> tuple[int, int, tuple] | None:
+    def next(self) -> _Segment | None:
         if self.pool is None:
             if self.next_start >= self.window.size:
                 return None
-            lo, hi = self.next_start, min(self.next_start + self.size, self.window.size)
-            self.next_start = hi
-            return lo, hi, self.window.fetch(lo, hi)
+            lo, hi = self._bounds()
+            return _Segment(lo, hi, self.window.fetch(lo, hi))
         self._submit()
         if not self.pending:
             return None
         lo, hi, future = self.pending.popleft()
         self._submit()
-        return lo, hi, future.result()
+        return _Segment(lo, hi, future.result())
 
 
 class LaneReader:
-    """Cuts one lane's record stream into microbatches, starting from a ``LaneProgress``."""
+    """Cuts one lane's record stream into microbatches, starting from a ``LaneProgress``.
+
+    ``window_index``/``cursor`` are the position after the last batch returned (what the state
+    reports once that batch is delivered); reading may run ahead of it into buffered segments.
+    """
 
     def __init__(self, plan: LanePlan, lane: int, progress: LaneProgress,
                  pool: Executor | None = None, parallelism: int = 1) -> None:
@@ -196,21 +221,19 @@ class LaneReader:
         self.lookahead = max(2, 2 * parallelism)
         self._window: Window | None = None
         self._segments: _Segments | None = None
-        self._buffer: tuple | None = None  # (lo, payloads, positions, entries, offset)
+        self._segment: _Segment | None = None
         self.exhausted = False
 
     def progress(self) -> LaneProgress:
         return LaneProgress(self.window_index, self.cursor, self.batches)
 
-    def _open_window(self, size: int) -> bool:
-        window = self.plan.build_window(self.lane, self.window_index)
-        if window is None:
-            self.exhausted = True
-            return False
+    def _open_window(self, index: int, cursor: int, size: int) -> Window | None:
+        window = self.plan.build_window(self.lane, index)
         self._window = window
-        self._segments = _Segments(window, self.cursor, size, self.pool, self.lookahead)
-        self._buffer = None
-        return True
+        self._segment = None
+        if window is not None:
+            self._segments = _Segments(window, cursor, size, self.pool, self.lookahead)
+        return window
 
     def next_batch(self, size: int, drop_last: bool) -> tuple[Batch, LaneProgress] | None:
         """The next microbatch and the lane's progress once it is delivered, or ``None`` at the
@@ -219,45 +242,35 @@ class LaneReader:
             return None
         payloads: list[Any] = []
         parts: list[tuple[Window, list[int]]] = []
-        # Work on local copies: the reader's own position only moves once a batch is complete,
-        # so a drop_last remainder leaves it (and the state) exactly before the remainder.
         window_index, cursor = self.window_index, self.cursor
         need = size
         while need:
-            if self._window is None or self._window.index != window_index:
-                self.window_index, self.cursor = window_index, cursor
-                if not self._open_window(size):
-                    break
             window = self._window
-            if self._buffer is None:
-                segment = self._segments.next()
-                if segment is None:
-                    window_index, cursor = window_index + 1, 0
-                    self._window = None
-                    continue
-                lo, _hi, (seg_payloads, seg_positions, seg_entries) = segment
-                self._buffer = (lo, seg_payloads, seg_positions, seg_entries, 0, _hi)
-            lo, seg_payloads, seg_positions, seg_entries, offset, hi = self._buffer
-            take = min(need, len(seg_payloads) - offset)
-            end = offset + take
+            if window is None or window.index != window_index:
+                window = self._open_window(window_index, cursor, size)
+                if window is None:
+                    break  # past the lane's last chunk
+            segment = self._segment or self._segments.next()
+            if segment is None:
+                window_index, cursor = window_index + 1, 0
+                continue
+            take = min(need, len(segment.payloads) - segment.taken)
             if take:
-                payloads += seg_payloads[offset:end]
-                positions = seg_positions[offset:end]
+                lo, hi = segment.taken, segment.taken + take
+                payloads += segment.payloads[lo:hi]
                 if parts and parts[-1][0] is window:
-                    parts[-1][1].extend(positions)
+                    parts[-1][1].extend(segment.positions[lo:hi])
                 else:
-                    parts.append((window, list(positions)))
+                    parts.append((window, list(segment.positions[lo:hi])))
                 need -= take
-                cursor = (seg_entries[end - 1] if seg_entries is not None else lo + end - 1) + 1
-            if end >= len(seg_payloads):
-                self._buffer = None
-                cursor = hi  # dropped entries at the segment's tail are consumed too
-            else:
-                self._buffer = (lo, seg_payloads, seg_positions, seg_entries, end, hi)
+                segment.taken = hi
+            cursor = segment.cursor_after(segment.taken) if segment.taken else segment.hi
+            self._segment = segment if segment.taken < len(segment.payloads) else None
             if cursor >= window.size:
                 window_index, cursor = window_index + 1, 0
-                self._window = None
         if not payloads or (need and drop_last):
+            # The end of the lane; a drop_last remainder is never delivered, so the position
+            # stays before it and a restore drops the same records.
             self.exhausted = True
             return None
         self.window_index, self.cursor = window_index, cursor
