@@ -77,6 +77,12 @@ class Location:
     def is_local(self) -> bool:
         return self.protocol in {"file", "local"}
 
+    @property
+    def canonical_url(self) -> str:
+        """The root as a full URL that reopens to the same place from any working directory
+        (local paths made absolute); credential-free, so it may be stored in a catalog."""
+        return self.display(self.root)
+
     def join(self, *parts: str) -> str:
         """A path under the root, in the filesystem's own form."""
         pieces = [self.root.rstrip("/")] + [p.strip("/") for p in parts if p]

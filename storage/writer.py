@@ -106,6 +106,8 @@ class CheckpointWriter:
         self._dirs: set[str] = {self.path}
         self._state = "open"
         self._created_at = _now()
+        #: the committed manifest, once ``commit`` succeeded
+        self.manifest: Manifest | None = None
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -243,6 +245,7 @@ class CheckpointWriter:
                 step=self.step,
             ) from None
         self._state = "committed"
+        self.manifest = manifest
         return manifest
 
     def abort(self) -> None:

@@ -8,4 +8,4 @@ class ZephonError(Exception):
 
 
 class ConfigError(ZephonError, ValueError):
-    """A configuration value is invalid; the message names the key, the value and what is allowed."""
+    """An invalid configuration value; the message names the key, the value and what is allowed."""

@@ -1,0 +1,256 @@
+"""The catalog and storage composed: the save path, latest with the marker probe, sync, gc."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+import pytest
+
+from catalog import Catalog
+from storage.backend import list_files
+from zephon.gc import collect_garbage, gc_run, retain_without_catalog
+from zephon.latest import find_latest
+from zephon.locations import RunLocation, run_location
+from zephon.saving import saving
+from zephon.sync import sync_storage
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_backend(request, tmp_path):
+    from tests.conftest import make_backend
+
+    return make_backend(request.param, request, tmp_path)
+
+
+def make_run(catalog: Catalog, backend, name="r", **policy) -> RunLocation:
+    store = backend.open_store()
+    record = catalog.ensure_run(name, store.location.canonical_url, **policy)
+    return run_location(record, backend.storage_options)
+
+
+def save_step(location, step, catalog=None, files=None):
+    with saving(location, step, catalog=catalog) as writer:
+        writer.write_many(files or {"state.json": b'{"step": %d}' % step, "w.bin": b"x" * 64})
+        writer.commit()
+
+
+def crash_after_marker(location, catalog, step):
+    """A save that dies between writing the marker and updating the catalog."""
+    row = catalog.begin_checkpoint(location.name, step, location.checkpoint_url(step))
+    writer = location.store.begin(location.storage_run, step, attempt_id=row.attempt_id)
+    writer.write_bytes("w.bin", b"y")
+    writer.commit()
+
+
+def crash_before_marker(location, catalog, step):
+    catalog.begin_checkpoint(location.name, step, location.checkpoint_url(step))
+    writer = location.store.begin(location.storage_run, step)
+    writer.write_bytes("w.bin", b"partial")
+
+
+# -- the save path and latest --------------------------------------------------------------
+
+
+def test_saving_commits_the_row_with_the_manifest_facts(catalog, store_backend):
+    location = make_run(catalog, store_backend)
+    save_step(location, 10, catalog)
+    row = catalog.get_checkpoint("r", 10)
+    manifest = location.store.read_manifest("r", 10)
+    assert row.state == "committed"
+    assert row.attempt_id == manifest.attempt_id
+    assert (row.bytes, row.file_count) == (manifest.total_bytes, 2)
+    assert row.manifest_checksum == manifest.checksum()
+    assert row.path == location.checkpoint_url(10)
+
+
+def test_a_failed_save_leaves_a_failed_row_and_no_files(catalog, local_backend):
+    location = make_run(catalog, local_backend)
+    failing = pytest.raises(RuntimeError, match="disk on fire")
+    with failing, saving(location, 5, catalog=catalog) as writer:
+        writer.write_bytes("a", b"1")
+        raise RuntimeError("disk on fire")
+    assert catalog.get_checkpoint("r", 5).state == "failed"
+    assert "disk on fire" in catalog.get_checkpoint("r", 5).failure_reason
+    assert location.store.list_steps("r") == []
+
+
+def test_forgetting_to_commit_is_an_error_not_a_silent_pending(catalog, local_backend):
+    location = make_run(catalog, local_backend)
+    forgot = pytest.raises(RuntimeError, match="was not committed inside the saving")
+    with forgot, saving(location, 5, catalog=catalog) as writer:
+        writer.write_bytes("a", b"1")
+    assert catalog.get_checkpoint("r", 5).state == "failed"
+
+
+def test_latest_is_the_newest_committed_row(catalog, store_backend):
+    location = make_run(catalog, store_backend)
+    for step in (1, 5, 3):
+        save_step(location, step, catalog)
+    latest = find_latest(location.store, "r", catalog=catalog)
+    assert (latest.step, latest.source, latest.url) == (5, "catalog", location.checkpoint_url(5))
+
+
+def test_a_crash_between_marker_and_catalog_is_repaired_by_the_probe(catalog, store_backend):
+    location = make_run(catalog, store_backend)
+    save_step(location, 1, catalog)
+    crash_after_marker(location, catalog, 2)
+    crash_before_marker(location, catalog, 3)
+    assert catalog.latest_committed("r").step == 1
+    latest = find_latest(location.store, "r", catalog=catalog)
+    assert (latest.step, latest.promoted) == (2, (2,))
+    assert catalog.get_checkpoint("r", 2).state == "committed"
+    assert catalog.get_checkpoint("r", 3).state == "pending"  # its writer may still be alive
+
+
+def test_a_committed_row_whose_marker_vanished_is_marked_and_skipped(catalog, local_backend):
+    location = make_run(catalog, local_backend)
+    save_step(location, 1, catalog)
+    save_step(location, 2, catalog)
+    location.store.delete("r", 2)  # behind the catalog's back
+    latest = find_latest(location.store, "r", catalog=catalog)
+    assert (latest.step, latest.missing) == (1, (2,))
+    assert catalog.get_checkpoint("r", 2).state == "deleted"
+
+
+def test_without_a_catalog_the_storage_scan_answers(local_backend):
+    store = local_backend.open_store()
+    location = RunLocation("r", store, "r")
+    for step in (2, 7):
+        save_step(location, step)
+    latest = find_latest(store, "r")
+    assert (latest.step, latest.source) == (7, "storage")
+    assert find_latest(store, "other") is None
+
+
+def test_a_run_unknown_to_the_catalog_falls_back_to_storage(sqlite_catalog, local_backend):
+    store = local_backend.open_store()
+    save_step(RunLocation("r", store, "r"), 4)
+    latest = find_latest(store, "r", catalog=sqlite_catalog)
+    assert (latest.step, latest.source) == (4, "storage")
+
+
+# -- sync ------------------------------------------------------------------------------------
+
+
+def test_sync_rebuilds_the_catalog_from_storage_and_is_idempotent(catalog, store_backend):
+    store = store_backend.open_store()
+    for run, steps in (("alpha", (1, 2)), ("beta", (10,))):
+        for step in steps:
+            save_step(RunLocation(run, store, run), step)
+    save_step(RunLocation("x", store, None), 3)  # inference layout at the root
+    leftover = store.begin("alpha", 99)
+    leftover.write_bytes("a", b"uncommitted")
+
+    report = sync_storage(catalog, store_backend.url, store_backend.storage_options)
+    assert sorted(report.runs) == ["alpha", "beta", "ckpt"]
+    assert report.outcomes == {"inserted": 4} and not report.problems
+    assert [r.step for r in catalog.list_checkpoints("alpha")] == [1, 2]
+    inference = catalog.get_run("ckpt")
+    assert inference.kind == "inference" and inference.storage_url == store.location.canonical_url
+    row = catalog.get_checkpoint("alpha", 2)
+    assert row.manifest_checksum == store.read_manifest("alpha", 2).checksum()
+
+    again = sync_storage(catalog, store_backend.url, store_backend.storage_options)
+    assert again.outcomes == {"unchanged": 4}
+
+    store.delete("alpha", 1)
+    third = sync_storage(catalog, store_backend.url, store_backend.storage_options)
+    assert third.marked_missing == [("alpha", 1)]
+    assert catalog.get_checkpoint("alpha", 1).state == "deleted"
+
+
+def test_sync_reports_a_run_registered_elsewhere_and_continues(catalog, local_backend, tmp_path):
+    store = local_backend.open_store()
+    save_step(RunLocation("a", store, "a"), 1)
+    save_step(RunLocation("b", store, "b"), 1)
+    catalog.ensure_run("a", str(tmp_path / "elsewhere"))
+    report = sync_storage(catalog, local_backend.url)
+    assert report.runs == ["b"]
+    assert len(report.problems) == 1 and "run a" in report.problems[0]
+
+
+# -- gc ----------------------------------------------------------------------------------------
+
+
+def test_gc_keeps_the_newest_n_milestones_and_pins(catalog, store_backend):
+    location = make_run(catalog, store_backend, num_to_keep=2, keep_every_steps=4)
+    for step in range(1, 10):
+        save_step(location, step, catalog)
+    catalog.pin("r", 3)
+    report = collect_garbage(catalog, storage_options=store_backend.storage_options)
+    assert sorted(d["step"] for d in report.deleted) == [1, 2, 5, 6, 7]
+    assert all(d["files"] == 2 for d in report.deleted)
+    kept = [r.step for r in catalog.list_checkpoints("r", states="committed")]
+    assert kept == [3, 4, 8, 9]
+    assert location.store.committed_steps("r") == kept
+    for step in (1, 2, 5, 6, 7):
+        assert catalog.get_checkpoint("r", step).state == "deleted"
+        assert list_files(location.store.location, location.store.checkpoint_path("r", step)) == []
+
+
+def test_gc_dry_run_changes_nothing(catalog, local_backend):
+    location = make_run(catalog, local_backend, num_to_keep=1)
+    for step in range(3):
+        save_step(location, step, catalog)
+    report = collect_garbage(catalog, dry_run=True)
+    assert [d["step"] for d in report.deleted] == [0, 1]
+    assert location.store.committed_steps("r") == [0, 1, 2]
+    assert [r.state for r in catalog.list_checkpoints("r")] == ["committed"] * 3
+
+
+def test_gc_never_deletes_the_newest_or_a_young_pending(catalog, local_backend):
+    location = make_run(catalog, local_backend, num_to_keep=1)
+    save_step(location, 1, catalog)
+    crash_before_marker(location, catalog, 2)
+    collect_garbage(catalog, grace=dt.timedelta(hours=1))
+    assert catalog.get_checkpoint("r", 1).state == "committed"
+    assert catalog.get_checkpoint("r", 2).state == "pending"
+    assert [s.step for s in location.store.list_steps("r")] == [1, 2]
+
+
+def test_gc_settles_stale_pending_rows_and_removes_their_orphans(catalog, local_backend):
+    location = make_run(catalog, local_backend)
+    save_step(location, 1, catalog)
+    crash_after_marker(location, catalog, 2)  # complete, catalog never told
+    crash_before_marker(location, catalog, 3)  # torn
+    leftover = location.store.begin("r", 4)  # an orphan the catalog never heard of
+    leftover.write_bytes("x", b"1")
+    time.sleep(0.05)
+    report = collect_garbage(catalog, grace=dt.timedelta(seconds=0.01))
+    assert {(s["step"], s["to"]) for s in report.settled} == {(2, "committed"), (3, "failed")}
+    assert sorted(o["step"] for o in report.orphans) == [3, 4]
+    assert catalog.get_checkpoint("r", 2).state == "committed"
+    assert location.store.committed_steps("r") == [1, 2]
+    assert [s.step for s in location.store.list_steps("r")] == [1, 2]
+    assert any(e.action == "orphan_removed" for e in catalog.events(run="r"))
+
+
+def test_gc_finishes_a_delete_a_crashed_gc_left(catalog, store_backend):
+    location = make_run(catalog, store_backend, num_to_keep=1)
+    for step in range(3):
+        save_step(location, step, catalog)
+    # a gc that claimed steps 0 and 1, removed step 0's marker, and died
+    claimed = catalog.claim_for_deletion("r", [0, 1])
+    assert [r.step for r in claimed] == [0, 1]
+    location.store.location.fs.rm_file(f"{location.store.checkpoint_path('r', 0)}/_COMMIT")
+    # within the lease nobody else touches the claim
+    report = gc_run(catalog, location)
+    assert report.deleted == []
+    assert {r.state for r in catalog.list_checkpoints("r") if r.step < 2} == {"deleting"}
+    report = gc_run(catalog, location, lease=dt.timedelta(microseconds=1))
+    assert sorted(d["step"] for d in report.deleted) == [0, 1]
+    assert [s.step for s in location.store.list_steps("r")] == [2]
+    assert [r.state for r in catalog.list_checkpoints("r")] == ["deleted", "deleted", "committed"]
+
+
+def test_retention_without_a_catalog_keeps_the_newest_n(local_backend):
+    store = local_backend.open_store()
+    location = RunLocation("r", store, "r")
+    for step in range(6):
+        save_step(location, step)
+    assert retain_without_catalog(store, "r", num_to_keep=2, keep_every_steps=3) == [1, 2]
+    assert store.committed_steps("r") == [0, 3, 4, 5]
+    assert retain_without_catalog(store, "r", num_to_keep=1) == [0, 3, 4]
+    assert store.committed_steps("r") == [5]
+    assert retain_without_catalog(store, "r", num_to_keep=None) == []

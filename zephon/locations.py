@@ -1,0 +1,102 @@
+"""Where things are: the catalog URL a command uses, storage options from the environment, and
+the storage location of a catalog run.
+
+A training run's checkpoints live at ``<storage_url>/<name>/save-<step>``; an inference run's
+at ``<storage_url>/save-<step>`` (the catalog still needs a name for it: by default the last
+component of its ``save_dir``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from catalog import RunRecord
+from storage import CheckpointStore
+from storage.layout import validate_run
+from zephon.errors import ConfigError
+
+__all__ = [
+    "CATALOG_URL_ENV",
+    "STORAGE_OPTIONS_ENV",
+    "RunLocation",
+    "default_catalog_url",
+    "inference_run_name",
+    "resolve_catalog_url",
+    "run_location",
+    "storage_options_from_env",
+]
+
+CATALOG_URL_ENV = "ZEPHON_CATALOG_URL"
+STORAGE_OPTIONS_ENV = "ZEPHON_STORAGE_OPTIONS"
+
+
+def default_catalog_url() -> str:
+    """A SQLite file in the user's data directory (``~/.local/share/zephon`` on Linux)."""
+    import platformdirs
+
+    directory = platformdirs.user_data_dir("zephon", appauthor=False)
+    os.makedirs(directory, exist_ok=True)
+    return f"sqlite:///{os.path.join(directory, 'catalog.db')}"
+
+
+def resolve_catalog_url(explicit: str | None = None) -> str:
+    """``explicit`` (``--catalog``), else ``$ZEPHON_CATALOG_URL``, else the default SQLite file."""
+    return explicit or os.environ.get(CATALOG_URL_ENV) or default_catalog_url()
+
+
+def storage_options_from_env(explicit: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """fsspec storage options: ``explicit`` (a dict, or JSON text from ``--storage-options``),
+    else JSON in ``$ZEPHON_STORAGE_OPTIONS``, else none (fsspec's own ``FSSPEC_<PROTOCOL>``
+    environment configuration still applies)."""
+    if isinstance(explicit, Mapping):
+        return dict(explicit)
+    text = explicit if explicit is not None else os.environ.get(STORAGE_OPTIONS_ENV)
+    if not text:
+        return {}
+    source = "--storage-options" if explicit is not None else f"${STORAGE_OPTIONS_ENV}"
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{source} is not valid JSON ({exc.msg} at character {exc.pos}); give an object "
+            'such as {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}'
+        ) from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"{source} must be a JSON object of fsspec options, got {text[:60]!r}")
+    return options
+
+
+def inference_run_name(save_dir: str) -> str:
+    """The catalog name of an inference job saving to ``save_dir``: its last path component."""
+    name = save_dir.rstrip("/").rsplit("/", 1)[-1].split("://")[-1]
+    try:
+        validate_run(name)
+    except ValueError:
+        raise ConfigError(
+            f"cannot derive a catalog run name for the inference save_dir {save_dir!r}: its last "
+            "component is not a valid run name; pass run_name explicitly"
+        ) from None
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class RunLocation:
+    """A catalog run and where its checkpoints are: ``storage_run`` is None for inference."""
+
+    name: str
+    store: CheckpointStore
+    storage_run: str | None
+
+    def checkpoint_url(self, step: int) -> str:
+        return self.store.checkpoint_url(self.storage_run, step)
+
+
+def run_location(record: RunRecord, storage_options: Mapping[str, Any] | None) -> RunLocation:
+    """Open the store of a catalog run."""
+    store = CheckpointStore(record.storage_url, storage_options)
+    storage_run = record.name if record.kind == "train" else None
+    return RunLocation(record.name, store, storage_run)
