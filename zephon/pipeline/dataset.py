@@ -60,8 +60,9 @@ class Dataset:
     ) -> Dataset:
         """A dataset from one file or a directory of JSONL / Parquet files at any fsspec URL.
 
-        ``url`` is a plain path, ``file://``, ``s3://bucket/prefix``, ``gs://...``; backend
-        settings (endpoint, credentials profile) go in ``storage_options``. A directory is
+        ``url`` is a plain path, ``file://``, ``s3://bucket/prefix``, ``gs://...``, or a glob
+        such as ``s3://bucket/data/*.parquet``; backend settings (endpoint, credentials
+        profile) go in ``storage_options``. A directory is
         searched recursively for ``.jsonl``/``.ndjson``/``.json`` and ``.parquet``/``.pq``
         files; each file is a shard whose id is its path relative to ``url``. ``format``
         (``"jsonl"`` or ``"parquet"``) forces one reader for every file regardless of suffix.
@@ -73,7 +74,12 @@ class Dataset:
         location = open_location(url, storage_options)
         fs, root = location.fs, location.root
         try:
-            if fs.isdir(root):
+            if any(c in root for c in "*?["):
+                paths = sorted(p for p in fs.glob(root) if not fs.isdir(p))
+                base = root[: min(root.index(c) for c in "*?[" if c in root)].rsplit("/", 1)[0]
+                entries = [(p[len(base) + 1:] if p.startswith(base + "/") else p, p)
+                           for p in paths]
+            elif fs.isdir(root):
                 paths = sorted(p for p in fs.find(root) if format or _format_of(p))
                 base = root.rstrip("/") + "/"
                 entries = [(p[len(base):] if p.startswith(base) else p, p) for p in paths]

@@ -80,6 +80,12 @@ def test_from_path_accepts_a_single_file(tmp_path):
     assert list(dataset.shards) == ["one.jsonl"] and len(dataset) == 2
 
 
+def test_from_path_accepts_a_glob(tmp_path):
+    shards = _write_shards(str(tmp_path / "data"), {})
+    dataset = zephon.Dataset.from_path("glob", str(tmp_path / "data" / "*.jsonl"))
+    assert list(dataset.shards) == ["a.jsonl"] and len(dataset) == len(shards["a.jsonl"])
+
+
 def test_format_forces_a_reader_for_files_without_a_known_suffix(tmp_path):
     (tmp_path / "part-0").write_bytes(_jsonl([{"x": 1}]))
     dataset = zephon.Dataset.from_path("forced", str(tmp_path), format="jsonl")

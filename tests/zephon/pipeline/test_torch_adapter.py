@@ -33,6 +33,7 @@ def test_state_dict_round_trip_resumes_exactly():
     assert first + keys_of(q) == reference
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_state_dict_survives_torch_save_and_dcp(tmp_path):
     import torch.distributed.checkpoint as dcp
 
