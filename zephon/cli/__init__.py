@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=c.parse_duration("24h"),
         help="leave pending and uncommitted work younger than this alone (default 24h)",
     )
+    p.add_argument(
+        "--lease",
+        type=c.parse_duration,
+        default=c.parse_duration("1h"),
+        help="take over deletions another gc claimed longer ago than this (default 1h)",
+    )
 
     p = add("sync", c.cmd_sync, "index a storage URL's runs and checkpoints into the catalog")
     p.add_argument("url")

@@ -209,6 +209,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             cat,
             runs=args.run or None,
             grace=args.grace,
+            lease=args.lease,
             dry_run=args.dry_run,
             storage_options=options,
             progress=lambda name: progress.update(task, description=f"gc run {name}"),

@@ -12,8 +12,8 @@ from rich.table import Table
 
 __all__ = ["console", "err_console", "print_json", "print_table", "human_bytes"]
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def print_json(value: Any) -> None:

@@ -1,0 +1,175 @@
+"""The ``zephon`` command: every subcommand, JSON output, exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from catalog import Catalog
+from tests.zephon.test_composition import crash_after_marker, make_run, save_step
+from zephon.cli import main
+
+
+@pytest.fixture
+def cli(catalog_url, capsys):
+    """Run ``zephon --catalog <url> ...`` in-process; returns (exit code, stdout, stderr)."""
+
+    def run(*argv: str):
+        code = main([*argv[:1], "--catalog", catalog_url, *argv[1:]])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture
+def populated(catalog, local_backend):
+    location = make_run(catalog, local_backend, num_to_keep=2)
+    for step in (10, 20, 30):
+        save_step(location, step, catalog)
+    return location
+
+
+def test_runs_lists_runs_as_json_and_table(cli, populated):
+    code, out, _ = cli("runs", "--json")
+    assert code == 0
+    (run,) = json.loads(out)
+    assert (run["name"], run["committed_count"], run["latest_step"]) == ("r", 3, 30)
+    code, out, _ = cli("runs")
+    assert code == 0 and "r" in out and "train" in out
+
+
+def test_checkpoints_lists_steps_and_filters_states(cli, populated):
+    code, out, _ = cli("checkpoints", "r", "--json")
+    assert code == 0 and [c["step"] for c in json.loads(out)] == [10, 20, 30]
+    code, out, _ = cli("checkpoints", "r", "--state", "failed", "--json")
+    assert json.loads(out) == []
+
+
+def test_latest_prints_the_url_and_repairs_a_crash(cli, catalog, populated):
+    crash_after_marker(populated, catalog, 40)
+    code, out, _ = cli("latest", "r")
+    assert code == 0 and out.strip() == populated.checkpoint_url(40)
+    code, out, _ = cli("latest", "r", "--json")
+    assert json.loads(out)["step"] == 40
+
+
+def test_latest_exits_1_when_there_is_none(cli, catalog, local_backend):
+    make_run(catalog, local_backend, name="empty")
+    code, out, _ = cli("latest", "empty")
+    assert code == 1 and "no complete checkpoint" in out
+
+
+def test_latest_and_verify_work_without_a_catalog(cli, populated, local_backend):
+    code, out, _ = cli("latest", "r", "--save-dir", local_backend.url)
+    assert code == 0 and out.strip().endswith("r/save-30")
+    code, out, _ = cli("verify", "r", "--save-dir", local_backend.url, "--deep", "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
+
+
+def test_verify_names_every_bad_file_and_exits_3(cli, populated):
+    path = populated.store.checkpoint_path("r", 20)
+    with open(f"{path}/w.bin", "r+b") as handle:
+        handle.write(b"Z")
+    os.remove(f"{path}/state.json")
+    code, out, _ = cli("verify", "r", "--step", "20", "--deep", "--json")
+    assert code == 3
+    problems = {p["file"]: p["kind"] for p in json.loads(out)["problems"]}
+    assert problems == {"w.bin": "checksum", "state.json": "missing"}
+    code, out, _ = cli("verify", "r", "--step", "20", "--deep")
+    assert code == 3 and "w.bin" in out and "state.json" in out
+    assert cli("verify", "r")[0] == 0  # the latest, 30, is intact
+
+
+def test_pin_unpin_and_gc(cli, populated, catalog):
+    assert cli("pin", "r", "10")[0] == 0
+    code, out, _ = cli("gc", "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["deleted"] == []
+    assert cli("unpin", "r", "10")[0] == 0
+    code, out, _ = cli("gc", "--json")
+    assert [d["step"] for d in json.loads(out)["deleted"]] == [10]
+    assert populated.store.committed_steps("r") == [20, 30]
+    code, out, _ = cli("gc")
+    assert code == 0 and "0 checkpoint(s)" in out
+
+
+def test_sync_indexes_a_storage_url(cli, local_backend, catalog):
+    store = local_backend.open_store()
+    from zephon.locations import RunLocation
+
+    save_step(RunLocation("imported", store, "imported"), 5)
+    code, out, _ = cli("sync", local_backend.url, "--json")
+    assert code == 0 and json.loads(out)["runs"] == ["imported"]
+    assert catalog.latest_committed("imported").step == 5
+
+
+def test_db_current_and_upgrade_on_an_empty_database(cli):
+    code, out, _ = cli("db", "current", "--json")
+    assert code == 0 and json.loads(out)["current"] is None
+    code, out, _ = cli("db", "upgrade")
+    assert code == 0 and "from empty to" in out
+    code, out, _ = cli("db", "current", "--json")
+    assert json.loads(out)["up_to_date"] is True
+    code, out, _ = cli("db", "upgrade")
+    assert code == 0 and "is at" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["checkpoints", "nope"], 5, "run 'nope' is not in catalog"),
+        (["pin", "nope", "1"], 5, "run 'nope' is not in catalog"),
+        (["verify"], 6, "name a RUN"),
+        (["latest", "r", "--save-dir", "abfs://c/x"], 4, "pip install adlfs"),
+        (["gc", "--storage-options", "{bad"], 6, "--storage-options is not valid JSON"),
+    ],
+)
+def test_errors_are_one_line_with_a_documented_code(cli, argv, code, message):
+    got, out, err = cli(*argv)
+    assert got == code
+    assert err.startswith("zephon: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_usage_errors_exit_2(cli):
+    with pytest.raises(SystemExit) as info:
+        cli("pin", "r", "-3")
+    assert info.value.code == 2
+
+
+def test_an_outdated_catalog_names_the_upgrade_command(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    Catalog(url).close()
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sqlalchemy.text("UPDATE alembic_version SET version_num = 'old0000'"))
+    engine.dispose()
+    assert main(["runs", "--catalog", url]) == 5
+    err = capsys.readouterr().err
+    assert "zephon db upgrade" in err
+
+
+def test_the_installed_command_runs_without_a_traceback(tmp_path):
+    env = {**os.environ, "ZEPHON_CATALOG_URL": f"sqlite:///{tmp_path / 'c.db'}"}
+    zephon = os.path.join(os.path.dirname(sys.executable), "zephon")
+    done = subprocess.run(
+        [zephon, "latest", "missing-run"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 5
+    assert done.stderr.startswith("zephon: error: run 'missing-run' is not in catalog")
+    done = subprocess.run(
+        [zephon, "runs", "--json"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and json.loads(done.stdout) == []
+    # the catalog commands never import torch
+    probe = "import sys, zephon.cli; zephon.cli.main(['runs']); assert 'torch' not in sys.modules"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
