@@ -11,9 +11,10 @@ talking to each other, and parts of an earlier checkpoint sit under another key.
 also says how many batches its rank delivered since the epoch began; in lockstep training that
 number is the same on every rank, so rank 0 ignores a part that disagrees with its own count:
 that is a leftover of an earlier attempt that reached the same key at another step (a crashed
-run restarted with the same ``run_id``), and the live rank will overwrite it. A part is
-written whole (local disk: temp file + rename; object stores: one PUT), so rank 0 never reads
-half a part.
+run restarted with the same ``run_id``), and the live rank replaces it. Parts are created with
+the storage layer's create-only protocols (local disk: temp file + link; S3/GCS: conditional
+PUT), so rank 0 never reads half a part; finding a part already there means a leftover, which
+the writing rank removes before creating its own.
 
 Rank 0 polls until all ``world_size - 1`` other parts exist or ``aggregate_timeout_s`` passes,
 merges, then deletes that key and older keys of the run: nothing in the directory is needed
@@ -24,13 +25,15 @@ why rank 0 never deletes keys newer than its own.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-import uuid
 from typing import Any
 
+from storage.backend import backend_errors, list_files, read_small, remove_empty_dirs, remove_files
+from storage.commit import marker_protocol_for
+from storage.errors import StorageError
+from storage.location import open_location
 from zephon.pipeline.errors import AggregationError, AggregationTimeoutError
 
 __all__ = ["Aggregator", "aggregation_key"]
@@ -50,9 +53,8 @@ class Aggregator:
 
     def __init__(self, url: str, storage_options: dict | None, run_id: str, *, world_size: int,
                  rank: int, timeout_s: float, poll_interval_s: float = 0.2) -> None:
-        from storage.location import open_location
-
         self.location = open_location(url, storage_options)
+        self._create = marker_protocol_for(self.location).create
         self.run_id = run_id
         self.world_size = world_size
         self.rank = rank
@@ -69,56 +71,42 @@ class Aggregator:
         """Publish this rank's part for ``key``; only ranks other than 0 call this."""
         data = json.dumps(part, separators=(",", ":")).encode()
         path = self._part_path(key, self.rank)
-        fs = self.location.fs
-        try:
-            if self.location.is_local:
-                directory = os.path.dirname(path)
-                os.makedirs(directory, exist_ok=True)
-                tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-                with open(tmp, "wb") as handle:
-                    handle.write(data)
-                os.replace(tmp, path)
-            else:
-                fs.pipe_file(path, data)
-        except OSError as exc:
-            raise AggregationError(
-                f"rank {self.rank} cannot write its pipeline checkpoint part to "
-                f"{self.location.display(path)}: {exc}; check aggregate_dir and its "
-                "storage_options", run_id=self.run_id, url=self.location.url,
-            ) from exc
+        location = self.location
+        with backend_errors(location, f"writing pipeline checkpoint part {path}"):
+            if location.is_local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                self._create(location.fs, path, data)
+            except FileExistsError:
+                # A leftover of an earlier attempt under the same key: never this rank's own
+                # part of this checkpoint, since every checkpoint() call takes a new key.
+                remove_files(location, [path])
+                self._create(location.fs, path, data)
 
     def _present(self, key: str) -> set[int]:
-        fs = self.location.fs
         directory = self._key_dir(key)
-        try:
-            fs.invalidate_cache(directory)
-            names = fs.ls(directory, detail=False)
-        except FileNotFoundError:
-            return set()
-        except OSError as exc:
-            raise AggregationError(
-                f"cannot list {self.location.display(directory)} while assembling a pipeline "
-                f"checkpoint: {exc}", run_id=self.run_id, url=self.location.url,
-            ) from exc
+        with backend_errors(self.location, f"listing {directory}"):
+            self.location.fs.invalidate_cache(directory)
+            files = list_files(self.location, directory)
         ranks = set()
-        for name in names:
-            base = name.rstrip("/").rsplit("/", 1)[-1]
-            if base.startswith("rank-") and base.endswith(".json"):
-                digits = base[5:-5]
-                if digits.isdigit():
-                    ranks.add(int(digits))
+        for listed in files:
+            base = listed.path.rsplit("/", 1)[-1]
+            digits = base[5:-5] if base.startswith("rank-") and base.endswith(".json") else ""
+            if digits.isdigit():
+                ranks.add(int(digits))
         return ranks
 
-    def _read(self, key: str, rank: int) -> dict[str, Any]:
+    def _read(self, key: str, rank: int) -> Any:
         path = self._part_path(key, rank)
+        with backend_errors(self.location, f"reading {path}"):
+            data = read_small(self.location, path)
         try:
-            return json.loads(self.location.fs.cat_file(path))
-        except FileNotFoundError:
-            raise
-        except (OSError, ValueError) as exc:
+            return json.loads(data)
+        except ValueError as exc:
             raise AggregationError(
-                f"cannot read the pipeline checkpoint part {self.location.display(path)}: "
-                f"{exc}", run_id=self.run_id, url=self.location.url,
+                f"the pipeline checkpoint part {self.location.display(path)} is not JSON "
+                f"({exc}); remove it and checkpoint again", run_id=self.run_id,
+                url=self.location.url,
             ) from exc
 
     def gather(self, key: str, delivered: int) -> list[dict[str, Any]]:
@@ -173,17 +161,25 @@ class Aggregator:
         """Rank 0, after merging: remove ``key``, older keys of this epoch and every key of
         other epochs. Best effort: a leftover costs space, never correctness."""
         current = _parse_key(key)
-        fs = self.location.fs
-        run_dir = self.location.join(self.run_id)
+        location = self.location
+        run_dir = location.join(self.run_id)
         try:
-            fs.invalidate_cache(run_dir)
-            names = fs.ls(run_dir, detail=False)
-        except OSError:
-            return
-        for name in names:
-            parsed = _parse_key(name.rstrip("/").rsplit("/", 1)[-1])
-            if parsed is None or current is None:
-                continue
-            if parsed[0] != current[0] or parsed[1] <= current[1]:
-                with contextlib.suppress(OSError):
-                    fs.rm(name, recursive=True)
+            with backend_errors(location, f"cleaning up {run_dir}"):
+                location.fs.invalidate_cache(run_dir)
+                doomed: dict[str, list[str]] = {}
+                for listed in list_files(location, run_dir):
+                    rest = listed.path[len(run_dir) + 1:] if listed.path.startswith(run_dir) \
+                        else ""
+                    name = rest.split("/", 1)[0]
+                    parsed = _parse_key(name)
+                    if parsed is None or current is None:
+                        continue
+                    if parsed[0] != current[0] or parsed[1] <= current[1]:
+                        doomed.setdefault(name, []).append(listed.path)
+                remove_files(location, [p for paths in doomed.values() for p in paths])
+                # Only the removed keys' directories: a rank may be creating a newer key's
+                # directory under run_dir right now.
+                for name in doomed:
+                    remove_empty_dirs(location, location.join(self.run_id, name))
+        except (OSError, StorageError):
+            pass

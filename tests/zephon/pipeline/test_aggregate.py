@@ -24,7 +24,11 @@ def _spawn(args: dict) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.Popen(
         [sys.executable, "-m", "tests.zephon.pipeline.agg_worker", json.dumps(args)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -41,8 +45,9 @@ def _run_ranks(ranks, **common) -> dict[int, dict]:
 def _expected_states(tmp_path, checkpoints, world_size, dp_degree) -> list[dict]:
     """The same ranks in one process, in turn: what the merged states must be."""
     url = str(tmp_path / "expected")
-    pipelines = [build(r, world_size, dp_degree, url, {}, "expected", 10)
-                 for r in range(world_size)]
+    pipelines = [
+        build(r, world_size, dp_degree, url, {}, "expected", 10) for r in range(world_size)
+    ]
     iterators = [iter(p) for p in pipelines]
     states, done = [], 0
     for target in checkpoints:
@@ -60,24 +65,46 @@ def _expected_states(tmp_path, checkpoints, world_size, dp_degree) -> list[dict]
 
 @pytest.mark.parametrize("backend_name", ["local", "s3"])
 def test_separate_processes_assemble_one_state_and_leave_nothing_behind(
-        request, tmp_path, backend_name):
+    request, tmp_path, backend_name
+):
     backend = _backend(request, backend_name)
     fs, root = fsspec.core.url_to_fs(backend.url, **backend.storage_options)
     run_dir = f"{root}/run-a"
     # Leftovers of an earlier attempt: one under the very key the first checkpoint will use
     # but at another position, one under another epoch. Neither may mix in.
-    stale = {"format": "zephon.pipeline.part", "version": 1, "rank": 1, "delivered": 999,
-             "lanes": [{"lane": 0, "flushed_chunks": 0, "in_flight_chunks": 0,
-                        "delivered_since_flush": 77, "batches": 77}]}
-    for key, rank, data in [("fresh-00000000", 1, json.dumps(stale).encode()),
-                            ("0123456789abcdef-00000003", 2, b"{}")]:
+    stale = {
+        "format": "zephon.pipeline.part",
+        "version": 1,
+        "rank": 1,
+        "delivered": 999,
+        "lanes": [
+            {
+                "lane": 0,
+                "flushed_chunks": 0,
+                "in_flight_chunks": 0,
+                "delivered_since_flush": 77,
+                "batches": 77,
+            }
+        ],
+    }
+    for key, rank, data in [
+        ("fresh-00000000", 1, json.dumps(stale).encode()),
+        ("0123456789abcdef-00000003", 2, b"{}"),
+    ]:
         fs.makedirs(f"{run_dir}/{key}", exist_ok=True)
         fs.pipe_file(f"{run_dir}/{key}/rank-00000{rank}.json", data)
 
     checkpoints = [2, 5]
-    results = _run_ranks(range(4), world_size=4, dp_degree=2, url=backend.url,
-                         storage_options=backend.storage_options, run_id="run-a",
-                         checkpoints=checkpoints, timeout=60)
+    results = _run_ranks(
+        range(4),
+        world_size=4,
+        dp_degree=2,
+        url=backend.url,
+        storage_options=backend.storage_options,
+        run_id="run-a",
+        checkpoints=checkpoints,
+        timeout=60,
+    )
 
     assert all(s is None for r in (1, 2, 3) for s in results[r]["states"])
     assert results[0]["states"] == _expected_states(tmp_path, checkpoints, 4, 2)
@@ -93,9 +120,21 @@ def test_separate_processes_assemble_one_state_and_leave_nothing_behind(
 def test_a_rank_that_never_arrives_fails_rank_0_naming_it(request, tmp_path):
     backend = _backend(request, "local")
     # ranks 2 and 3 run as processes; rank 1 never starts
-    late = [_spawn({"rank": r, "world_size": 4, "dp_degree": 2, "url": backend.url,
-                    "storage_options": {}, "run_id": "run-b", "checkpoints": [1],
-                    "timeout": 60}) for r in (2, 3)]
+    late = [
+        _spawn(
+            {
+                "rank": r,
+                "world_size": 4,
+                "dp_degree": 2,
+                "url": backend.url,
+                "storage_options": {},
+                "run_id": "run-b",
+                "checkpoints": [1],
+                "timeout": 60,
+            }
+        )
+        for r in (2, 3)
+    ]
     rank0 = build(0, 4, 2, backend.url, {}, "run-b", 3)
     next(iter(rank0))
     with pytest.raises(AggregationTimeoutError) as info:
@@ -127,3 +166,21 @@ def test_a_leftover_part_at_another_position_is_named_when_its_rank_never_comes(
     with pytest.raises(AggregationTimeoutError, match="at another position"):
         rank0.checkpoint()
     rank1.close()
+
+
+@pytest.mark.parametrize("url", ["memory://zephon-agg-test", "local"])
+def test_consecutive_checkpoints_use_new_keys_and_clean_up_older_ones(tmp_path, url):
+    url = str(tmp_path / "agg") if url == "local" else url
+    ranks = [build(r, 2, 2, url, {}, "run-e", 10) for r in range(2)]
+    iterators = [iter(p) for p in ranks]
+    states = []
+    for _ in range(3):
+        for it in iterators:
+            next(it)
+        assert ranks[1].checkpoint() is None
+        states.append(ranks[0].checkpoint())
+    assert [sum(lane["batches"] for lane in s["lanes"]) for s in states] == [2, 4, 6]
+    fs, root = fsspec.core.url_to_fs(url)
+    assert fs.find(f"{root}/run-e") == []
+    for p in ranks:
+        p.close()

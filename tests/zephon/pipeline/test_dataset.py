@@ -57,8 +57,9 @@ def _check_dataset(dataset: zephon.Dataset, shards: dict[str, list[dict]]) -> No
 
 
 def test_from_dict_keeps_shards_in_sorted_order():
-    ds = zephon.Dataset.from_dict("d", {"b": zephon.InMemoryShard([1]),
-                                        "a": zephon.InMemoryShard([2, 3])})
+    ds = zephon.Dataset.from_dict(
+        "d", {"b": zephon.InMemoryShard([1]), "a": zephon.InMemoryShard([2, 3])}
+    )
     assert list(ds.shards) == ["a", "b"] and len(ds) == 3
 
 
@@ -116,11 +117,14 @@ def test_urls_are_resolved_by_the_storage_layer_and_secrets_are_masked():
     assert "hunter2" not in str(info.value)
 
 
-@pytest.mark.parametrize("name,shards,match", [
-    ("bad name", {"a": zephon.InMemoryShard([1])}, "Dataset name must be"),
-    ("ok", {}, "needs at least one shard"),
-    ("ok", {"a": [1, 2]}, "must be a shard"),
-])
+@pytest.mark.parametrize(
+    "name,shards,match",
+    [
+        ("bad name", {"a": zephon.InMemoryShard([1])}, "Dataset name must be"),
+        ("ok", {}, "needs at least one shard"),
+        ("ok", {"a": [1, 2]}, "must be a shard"),
+    ],
+)
 def test_invalid_datasets_are_refused_with_the_reason(name, shards, match):
     with pytest.raises(ConfigError, match=match):
         zephon.Dataset.from_dict(name, shards)

@@ -33,6 +33,7 @@ def test_the_quick_start_runs_and_its_state_is_the_one_documented():
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "examples", "pipeline_*.py"))))
 def test_examples_run(path):
-    out = subprocess.run([sys.executable, path], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, path], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr

@@ -15,13 +15,26 @@ GLOBAL_BATCH = 48  # every lane gives 6 records (2 microbatches) per optimizer s
 
 
 def build(rank: int, groups: int, agg: str, lanes: int = LANES) -> zephon.Pipeline:
-    source = zephon.StaticMixtureWorkSource(make_dataset(shards=6, per_shard=97), chunk_size=11,
-                                            seed=4)
-    return (zephon.Pipeline(source).map_transform(lambda r: r).shuffle(7, seed=1)
-            .batch(MICROBATCH).options(
-                world_size=groups, global_rank=rank, dp_degree=groups, dp_group_id=rank,
-                canonical_replicas=lanes, aggregate_dir=agg, run_id="elastic",
-                aggregate_timeout_s=10, flush_every_k_chunks=2))
+    source = zephon.StaticMixtureWorkSource(
+        make_dataset(shards=6, per_shard=97), chunk_size=11, seed=4
+    )
+    return (
+        zephon.Pipeline(source)
+        .map_transform(lambda r: r)
+        .shuffle(7, seed=1)
+        .batch(MICROBATCH)
+        .options(
+            world_size=groups,
+            global_rank=rank,
+            dp_degree=groups,
+            dp_group_id=rank,
+            canonical_replicas=lanes,
+            aggregate_dir=agg,
+            run_id="elastic",
+            aggregate_timeout_s=10,
+            flush_every_k_chunks=2,
+        )
+    )
 
 
 def topology(groups: int, agg: str, state: dict | None = None) -> list[zephon.Pipeline]:
@@ -91,15 +104,18 @@ def test_a_changed_canonical_replicas_is_refused_naming_the_field(tmp_path):
     assert info.value.field == "canonical_replicas"
 
 
-@pytest.mark.parametrize("args,kwargs,rule", [
-    ((8, 3, 2), {"microbatches_per_step": 3}, "rule 1"),
-    ((8, 4, 2), {"microbatches_per_step": 3}, "rule 2"),
-    ((8, 2, 4), {"global_batch_size": 48}, "rule 2"),  # 6 records per lane, microbatch 4
-    ((8, 4, 3), {"global_batch_size": 50}, "not a whole number of microbatches"),
-    ((8, 4, 3), {"global_batch_size": 48, "microbatches_per_step": 2}, "disagrees"),
-    ((8, 4, 3), {}, "needs microbatches_per_step"),
-    ((0, 4, 3), {"microbatches_per_step": 2}, "canonical_replicas must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,rule",
+    [
+        ((8, 3, 2), {"microbatches_per_step": 3}, "rule 1"),
+        ((8, 4, 2), {"microbatches_per_step": 3}, "rule 2"),
+        ((8, 2, 4), {"global_batch_size": 48}, "rule 2"),  # 6 records per lane, microbatch 4
+        ((8, 4, 3), {"global_batch_size": 50}, "not a whole number of microbatches"),
+        ((8, 4, 3), {"global_batch_size": 48, "microbatches_per_step": 2}, "disagrees"),
+        ((8, 4, 3), {}, "needs microbatches_per_step"),
+        ((0, 4, 3), {"microbatches_per_step": 2}, "canonical_replicas must be an integer >= 1"),
+    ],
+)
 def test_check_elastic_config_names_the_broken_rule(args, kwargs, rule):
     with pytest.raises(ConfigError, match=rule):
         zephon.check_elastic_config(*args, **kwargs)

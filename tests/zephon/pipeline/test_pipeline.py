@@ -19,10 +19,16 @@ from zephon.pipeline import PipelineError, PipelineStateError
 
 
 def full_pipeline(prefetch=None, parallelism=1, drop_last=False, lanes=3, **options):
-    source = zephon.StaticMixtureWorkSource(make_dataset(shards=4, per_shard=53), chunk_size=16,
-                                            seed=11)
-    p = (zephon.Pipeline(source).map_transform(drop_every_7th).shuffle(9, seed=2)
-         .map_transform(lambda r: {**r, "twice": r["n"] * 2}).batch(5, drop_last=drop_last))
+    source = zephon.StaticMixtureWorkSource(
+        make_dataset(shards=4, per_shard=53), chunk_size=16, seed=11
+    )
+    p = (
+        zephon.Pipeline(source)
+        .map_transform(drop_every_7th)
+        .shuffle(9, seed=2)
+        .map_transform(lambda r: {**r, "twice": r["n"] * 2})
+        .batch(5, drop_last=drop_last)
+    )
     if prefetch:
         p.prefetch(prefetch, parallelism=parallelism)
     return p.options(canonical_replicas=lanes, flush_every_k_chunks=2, **options)
@@ -43,21 +49,24 @@ def test_the_last_partial_batch_of_each_lane_is_delivered_without_drop_last():
 
 
 def test_drop_last_drops_only_each_lanes_final_remainder_and_never_counts_it():
-    p = simple_pipeline(make_dataset(shards=1, per_shard=23), chunk_size=10, lanes=1, batch=4,
-                        drop_last=True)
+    p = simple_pipeline(
+        make_dataset(shards=1, per_shard=23), chunk_size=10, lanes=1, batch=4, drop_last=True
+    )
     batches = list(p)
     assert [len(b) for b in batches] == [4] * 5
     state = p.checkpoint()
     assert state["lanes"][0]["batches"] == 5
-    q = simple_pipeline(make_dataset(shards=1, per_shard=23), chunk_size=10, lanes=1, batch=4,
-                        drop_last=True)
+    q = simple_pipeline(
+        make_dataset(shards=1, per_shard=23), chunk_size=10, lanes=1, batch=4, drop_last=True
+    )
     q.restore(state)
     assert list(q) == []  # the remainder is dropped again, deterministically
 
 
 def test_batches_run_across_chunk_and_flush_boundaries():
-    p = simple_pipeline(make_dataset(shards=1, per_shard=30), chunk_size=7, lanes=1, batch=4,
-                        drop_last=True)
+    p = simple_pipeline(
+        make_dataset(shards=1, per_shard=30), chunk_size=7, lanes=1, batch=4, drop_last=True
+    )
     assert [len(b) for b in p] == [4] * 7  # 28 of 30: only the curriculum's end is cut
 
 
@@ -74,9 +83,17 @@ def test_records_carry_payload_and_provenance():
 
 
 def test_groups_read_one_batch_from_each_owned_lane_in_turn():
-    p = simple_pipeline(make_dataset(shards=4, per_shard=40), chunk_size=10, lanes=4, batch=5,
-                        world_size=2, dp_degree=2, dp_group_id=1, aggregate_dir="/unused",
-                        run_id="r")
+    p = simple_pipeline(
+        make_dataset(shards=4, per_shard=40),
+        chunk_size=10,
+        lanes=4,
+        batch=5,
+        world_size=2,
+        dp_degree=2,
+        dp_group_id=1,
+        aggregate_dir="/unused",
+        run_id="r",
+    )
     lanes = [b.lane for b in p]
     assert p.owned_lanes == [1, 3]
     assert lanes[:6] == [1, 3, 1, 3, 1, 3]
@@ -98,8 +115,13 @@ def test_checkpoint_is_small_json_and_describes_progress_not_operator_internals(
     assert json.loads(json.dumps(state)) == state
     assert state["version"] == 1 and state["canonical_replicas"] == 3
     assert [lane["lane"] for lane in state["lanes"]] == [0, 1, 2]
-    assert set(state["lanes"][0]) == {"lane", "flushed_chunks", "in_flight_chunks",
-                                      "delivered_since_flush", "batches"}
+    assert set(state["lanes"][0]) == {
+        "lane",
+        "flushed_chunks",
+        "in_flight_chunks",
+        "delivered_since_flush",
+        "batches",
+    }
     assert sum(lane["batches"] for lane in state["lanes"]) == 7
     assert len(json.dumps(state)) < 1000
     p.close()
@@ -176,22 +198,36 @@ def test_explicit_flush_0_with_a_reordering_operator_is_an_error():
         list(simple_pipeline(shuffle=4, flush=0))
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda p: p.batch(0), "microbatch_size must be an integer >= 1, got 0"),
-    (lambda p: p.shuffle(-1), "shuffle buffer_size must be an integer >= 1, got -1"),
-    (lambda p: p.map_transform("nope"), "map_transform fn must be callable"),
-    (lambda p: p.pack_sequences(8, overflow="wrap"), "overflow must be 'truncate' or 'error'"),
-    (lambda p: p.prefetch(0), "prefetch buffer_size must be an integer >= 1, got 0"),
-    (lambda p: p.options(world_size=2), "aggregate_dir is required with world_size=2"),
-    (lambda p: p.options(world_size=2, aggregate_dir="/x", run_id="a b"), "run_id is required"),
-    (lambda p: p.options(global_rank=3), r"global_rank must be in range\(world_size=1\), got 3"),
-    (lambda p: p.options(world_size=4, dp_degree=2, dp_group_id=2, aggregate_dir="/x",
-                         run_id="r"), r"dp_group_id must be in range\(dp_degree=2\), got 2"),
-    (lambda p: p.options(world_size=4, dp_degree=3, canonical_replicas=8, aggregate_dir="/x",
-                         run_id="r"), "canonical_replicas=8 must be divisible by dp_degree=3"),
-    (lambda p: p.options(aggregate_timeout_s=0), "aggregate_timeout_s must be a number > 0"),
-    (lambda p: p.batch(2).map_transform(len), "must come before batch()"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda p: p.batch(0), "microbatch_size must be an integer >= 1, got 0"),
+        (lambda p: p.shuffle(-1), "shuffle buffer_size must be an integer >= 1, got -1"),
+        (lambda p: p.map_transform("nope"), "map_transform fn must be callable"),
+        (lambda p: p.pack_sequences(8, overflow="wrap"), "overflow must be 'truncate' or 'error'"),
+        (lambda p: p.prefetch(0), "prefetch buffer_size must be an integer >= 1, got 0"),
+        (lambda p: p.options(world_size=2), "aggregate_dir is required with world_size=2"),
+        (lambda p: p.options(world_size=2, aggregate_dir="/x", run_id="a b"), "run_id is required"),
+        (
+            lambda p: p.options(global_rank=3),
+            r"global_rank must be in range\(world_size=1\), got 3",
+        ),
+        (
+            lambda p: p.options(
+                world_size=4, dp_degree=2, dp_group_id=2, aggregate_dir="/x", run_id="r"
+            ),
+            r"dp_group_id must be in range\(dp_degree=2\), got 2",
+        ),
+        (
+            lambda p: p.options(
+                world_size=4, dp_degree=3, canonical_replicas=8, aggregate_dir="/x", run_id="r"
+            ),
+            "canonical_replicas=8 must be divisible by dp_degree=3",
+        ),
+        (lambda p: p.options(aggregate_timeout_s=0), "aggregate_timeout_s must be a number > 0"),
+        (lambda p: p.batch(2).map_transform(len), "must come before batch()"),
+    ],
+)
 def test_invalid_arguments_name_the_parameter_the_value_and_what_is_allowed(call, match):
     p = zephon.Pipeline(zephon.StaticMixtureWorkSource(make_dataset()))
     with pytest.raises(ConfigError, match=match):
@@ -212,20 +248,26 @@ def test_iterating_without_batch_says_what_to_call():
         iter(p)
 
 
-@pytest.mark.parametrize("mutate,field", [
-    (lambda s: s.update(version=2), "version"),
-    (lambda s: s.update(format="other"), "format"),
-    (lambda s: s.update(canonical_replicas=6), "canonical_replicas"),
-    (lambda s: s.update(flush_every_k_chunks=4), "flush_every_k_chunks"),
-    (lambda s: s.update(work_source="0" * 16), "work_source"),
-    (lambda s: s.update(operators="map(drop_none=True)"), "operators"),
-    (lambda s: s.update(lanes=s["lanes"][:2]), "lanes"),
-    (lambda s: s["lanes"][1].update(batches=-1), "lanes[1].batches"),
-    (lambda s: s["lanes"][2].update(delivered_since_flush="7"), "lanes[2].delivered_since_flush"),
-    (lambda s: s["lanes"][0].update(flushed_chunks=3), "lanes[0].flushed_chunks"),
-    (lambda s: s["lanes"][0].update(lane=2), "lanes[0].lane"),
-    (lambda s: s["lanes"].__setitem__(1, []), "lanes[1]"),
-])
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda s: s.update(version=2), "version"),
+        (lambda s: s.update(format="other"), "format"),
+        (lambda s: s.update(canonical_replicas=6), "canonical_replicas"),
+        (lambda s: s.update(flush_every_k_chunks=4), "flush_every_k_chunks"),
+        (lambda s: s.update(work_source="0" * 16), "work_source"),
+        (lambda s: s.update(operators="map(drop_none=True)"), "operators"),
+        (lambda s: s.update(lanes=s["lanes"][:2]), "lanes"),
+        (lambda s: s["lanes"][1].update(batches=-1), "lanes[1].batches"),
+        (
+            lambda s: s["lanes"][2].update(delivered_since_flush="7"),
+            "lanes[2].delivered_since_flush",
+        ),
+        (lambda s: s["lanes"][0].update(flushed_chunks=3), "lanes[0].flushed_chunks"),
+        (lambda s: s["lanes"][0].update(lane=2), "lanes[0].lane"),
+        (lambda s: s["lanes"].__setitem__(1, []), "lanes[1]"),
+    ],
+)
 def test_restore_validates_at_once_and_names_the_field(mutate, field):
     p = full_pipeline()
     state = json.loads(json.dumps(p.checkpoint()))
@@ -255,6 +297,7 @@ def test_microbatch_size_may_change_between_runs():
     first = keys_of(next(it) for _ in range(9))
     q = simple_pipeline(shuffle=6, batch=6)
     q.restore(p.checkpoint())
+
     # the interleaving of lanes follows the batch size; each lane's record stream does not
     def per_lane(keys):
         return [[k for k in keys if k[0] == lane] for lane in (0, 1)]
@@ -265,8 +308,9 @@ def test_microbatch_size_may_change_between_runs():
 
 
 def test_stop_after_passes_repeats_the_data_with_a_new_shard_order():
-    source = zephon.StaticMixtureWorkSource(make_dataset(shards=6, per_shard=10), chunk_size=10,
-                                            seed=1, stop_after_passes=2)
+    source = zephon.StaticMixtureWorkSource(
+        make_dataset(shards=6, per_shard=10), chunk_size=10, seed=1, stop_after_passes=2
+    )
     ids = ids_of(zephon.Pipeline(source).batch(10, drop_last=False))
     assert len(ids) == 120 and sorted(ids[:60]) == sorted(ids[60:]) and ids[:60] != ids[60:]
 

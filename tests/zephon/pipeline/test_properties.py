@@ -49,10 +49,12 @@ def configs(draw):
     for d in range(n_datasets):
         lengths = draw(st.lists(st.integers(0, 30), min_size=1, max_size=4))
         shards = {
-            f"s{i}": zephon.InMemoryShard([
-                {"n": d * 10_000 + i * 100 + j, "tokens": [j % 7 + 1] * (j % 5 + 1)}
-                for j in range(length)
-            ])
+            f"s{i}": zephon.InMemoryShard(
+                [
+                    {"n": d * 10_000 + i * 100 + j, "tokens": [j % 7 + 1] * (j % 5 + 1)}
+                    for j in range(length)
+                ]
+            )
             for i, length in enumerate(lengths)
         }
         datasets.append((f"d{d}", shards))
@@ -61,8 +63,11 @@ def configs(draw):
     flush = draw(st.one_of(st.none(), st.integers(1 if reordering else 0, 3)))
     return {
         "datasets": datasets,
-        "weights": draw(st.one_of(st.none(), st.lists(st.integers(1, 4), min_size=n_datasets,
-                                                      max_size=n_datasets))),
+        "weights": draw(
+            st.one_of(
+                st.none(), st.lists(st.integers(1, 4), min_size=n_datasets, max_size=n_datasets)
+            )
+        ),
         "passes": draw(st.integers(1, 2)),
         "chunk_size": draw(st.integers(1, 12)),
         "lanes": draw(st.integers(1, 4)),
@@ -76,7 +81,10 @@ def configs(draw):
 def build(cfg, prefetch=None):
     datasets = [zephon.Dataset.from_dict(name, shards) for name, shards in cfg["datasets"]]
     source = zephon.StaticMixtureWorkSource(
-        datasets, cfg["weights"], chunk_size=cfg["chunk_size"], seed=7,
+        datasets,
+        cfg["weights"],
+        chunk_size=cfg["chunk_size"],
+        seed=7,
         stop_after_passes=cfg["passes"],
     )
     p = zephon.Pipeline(source)
@@ -151,14 +159,18 @@ def test_records_before_plus_after_restore_equal_an_uninterrupted_run(cfg, data)
 @settings(max_examples=40, deadline=None)
 @given(cfg=configs())
 def test_a_full_pass_delivers_every_record_exactly_once(cfg):
-    cfg = {**cfg, "ops": [op for op in cfg["ops"] if op[0] in {"shuffle", "annotate"}],
-           "drop_last": False}
+    cfg = {
+        **cfg,
+        "ops": [op for op in cfg["ops"] if op[0] in {"shuffle", "annotate"}],
+        "drop_last": False,
+    }
     if cfg["flush"] == 0 and cfg["ops"]:
         cfg["flush"] = 1
     records = [r for b in build(cfg) for r in b]
     expected = sorted(
         f"{name}/{shard_id}/{row}"
-        for name, shards in cfg["datasets"] for shard_id, shard in shards.items()
+        for name, shards in cfg["datasets"]
+        for shard_id, shard in shards.items()
         for row in range(len(shard))
     )
     assert sorted(r.sample_id for r in records) == sorted(expected * cfg["passes"])

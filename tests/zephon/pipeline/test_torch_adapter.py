@@ -67,8 +67,14 @@ def test_the_pipeline_imports_and_runs_without_torch():
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
         "try:\n    zephon.PipelineStateful\nexcept ImportError:\n    print('adapter needs torch')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "adapter needs torch" in out.stdout
 
@@ -80,10 +86,24 @@ def test_every_rank_saves_the_merged_state_and_dcp_restores_it(tmp_path):
 
     port = servers.free_port()
     env = {**os.environ, "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests.zephon.pipeline.dist_worker", str(rank), str(port),
-         str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.zephon.pipeline.dist_worker",
+                str(rank),
+                str(port),
+                str(tmp_path),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=180)

@@ -22,15 +22,15 @@ def test_chunks_cover_a_pass_exactly_and_keep_the_last_partial_chunk():
     got = chunks(source)
     assert [c.size for c in got] == [4] * 7 + [2]
     covered = sorted(
-        (shard, row) for c in got for shard, start, stop in c.segments
-        for row in range(start, stop)
+        (shard, row) for c in got for shard, start, stop in c.segments for row in range(start, stop)
     )
     assert covered == [(f"s{i:03d}", r) for i in range(3) for r in range(10)]
 
 
 def test_chunks_may_span_shard_boundaries():
-    source = zephon.StaticMixtureWorkSource(make_dataset(shards=2, per_shard=3), chunk_size=4,
-                                            shuffle_shards=False)
+    source = zephon.StaticMixtureWorkSource(
+        make_dataset(shards=2, per_shard=3), chunk_size=4, shuffle_shards=False
+    )
     assert chunks(source)[0].segments == (("s000", 0, 3), ("s001", 0, 1))
 
 
@@ -46,8 +46,9 @@ def test_the_curriculum_is_the_same_for_the_same_configuration_and_seed_dependen
 def test_mixture_weights_set_each_datasets_share_of_records():
     a = make_dataset("a", shards=2, per_shard=500)
     b = make_dataset("b", shards=2, per_shard=500)
-    source = zephon.StaticMixtureWorkSource([a, b], {"a": 3, "b": 1}, chunk_size=10,
-                                            stop_after_passes=None)
+    source = zephon.StaticMixtureWorkSource(
+        [a, b], {"a": 3, "b": 1}, chunk_size=10, stop_after_passes=None
+    )
     first = [source.chunk(k).dataset for k in range(80)]
     assert first.count("a") == 60 and first.count("b") == 20
 
@@ -69,17 +70,23 @@ def test_without_a_mixture_datasets_are_weighted_by_size():
 
 
 def test_endless_curriculum_with_stop_after_passes_none():
-    source = zephon.StaticMixtureWorkSource(make_dataset(shards=1, per_shard=10), chunk_size=10,
-                                            stop_after_passes=None)
+    source = zephon.StaticMixtureWorkSource(
+        make_dataset(shards=1, per_shard=10), chunk_size=10, stop_after_passes=None
+    )
     assert [source.chunk(k).pass_index for k in range(5)] == [0, 1, 2, 3, 4]
 
 
 def test_sample_ids_name_dataset_shard_and_row():
-    source = zephon.StaticMixtureWorkSource(make_dataset(shards=2, per_shard=3), chunk_size=4,
-                                            shuffle_shards=False)
+    source = zephon.StaticMixtureWorkSource(
+        make_dataset(shards=2, per_shard=3), chunk_size=4, shuffle_shards=False
+    )
     c = source.chunk(0)
-    assert [c.sample_id(i) for i in range(4)] == ["ds/s000/0", "ds/s000/1", "ds/s000/2",
-                                                  "ds/s001/0"]
+    assert [c.sample_id(i) for i in range(4)] == [
+        "ds/s000/0",
+        "ds/s000/1",
+        "ds/s000/2",
+        "ds/s001/0",
+    ]
 
 
 def test_the_fingerprint_changes_when_the_data_changes():
@@ -88,15 +95,18 @@ def test_the_fingerprint_changes_when_the_data_changes():
     assert one != zephon.StaticMixtureWorkSource(make_dataset(per_shard=11)).fingerprint()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"chunk_size": 0}, "chunk_size must be an integer >= 1, got 0"),
-    ({"seed": -1}, "seed must be an integer >= 0, got -1"),
-    ({"stop_after_passes": 0}, "stop_after_passes must be an integer >= 1 or None, got 0"),
-    ({"shuffle_shards": "yes"}, "shuffle_shards must be True or False"),
-    ({"mixture": [1, 2]}, r"one weight per dataset \(1\), got 2"),
-    ({"mixture": {"other": 1}}, "mixture keys must be exactly the dataset names"),
-    ({"mixture": [0]}, "mixture weight for dataset 'ds' must be a finite number > 0, got 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"chunk_size": 0}, "chunk_size must be an integer >= 1, got 0"),
+        ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+        ({"stop_after_passes": 0}, "stop_after_passes must be an integer >= 1 or None, got 0"),
+        ({"shuffle_shards": "yes"}, "shuffle_shards must be True or False"),
+        ({"mixture": [1, 2]}, r"one weight per dataset \(1\), got 2"),
+        ({"mixture": {"other": 1}}, "mixture keys must be exactly the dataset names"),
+        ({"mixture": [0]}, "mixture weight for dataset 'ds' must be a finite number > 0, got 0"),
+    ],
+)
 def test_invalid_arguments_name_the_parameter(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         zephon.StaticMixtureWorkSource(make_dataset(), **kwargs)
@@ -111,8 +121,9 @@ def test_planning_keeps_a_bounded_cache_and_replans_older_chunks_identically(mon
     from zephon.pipeline import work_source
 
     def plan():
-        return zephon.StaticMixtureWorkSource(make_dataset(shards=5, per_shard=40), chunk_size=3,
-                                              seed=9, stop_after_passes=3)
+        return zephon.StaticMixtureWorkSource(
+            make_dataset(shards=5, per_shard=40), chunk_size=3, seed=9, stop_after_passes=3
+        )
 
     expected = chunks(plan())
     monkeypatch.setattr(work_source, "_RECENT_CHUNKS", 4)
