@@ -129,6 +129,8 @@ class Catalog:
 
     def events(self, *, run: str | None = None, limit: int = 100) -> list[EventRecord]:
         """The newest ``limit`` events, newest first, optionally of one run."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidValueError("limit", limit, "expected an integer >= 1")
         statement = select(Event).order_by(Event.at.desc(), Event.id.desc()).limit(limit)
         if run is not None:
             statement = statement.where(Event.run_name == validate.run_name(run))
@@ -549,6 +551,12 @@ def _facts(
 ) -> dict[str, Any]:
     validate.optional_count("bytes", bytes)
     validate.optional_count("file_count", file_count)
+    if manifest_checksum is not None and (
+        not isinstance(manifest_checksum, str) or len(manifest_checksum) > 128
+    ):
+        raise InvalidValueError(
+            "manifest_checksum", manifest_checksum, "expected a string of at most 128 characters"
+        )
     if metadata is not None and not isinstance(metadata, dict):
         raise InvalidValueError("metadata", metadata, "expected a JSON object (dict) or None")
     return {

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from catalog import InvalidValueError, RunNotFoundError
 from tests.catalog.conftest import commit_step
@@ -106,3 +110,42 @@ def test_a_run_keeping_everything_yields_no_claims(catalog, run):
         commit_step(catalog, run, step)
     assert catalog.retention_plan(run).to_delete == []
     assert catalog.claim_for_deletion(run, [0, 1, 2]) == []
+
+
+@contextlib.contextmanager
+def _lock_held_by_a_claim(url: str, dialect: str):
+    """Hold what a claim in flight holds: the run row FOR SHARE, or SQLite's write lock."""
+    if dialect == "sqlite":
+        import sqlite3
+
+        connection = sqlite3.connect(make_url(url).database, isolation_level=None)
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            connection.execute("ROLLBACK")
+            connection.close()
+        return
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection, connection.begin():
+            connection.execute(text("SELECT id FROM runs WHERE name = 'r' FOR SHARE"))
+            yield
+    finally:
+        engine.dispose()
+
+
+def test_policy_changes_wait_for_a_claim_in_flight(catalog, kept2, catalog_url):
+    done = threading.Event()
+    worker = threading.Thread(
+        target=lambda: (catalog.update_run(kept2, num_to_keep=5), done.set())
+    )
+    with _lock_held_by_a_claim(catalog_url, catalog.dialect):
+        worker.start()
+        assert not done.wait(0.5), "update_run did not wait for the claim's lock"
+        if catalog.dialect == "postgresql":
+            # New checkpoints only need a key-share lock on their run: claims never block them.
+            commit_step(catalog, kept2, 7)
+    worker.join(30)
+    assert done.is_set()
+    assert catalog.get_run(kept2).num_to_keep == 5

@@ -19,7 +19,7 @@ from tests.catalog.conftest import commit_step
 NUM_TO_KEEP = 3
 KEEP_EVERY = 25
 PINNED = 7
-SECONDS = 4.0
+SECONDS = 3.0
 
 
 @pytest.mark.slow
