@@ -107,11 +107,16 @@ class Catalog:
         """The schema revision this code needs."""
         return schema.head_revision()
 
-    def _event(self, session: Any, action: str, run: str | None = None,
-               step: int | None = None, detail: dict[str, Any] | None = None) -> None:
-        record_event(
-            session, action, run=run, step=step, detail=detail, actor=self._actor or default_actor()
-        )
+    def _event(
+        self,
+        session: Any,
+        action: str,
+        run: str | None = None,
+        step: int | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> None:
+        actor = self._actor or default_actor()
+        record_event(session, action, run=run, step=step, detail=detail, actor=actor)
 
     def record_event(
         self,
