@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import queue
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 from zephon.errors import ConfigError
 from zephon.pipeline.aggregate import Aggregator, aggregation_key
-from zephon.pipeline.errors import PipelineError
-from zephon.pipeline.lanes import LanePlan, LaneProgress, LaneReader, next_lane, owned_lanes
+from zephon.pipeline.iteration import Iteration
+from zephon.pipeline.lanes import LanePlan, LaneProgress, owned_lanes
 from zephon.pipeline.operators import (
     BatchSpec,
     MapOp,
@@ -138,7 +136,7 @@ class Pipeline:
         self._epoch = "fresh"
         self._seq = 0
         self._delivered = 0  # batches handed out since the epoch (fresh start or restore) began
-        self._active: _Run | None = None
+        self._active: Iteration | None = None
         self._aggregator: Aggregator | None = None
         self._lock = threading.Lock()
 
@@ -319,7 +317,7 @@ class Pipeline:
         plan, _identity, owned = self._resolve()
         with self._lock:
             self._close_active()
-            run = _Run(self, plan, owned, dict(self._progress))
+            run = Iteration(self, plan, owned, dict(self._progress))
             self._active = run
         return run
 
@@ -397,112 +395,3 @@ class Pipeline:
     def __repr__(self) -> str:
         ops = signature(self._ops) or "-"
         return f"Pipeline({self._source!r}, ops={ops}, batch={self._batch})"
-
-
-_END = object()
-
-
-class _Failure:
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-def _produce(readers: dict[int, LaneReader], spec: BatchSpec
-             ) -> Iterator[tuple[Batch, int, LaneProgress]]:
-    """The group's batches in delivery order: each from the owned lane whose turn it is."""
-    active = sorted(readers)
-    size, drop_last = spec.microbatch_size, spec.drop_last
-    while active:
-        lane = next_lane(active, readers)
-        result = readers[lane].next_batch(size, drop_last)
-        if result is None:
-            active.remove(lane)
-            continue
-        batch, progress = result
-        yield batch, lane, progress
-
-
-def _fill(items: Iterator, out: queue.Queue, stop: threading.Event) -> None:
-    """Prefetch thread body. It holds no reference to the iterator object, so an iterator the
-    caller drops is collected and its ``__del__`` stops this thread."""
-
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    try:
-        for item in items:
-            if not put(item):
-                return
-        put(_END)
-    except BaseException as exc:  # handed to the consumer, which re-raises it
-        put(_Failure(exc))
-
-
-class _Run:
-    """One iteration: lane readers, the turn order, and (optionally) a prefetch thread."""
-
-    def __init__(self, pipeline: Pipeline, plan: LanePlan, owned: list[int],
-                 progress: dict[int, LaneProgress]) -> None:
-        self._pipeline = pipeline
-        spec = pipeline._prefetch
-        parallelism = spec.parallelism if spec else 1
-        self._pool = ThreadPoolExecutor(parallelism) if parallelism > 1 else None
-        readers = {
-            lane: LaneReader(plan, lane, progress[lane], self._pool, parallelism) for lane in owned
-        }
-        self._closed = False
-        self._stop = threading.Event()
-        self._gen = _produce(readers, pipeline._batch)
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
-        if spec is not None:
-            self._queue = queue.Queue(maxsize=spec.buffer_size)
-            self._thread = threading.Thread(
-                target=_fill, args=(self._gen, self._queue, self._stop),
-                name="zephon-pipeline-prefetch", daemon=True,
-            )
-            self._thread.start()
-
-    def __iter__(self) -> _Run:
-        return self
-
-    def __next__(self) -> Batch:
-        if self._closed:
-            if self._pipeline._active is not self:
-                raise PipelineError(
-                    "this iterator was ended by restore() or a newer iter(pipeline); iterate "
-                    "the pipeline again"
-                )
-            raise StopIteration
-        item = next(self._gen, _END) if self._queue is None else self._queue.get()
-        if item is _END:
-            self._finish()
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self._finish()
-            raise item.exc
-        batch, lane, progress = item
-        self._pipeline._deliver(lane, progress)
-        return batch
-
-    def _finish(self) -> None:
-        self._closed = True
-        self._stop.set()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def close(self) -> None:
-        self._finish()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-
-    def __del__(self) -> None:
-        self._stop.set()
