@@ -1,0 +1,178 @@
+"""Real multi-process DCP through Zephon's writer and reader: gloo ranks on the CPU, world size 2
+and 4, on local disk and on S3 (moto).
+
+Each configuration starts its ranks once (``tests/zephon/dcp/worker.py`` runs every scenario);
+the tests below assert on what the ranks reported and on what storage holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from tests import servers
+from tests.conftest import Backend, make_backend
+from tests.zephon.dcp.worker import RUN
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+@dataclass
+class Run:
+    backend: Backend
+    world: int
+    ranks: list[dict]
+
+    def store(self):
+        return self.backend.open_store()
+
+
+def launch(backend: Backend, world: int) -> list[dict]:
+    port = servers.free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "ZEPHON_DCP_TEST": json.dumps(
+            {"url": backend.url, "storage_options": backend.storage_options}
+        ),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.zephon.dcp.worker", str(r), str(world), str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    ranks = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, f"rank exited {proc.returncode}:\n{err[-4000:]}"
+            ranks.append(json.loads(lines[-1][len("RESULT ") :]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for record in ranks:
+        assert "crash" not in record, record["crash"]
+    return ranks
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("local", 2), ("s3", 2), ("local", 4), ("s3", 4)],
+    ids=lambda p: f"{p[0]}-world{p[1]}",
+)
+def run(request, tmp_path_factory) -> Run:
+    name, world = request.param
+    backend = make_backend(name, request, tmp_path_factory.mktemp(f"dcp-{name}-{world}"))
+    return Run(backend, world, launch(backend, world))
+
+
+def test_model_and_optimizer_load_bit_for_bit_into_fresh_modules(run):
+    for record in run.ranks:
+        assert record["differed_before_load"] > 0
+        assert record["differ_after_load"] == []
+        assert record["param_groups_equal"]
+
+
+def test_a_dtensor_saved_as_rows_loads_into_a_column_layout(run):
+    assert all(record["dtensor_resharded_equal"] for record in run.ranks)
+
+
+def test_the_marker_lists_every_ranks_files_and_deep_verifies(run):
+    store = run.store()
+    manifest = store.read_manifest(RUN, 1)
+    names = [entry.name for entry in manifest.files]
+    assert "dcp_metadata.json" in names
+    for rank in range(run.world):
+        assert any(name.startswith(f"__{rank}_") for name in names), (rank, names)
+    assert set(names) == set(store.reader(RUN, 1).names)
+    report = store.verify(RUN, 1, deep=True)
+    assert report.ok, report.problems
+    assert report.files_checked == len(names)
+
+
+def test_only_the_coordinator_commits_and_sees_the_manifest(run):
+    store = run.store()
+    manifest = store.read_manifest(RUN, 1)
+    assert run.ranks[0]["committed_here"] == [manifest.file_count]
+    assert all(record["committed_here"] == [] for record in run.ranks[1:])
+    assert manifest.metadata["k"] == 1
+    assert manifest.metadata["dcp"]["ranks"] == run.world
+    assert run.ranks[0]["commit_metadata"] == manifest.metadata
+
+
+def test_metadata_is_json_without_pickle(run):
+    store = run.store()
+    data = store.reader(RUN, 1).read_bytes("dcp_metadata.json")
+    body = json.loads(data)
+    assert body["format"] == "zephon-dcp-metadata"
+    assert b"\x80" not in data  # a pickle stream starts with the PROTO opcode
+    assert body["state_dict_metadata"]["model.0.weight"]["dtype"] == "float32"
+
+
+def test_a_rank_failing_in_write_data_fails_the_save_everywhere_without_a_marker(run):
+    last = run.world - 1
+    for record in run.ranks:
+        error = record["failed_save"]
+        assert error is not None
+        assert error["type"] == "BackendUnavailableError", error
+        assert "simulated" in error["message"] and f"__{last}_" in error["message"]
+        assert record["step2_committed"] is False
+    assert not run.store().is_committed(RUN, 2)
+
+
+def test_loading_an_uncommitted_checkpoint_is_refused_naming_the_marker(run):
+    for record in run.ranks:
+        error = record["uncommitted_load"]
+        assert error["type"] == "CheckpointNotFoundError", error
+        assert "_COMMIT" in error["message"] and "save-2" in error["message"]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_truncated_shard_is_refused_naming_the_file(run, verify):
+    for record in run.ranks:
+        error = record[f"corrupt_verify_{verify}"]
+        assert error is not None, "a damaged checkpoint loaded"
+        assert error["type"] == "CorruptCheckpointError", error
+        assert record["victim"] in error["message"]
+
+
+def test_a_wrong_shape_names_the_keys_on_every_rank(run):
+    for record in run.ranks:
+        error = record["wrong_shape"]
+        assert error["type"] == "StateDictMismatchError", error
+        assert error["shapes"] == ["model.0.bias", "model.0.weight", "model.2.weight"]
+        assert "model.0.weight (checkpoint [32, 16], here [33, 16])" in error["message"]
+
+
+def test_a_missing_key_is_named_on_every_rank(run):
+    for record in run.ranks:
+        error = record["missing_key"]
+        assert error["type"] == "StateDictMismatchError", error
+        assert "not_saved.w" in error["message"]
+
+
+def test_async_save_keeps_the_state_as_staged_not_as_later_changed(run):
+    for record in run.ranks:
+        assert record["async_equals_snapshot"]
+        assert record["async_differs_from_live"]
+
+
+def test_async_save_future_fails_on_every_rank_when_one_rank_fails(run):
+    for record in run.ranks:
+        error = record["failed_async"]
+        assert error is not None and "simulated" in error["message"], error
+        assert record["step4_committed"] is False

@@ -1,0 +1,211 @@
+"""Calling DCP with Zephon's writer and reader: collective helpers that turn DCP's
+``CheckpointException`` (a BaseException carrying one exception per failing rank) into the
+Zephon or storage error that caused it, so callers can ``except Exception`` as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+
+from storage import CheckpointStore, CheckpointWriter, StorageError
+from zephon.dcp.errors import DistributedCheckpointError, WriterSetupError
+from zephon.dcp.planner import ZephonLoadPlanner
+from zephon.dcp.reader import ZephonStorageReader
+from zephon.dcp.writer import ZephonStorageWriter
+from zephon.errors import ZephonError
+
+__all__ = ["as_zephon_error", "async_save", "attach_ranks", "load", "save"]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def as_zephon_error(
+    exc: BaseException, *, where: str, local_failure: BaseException | None = None
+) -> BaseException:
+    """The error to raise for a failed DCP call on ``where`` (a checkpoint URL).
+
+    ``local_failure``, this rank's own original exception if one was kept, wins. Otherwise the
+    lowest rank's Zephon or storage error is returned as it was raised there; any other failure
+    becomes one ``DistributedCheckpointError`` naming every failing rank. Anything that is not a
+    ``CheckpointException`` is returned unchanged.
+    """
+    if not isinstance(exc, CheckpointException):
+        return exc
+    if local_failure is not None:
+        return local_failure
+    failures = {rank: pair[0] for rank, pair in sorted(exc.failures.items())}
+    for rank, failure in failures.items():
+        if isinstance(failure, ZephonError | StorageError):
+            failure.add_note(f"(raised on rank {rank} of the DCP call on {where})")
+            return failure
+    lines = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
+    step = exc.args[0] if exc.args else "checkpoint"
+    return DistributedCheckpointError(
+        f"DCP {step} step on {where} failed: {lines}; nothing was committed by this call: fix "
+        "the cause on the ranks named and try again",
+        failures=failures,
+    )
+
+
+def _no_dist(process_group: Any) -> bool:
+    return process_group is None and not _distributed()
+
+
+@contextlib.contextmanager
+def _single_process_quietly(no_dist: bool) -> Iterator[None]:
+    """Without torch.distributed a single process is what the caller asked for; DCP warns
+    about it on every call."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save(
+    state_dict: dict[str, Any],
+    writer: ZephonStorageWriter,
+    *,
+    planner: SavePlanner | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Metadata:
+    """Collective (all ranks of ``process_group``): ``dcp.save`` through ``writer``; the
+    checkpoint is committed when this returns. Failures raise the causing Zephon/storage error
+    or ``DistributedCheckpointError``, on every rank."""
+    no_dist = _no_dist(process_group)
+    try:
+        with _single_process_quietly(no_dist):
+            return dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=planner,
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+    except CheckpointException as exc:
+        raise as_zephon_error(exc, where=writer.url) from exc
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    writer: ZephonStorageWriter,
+    *,
+    planner: SavePlanner | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Future[Metadata]:
+    """Collective: stage ``state_dict`` into fresh host memory (a copy, so later in-place updates
+    do not reach the checkpoint), then write and commit in a background thread.
+
+    Returns once staging is done. The future completes with the DCP metadata once committed, or
+    fails with the translated error. Use a process group reserved for checkpointing (e.g.
+    ``dist.new_group(backend="gloo")``): the background thread runs collectives on it while
+    training goes on.
+    """
+    response = dcp.async_save(
+        state_dict,
+        storage_writer=writer,
+        planner=planner,
+        process_group=process_group,
+        no_dist=_no_dist(process_group),
+    )
+    upload: Future = getattr(response, "upload_completion", response)
+    result: Future[Metadata] = Future()
+
+    def settle(done: Future) -> None:
+        try:
+            result.set_result(done.result())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            result.set_exception(as_zephon_error(exc, where=writer.url))
+
+    upload.add_done_callback(settle)
+    return result
+
+
+def load(
+    state_dict: dict[str, Any],
+    reader: ZephonStorageReader,
+    *,
+    planner: LoadPlanner | None = None,
+    allow_partial_load: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Collective: ``dcp.load`` through ``reader`` into ``state_dict`` in place (``Stateful``
+    values get ``load_state_dict``). Uses ``ZephonLoadPlanner`` unless a planner is given, so a
+    mismatch raises ``StateDictMismatchError`` naming the keys; an uncommitted or damaged
+    checkpoint raises the storage error naming it or its file."""
+    if planner is None:
+        planner = ZephonLoadPlanner(allow_partial_load=allow_partial_load, where=reader.url)
+    no_dist = _no_dist(process_group)
+    try:
+        with _single_process_quietly(no_dist):
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=planner,
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+    except CheckpointException as exc:
+        raise as_zephon_error(exc, where=reader.url, local_failure=reader.failure) from exc
+
+
+def attach_ranks(
+    store: CheckpointStore,
+    run: str | None,
+    step: int,
+    primary: CheckpointWriter | None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator: int = 0,
+) -> CheckpointWriter:
+    """Collective: give every rank its writer for checkpoint ``(run, step)``.
+
+    The coordinator rank (``coordinator`` within ``process_group``) passes the primary writer it
+    got from ``store.begin(run, step)``, or None if ``begin`` failed (every rank then raises);
+    the other ranks pass None and get ``store.attach(...)`` with the coordinator's attempt id.
+    The broadcast orders ``begin`` (which removes a leftover of the step) before any other
+    rank's first write. Without torch.distributed, returns ``primary``.
+    """
+    if not _distributed():
+        if primary is None:
+            raise WriterSetupError(f"no primary writer for run {run!r} step {step}")
+        return primary
+    is_coordinator = dist.get_rank(process_group) == coordinator
+    if is_coordinator and primary is not None and not primary.primary:
+        raise WriterSetupError(
+            f"attach_ranks needs the primary writer of {primary.url} on the coordinator"
+        )
+    message: list[Mapping[str, Any] | None] = [
+        {"attempt_id": primary.attempt_id if primary is not None else None}
+        if is_coordinator
+        else None
+    ]
+    src = (
+        dist.get_global_rank(process_group, coordinator)
+        if process_group is not None
+        else coordinator
+    )
+    dist.broadcast_object_list(message, src=src, group=process_group)
+    attempt_id = (message[0] or {}).get("attempt_id")
+    if attempt_id is None:
+        raise WriterSetupError(
+            f"the coordinator could not begin checkpoint {store.checkpoint_url(run, step)}; "
+            "see the coordinator's error, fix it and save again"
+        )
+    if is_coordinator:
+        assert primary is not None
+        return primary
+    return store.attach(run, step, attempt_id=attempt_id)

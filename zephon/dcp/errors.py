@@ -1,0 +1,64 @@
+"""Errors of Zephon's torch Distributed Checkpoint layer.
+
+DCP sends exceptions between ranks by pickling them (``gather_object``), so every class here
+rebuilds from its message alone: extra data lives in attributes with defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from zephon.errors import ZephonError
+
+__all__ = [
+    "DCPError",
+    "DistributedCheckpointError",
+    "MetadataEncodingError",
+    "StateDictMismatchError",
+    "WriterSetupError",
+]
+
+
+class DCPError(ZephonError):
+    """Root of the errors raised by ``zephon.dcp``."""
+
+
+class WriterSetupError(DCPError, ValueError):
+    """A ``ZephonStorageWriter`` is used in a way that cannot produce a complete checkpoint:
+    e.g. the coordinator holds a secondary writer, or ranks write different attempts."""
+
+
+class MetadataEncodingError(DCPError, TypeError):
+    """The DCP metadata holds a value Zephon cannot store as JSON (e.g. a custom planner's
+    ``planner_data``); the message names the field."""
+
+
+class StateDictMismatchError(DCPError, ValueError):
+    """The state dict to load into does not match the checkpoint: keys it lacks, or tensors
+    whose saved shape differs. ``missing`` and ``shape_mismatches`` name every such key."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: Sequence[str] = (),
+        shape_mismatches: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+        url: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+        #: key -> (shape in the checkpoint, shape in the state dict)
+        self.shape_mismatches = dict(shape_mismatches or {})
+        self.url = url
+
+
+class DistributedCheckpointError(DCPError):
+    """A DCP save or load failed on one or more ranks with an error that is not Zephon's own.
+
+    ``failures`` maps each failing rank to its exception (as received from that rank); the
+    message names every rank and its error in one line each.
+    """
+
+    def __init__(self, message: str, *, failures: Mapping[int, BaseException] | None = None):
+        super().__init__(message)
+        self.failures = dict(failures or {})

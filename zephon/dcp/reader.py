@@ -1,0 +1,442 @@
+"""``ZephonStorageReader``: DCP's StorageReader over a committed Zephon checkpoint.
+
+Opens the checkpoint through ``CheckpointStore.reader`` (an uncommitted one is refused), checks
+that every slice the JSON metadata names lies inside a file the marker lists, then reads only the
+byte ranges the load plan needs: on local disk straight into the destination tensors, on object
+stores as ranged GETs that cover runs of neighbouring items of one file.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import threading
+import uuid
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from storage import CheckpointReader, CheckpointStore, CorruptCheckpointError, Manifest
+from storage.backend import backend_errors
+from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_from_name
+from zephon.dcp.writer import METADATA_FILE, shard_prefix
+
+__all__ = ["ZephonStorageReader"]
+
+
+@dataclass(slots=True)
+class _Read:
+    """One ReadItem as a byte range of a shard file, and how to view those bytes."""
+
+    req: ReadItem
+    file: str
+    start: int
+    length: int
+    dtype: torch.dtype | None  # None: a bytes item
+    shape: tuple[int, ...] = ()
+    #: (offset, length) per dimension still to cut from the bytes read; None if they are exact
+    narrow: tuple[tuple[int, int], ...] | None = None
+
+
+@dataclass(slots=True)
+class _Group:
+    """Neighbouring reads of one file served by one request."""
+
+    file: str
+    start: int
+    end: int
+    reads: list[_Read] = field(default_factory=list)
+
+
+def _plan_read(req: ReadItem, where: ShardSlice) -> _Read:
+    if where.encoding == "bytes":
+        return _Read(req, where.file, where.offset, where.length, None)
+    dtype = dtype_from_name(where.dtype or "")
+    shape = tuple(where.shape or ())
+    offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
+    if len(offsets) != len(shape) or any(
+        o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape, strict=True)
+    ):
+        raise ValueError(
+            f"read of {req.storage_index.fqn!r} at {list(offsets)} size {list(lengths)} lies "
+            f"outside the saved chunk of shape {list(shape)}"
+        )
+    if not shape:
+        return _Read(req, where.file, where.offset, where.length, dtype, shape)
+    # When only the first dimension is cut, the rows needed are one contiguous byte range.
+    if all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:], strict=True)):
+        row = math.prod(shape[1:]) * dtype.itemsize
+        return _Read(
+            req,
+            where.file,
+            where.offset + offsets[0] * row,
+            lengths[0] * row,
+            dtype,
+            (lengths[0], *shape[1:]),
+        )
+    return _Read(
+        req,
+        where.file,
+        where.offset,
+        where.length,
+        dtype,
+        shape,
+        tuple(zip(offsets, lengths, strict=True)),
+    )
+
+
+def _group_reads(reads: list[_Read], max_bytes: int, max_gap: int) -> list[_Group]:
+    by_file: dict[str, list[_Read]] = {}
+    for r in reads:
+        by_file.setdefault(r.file, []).append(r)
+    groups: list[_Group] = []
+    for name, file_reads in by_file.items():
+        file_reads.sort(key=lambda r: r.start)
+        current: _Group | None = None
+        for r in file_reads:
+            end = r.start + r.length
+            if (
+                current is not None
+                and r.start <= current.end + max_gap
+                and max(end, current.end) - current.start <= max_bytes
+            ):
+                current.end = max(current.end, end)
+                current.reads.append(r)
+                continue
+            current = _Group(name, r.start, end, [r])
+            groups.append(current)
+    # Largest first, so the slowest requests start early.
+    groups.sort(key=lambda g: g.end - g.start, reverse=True)
+    return groups
+
+
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+class ZephonStorageReader(StorageReader):
+    """Reads a committed checkpoint ``(run, step)`` of ``store`` for ``dcp.load``.
+
+    Construct one on every rank. ``verify=True`` checks, before anything is loaded, that every
+    file the marker lists exists with its size (one listing per rank) and raises the storage
+    layer's ``CorruptCheckpointError`` naming the bad files. CRC32C is not re-checked here (that
+    is ``store.verify(deep=True)``/``zephon verify``), but every slice is checked against the
+    manifest's file sizes and a short read is reported naming the file.
+
+    A failure to open the checkpoint is kept in ``self.failure``: DCP replaces it with an
+    AssertionError on its way through ``dcp.load``, and ``zephon.dcp.load`` raises it instead.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        run: str | None,
+        step: int,
+        *,
+        subdir: str = "",
+        verify: bool = False,
+        thread_count: int | None = None,
+        max_request_bytes: int = 32 << 20,
+        max_gap_bytes: int = 1 << 20,
+    ) -> None:
+        super().__init__()
+        if thread_count is not None and thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        self.store = store
+        self.run = run
+        self.step = step
+        self.prefix = shard_prefix(subdir)
+        self.verify = verify
+        local = store.location.is_local
+        self.thread_count = thread_count or (4 if local else store.max_workers)
+        self.max_request_bytes = max_request_bytes
+        # Local reads land straight in the destination tensors, so gaps are never worth reading.
+        self.max_gap_bytes = 0 if local else max_gap_bytes
+        self.url = store.checkpoint_url(run, step)
+        self.failure: BaseException | None = None
+        self._reader: CheckpointReader | None = None
+        self._metadata: Metadata | None = None
+        self._slices: dict[Any, ShardSlice] = {}
+        self._lock = threading.Lock()
+        self.load_id = uuid.uuid4().hex
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.url
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The checkpoint's manifest, once ``read_metadata`` has run."""
+        return self._reader.manifest if self._reader is not None else None
+
+    @property
+    def metadata_name(self) -> str:
+        return f"{self.prefix}{METADATA_FILE}"
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """DCP calls this when ``checkpoint_id=`` is passed: only this checkpoint's URL is
+        accepted, since the reader is bound to one ``(run, step)``."""
+        self.load_id = uuid.uuid4().hex
+        if checkpoint_id is None:
+            return
+        given = os.fspath(checkpoint_id).rstrip("/")
+        path = self.store.checkpoint_path(self.run, self.step)
+        if given not in {self.url.rstrip("/"), path.rstrip("/")}:
+            raise ValueError(
+                f"this ZephonStorageReader reads {self.url}, not {given!r}; call dcp.load with "
+                "storage_reader= only, and make a new reader for another checkpoint"
+            )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+    # -- metadata ------------------------------------------------------------------------------
+
+    def read_metadata(self, *args: Any) -> Metadata:
+        """All ranks: open the committed checkpoint, optionally verify it, and parse the JSON
+        metadata (never unpickled)."""
+        try:
+            metadata = self._open()
+        except BaseException as exc:
+            self.failure = exc
+            raise
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _open(self) -> Metadata:
+        if self._metadata is not None:
+            return self._metadata
+        reader = self.store.reader(self.run, self.step)
+        if self.verify:
+            self.store.verify(self.run, self.step).raise_for_problems()
+        name = self.metadata_name
+        metadata = decode_metadata(reader.read_bytes(name), where=f"{reader.url}/{name}")
+        self._check_slices(metadata, reader)
+        self._reader = reader
+        self._metadata = metadata
+        return metadata
+
+    def _check_slices(self, metadata: Metadata, reader: CheckpointReader) -> None:
+        sizes = {entry.name: entry.size for entry in reader.manifest.files}
+        problems = []
+        for index, where in (metadata.storage_data or {}).items():
+            size = sizes.get(where.file)
+            if size is None:
+                problems.append(f"{where.file}: not listed by the commit marker ({index.fqn})")
+            elif where.offset + where.length > size:
+                problems.append(
+                    f"{where.file}: {size} bytes, but {index.fqn} needs bytes "
+                    f"{where.offset}..{where.offset + where.length}"
+                )
+            elif where.encoding == "raw":
+                expected = (
+                    math.prod(where.shape or ()) * dtype_from_name(where.dtype or "").itemsize
+                )
+                if expected != where.length:
+                    problems.append(
+                        f"{where.file}: {index.fqn} has {where.length} bytes for shape "
+                        f"{list(where.shape or ())} of {where.dtype} ({expected} expected)"
+                    )
+        if problems:
+            raise CorruptCheckpointError(
+                f"DCP metadata of {reader.url} does not match its files: "
+                f"{'; '.join(problems[:10])}; the checkpoint cannot be loaded: resume from an "
+                "earlier checkpoint",
+                url=reader.url,
+                run=self.run,
+                step=self.step,
+                path=self.metadata_name,
+                problems=problems,
+            )
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if not isinstance(metadata.storage_data, dict):
+            raise CorruptCheckpointError(
+                f"DCP metadata of {self.url} has no storage_data; it was not written by "
+                "ZephonStorageWriter",
+                url=self.url,
+                path=self.metadata_name,
+            )
+        self._slices = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """All ranks: read this rank's items in parallel and hand them to the planner."""
+        if self._reader is None:
+            self._open()
+        reads = []
+        for req in plan.items:
+            where = self._slices.get(req.storage_index)
+            if where is None:
+                raise CorruptCheckpointError(
+                    f"DCP metadata of {self.url} has no data for {req.storage_index.fqn!r} at "
+                    f"{list(req.storage_index.offset or [])}; the checkpoint is incomplete",
+                    url=self.url,
+                    path=self.metadata_name,
+                )
+            reads.append(_plan_read(req, where))
+        groups = _group_reads(reads, self.max_request_bytes, self.max_gap_bytes)
+        local = self.store.location.is_local
+        run_group: Callable[[_Group, LoadPlanner], None] = (
+            self._read_local if local else self._read_remote
+        )
+        if len(groups) <= 1 or self.thread_count == 1:
+            for g in groups:
+                run_group(g, planner)
+        else:
+            workers = min(self.thread_count, len(groups))
+            with ThreadPoolExecutor(workers, thread_name_prefix="zephon-dcp-read") as pool:
+                futures = [pool.submit(run_group, g, planner) for g in groups]
+                first_error: BaseException | None = None
+                for f in futures:
+                    try:
+                        f.result()
+                    except BaseException as exc:  # noqa: BLE001 - re-raised once all finished
+                        first_error = first_error or exc
+                if first_error is not None:
+                    raise first_error
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _path(self, name: str) -> str:
+        assert self._reader is not None
+        return f"{self._reader.path}/{name}"
+
+    def _missing(self, name: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{name} of committed checkpoint {self.url} is missing from storage; the checkpoint "
+            "is damaged: run `zephon verify` and resume from an earlier checkpoint",
+            url=self.url,
+            run=self.run,
+            step=self.step,
+            path=name,
+            problems=[f"{name}: missing"],
+        )
+
+    def _short(self, name: str, wanted: int, got: int) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{name} of committed checkpoint {self.url} is shorter than its manifest says "
+            f"(needed bytes up to {wanted}, got {got}); the checkpoint is damaged: run `zephon "
+            "verify` and resume from an earlier checkpoint",
+            url=self.url,
+            run=self.run,
+            step=self.step,
+            path=name,
+            problems=[f"{name}: truncated"],
+        )
+
+    def _read_local(self, group: _Group, planner: LoadPlanner) -> None:
+        location = self.store.location
+        with backend_errors(location, f"reading {group.file} of {self.url}"):
+            try:
+                handle = open(self._path(group.file), "rb", buffering=0)  # noqa: SIM115
+            except FileNotFoundError:
+                raise self._missing(group.file) from None
+            with handle:
+                for r in group.reads:
+                    target = self._target(r, planner)
+                    if target is not None and self._direct(r, target):
+                        if r.length:
+                            self._fill(handle, r, _writable_bytes(target))
+                        self._commit(r, planner, target)
+                        continue
+                    buffer = bytearray(r.length)
+                    self._fill(handle, r, memoryview(buffer))
+                    self._deliver(r, planner, buffer, target)
+
+    def _fill(self, handle: BinaryIO, r: _Read, view: memoryview) -> None:
+        handle.seek(r.start)
+        got = 0
+        while got < len(view):
+            n = handle.readinto(view[got:])
+            if not n:
+                raise self._short(r.file, r.start + r.length, r.start + got)
+            got += n
+
+    def _read_remote(self, group: _Group, planner: LoadPlanner) -> None:
+        location = self.store.location
+        with backend_errors(location, f"reading {group.file} of {self.url}"):
+            try:
+                data = location.fs.cat_file(
+                    self._path(group.file), start=group.start, end=group.end
+                )
+            except FileNotFoundError:
+                raise self._missing(group.file) from None
+        if len(data) != group.end - group.start:
+            raise self._short(group.file, group.end, group.start + len(data))
+        view = memoryview(data)
+        for r in group.reads:
+            piece = view[r.start - group.start : r.start - group.start + r.length]
+            self._deliver(r, planner, piece, self._target(r, planner))
+
+    def _target(self, r: _Read, planner: LoadPlanner) -> torch.Tensor | None:
+        if r.dtype is None:
+            return None
+        with self._lock:
+            target = planner.resolve_tensor(r.req).detach()
+        if tuple(target.shape) != tuple(r.req.lengths):
+            raise ValueError(
+                f"cannot load {r.req.dest_index.fqn!r}: the destination slice has shape "
+                f"{list(target.shape)}, the checkpoint provides {list(r.req.lengths)}"
+            )
+        return target
+
+    @staticmethod
+    def _direct(r: _Read, target: torch.Tensor) -> bool:
+        """Whether the bytes read can land in ``target``'s memory as they are."""
+        return (
+            r.narrow is None
+            and target.device.type == "cpu"
+            and target.dtype == r.dtype
+            and target.is_contiguous()
+            and target.numel() > 0
+        )
+
+    def _deliver(
+        self,
+        r: _Read,
+        planner: LoadPlanner,
+        data: bytes | bytearray | memoryview,
+        target: torch.Tensor | None,
+    ) -> None:
+        if target is None:
+            with self._lock:
+                planner.load_bytes(r.req, io.BytesIO(bytes(data)))
+            return
+        assert r.dtype is not None
+        if target.numel():
+            with warnings.catch_warnings():
+                # Read-only buffers are only read from here; torch warns about any of them.
+                warnings.simplefilter("ignore", UserWarning)
+                source = torch.frombuffer(data, dtype=r.dtype).view(r.shape)
+            for dim, (offset, length) in enumerate(r.narrow or ()):
+                source = source.narrow(dim, offset, length)
+            target.copy_(source)
+        self._commit(r, planner, target)
+
+    def _commit(self, r: _Read, planner: LoadPlanner, target: torch.Tensor) -> None:
+        with self._lock:
+            planner.commit_tensor(r.req, target)

@@ -1,0 +1,363 @@
+"""``ZephonStorageWriter``: DCP's StorageWriter on Zephon's commit protocol.
+
+Every rank writes its own shard files through its own ``CheckpointWriter`` (so size and CRC32C
+are recorded while the bytes go out); each rank's ``WriteResult``s carry the slices the reader
+needs and the ``FileEntry`` of every file the rank wrote. The coordinator's ``finish`` adds all
+ranks' entries to its primary writer, writes the JSON metadata, then commits: the marker appears
+last, listing every rank's files, or not at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import io
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from storage import CheckpointWriter, FileEntry, Manifest
+from storage.layout import validate_file_name
+from zephon.dcp.errors import WriterSetupError
+from zephon.dcp.metadata_codec import FORMAT_VERSION, ShardSlice, dtype_name, encode_metadata
+
+__all__ = ["METADATA_FILE", "ZephonStorageWriter", "shard_prefix"]
+
+#: name of the JSON metadata file inside the checkpoint (under ``subdir`` if one is given)
+METADATA_FILE = "dcp_metadata.json"
+#: version of torch DCP's metadata semantics these files follow (torch's FileSystemWriter's)
+_DCP_VERSION = "1.0.0"
+
+CommitMetadata = Mapping[str, Any] | Callable[[Metadata], Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """What a rank tells the coordinator about the checkpoint it writes into."""
+
+    rank: int
+    run: str | None
+    step: int
+    attempt_id: str
+    url: str
+
+
+@dataclass(frozen=True)
+class _FilePrefix:
+    """The coordinator's answer: the rank-unique prefix of this rank's shard file names."""
+
+    prefix: str
+
+
+@dataclass(frozen=True)
+class _Written:
+    """A ``WriteResult.storage_data``: the item's slice plus the entry of the file holding it."""
+
+    slice: ShardSlice
+    entry: FileEntry
+
+
+def shard_prefix(subdir: str) -> str:
+    """``subdir`` as a file-name prefix (``""`` or ``"a/b/"``), validated like a file name."""
+    subdir = subdir.strip("/")
+    if not subdir:
+        return ""
+    validate_file_name(f"{subdir}/x")
+    return f"{subdir}/"
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> tuple[memoryview, torch.dtype, tuple[int, ...]]:
+    """The tensor's elements in C order as a zero-copy byte view (a copy only if it was not
+    contiguous, not on the CPU, or a lazy conjugate/negative view)."""
+    t = tensor.detach()
+    if t.layout != torch.strided or t.is_quantized:
+        raise TypeError(
+            f"cannot save a {t.layout} {'quantized ' if t.is_quantized else ''}tensor: Zephon "
+            "writes dense tensors; convert it (e.g. .to_dense() or .dequantize()) first"
+        )
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    shape = tuple(t.shape)
+    if t.numel() == 0:
+        return memoryview(b""), t.dtype, shape
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()), t.dtype, shape
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is not None:
+        return item.tensor_storage_size() or 0
+    if item.bytes_io_data is not None:
+        return item.bytes_io_data.nbytes
+    return 0
+
+
+def _balance(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Split items into at most ``bins`` groups of similar byte size (largest first onto the
+    lightest group), each kept in plan order so a loader reads neighbours together."""
+    bins = max(1, min(bins, len(items)))
+    heap = [(0, i) for i in range(bins)]
+    groups: list[list[tuple[int, WriteItem]]] = [[] for _ in range(bins)]
+    order = sorted(enumerate(items), key=lambda p: _item_bytes(p[1]), reverse=True)
+    for position, item in order:
+        size, b = heapq.heappop(heap)
+        groups[b].append((position, item))
+        heapq.heappush(heap, (size + _item_bytes(item), b))
+    return [[item for _, item in sorted(g, key=lambda p: p[0])] for g in groups if g]
+
+
+class ZephonStorageWriter(StorageWriter):
+    """Writes one DCP checkpoint into a Zephon checkpoint directory.
+
+    Construct one per rank per save. The coordinator rank (rank 0 of the process group) passes
+    the *primary* writer from ``store.begin(run, step)``; every other rank passes a *secondary*
+    one from ``store.attach(run, step, attempt_id=primary.attempt_id)``. The caller must make
+    sure ``begin`` has returned before any other rank writes (a barrier), because ``begin``
+    removes an uncommitted leftover of the same step.
+
+    ``commit_metadata`` (a mapping, or a function of the DCP ``Metadata`` returning one) is
+    merged into the marker's metadata; the key ``"dcp"`` is reserved for this writer's own
+    description. ``on_commit`` is called on the coordinator with the committed ``Manifest``
+    (also kept as ``self.manifest``); an exception it raises fails the save call although the
+    checkpoint is already complete. A failure anywhere leaves the checkpoint uncommitted; the
+    caller may ``abort()`` the primary writer, or leave the directory for the next ``begin`` or
+    ``zephon gc``.
+    """
+
+    def __init__(
+        self,
+        writer: CheckpointWriter,
+        *,
+        subdir: str = "",
+        thread_count: int = 4,
+        commit_metadata: CommitMetadata | None = None,
+        on_commit: Callable[[Manifest], None] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(writer, CheckpointWriter):
+            raise TypeError(
+                f"ZephonStorageWriter needs a storage.CheckpointWriter (from store.begin or "
+                f"store.attach), got {type(writer).__name__}"
+            )
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        self.writer = writer
+        self.prefix = shard_prefix(subdir)
+        self.thread_count = thread_count
+        self._commit_metadata = commit_metadata
+        self._on_commit = on_commit
+        self.is_coordinator = False
+        self.rank = 0
+        #: the committed manifest, on the coordinator once ``finish`` succeeded
+        self.manifest: Manifest | None = None
+
+    # -- identity -----------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The checkpoint directory's URL (credentials masked)."""
+        return self.writer.url
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.writer.url
+
+    @property
+    def metadata_name(self) -> str:
+        return f"{self.prefix}{METADATA_FILE}"
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """DCP calls this when ``checkpoint_id=`` is passed; the writer is already bound to one
+        checkpoint, so only that checkpoint's own URL or path is accepted."""
+        if checkpoint_id is None:
+            return
+        given = os.fspath(checkpoint_id)
+        if given.rstrip("/") not in {self.writer.url.rstrip("/"), self.writer.path.rstrip("/")}:
+            raise WriterSetupError(
+                f"this ZephonStorageWriter writes {self.url}, not {given!r}; call dcp.save "
+                "with storage_writer= only, and begin a new writer for another checkpoint"
+            )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        # Never picked automatically from a bare path: it needs a CheckpointWriter.
+        return False
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.writer.url, save_id=self.writer.attempt_id)
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """All ranks: check that the role DCP gives this rank matches the writer it holds."""
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        if not kwargs.get("use_collectives", True):
+            raise WriterSetupError(
+                f"saving {self.url} without collectives (use_collectives=False) would make every "
+                "rank commit on its own; Zephon commits once, on the coordinator: use the default"
+            )
+        if is_coordinator and not self.writer.primary:
+            raise WriterSetupError(
+                f"the coordinator rank {self.rank} holds a secondary writer of {self.url}; it must "
+                "pass the primary writer from store.begin(run, step)"
+            )
+        if not is_coordinator and self.writer.primary:
+            raise WriterSetupError(
+                f"rank {self.rank} holds the primary writer of {self.url}, but only the "
+                "coordinator may commit: begin on the coordinator, broadcast its attempt_id, and "
+                "use store.attach(run, step, attempt_id=...) on every other rank"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        w = self.writer
+        info = _RankPlan(self.rank, w.run, w.step, w.attempt_id, w.url)
+        return dataclasses.replace(plan, storage_data=info)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator only: refuse ranks that write into another checkpoint or attempt, and
+        give each rank its file-name prefix ``__<rank>_``."""
+        w = self.writer
+        wrong = []
+        for i, plan in enumerate(plans):
+            info = plan.storage_data
+            if not isinstance(info, _RankPlan):
+                wrong.append(f"rank {i} does not use ZephonStorageWriter")
+            elif (info.run, info.step, info.attempt_id) != (w.run, w.step, w.attempt_id):
+                wrong.append(
+                    f"rank {i} writes {info.url} attempt {info.attempt_id[:12]}"
+                    if (info.run, info.step) != (w.run, w.step)
+                    else f"rank {i} writes attempt {info.attempt_id[:12]}"
+                )
+        if wrong:
+            raise WriterSetupError(
+                f"the coordinator writes {self.url} attempt {w.attempt_id[:12]}, but "
+                f"{'; '.join(wrong)}: broadcast the primary writer's attempt_id and attach every "
+                "rank to the same run, step and attempt"
+            )
+        return [
+            dataclasses.replace(plan, storage_data=_FilePrefix(f"__{i}_"))
+            for i, plan in enumerate(plans)
+        ]
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """All ranks: write this rank's items into ``thread_count`` shard files in parallel.
+
+        Returns once every file is written (the future is already complete); on failure the
+        first error is raised after the other files finished or failed.
+        """
+        target = plan.storage_data
+        if not isinstance(target, _FilePrefix):
+            raise WriterSetupError(
+                f"rank {self.rank} got no file prefix for {self.url}: the coordinator is not "
+                "using ZephonStorageWriter"
+            )
+        groups = _balance(list(plan.items), self.thread_count)
+        names = [f"{self.prefix}{target.prefix}{i}.distcp" for i in range(len(groups))]
+        results: list[WriteResult] = []
+        if len(groups) == 1:
+            results = self._write_file(names[0], groups[0], planner)
+        elif groups:
+            with ThreadPoolExecutor(len(groups), thread_name_prefix="zephon-dcp-write") as pool:
+                futures = [
+                    pool.submit(self._write_file, n, g, planner)
+                    for n, g in zip(names, groups, strict=True)
+                ]
+                first_error: BaseException | None = None
+                for f in futures:
+                    try:
+                        results.extend(f.result())
+                    except BaseException as exc:  # noqa: BLE001 - re-raised once all finished
+                        first_error = first_error or exc
+                if first_error is not None:
+                    raise first_error
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        placed: list[tuple[WriteItem, ShardSlice]] = []
+        with self.writer.open(name) as out:
+            position = 0
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    if not isinstance(data, io.BytesIO):
+                        raise TypeError(
+                            f"planner resolved bytes item {item.index.fqn!r} to "
+                            f"{type(data).__name__}, expected io.BytesIO"
+                        )
+                    view = data.getbuffer()
+                    try:
+                        out.write(view)
+                        length = view.nbytes
+                    finally:
+                        view.release()
+                    where = ShardSlice(name, position, length, "bytes")
+                else:
+                    if not isinstance(data, torch.Tensor):
+                        raise TypeError(
+                            f"planner resolved tensor item {item.index.fqn!r} to "
+                            f"{type(data).__name__}, expected a torch.Tensor"
+                        )
+                    view, dtype, shape = _tensor_bytes(data)
+                    out.write(view)
+                    length = view.nbytes
+                    where = ShardSlice(name, position, length, "raw", dtype_name(dtype), shape)
+                position += length
+                placed.append((item, where))
+        entry = next(e for e in self.writer.entries if e.name == name)
+        return [
+            WriteResult(
+                index=item.index, size_in_bytes=where.length, storage_data=_Written(where, entry)
+            )
+            for item, where in placed
+        ]
+
+    # -- commit --------------------------------------------------------------------------------
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator only, after every rank wrote: record every rank's files in the primary
+        writer, write the JSON metadata, then commit the marker (written last)."""
+        slices = {}
+        entries: dict[str, FileEntry] = {}
+        for rank, rank_results in enumerate(results):
+            for result in rank_results:
+                written = result.storage_data
+                if not isinstance(written, _Written):
+                    raise WriterSetupError(
+                        f"rank {rank} reported a result not written by ZephonStorageWriter for "
+                        f"{result.index.fqn!r}; every rank must use ZephonStorageWriter"
+                    )
+                slices[result.index] = written.slice
+                entries[written.entry.name] = written.entry
+        metadata.version = metadata.version or _DCP_VERSION
+        metadata.storage_data = slices
+        metadata.storage_meta = self.storage_meta()
+        self.writer.add_entries(entries.values())
+        self.writer.write_bytes(self.metadata_name, encode_metadata(metadata))
+        extra = self._commit_metadata
+        extra = dict(extra(metadata) if callable(extra) else extra or {})
+        extra["dcp"] = {
+            "format_version": FORMAT_VERSION,
+            "metadata": self.metadata_name,
+            "ranks": len(results),
+            "shard_files": len(entries),
+        }
+        self.manifest = self.writer.commit(extra)
+        if self._on_commit is not None:
+            self._on_commit(self.manifest)
