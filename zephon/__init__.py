@@ -17,6 +17,14 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
+    # checkpointing (imports torch when first used)
+    "CheckpointManager": "zephon.checkpointing",
+    "Resume": "zephon.checkpointing",
+    "export_safetensors": "zephon.checkpointing",
+    "CheckpointingConfig": "zephon.config",
+    "ModelStageConfig": "zephon.config",
+    "JobConfig": "zephon.config",
+    "load_job_config": "zephon.config",
     # data pipeline (zephon.pipeline)
     "Dataset": "zephon.pipeline",
     "InMemoryShard": "zephon.pipeline",

@@ -1,0 +1,486 @@
+"""``CheckpointManager``: what a training or inference job calls to save every
+``period_steps``, keep ``num_to_keep`` and resume exactly (seed 002).
+
+Call every method on every rank, at the same point of the program: they are collectives on a
+gloo process group of the manager's own. Rank 0 alone talks to the catalog and commits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from catalog import Catalog
+from storage import CheckpointStore, CheckpointWriter, FileEntry
+from zephon import dcp as zdcp
+from zephon.checkpointing.collectives import Collectives
+from zephon.checkpointing.files import (
+    DCP_SUBDIR,
+    META_FILE,
+    META_VERSION,
+    capture_rng,
+    decode_json,
+    encode_json,
+    rank_file,
+    restore_rng,
+)
+from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
+from zephon.checkpointing.source import load_frozen_from_source
+from zephon.config import CheckpointingConfig, ModelStageConfig
+from zephon.errors import ConfigError, ZephonError
+from zephon.gc import gc_run, retain_without_catalog
+from zephon.latest import find_latest
+from zephon.locations import RunLocation, inference_run_name
+from zephon.state_tree import join_state, split_state, tensor_keys
+
+__all__ = ["CheckpointManager", "Resume", "ALREADY_COMPLETE"]
+
+log = logging.getLogger("zephon")
+
+ALREADY_COMPLETE = {
+    "train": "Training is already complete, nothing to do",
+    "inference": "Inference is already complete, nothing to do",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """What ``load_latest`` found and did.
+
+    ``next_step`` is the first step the job should run (1 for a fresh start); ``finished``
+    means the job already reached its ``total_steps`` and must stop; ``values`` holds the
+    entries that were plain values rather than objects loaded in place.
+    """
+
+    step: int | None
+    next_step: int
+    finished: bool = False
+    url: str | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    rank_state: dict[str, Any] | None = None
+    #: the total_steps the checkpoint was saved under (None for a fresh start)
+    saved_total_steps: int | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.step is not None
+
+
+class CheckpointManager:
+    """Saves and resumes one job's checkpoints under ``config.save_dir``.
+
+    ``kind="train"`` needs ``run_name`` (checkpoints at ``<save_dir>/<run>/save-<step>``);
+    ``kind="inference"`` has none (``<save_dir>/save-<step>``; its catalog name defaults to the
+    last component of ``save_dir``). Steps count completed steps, from 1 to ``total_steps``.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointingConfig,
+        *,
+        run_name: str | None = None,
+        total_steps: int | None = None,
+        kind: str = "train",
+        model_stage: ModelStageConfig | None = None,
+        catalog_name: str | None = None,
+        save_rng: bool = True,
+    ) -> None:
+        if kind not in ALREADY_COMPLETE:
+            raise ConfigError(f"kind = {kind!r} is invalid: use 'train' or 'inference'")
+        if kind == "train" and run_name is None:
+            raise ConfigError("a training job needs run_name (run.name in the job config)")
+        if kind == "inference" and run_name is not None:
+            raise ConfigError(
+                "an inference job has no run name (it saves to <save_dir>/save-<step>); pass "
+                "catalog_name to name it in the catalog"
+            )
+        if total_steps is not None and (isinstance(total_steps, bool) or total_steps < 1):
+            raise ConfigError(f"total_steps = {total_steps!r} is invalid: use an integer >= 1")
+        self.config = config
+        self.kind = kind
+        self.total_steps = total_steps
+        self.model_stage = model_stage or ModelStageConfig()
+        self.save_rng = save_rng
+        self.store = CheckpointStore(config.save_dir, config.storage_options)
+        self.run = run_name
+        self.name = (
+            catalog_name or run_name or inference_run_name(self.store.location.canonical_url)
+        )
+        self.location = RunLocation(self.name, self.store, self.run)
+        self.coll = Collectives()
+        self.catalog: Catalog | None = None
+        failure: Exception | None = None
+        if self.coll.is_main and config.resolved_catalog_url:
+            try:
+                self.catalog = self._open_catalog(config.resolved_catalog_url)
+            except Exception as exc:  # every rank must learn of it, or they wait forever
+                failure = exc
+        reason = self.coll.broadcast(
+            None if failure is None else f"{type(failure).__name__}: {failure}"
+        )
+        if failure is not None:
+            self.coll.destroy()
+            raise failure
+        if reason is not None:
+            self.coll.destroy()
+            raise ZephonError(f"rank 0 could not set up checkpointing: {reason}")
+        self._background: Future | None = None
+        self._background_lock = threading.Lock()
+
+    def _open_catalog(self, url: str) -> Catalog:
+        catalog = Catalog(url)
+        try:
+            catalog.ensure_run(
+                self.name,
+                self.store.location.canonical_url,
+                kind=self.kind,
+                status="active",
+                total_steps=self.total_steps,
+                num_to_keep=self.config.num_to_keep,
+                keep_every_steps=self.config.keep_every_steps,
+            )
+        except BaseException:
+            catalog.close()
+            raise
+        return catalog
+
+    # -- when -------------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether the job saves after completing ``step``: every ``period_steps`` and at the
+        last step; only at the last step; or never."""
+        return self.config.saves_at(step, self.total_steps)
+
+    def maybe_save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> bool:
+        """``save`` if ``should_save(step)``; returns whether it saved."""
+        if not self.should_save(step):
+            return False
+        self.save(step, state, **kwargs)
+        return True
+
+    # -- save -------------------------------------------------------------------------------
+
+    def save(
+        self, step: int, state: Mapping[str, Any], *, rank_state: Mapping[str, Any] | None = None
+    ) -> None:
+        """Save ``state`` as checkpoint ``step`` (collective).
+
+        All ranks wait before and after. Tensors go through torch DCP (every rank writes its own
+        shards), everything else as JSON; rank 0 commits the marker, then the catalog row, then
+        applies retention. With ``async_save`` this returns once tensors are staged in host
+        memory; the rest happens in the background and a failure is raised by the next call.
+        """
+        self.wait()
+        layout = StateLayout(
+            state, trainable_only=self.model_stage.checkpoint_only_trainable_parameters
+        )
+        # Models and optimizers are shared by all ranks (DCP reshards them); every other entry
+        # is this rank's own, its tensors keyed under rank<r>/ so DCP keeps every rank's copy.
+        tensors, shared = split_state(layout.state_tree(IN_PLACE))
+        own_tensors, own = split_state(layout.state_tree(PER_RANK), (f"rank{self.coll.rank}",))
+        tensors.update(own_tensors)
+        self.coll.barrier()
+        row, primary, begin_error = None, None, None
+        if self.coll.is_main:
+            try:
+                row, primary = self._begin(step)
+            except Exception as exc:  # raised below, after the other ranks learn of it
+                begin_error = exc
+        try:
+            writer = zdcp.attach_ranks(
+                self.store, self.run, step, primary, process_group=self.coll.group
+            )
+        except Exception:
+            if begin_error is not None:
+                raise begin_error from None
+            raise
+        try:
+            self._write_json(writer, step, layout, shared, own, rank_state)
+            storage_writer = zdcp.ZephonStorageWriter(
+                writer, subdir=DCP_SUBDIR, commit_metadata={"step": step, "kind": self.kind}
+            )
+            if self.config.async_save:
+                future = zdcp.async_save(tensors, storage_writer, process_group=self.coll.group)
+                self._start_background(step, future, storage_writer, writer, row)
+                self.coll.barrier()
+                return
+            zdcp.save(tensors, storage_writer, process_group=self.coll.group)
+        except BaseException as exc:
+            self._failed(writer, row, step, exc)
+            raise
+        self._committed(step, storage_writer, row)
+        self.coll.barrier()
+
+    def _begin(self, step: int):
+        row = None
+        if self.catalog is not None:
+            row = self.catalog.begin_checkpoint(
+                self.name, step, self.store.checkpoint_url(self.run, step)
+            )
+        primary = self.store.begin(
+            self.run, step, attempt_id=row.attempt_id if row is not None else None
+        )
+        return row, primary
+
+    def _write_json(
+        self,
+        writer: CheckpointWriter,
+        step: int,
+        layout: StateLayout,
+        shared: Any,
+        own: Any,
+        rank_state: Mapping[str, Any] | None,
+    ) -> None:
+        """Every rank writes ``ranks/<rank>.json``; rank 0 collects their entries and writes
+        ``zephon.json``."""
+        mine: dict[str, Any] = {"state": own}
+        if self.save_rng:
+            mine["rng"] = capture_rng()
+        if rank_state is not None:
+            _, rank_skeleton = split_state(dict(rank_state))
+            if tensor_keys(rank_skeleton):
+                raise ZephonError("rank_state holds tensors: keep per-rank state to JSON values")
+            mine["rank_state"] = rank_skeleton
+        entry = writer.write_bytes(rank_file(self.coll.rank), encode_json(mine))
+        gathered = self.coll.gather(entry.to_dict())
+        if not self.coll.is_main:
+            return
+        writer.add_entries(FileEntry(**e) for e in gathered or [])
+        meta = {
+            "format_version": META_VERSION,
+            "run": self.run,
+            "name": self.name,
+            "kind": self.kind,
+            "step": step,
+            "total_steps": self.total_steps,
+            "world_size": self.coll.world_size,
+            "entries": layout.kinds(),
+            "trainable_only": layout.trainable_only,
+            "state": shared,
+        }
+        writer.write_bytes(META_FILE, encode_json(meta))
+
+    def _committed(self, step: int, storage_writer, row) -> None:
+        """Rank 0, after the marker: the catalog row, then retention."""
+        if not self.coll.is_main:
+            return
+        manifest = storage_writer.manifest
+        if self.catalog is not None and row is not None:
+            self.catalog.mark_committed(
+                self.name,
+                step,
+                row.attempt_id,
+                bytes=manifest.total_bytes,
+                file_count=manifest.file_count,
+                manifest_checksum=manifest.checksum(),
+                metadata={"step": step, "kind": self.kind},
+            )
+        self.apply_retention()
+
+    def _failed(self, writer: CheckpointWriter, row, step: int, exc: BaseException) -> None:
+        if not self.coll.is_main:
+            return
+        with contextlib.suppress(Exception):
+            writer.abort()
+        if self.catalog is not None and row is not None:
+            with contextlib.suppress(Exception):
+                self.catalog.mark_failed(
+                    self.name, step, row.attempt_id, f"{type(exc).__name__}: {exc}"
+                )
+
+    def apply_retention(self) -> list[int]:
+        """Rank 0: delete the checkpoints ``num_to_keep`` no longer keeps (seed 002: after
+        each save, the main process deletes the oldest). Returns the deleted steps."""
+        if not self.coll.is_main:
+            return []
+        if self.catalog is not None:
+            report = gc_run(self.catalog, self.location, orphans=False)
+            return [d["step"] for d in report.deleted]
+        if self.config.num_to_keep is None and self.config.keep_every_steps is None:
+            return []
+        return retain_without_catalog(
+            self.store, self.run, self.config.num_to_keep, self.config.keep_every_steps
+        )
+
+    # -- background saves ---------------------------------------------------------------------
+
+    def _start_background(self, step, future: Future, storage_writer, writer, row) -> None:
+        done: Future = Future()
+
+        def finish(upload: Future) -> None:
+            try:
+                upload.result()
+                self._committed(step, storage_writer, row)
+            except BaseException as exc:  # noqa: BLE001 - surfaced by the next call
+                self._failed(writer, row, step, exc)
+                done.set_exception(exc)
+                return
+            done.set_result(step)
+
+        future.add_done_callback(
+            lambda f: threading.Thread(
+                target=finish, args=(f,), name=f"zephon-commit-{step}", daemon=True
+            ).start()
+        )
+        with self._background_lock:
+            self._background = done
+
+    def wait(self) -> None:
+        """Wait for a background save; raise its failure, if it failed."""
+        with self._background_lock:
+            pending, self._background = self._background, None
+        if pending is not None:
+            pending.result()
+
+    # -- resume -------------------------------------------------------------------------------
+
+    def load_latest(self, state: Mapping[str, Any], *, allow_partial_load: bool = False) -> Resume:
+        """Load the latest complete checkpoint into ``state`` (collective) and say where to go.
+
+        No checkpoint: a fresh start at step 1. Interrupted: continue from the step after the
+        checkpoint (an inference job's data position makes it skip what it processed). Raised
+        ``total_steps``: continue to the new last step. Finished: log "Training is already
+        complete, nothing to do" (or "Inference ...") and return ``finished=True``.
+        """
+        self.wait()
+        found = None
+        if self.coll.is_main:
+            latest = find_latest(self.store, self.run, catalog=self.catalog, name=self.name)
+            if latest is not None:
+                found = {"step": latest.step, "url": latest.url}
+        found = self.coll.broadcast(found)
+        if found is None:
+            return Resume(step=None, next_step=1)
+        step = found["step"]
+        meta = self.coll.broadcast(self._read_meta(step) if self.coll.is_main else None)
+        saved_total = meta.get("total_steps")
+        if self.total_steps is not None and step >= self.total_steps:
+            log.info(ALREADY_COMPLETE[self.kind])
+            return Resume(
+                step=step,
+                next_step=step + 1,
+                finished=True,
+                url=found["url"],
+                saved_total_steps=saved_total,
+            )
+        layout = StateLayout(state, trainable_only=bool(meta.get("trainable_only")))
+        if layout.trainable_only:
+            self._load_source(layout)
+        values, rank_state = self._load(step, meta, layout, allow_partial_load)
+        return Resume(
+            step=step,
+            next_step=step + 1,
+            url=found["url"],
+            values=values,
+            rank_state=rank_state,
+            saved_total_steps=saved_total,
+        )
+
+    def _read_meta(self, step: int) -> dict[str, Any]:
+        reader = self.store.reader(self.run, step)
+        meta = decode_json(reader.read_bytes(META_FILE), f"{reader.url}/{META_FILE}")
+        if meta.get("format_version", 0) > META_VERSION:
+            raise ZephonError(f"{reader.url} was written by a newer Zephon; upgrade to load it")
+        return meta
+
+    def _load(
+        self, step: int, meta: dict[str, Any], layout: StateLayout, allow_partial_load: bool
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        kinds = layout.kinds()
+        saved_kinds: dict[str, str] = meta["entries"]
+        mismatched = [k for k, kind in kinds.items() if k in saved_kinds and saved_kinds[k] != kind]
+        if mismatched:
+            was = [saved_kinds[k] for k in mismatched]
+            now = [kinds[k] for k in mismatched]
+            raise ZephonError(
+                f"state entries {mismatched} were saved as {was} but are {now} now; pass the "
+                "same kinds of objects that were saved"
+            )
+        url = self.store.checkpoint_url(self.run, step)
+        checkpoint = self.store.reader(self.run, step)
+        # The same world size gets every rank its own state back; another one (an elastic
+        # resume) gets every rank rank 0's, and no RNG or rank_state.
+        same_world = meta.get("world_size") == self.coll.world_size
+        source_rank = self.coll.rank if same_world else 0
+        name = rank_file(source_rank)
+        mine = decode_json(checkpoint.read_bytes(name), f"{checkpoint.url}/{name}")
+
+        targets, _ = split_state(layout.load_targets())
+        shared = meta["state"]
+        saved = set(tensor_keys({k: v for k, v in shared.items() if k in kinds}))
+        extra = sorted(saved - set(targets))
+        if extra and not allow_partial_load:
+            shown = ", ".join(extra[:10]) + (" ..." if len(extra) > 10 else "")
+            raise zdcp.StateDictMismatchError(
+                f"checkpoint {url} holds {len(extra)} tensor(s) this state has no place for: "
+                f"{shown}; build the model and optimizer as they were when saved"
+            )
+        reader = zdcp.ZephonStorageReader(
+            self.store, self.run, step, subdir=DCP_SUBDIR, verify=self.config.verify_on_load
+        )
+        own = {k: v for k, v in mine["state"].items() if k in kinds}
+        own_keys = tensor_keys(own)
+        if own_keys:
+            metadata = reader.read_metadata()
+            for key in own_keys:
+                md = metadata.state_dict_metadata[key]
+                targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        zdcp.load(
+            targets, reader, process_group=self.coll.group, allow_partial_load=allow_partial_load
+        )
+        tree = join_state({k: v for k, v in shared.items() if k in kinds}, targets)
+        tree.update(join_state(own, targets))
+        values = layout.apply(tree)
+        rank_state = None
+        if same_world:
+            if self.save_rng and "rng" in mine:
+                restore_rng(mine["rng"])
+            if "rank_state" in mine:
+                rank_state = join_state(mine["rank_state"], {})
+        return values, rank_state
+
+    def _load_source(self, layout: StateLayout) -> None:
+        source = self.model_stage.source_checkpoint
+        if source is None:
+            raise ConfigError(
+                "this checkpoint holds only trainable parameters; set "
+                "model_stage_factory.source_checkpoint to load the frozen ones"
+            )
+        for key in layout.model_keys:
+            entry = next(e for e in layout.entries if e.key == key)
+            modules = (
+                [entry.value] if isinstance(entry.value, torch.nn.Module) else list(entry.value)
+            )
+            load_frozen_from_source(modules, source, self.config.storage_options)
+
+    # -- end ------------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Wait for background work and mark the run finished in the catalog."""
+        self.wait()
+        if self.catalog is not None:
+            self.catalog.update_run(self.name, status="finished")
+
+    def close(self) -> None:
+        """Wait for background work, then release the catalog and the process group."""
+        try:
+            self.wait()
+        finally:
+            if self.catalog is not None:
+                self.catalog.close()
+                self.catalog = None
+            self.coll.destroy()
+            self.store.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,219 @@
+"""Job configuration for checkpointing (seed 002), validated on construction.
+
+``load_job_config`` reads the seed's YAML shape::
+
+    run: {name: my-run}
+    trainer:
+      total_steps: 1000
+      checkpointing:
+        save_dir: s3://bucket/checkpoints
+        period_steps: 100            # int >= 1 | "last_step" | "disable"
+        num_to_keep: 2               # int >= 1 | null
+    model_stage_factory:
+      checkpoint_only_trainable_parameters: false
+      source_checkpoint: null
+
+Every invalid value raises ``ConfigError`` naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from zephon.errors import ConfigError
+
+__all__ = [
+    "CheckpointingConfig",
+    "JobConfig",
+    "ModelStageConfig",
+    "load_job_config",
+]
+
+PERIOD_WORDS = ("last_step", "disable")
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{key} = {value!r} is invalid: {allowed}")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointingConfig:
+    """``trainer.checkpointing``: where and how often a job saves, and how many it keeps."""
+
+    save_dir: str
+    period_steps: int | str = "last_step"
+    num_to_keep: int | None = None
+    #: also keep every checkpoint whose step is a multiple of this (milestones)
+    keep_every_steps: int | None = None
+    #: None: $ZEPHON_CATALOG_URL if set, else no catalog (the storage scan finds checkpoints)
+    catalog_url: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    #: return from save() once state is staged in host memory; write in the background
+    async_save: bool = False
+    #: shallow-verify (sizes) a checkpoint before loading it
+    verify_on_load: bool = True
+    prefix: str = "trainer.checkpointing"
+
+    def __post_init__(self) -> None:
+        p = self.prefix
+        if not isinstance(self.save_dir, str) or not self.save_dir.strip():
+            raise _fail(
+                f"{p}.save_dir",
+                self.save_dir,
+                "use a directory or fsspec URL, e.g. runs/checkpoints or s3://b/ckpt",
+            )
+        period = self.period_steps
+        if not (_positive_int(period) or period in PERIOD_WORDS):
+            raise _fail(
+                f"{p}.period_steps", period, 'use an integer >= 1, "last_step" or "disable"'
+            )
+        for key in ("num_to_keep", "keep_every_steps"):
+            value = getattr(self, key)
+            if value is not None and not _positive_int(value):
+                raise _fail(f"{p}.{key}", value, "use an integer >= 1, or null to keep all")
+        if self.catalog_url is not None and (
+            not isinstance(self.catalog_url, str) or "://" not in self.catalog_url
+        ):
+            raise _fail(
+                f"{p}.catalog_url",
+                self.catalog_url,
+                "use a SQLAlchemy URL such as sqlite:///catalog.db or "
+                "postgresql+psycopg://host/db, or leave it unset",
+            )
+        if not isinstance(self.storage_options, Mapping):
+            raise _fail(
+                f"{p}.storage_options", self.storage_options, "use a mapping of fsspec options"
+            )
+        self.storage_options = dict(self.storage_options)
+        for key in ("async_save", "verify_on_load"):
+            if not isinstance(getattr(self, key), bool):
+                raise _fail(f"{p}.{key}", getattr(self, key), "use true or false")
+
+    @property
+    def resolved_catalog_url(self) -> str | None:
+        return self.catalog_url or os.environ.get("ZEPHON_CATALOG_URL") or None
+
+    def saves_at(self, step: int, total_steps: int | None) -> bool:
+        """Whether a job saves after completing ``step`` (seed 002 "Where and When")."""
+        if self.period_steps == "disable":
+            return False
+        is_last = total_steps is not None and step == total_steps
+        if self.period_steps == "last_step":
+            return is_last
+        return is_last or step % int(self.period_steps) == 0
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelStageConfig:
+    """``model_stage_factory``: checkpoint only trainable parameters, frozen ones from a source."""
+
+    checkpoint_only_trainable_parameters: bool = False
+    #: a .safetensors file, a directory of them (with model.safetensors.index.json), or a
+    #: Zephon checkpoint URL (<save_dir>/<run>/save-<step>)
+    source_checkpoint: str | None = None
+    prefix: str = "model_stage_factory"
+
+    def __post_init__(self) -> None:
+        flag = self.checkpoint_only_trainable_parameters
+        if not isinstance(flag, bool):
+            raise _fail(
+                f"{self.prefix}.checkpoint_only_trainable_parameters", flag, "use true or false"
+            )
+        source = self.source_checkpoint
+        if source is not None and (not isinstance(source, str) or not source.strip()):
+            raise _fail(
+                f"{self.prefix}.source_checkpoint",
+                source,
+                "use a path or URL of a .safetensors export or a Zephon checkpoint",
+            )
+        if flag and source is None:
+            raise ConfigError(
+                f"{self.prefix}.checkpoint_only_trainable_parameters is true but "
+                f"{self.prefix}.source_checkpoint is not set: a resumed job needs the frozen "
+                "parameters from somewhere; point source_checkpoint at the base model"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    run_name: str | None
+    total_steps: int | None
+    checkpointing: CheckpointingConfig
+    model_stage: ModelStageConfig = field(default_factory=ModelStageConfig)
+
+
+def _section(tree: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    value = tree.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise _fail(f"{where}{key}", value, "use a mapping")
+    return value
+
+
+_CHECKPOINTING_KEYS = {
+    "save_dir",
+    "period_steps",
+    "num_to_keep",
+    "keep_every_steps",
+    "catalog_url",
+    "storage_options",
+    "async_save",
+    "verify_on_load",
+}
+# model_stage_factory holds the product's other model settings too; only these are ours
+_MODEL_STAGE_KEYS = {"checkpoint_only_trainable_parameters", "source_checkpoint"}
+
+
+def load_job_config(source: str | os.PathLike | Mapping[str, Any]) -> JobConfig:
+    """Build a ``JobConfig`` from a YAML file path or an already-parsed mapping."""
+    if isinstance(source, Mapping):
+        tree: Any = source
+    else:
+        import yaml
+
+        try:
+            with open(source) as handle:
+                tree = yaml.safe_load(handle) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {os.fspath(source)!r} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                f"config file {os.fspath(source)!r} is not valid YAML: {exc}"
+            ) from None
+    if not isinstance(tree, Mapping):
+        raise ConfigError(f"the job config must be a mapping at the top, got {type(tree).__name__}")
+    run = _section(tree, "run", "")
+    trainer = _section(tree, "trainer", "")
+    checkpointing = _section(trainer, "checkpointing", "trainer.")
+    stage = _section(tree, "model_stage_factory", "")
+    unknown = sorted(set(checkpointing) - _CHECKPOINTING_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"trainer.checkpointing.{unknown[0]} is not a known setting; known: "
+            f"{', '.join(sorted(_CHECKPOINTING_KEYS))}"
+        )
+    if "save_dir" not in checkpointing:
+        raise ConfigError("trainer.checkpointing.save_dir is required: where checkpoints go")
+    total = trainer.get("total_steps")
+    if total is not None and not _positive_int(total):
+        raise _fail("trainer.total_steps", total, "use an integer >= 1")
+    name = run.get("name")
+    if name is not None:
+        from storage import InvalidNameError, validate_run
+
+        try:
+            validate_run(name)
+        except InvalidNameError:
+            raise _fail("run.name", name, "use 1-128 characters of A-Z a-z 0-9 . _ -") from None
+    return JobConfig(
+        run_name=name,
+        total_steps=total,
+        checkpointing=CheckpointingConfig(**dict(checkpointing)),
+        model_stage=ModelStageConfig(**{k: v for k, v in stage.items() if k in _MODEL_STAGE_KEYS}),
+    )

@@ -1,0 +1,104 @@
+"""Starting, waiting for and preempting the ranks of ``zephon.demo.job`` as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from zephon.demo.job import JobSpec
+
+__all__ = ["Ranks", "free_port", "read_losses"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Ranks:
+    """``world`` processes running one job spec, one rank each (gloo on 127.0.0.1)."""
+
+    def __init__(self, spec: JobSpec, world: int, *, env: dict[str, str] | None = None) -> None:
+        self.spec = spec
+        port = str(free_port())
+        base = {
+            **os.environ,
+            **(env or {}),
+            "WORLD_SIZE": str(world),
+            "MASTER_PORT": port,
+            "PYTHONWARNINGS": "ignore",
+        }
+        argv = [sys.executable, "-m", "zephon.demo.job", json.dumps(asdict(spec))]
+        self.procs = [
+            subprocess.Popen(
+                argv,
+                env={**base, "RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            for rank in range(world)
+        ]
+
+    def wait(self, timeout: float = 300) -> dict[str, Any]:
+        """Wait for every rank; raise with their stderr if one failed. Rank 0's summary."""
+        outputs = [proc.communicate(timeout=timeout) for proc in self.procs]
+        failed = [
+            (r, p.returncode, err)
+            for r, (p, (_, err)) in enumerate(zip(self.procs, outputs, strict=True))
+            if p.returncode != 0
+        ]
+        if failed:
+            rank, code, err = failed[0]
+            raise RuntimeError(f"rank {rank} exited with {code}:\n{err[-4000:]}")
+        return json.loads(outputs[0][0].strip().splitlines()[-1])
+
+    def kill_after_step(self, step: int, timeout: float = 300) -> int:
+        """SIGKILL every rank once rank 0 has logged ``step``; returns the last step logged."""
+        path = os.path.join(self.spec.out_dir, f"{self.spec.tag}-losses-r0.jsonl")
+        deadline = time.monotonic() + timeout
+        while True:
+            logged = read_losses(path)
+            if logged and max(logged) >= step:
+                break
+            if any(p.poll() is not None for p in self.procs):
+                self.kill()
+                raise RuntimeError(
+                    f"a rank exited before step {step}: "
+                    f"{[p.communicate()[1][-2000:] for p in self.procs]}"
+                )
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"step {step} not reached in {timeout} s")
+            time.sleep(0.01)
+        self.kill()
+        return max(read_losses(path))
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            proc.communicate()
+
+
+def read_losses(path: str) -> dict[int, float]:
+    """step -> loss from a job's losses file (the last line for a step wins)."""
+    out: dict[int, float] = {}
+    if not os.path.exists(path):
+        return out
+    with open(path) as handle:
+        for line in handle:
+            if line.endswith("\n"):
+                record = json.loads(line)
+                out[record["step"]] = record["loss"]
+    return out
