@@ -3,6 +3,7 @@ resumed run equals an uninterrupted one bit for bit."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
@@ -54,9 +55,9 @@ def spec(tmp_path) -> JobSpec:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_sigkill_and_resume_equals_an_uninterrupted_run_locally(spec, world, tmp_path):
-    spec = replace(spec, catalog_url=f"sqlite:///{tmp_path / 'catalog.db'}")
+@pytest.mark.parametrize(("world", "async_save"), [(2, False), (4, False), (2, True)])
+def test_sigkill_and_resume_equals_an_uninterrupted_run_locally(spec, world, async_save, tmp_path):
+    spec = replace(spec, catalog_url=f"sqlite:///{tmp_path / 'catalog.db'}", async_save=async_save)
     last, summary = preempt_and_resume(spec, world, kill_after=7)
     resumed_from = summary["resumed_from"]
     assert resumed_from is not None and resumed_from <= last and resumed_from % 3 == 0
@@ -86,3 +87,37 @@ def test_sigkill_and_resume_on_s3_with_postgres(spec, world, s3_backend, postgre
         assert min(b) == summary["resumed_from"] + 1
         assert {s: full[s] for s in b} == b
         assert_same_state(final(spec, "full", rank), final(spec, "b", rank))
+
+
+def outputs(spec: JobSpec, tag: str, rank: int) -> dict[int, list[int]]:
+    path = os.path.join(spec.out_dir, f"{tag}-outputs-r{rank}.jsonl")
+    with open(path) as handle:
+        return {r["step"]: r["ids"] for r in map(json.loads, handle)}
+
+
+@pytest.mark.slow
+def test_a_resumed_inference_job_skips_the_data_it_already_processed(tmp_path):
+    world = 2
+    spec = JobSpec(
+        save_dir=str(tmp_path / "infer"),
+        out_dir=str(tmp_path),
+        kind="inference",
+        run=None,
+        total_steps=128,
+        period_steps=16,
+        num_to_keep=1,
+    )
+    Ranks(replace(spec, tag="a", step_sleep_s=0.02), world).kill_after_step(40)
+    summary = Ranks(replace(spec, tag="b"), world).wait()
+    resumed_from = summary["resumed_from"]
+    assert resumed_from in (32, 48)
+    assert sorted(os.listdir(tmp_path / "infer")) == ["save-128"]  # num_to_keep: 1
+    every = []
+    for rank in range(world):
+        before = outputs(spec, "a", rank)
+        after = outputs(spec, "b", rank)
+        assert min(after) == resumed_from + 1 and max(after) == 128
+        kept = [i for s in range(1, resumed_from + 1) for i in before[s]]
+        every += kept + [i for ids in after.values() for i in ids]
+    assert sorted(every) == list(range(2048))  # each record processed once, none skipped
+    assert Ranks(replace(spec, tag="c"), world).wait()["finished"] is True

@@ -64,7 +64,8 @@ class Ranks:
 
     def kill_after_step(self, step: int, timeout: float = 300) -> int:
         """SIGKILL every rank once rank 0 has logged ``step``; returns the last step logged."""
-        path = os.path.join(self.spec.out_dir, f"{self.spec.tag}-losses-r0.jsonl")
+        log = "losses" if self.spec.kind == "train" else "outputs"
+        path = os.path.join(self.spec.out_dir, f"{self.spec.tag}-{log}-r0.jsonl")
         deadline = time.monotonic() + timeout
         while True:
             logged = read_losses(path)
@@ -91,8 +92,9 @@ class Ranks:
             proc.communicate()
 
 
-def read_losses(path: str) -> dict[int, float]:
-    """step -> loss from a job's losses file (the last line for a step wins)."""
+def read_losses(path: str) -> dict[int, Any]:
+    """step -> loss (or, for an outputs file, the ids) from a job's log; the last line for a
+    step wins."""
     out: dict[int, float] = {}
     if not os.path.exists(path):
         return out
@@ -100,5 +102,5 @@ def read_losses(path: str) -> dict[int, float]:
         for line in handle:
             if line.endswith("\n"):
                 record = json.loads(line)
-                out[record["step"]] = record["loss"]
+                out[record["step"]] = record.get("loss", record.get("ids"))
     return out
