@@ -21,13 +21,17 @@ class Collectives:
     def __init__(self, timeout: dt.timedelta = dt.timedelta(minutes=30)) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
-            # Every rank must create the group, in the same order: the manager is constructed
-            # on every rank at the same point of the program.
+            # Every rank must create the groups, in the same order: the manager is constructed
+            # on every rank at the same point of the program. ``group`` carries the manager's
+            # own collectives; ``io_group`` torch DCP's, which run in a background thread
+            # during an async save while the main thread may use ``group``.
             self.group = dist.new_group(backend="gloo", timeout=timeout)
+            self.io_group = dist.new_group(backend="gloo", timeout=timeout)
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
         else:
             self.group = None
+            self.io_group = None
             self.rank = 0
             self.world_size = 1
 
@@ -63,6 +67,8 @@ class Collectives:
         return out
 
     def destroy(self) -> None:
-        if self.distributed and self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        if self.distributed:
+            for group in (self.group, self.io_group):
+                if group is not None:
+                    dist.destroy_process_group(group)
+            self.group = self.io_group = None

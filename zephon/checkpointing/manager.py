@@ -207,11 +207,11 @@ class CheckpointManager:
                 writer, subdir=DCP_SUBDIR, commit_metadata={"step": step, "kind": self.kind}
             )
             if self.config.async_save:
-                future = zdcp.async_save(tensors, storage_writer, process_group=self.coll.group)
+                future = zdcp.async_save(tensors, storage_writer, process_group=self.coll.io_group)
                 self._start_background(step, future, storage_writer, writer, row)
                 self.coll.barrier()
                 return
-            zdcp.save(tensors, storage_writer, process_group=self.coll.group)
+            zdcp.save(tensors, storage_writer, process_group=self.coll.io_group)
         except BaseException as exc:
             self._failed(writer, row, step, exc)
             raise
@@ -433,7 +433,7 @@ class CheckpointManager:
                 md = metadata.state_dict_metadata[key]
                 targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         zdcp.load(
-            targets, reader, process_group=self.coll.group, allow_partial_load=allow_partial_load
+            targets, reader, process_group=self.coll.io_group, allow_partial_load=allow_partial_load
         )
         tree = join_state({k: v for k, v in shared.items() if k in kinds}, targets)
         tree.update(join_state(own, targets))
