@@ -18,6 +18,7 @@ from zephon.dcp.errors import (
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, encode_metadata
 from zephon.dcp.planner import ZephonLoadPlanner
 from zephon.dcp.reader import ZephonStorageReader
+from zephon.dcp.staging import ZephonStager
 from zephon.dcp.writer import METADATA_FILE, ZephonStorageWriter
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "StateDictMismatchError",
     "WriterSetupError",
     "ZephonLoadPlanner",
+    "ZephonStager",
     "ZephonStorageReader",
     "ZephonStorageWriter",
     "as_zephon_error",

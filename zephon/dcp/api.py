@@ -21,6 +21,7 @@ from storage import CheckpointStore, CheckpointWriter, StorageError
 from zephon.dcp.errors import DistributedCheckpointError, WriterSetupError
 from zephon.dcp.planner import ZephonLoadPlanner
 from zephon.dcp.reader import ZephonStorageReader
+from zephon.dcp.staging import ZephonStager
 from zephon.dcp.writer import ZephonStorageWriter
 from zephon.errors import ZephonError
 
@@ -105,20 +106,26 @@ def async_save(
     *,
     planner: SavePlanner | None = None,
     process_group: dist.ProcessGroup | None = None,
+    stager: ZephonStager | None = None,
 ) -> Future[Metadata]:
-    """Collective: stage ``state_dict`` into fresh host memory (a copy, so later in-place updates
-    do not reach the checkpoint), then write and commit in a background thread.
+    """Collective: stage ``state_dict`` into host memory (a copy, so later in-place updates do
+    not reach the checkpoint), then write and commit in a background thread.
 
     Returns once staging is done. The future completes with the DCP metadata once committed, or
     fails with the translated error. Use a process group reserved for checkpointing (e.g.
     ``dist.new_group(backend="gloo")``): the background thread runs collectives on it while
-    training goes on.
+    training goes on. With a long-lived ``stager`` the copy goes into the buffers of the previous
+    save (after waiting for that save to finish), which is several times faster than DCP's
+    default of fresh memory each time.
     """
+    if stager is not None:
+        stager.wait_idle()
     response = dcp.async_save(
         state_dict,
         storage_writer=writer,
         planner=planner,
         process_group=process_group,
+        async_stager=stager,
         no_dist=_no_dist(process_group),
     )
     upload: Future = getattr(response, "upload_completion", response)
@@ -130,6 +137,8 @@ def async_save(
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
             result.set_exception(as_zephon_error(exc, where=writer.url))
 
+    if stager is not None:
+        stager.track(result)
     upload.add_done_callback(settle)
     return result
 

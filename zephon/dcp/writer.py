@@ -26,6 +26,7 @@ from torch.futures import Future
 
 from storage import CheckpointWriter, FileEntry, Manifest
 from storage.layout import validate_file_name
+from zephon.dcp._writeback import Writeback
 from zephon.dcp.errors import WriterSetupError
 from zephon.dcp.metadata_codec import FORMAT_VERSION, ShardSlice, dtype_name, encode_metadata
 
@@ -35,6 +36,8 @@ __all__ = ["METADATA_FILE", "ZephonStorageWriter", "shard_prefix"]
 METADATA_FILE = "dcp_metadata.json"
 #: version of torch DCP's metadata semantics these files follow (torch's FileSystemWriter's)
 _DCP_VERSION = "1.0.0"
+#: bytes handed to the storage writer at a time: each one's writeback starts while the next copies
+_PIECE = 16 << 20
 
 CommitMetadata = Mapping[str, Any] | Callable[[Metadata], Mapping[str, Any]]
 
@@ -291,8 +294,18 @@ class ZephonStorageWriter(StorageWriter):
         self, name: str, items: list[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
         placed: list[tuple[WriteItem, ShardSlice]] = []
-        with self.writer.open(name) as out:
+        # Local paths have no scheme in the writer's URL; only there is early writeback possible.
+        local_path = None if "://" in self.writer.url else f"{self.writer.path}/{name}"
+        with self.writer.open(name) as out, Writeback(local_path) as writeback:
             position = 0
+
+            def emit(view: memoryview) -> int:
+                for start in range(0, view.nbytes, _PIECE):
+                    piece = view[start : start + _PIECE]
+                    out.write(piece)
+                    writeback.push(position + start, piece.nbytes)
+                return view.nbytes
+
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -303,8 +316,7 @@ class ZephonStorageWriter(StorageWriter):
                         )
                     view = data.getbuffer()
                     try:
-                        out.write(view)
-                        length = view.nbytes
+                        length = emit(view)
                     finally:
                         view.release()
                     where = ShardSlice(name, position, length, "bytes")
@@ -315,8 +327,7 @@ class ZephonStorageWriter(StorageWriter):
                             f"{type(data).__name__}, expected a torch.Tensor"
                         )
                     view, dtype, shape = _tensor_bytes(data)
-                    out.write(view)
-                    length = view.nbytes
+                    length = emit(view)
                     where = ShardSlice(name, position, length, "raw", dtype_name(dtype), shape)
                 position += length
                 placed.append((item, where))

@@ -1,0 +1,352 @@
+"""Save/restore benchmark: Zephon's DCP writer and reader against torch DCP's own.
+
+    python benchmarks/save_restore.py [--mib 1024] [--ranks 2] [--repeats 2] [--backends local,s3]
+
+Model + Adam state (fp32 Linear layers; parameters, exp_avg and exp_avg_sq) of ``--mib`` MiB in
+total, split over ``--ranks`` gloo processes on the CPU, each holding its own rank-unique keys
+(as sharded training does). In one run, per backend:
+
+(a) save: ``ZephonStorageWriter`` (begin + attach + write + metadata + commit marker) vs torch's
+    ``FileSystemWriter`` (local) / ``FsspecWriter`` (S3 on moto's server). Goal: ratio >= 1.2.
+(b) load into preallocated state: ``ZephonStorageReader`` vs ``FileSystemReader`` /
+    ``FsspecReader``. Locally twice: cold (the files evicted from the page cache with
+    ``posix_fadvise``) and warm. Goal: ratio >= 1.2.
+(c) async save: how long ``zephon.dcp.async_save`` (with begin and attach) blocks the caller,
+    against Zephon's synchronous save. Goal: <= 0.2.
+
+Ratios in (a) and (b) are baseline time / Zephon time: above 1 means Zephon is faster. Each
+figure is the median over ``--repeats`` (order of baseline and Zephon alternates per repeat);
+a timed step starts and ends with a barrier, so it is the slowest rank's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+
+from _common import REPO, servers, table
+
+RUN = "bench"
+
+
+# -- worker (one rank) ---------------------------------------------------------------------------
+
+
+def build_state(rank: int, per_rank_mib: float):
+    import torch
+    import torch.nn as nn
+
+    width = 1024 if per_rank_mib >= 48 else 256
+    layer_mib = (width * width + width) * 4 / (1 << 20)
+    layers = max(1, round(per_rank_mib / 3 / layer_mib))
+    torch.manual_seed(rank)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return {f"rank{rank}": {"model": model.state_dict(), "optim": optim.state_dict()}}
+
+
+def empty_like_state(state):
+    import torch
+
+    if isinstance(state, dict):
+        return {k: empty_like_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [empty_like_state(v) for v in state]
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)  # zeros, so its pages exist before anything is timed
+    return state
+
+
+def tensors_of(state, out=None):
+    import torch
+
+    out = [] if out is None else out
+    if isinstance(state, dict):
+        for v in state.values():
+            tensors_of(v, out)
+    elif isinstance(state, list):
+        for v in state:
+            tensors_of(v, out)
+    elif isinstance(state, torch.Tensor):
+        out.append(state)
+    return out
+
+
+def evict(directory: str) -> None:
+    """Drop a directory's (clean, fsynced) pages from the page cache: the next read is cold."""
+    for dirpath, _dirs, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def worker(rank: int, world: int, port: int, config: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    from storage import CheckpointStore
+    from zephon import dcp as zd
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=dt.timedelta(minutes=30))
+    ckpt_group = dist.new_group(backend="gloo")
+    url, options, local = config["url"], config["storage_options"], config["local"]
+    store = CheckpointStore(url, options)
+    state = build_state(rank, config["mib"] / world)
+    target = empty_like_state(state)
+    source_tensors, target_tensors = tensors_of(state), tensors_of(target)
+    nbytes = sum(t.numel() * t.element_size() for t in source_tensors)
+    # A job keeps one stager: its buffers are allocated by the first async save (here, untimed)
+    # and reused by every later one.
+    stager = zd.ZephonStager()
+    stager.stage(state)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    def check_loaded(label: str) -> None:
+        for a, b in zip(source_tensors, target_tensors, strict=True):
+            if not torch.equal(a, b):
+                raise AssertionError(f"{label}: loaded state differs from the saved state")
+            b.zero_()
+
+    def dcp_dir(i: int) -> str:
+        return f"{url}/dcp-baseline-{i}"
+
+    def dcp_save(i: int) -> None:
+        if local:
+            writer = FileSystemWriter(dcp_dir(i), thread_count=config["dcp_threads"])
+        else:
+            writer = FsspecWriter(dcp_dir(i), thread_count=config["dcp_threads"], **options)
+        dcp.save(state, storage_writer=writer)
+
+    def dcp_load(i: int) -> None:
+        reader = FileSystemReader(dcp_dir(i)) if local else FsspecReader(dcp_dir(i), **options)
+        dcp.load(target, storage_reader=reader)
+
+    def zephon_writer(step: int) -> zd.ZephonStorageWriter:
+        primary = store.begin(RUN, step) if rank == 0 else None
+        writer = zd.attach_ranks(store, RUN, step, primary)
+        return zd.ZephonStorageWriter(writer, thread_count=config["threads"])
+
+    def zephon_save(step: int) -> None:
+        zd.save(state, zephon_writer(step))
+
+    def zephon_load(step: int) -> None:
+        zd.load(target, zd.ZephonStorageReader(store, RUN, step))
+
+    records = []
+    for i in range(config["repeats"]):
+        step = 2 * i
+        r: dict = {}
+        sides = [
+            ("dcp", lambda i=i: dcp_save(i), lambda i=i: dcp_load(i), dcp_dir(i)),
+            (
+                "zephon",
+                lambda s=step: zephon_save(s),
+                lambda s=step: zephon_load(s),
+                store.checkpoint_path(RUN, step),
+            ),
+        ]
+        if i % 2:
+            sides.reverse()
+        for name, save, _load, _path in sides:
+            r[f"{name}_save"] = timed(save)
+        for name, _save, load, path in sides:
+            if local:
+                if rank == 0:
+                    evict(path)
+                r[f"{name}_load_cold"] = timed(load)
+                check_loaded(f"{name} cold load")
+                r[f"{name}_load_warm"] = timed(load)
+                check_loaded(f"{name} warm load")
+            else:
+                r[f"{name}_load"] = timed(load)
+                check_loaded(f"{name} load")
+
+        # async: what the training loop waits for, then the whole background save
+        dist.barrier()
+        start = time.perf_counter()
+        future = zd.async_save(
+            state, zephon_writer(step + 1), process_group=ckpt_group, stager=stager
+        )
+        blocked = time.perf_counter() - start
+        future.result()
+        done = time.perf_counter() - start
+        blocks = [None] * world
+        dist.all_gather_object(blocks, (blocked, done))
+        r["async_block"] = max(b[0] for b in blocks)
+        r["async_total"] = max(b[1] for b in blocks)
+        zephon_load(step + 1)
+        check_loaded("async save")
+
+        dist.barrier()
+        if rank == 0:
+            store.delete(RUN, step)
+            store.delete(RUN, step + 1)
+            if local:
+                shutil.rmtree(dcp_dir(i), ignore_errors=True)
+            else:
+                store.location.fs.rm(dcp_dir(i), recursive=True)
+        dist.barrier()
+        records.append(r)
+
+    if rank == 0:
+        print("RESULT " + json.dumps({"bytes_per_rank": nbytes, "records": records}), flush=True)
+    store.close()
+    dist.destroy_process_group()
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+def run_backend(name: str, url: str, options: dict, args) -> dict:
+    port = servers.free_port()
+    config = {
+        "url": url,
+        "storage_options": options,
+        "local": name == "local",
+        "mib": args.mib,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "dcp_threads": args.dcp_threads,
+    }
+    env = {**os.environ, "PYTHONPATH": REPO}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                str(rank),
+                str(args.ranks),
+                str(port),
+                json.dumps(config),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(args.ranks)
+    ]
+    outputs = [p.communicate()[0] for p in procs]
+    for p in procs:
+        if p.returncode != 0:
+            raise SystemExit(f"{name}: a rank exited with {p.returncode}")
+    line = next(x for x in outputs[0].splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def median(records: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in records)
+
+
+def report(name: str, result: dict, args) -> list[str]:
+    records = result["records"]
+    total_mib = result["bytes_per_rank"] * args.ranks / (1 << 20)
+    baseline = "FileSystemWriter/Reader" if name == "local" else "FsspecWriter/Reader"
+    rows = []
+    loads = ["load_cold", "load_warm"] if name == "local" else ["load"]
+    for op in ["save", *loads]:
+        base, zep = median(records, f"dcp_{op}"), median(records, f"zephon_{op}")
+        ratio = base / zep
+        rows.append(
+            (
+                op.replace("_", " "),
+                f"{base:.2f}",
+                f"{total_mib / base:.0f}",
+                f"{zep:.2f}",
+                f"{total_mib / zep:.0f}",
+                f"{ratio:.2f}",
+                ">= 1.2 " + ("ok" if ratio >= 1.2 else "MISSED"),
+            )
+        )
+    block, sync = median(records, "async_block"), median(records, "zephon_save")
+    total = median(records, "async_total")
+    rows.append(
+        (
+            "async blocks",
+            "",
+            "",
+            f"{block:.2f}",
+            f"(all done {total:.2f} s)",
+            f"{block / sync:.2f}",
+            "<= 0.2 " + ("ok" if block / sync <= 0.2 else "MISSED"),
+        )
+    )
+    headers = ("operation", "DCP s", "MiB/s", "Zephon s", "MiB/s", "ratio", "goal")
+    title = (
+        f"{name}: {total_mib:.0f} MiB model+Adam state, {args.ranks} ranks, median of "
+        f"{args.repeats}; baseline torch {baseline} (thread_count={args.dcp_threads}), "
+        f"Zephon thread_count={args.threads}"
+    )
+    return [title, table(rows, headers), ""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=1024, help="total state size over all ranks")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--backends", default="local,s3")
+    parser.add_argument("--threads", type=int, default=4, help="Zephon writer files per rank")
+    parser.add_argument("--dcp-threads", type=int, default=1, help="DCP writer thread_count")
+    parser.add_argument("--dir", default=None, help="local directory (default: a temp dir)")
+    parser.add_argument("--verbose", action="store_true", help="print every repeat's times")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        rank, world, port, config = args.worker
+        worker(int(rank), int(world), int(port), json.loads(config))
+        return
+
+    lines = []
+    for name in args.backends.split(","):
+        if name == "local":
+            base = tempfile.mkdtemp(prefix="zephon-bench-", dir=args.dir)
+            try:
+                result = run_backend("local", os.path.join(base, "ckpt"), {}, args)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+        elif name == "s3":
+            with servers.s3_server() as s3:
+                bucket = f"bench-{uuid.uuid4().hex[:8]}"
+                s3.create_bucket(bucket)
+                result = run_backend("s3", f"s3://{bucket}/ckpt", s3.storage_options(), args)
+        else:
+            raise SystemExit(f"unknown backend {name!r}: use local and/or s3")
+        if args.verbose:
+            for record in result["records"]:
+                print(name, json.dumps({k: round(v, 3) for k, v in record.items()}), flush=True)
+        lines += report(name, result, args)
+        print("\n".join(lines[-3:]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
