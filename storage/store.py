@@ -311,17 +311,57 @@ class CheckpointStore:
         """Delete a checkpoint: marker first (it stops being complete), then the payload in
         batched requests, then the directory. Idempotent; finishes a delete that crashed.
         Returns the number of payload files removed."""
-        path = self.checkpoint_path(run, step)
-        marker = self._marker(run, step)
+        return self.delete_many(run, [step])[step]
+
+    def delete_many(self, run: str | None, steps: Iterable[int]) -> dict[int, int]:
+        """Delete several checkpoints of one run with as few requests as the backend allows.
+
+        Every marker goes first, in one batched request (none of them is complete any more
+        before any payload is touched), then the payload of all of them in batches (S3:
+        1,000 keys per DeleteObjects), found with one listing of the run when there are
+        several steps. Idempotent. Returns step -> payload files removed.
+        """
+        steps = sorted({validate_step(s) for s in steps})
+        if not steps:
+            return {}
         location = self.location
-        with backend_errors(location, f"deleting {self.checkpoint_url(run, step)}"):
-            remove_files(location, [marker])
+        where = (
+            self.checkpoint_url(run, steps[0])
+            if len(steps) == 1
+            else f"{len(steps)} checkpoints of {self.location.display(self.run_path(run))}"
+        )
+        with backend_errors(location, f"deleting {where}"):
+            remove_files(location, [self._marker(run, step) for step in steps])
             if location.is_local:
-                fsync_dir(path)  # the marker's removal must be durable before the payload goes
-            payload = [f.path for f in list_files(location, path)]
-            remove_files(location, payload)
-            remove_empty_dirs(location, path)
-        return len(payload)
+                for step in steps:  # the markers' removal is durable before any payload goes
+                    fsync_dir(self.checkpoint_path(run, step))
+            payload = self._payload_of(run, steps)
+            remove_files(location, [path for paths in payload.values() for path in paths])
+            for step in steps:
+                remove_empty_dirs(location, self.checkpoint_path(run, step))
+        return {step: len(payload[step]) for step in steps}
+
+    def _payload_of(self, run: str | None, steps: list[int]) -> dict[int, list[str]]:
+        location = self.location
+        if len(steps) == 1:
+            path = self.checkpoint_path(run, steps[0])
+            return {steps[0]: [f.path for f in list_files(location, path)]}
+        wanted = {f"{self.checkpoint_path(run, step)}/": step for step in steps}
+        found: dict[int, list[str]] = {step: [] for step in steps}
+        base = self.run_path(run)
+        listing = (
+            list_files(location, base)
+            if run is not None or location.is_local
+            else [
+                f for step in steps for f in list_files(location, self.checkpoint_path(run, step))
+            ]
+        )
+        for listed in listing:
+            head = listed.path[len(base) + 1 :].split("/", 1)[0]
+            step = wanted.get(f"{base}/{head}/")
+            if step is not None:
+                found[step].append(listed.path)
+        return found
 
     def runs(self) -> list[str]:
         """Names of the run directories under the root (one delimited listing)."""

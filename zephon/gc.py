@@ -107,10 +107,12 @@ def gc_run(
         for step in candidates:
             report.deleted.append({"run": name, "step": step, "files": None})
     elif candidates:
-        for row in catalog.claim_for_deletion(name, candidates, lease=lease):
-            files = store.delete(storage_run, row.step)
+        claimed = catalog.claim_for_deletion(name, candidates, lease=lease)
+        # One batched delete for all claimed checkpoints: every marker first, then payloads.
+        removed = store.delete_many(storage_run, [row.step for row in claimed])
+        for row in claimed:
             catalog.mark_deleted(name, row.step, row.claimed_by)
-            report.deleted.append({"run": name, "step": row.step, "files": files})
+            report.deleted.append({"run": name, "step": row.step, "files": removed[row.step]})
 
     if orphans:
         _remove_orphans(catalog, location, grace, dry_run, report)

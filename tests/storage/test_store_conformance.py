@@ -381,3 +381,17 @@ def _files(store, run, step):
     from storage.backend import list_files
 
     return list_files(store.location, store.checkpoint_path(run, step))
+
+
+def test_delete_many_removes_every_marker_before_any_payload(store):
+    for step in range(4):
+        save(store, "r", step, {f"f{i}": b"x" for i in range(3)})
+    assert store.delete_many("r", [0, 1, 2]) == {0: 3, 1: 3, 2: 3}
+    assert [s.step for s in store.list_steps("r")] == [3]
+    assert store.verify("r", 3, deep=True).ok
+    assert store.delete_many("r", [0, 1]) == {0: 0, 1: 0}
+    assert store.delete_many("r", []) == {}
+    save(store, None, 1, {"a": b"1"})
+    save(store, None, 2, {"a": b"1"})
+    assert store.delete_many(None, [1, 2]) == {1: 1, 2: 1}
+    assert store.list_steps(None) == []

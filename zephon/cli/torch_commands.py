@@ -2,6 +2,164 @@
 
 from __future__ import annotations
 
+import argparse
+import re
+
+from zephon.cli.render import console, human_bytes, print_json, print_table
+from zephon.errors import ConfigError
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?", re.IGNORECASE)
+_FACTORS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MiB``, ``1e9`` bytes..."""
+    match = _SIZE.fullmatch(text.strip())
+    unit = (match.group(2) or "").lower() if match else None
+    if match is None or unit not in _FACTORS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use a number with an optional unit, e.g. 5GB or 500MiB"
+        )
+    return int(float(match.group(1)) * _FACTORS[unit])
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from zephon.checkpointing import export_safetensors
+    from zephon.cli.commands import EXIT_NOT_FOUND, _locate
+    from zephon.latest import find_latest
+    from zephon.locations import storage_options_from_env
+
+    store, storage_run, cat, name = _locate(args)
+    try:
+        step = args.step
+        if step is None:
+            latest = find_latest(store, storage_run, catalog=cat, name=name)
+            if latest is None:
+                console.print(f"no complete checkpoint to export for run {args.run}")
+                return EXIT_NOT_FOUND
+            step = latest.step
+    finally:
+        if cat is not None:
+            cat.close()
+    result = export_safetensors(
+        store,
+        storage_run,
+        step,
+        args.out,
+        key=args.key,
+        max_shard_bytes=args.max_shard_size,
+        source_checkpoint=args.source,
+        storage_options=storage_options_from_env(args.storage_options),
+    )
+    if args.json:
+        print_json(
+            {
+                "directory": result.directory,
+                "files": result.files,
+                "step": result.step,
+                "tensors": result.tensors,
+                "total_bytes": result.total_bytes,
+            }
+        )
+    else:
+        console.print(
+            f"exported step {result.step}: {result.tensors} tensors, "
+            f"{human_bytes(result.total_bytes)} in {len(result.files) - 1} file(s) "
+            f"to {result.directory}"
+        )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from zephon.demo import run_demo
+    from zephon.locations import storage_options_from_env
+
+    if args.ranks < 1 or args.steps < 4 or not 1 <= args.kill_after < args.steps:
+        raise ConfigError("demo needs --ranks >= 1, --steps >= 4 and 1 <= --kill-after < --steps")
+    result = run_demo(
+        work_dir=args.work_dir,
+        save_dir=args.save_dir,
+        catalog_url=args.catalog,
+        storage_options=storage_options_from_env(args.storage_options),
+        ranks=args.ranks,
+        steps=args.steps,
+        kill_after=args.kill_after,
+        say=(lambda _: None) if args.json else console.print,
+    )
+    if args.json:
+        print_json(
+            {
+                "identical": result.identical,
+                "resumed_from": result.resumed_from,
+                "killed_after": result.killed_after,
+                "seconds": round(result.seconds, 1),
+                "work_dir": result.work_dir,
+                "losses": {
+                    s: {"uninterrupted": a, "resumed": b} for s, (a, b) in result.compared.items()
+                },
+            }
+        )
+    else:
+        print_table(
+            "losses of rank 0 after the resume",
+            ["step", "uninterrupted", "resumed", "equal"],
+            [
+                (s, repr(a), repr(b), "yes" if a == b else "NO")
+                for s, (a, b) in result.compared.items()
+            ],
+        )
+        verdict = "bit for bit equal" if result.identical else "DIFFERENT"
+        console.print(
+            f"resumed run vs uninterrupted run: {verdict} "
+            f"({len(result.compared)} steps compared, {result.seconds:.0f} s)"
+        )
+        console.print(f"inspect it: zephon runs --catalog {result.catalog_url}")
+    return 0 if result.identical else 3
+
 
 def register(add) -> None:
-    """Nothing yet: export and demo arrive with the checkpoint manager."""
+    p = add("export", cmd_export, "export a checkpoint's model as .safetensors files")
+    p.add_argument("run", nargs="?", help="run name (omit with --save-dir for inference)")
+    p.add_argument("--out", required=True, metavar="DIR", help="new directory for the files")
+    p.add_argument("--step", type=int, help="step to export (default: the latest)")
+    p.add_argument("--save-dir", metavar="URL", help="find the run here instead of the catalog")
+    p.add_argument("--key", default="model", help="the model entry to export (default: model)")
+    p.add_argument(
+        "--source", metavar="URL", help="base model for a checkpoint of trainable parameters only"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=parse_size("5GB"),
+        help="start a new file above this size (default 5GB)",
+    )
+
+    p = add("demo", cmd_demo, "train, get preempted (SIGKILL), resume, compare the losses")
+    p.add_argument(
+        "--work-dir",
+        help="where logs (and by default checkpoints) go (default: a new temporary directory)",
+    )
+    p.add_argument("--save-dir", metavar="URL", help="checkpoint URL, e.g. s3://bucket/demo")
+    p.add_argument("--ranks", type=int, default=2, help="data-parallel processes (default 2)")
+    p.add_argument("--steps", type=int, default=24, help="total training steps (default 24)")
+    p.add_argument(
+        "--kill-after",
+        type=int,
+        default=14,
+        help="SIGKILL the job once this step is done (default 14)",
+    )
