@@ -36,8 +36,10 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import create_engine, insert, text
 from sqlalchemy.engine import make_url
 
-from catalog import Catalog
-from catalog.models import Run
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common
+
+from catalog import Catalog  # noqa: E402
+from catalog.models import Run  # noqa: E402
 
 POSTGRES_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 GOAL_P50_MS = 5.0
@@ -227,8 +229,110 @@ def section_catalog_latest(args: argparse.Namespace, results: list[Row]) -> list
     return rows
 
 
+def _s3_store(server, name: str):
+    from storage import CheckpointStore
+
+    bucket = f"{name}-{uuid.uuid4().hex[:8]}"
+    server.create_bucket(bucket)
+    return CheckpointStore(f"s3://{bucket}/ckpt", server.storage_options())
+
+
+def _plant_checkpoints(store, run: str, steps: range, files: int, size: int = 64) -> None:
+    """Committed checkpoints written straight as objects (payload, then a real manifest as the
+    marker), in concurrent batches: the commit path itself is measured by storage_throughput."""
+    from storage.checksum import crc32c_of
+    from storage.manifest import FileEntry, Manifest
+
+    payload = b"x" * size
+    entry_crc = crc32c_of(payload)
+    objects: dict[str, bytes] = {}
+    for step in steps:
+        base = store.checkpoint_path(run, step)
+        names = [f"part-{i:03d}.bin" for i in range(files)]
+        manifest = Manifest(run=run, step=step, attempt_id=uuid.uuid4().hex,
+                            files=tuple(FileEntry(n, size, entry_crc) for n in names))
+        objects.update({f"{base}/{n}": payload for n in names})
+        objects[f"{base}/_COMMIT"] = manifest.to_json()
+    fs = store.location.fs
+    keys = list(objects)
+    for start in range(0, len(keys), 2000):
+        fs.pipe({k: objects[k] for k in keys[start : start + 2000]})
+
+
+def section_storage_scan(args: argparse.Namespace, results: list[Row]) -> list[Row]:
+    """The same question answered by listing S3 (moto): the latest of N checkpoints."""
+    from _common import count_s3_requests, servers
+
+    steps = args.scan_steps
+    with servers.s3_server() as server:
+        store = _s3_store(server, "scan")
+        _plant_checkpoints(store, "run", range(steps), files=2)
+        fs = store.location.fs
+        times, requests = [], 0
+        for _ in range(3):
+            with count_s3_requests(fs) as counter:
+                start = time.perf_counter()
+                latest = store.latest_step("run")
+                times.append((time.perf_counter() - start) * 1000)
+            requests = counter.count
+            assert latest == steps - 1, latest
+    scan_ms = statistics.median(times)
+    rows = [Row(section="storage scan latest_step", backend="s3 (moto)",
+                size=f"{steps:,} checkpoints, {3 * steps:,} objects", p50_ms=scan_ms,
+                figures={"requests": str(requests)})]
+    for row in results:
+        if row.section == "catalog latest_committed" and row.p50_ms:
+            ratio = scan_ms / row.p50_ms
+            rows[0].figures[f"{row.backend} faster"] = (
+                f"{ratio:,.0f}x ({'met' if ratio >= 100 else 'MISSED'} goal 100x)"
+            )
+    return rows
+
+
+def section_gc_requests(args: argparse.Namespace, results: list[Row]) -> list[Row]:
+    """Storage requests ``zephon gc`` makes to delete 100 checkpoints of 100 files each."""
+    from _common import count_s3_requests, servers
+
+    from zephon.gc import collect_garbage
+
+    count, files = args.gc_checkpoints, args.gc_files
+    with servers.s3_server() as server, sqlite_database() as url:
+        store = _s3_store(server, "gc")
+        _plant_checkpoints(store, "run", range(count + 1), files=files)
+        with Catalog(url) as catalog:
+            catalog.ensure_run("run", store.location.canonical_url, num_to_keep=1)
+            from zephon.sync import sync_storage
+
+            sync_storage(catalog, store.location.canonical_url, server.storage_options())
+            import s3fs
+
+            # gc opens its own store from the catalog's storage URL; count on the shared client
+            fs = s3fs.S3FileSystem(**server.storage_options())
+            with count_s3_requests(fs) as counter:
+                start = time.perf_counter()
+                report = collect_garbage(catalog, storage_options=server.storage_options())
+                seconds = time.perf_counter() - start
+        assert len(report.deleted) == count, report
+        assert store.committed_steps("run") == [count]
+    deletes = counter.by_operation.get("DeleteObjects", 0) + counter.by_operation.get(
+        "DeleteObject", 0
+    )
+    naive = count * (files + 1)
+    return [Row(section="gc delete requests", backend="s3 (moto)",
+                size=f"{count} checkpoints x {files} files", figures={
+                    "delete requests": str(deletes),
+                    "all requests": str(counter.count),
+                    "one DELETE per object would be": str(naive),
+                    "by operation": " ".join(f"{k}:{v}" for k, v in
+                                             sorted(counter.by_operation.items())),
+                    "time": f"{seconds:.1f} s",
+                })]
+
+
 SECTIONS: list[Callable[[argparse.Namespace, list[Row]], list[Row]]] = [
     section_catalog_latest,
+    section_storage_scan,
+    section_gc_requests,
 ]
 
 
@@ -264,9 +368,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backends", default="sqlite,postgresql",
                         help="comma-separated subset of: " + ", ".join(BACKENDS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scan-steps", type=int, default=10_000,
+                        help="checkpoints of the S3 run the storage scan lists")
+    parser.add_argument("--gc-checkpoints", type=int, default=100)
+    parser.add_argument("--gc-files", type=int, default=100)
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.per_run, args.lookups = 100, 100, 500
+        args.scan_steps, args.gc_checkpoints, args.gc_files = 500, 10, 10
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = sorted(set(args.backends) - set(BACKENDS))
     if unknown:

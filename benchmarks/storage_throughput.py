@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from _common import best_of, count_s3_requests, servers, table, timed
 
-from storage import CheckpointStore
+from storage import CheckpointStore  # noqa: E402 - _common puts the repo on sys.path
 
 FILES = 32
 
@@ -48,7 +48,10 @@ def bench_local(total_mib: int, repeats: int) -> list[tuple]:
     dst = tempfile.mkdtemp(prefix="zephon-bench-dst-")
     try:
         files = make_files(src, total_mib)
-        payload = {name: open(path, "rb").read() for name, path in files.items()}
+        payload = {}
+        for name, path in files.items():
+            with open(path, "rb") as handle:
+                payload[name] = handle.read()
 
         def plain():
             target = os.path.join(dst, "plain")
