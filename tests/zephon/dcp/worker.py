@@ -9,7 +9,8 @@ Scenarios (checkpoint steps):
   1  model + Adam state (replicated keys) + rank-unique tensors + a Shard(0) DTensor: save,
      then load into fresh modules, a fresh DTensor laid out as Shard(1), and mismatching dicts
   2  the last rank fails inside write_data: the save fails everywhere, step 2 stays uncommitted
-  3  async save, parameters changed in place right after it returns
+  3  async saves (DCP's default stager, then twice ZephonStager), parameters changed in place
+     right after each returns (also steps 6 and 7)
   4  async save whose last rank fails: the future fails on every rank
   5  saved, then rank 0 truncates a shard of the last rank: loads are refused naming the file
 """
@@ -206,24 +207,41 @@ def main(rank: int, world: int, port: int) -> None:
         except Exception as exc:
             out["uncommitted_load"] = error_record(exc)
 
-        # -- 3: async save copies on staging -----------------------------------------------
+        # -- 3: async save copies on staging (default stager, then Zephon's reused buffers) ---
         group = dist.new_group(backend="gloo")
-        snapshot = {k: v.clone() for k, v in flat(state_of(model, optim, rank)).items()}
-        writer = writer_for(store, 3, rank)
-        future = zd.async_save(state_of(model, optim, rank), writer, process_group=group)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1000.0)
-            for per_param in optim.state.values():
-                per_param["exp_avg"].mul_(-1.0)
-        future.result(timeout=120)
-        dist.barrier()
-        m3, o3 = build(seed=4)
-        target = state_of(m3, o3, rank)
-        zd.load(target, zd.ZephonStorageReader(store, RUN, 3))
-        changed = flat(state_of(model, optim, rank))
-        out["async_equals_snapshot"] = same(snapshot, flat(target)) == []
-        out["async_differs_from_live"] = same(changed, flat(target)) != []
+        stager = zd.ZephonStager()
+        results = []
+        for step, use_stager in ((3, False), (6, True), (7, True)):
+            live = state_of(model, optim, rank)
+            live["sharded"] = sharded
+            snapshot = {k: v.clone() for k, v in flat(live).items()}
+            sharded_before = sharded.full_tensor()
+            future = zd.async_save(
+                live,
+                writer_for(store, step, rank),
+                process_group=group,
+                stager=stager if use_stager else None,
+            )
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1000.0)
+                for per_param in optim.state.values():
+                    per_param["exp_avg"].mul_(-1.0)
+                sharded.to_local().add_(1.0)
+            future.result(timeout=120)
+            dist.barrier()
+            m3, o3 = build(seed=4)
+            target = state_of(m3, o3, rank)
+            target["sharded"] = distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)])
+            zd.load(target, zd.ZephonStorageReader(store, RUN, step))
+            changed = flat(state_of(model, optim, rank))
+            results.append(
+                same(snapshot, flat(target)) == []
+                and same(changed, flat(target)) != []
+                and torch.equal(target["sharded"].full_tensor(), sharded_before)
+            )
+        stager.close()
+        out["async_copies_on_staging"] = results
 
         # -- 4: async save whose last rank fails -------------------------------------------
         writer = writer_for(store, 4, rank)
