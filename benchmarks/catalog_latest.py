@@ -66,21 +66,11 @@ def sqlite_database() -> Iterator[str]:
         yield f"sqlite:///{directory}/catalog.db"
 
 
-@contextlib.contextmanager
-def postgres_database() -> Iterator[str]:
+def postgres_database() -> contextlib.AbstractContextManager[str]:
     """A throwaway database on the benchmark server; dropped however the benchmark ends."""
-    import psycopg
+    from _common import servers
 
-    server = make_url(os.environ.get("ZEPHON_TEST_POSTGRES_URL", POSTGRES_DEFAULT))
-    admin_dsn = server.set(drivername="postgresql").render_as_string(hide_password=False)
-    name = f"zephon_bench_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield server.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin_dsn, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    return servers.postgres_database(servers.postgres_url(), prefix="zephon_bench")
 
 
 BACKENDS: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {

@@ -6,6 +6,7 @@ machine without one, the tests that need it skip with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -138,3 +139,33 @@ def s3_backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
 @pytest.fixture
 def local_backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
     return make_backend("local", request, tmp_path)
+
+
+# -- catalogs ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def database_url(backend: str, request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """A fresh, empty catalog database: a SQLite file, or a PostgreSQL database of its own."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_path / f'catalog-{uuid.uuid4().hex[:8]}.db'}"
+        return
+    server = request.getfixturevalue("postgres_url")
+    with servers.postgres_database(server) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def catalog_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """The URL of a fresh, empty catalog database on each backend in turn."""
+    with database_url(request.param, request, tmp_path) as url:
+        yield url
+
+
+@pytest.fixture
+def catalog(catalog_url: str):
+    """An open catalog at schema head on each backend in turn."""
+    from catalog import Catalog
+
+    with Catalog(catalog_url) as opened:
+        yield opened

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -183,3 +184,30 @@ def postgres_reachable(url: str) -> str | None:
     except Exception as exc:  # any failure means "not reachable" to the caller
         return f"PostgreSQL at {dsn.split('@')[-1]} is not reachable: {exc}".strip()
     return None
+
+
+def _libpq_dsn(url: str, database: str | None = None) -> str:
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url).set(drivername="postgresql")
+    if database is not None:
+        parsed = parsed.set(database=database)
+    return parsed.render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def postgres_database(server_url: str, prefix: str = "zephon_test") -> Iterator[str]:
+    """A new, empty database on the server of ``server_url``, dropped afterwards; yields its
+    SQLAlchemy URL. Other people use the same server at the same time: nothing shared is
+    touched."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(_libpq_dsn(server_url), autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(_libpq_dsn(server_url), autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

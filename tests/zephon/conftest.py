@@ -1,4 +1,5 @@
-"""Fixtures for the zephon layer: a catalog on SQLite and PostgreSQL, and runs on storage."""
+"""Fixtures for the zephon layer (``catalog_url``/``catalog`` on SQLite and PostgreSQL come from
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,6 @@ from collections.abc import Iterator
 import pytest
 
 from catalog import Catalog
-from tests.catalog.conftest import database_url
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def catalog_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
-    with database_url(request.param, request, tmp_path) as url:
-        yield url
-
-
-@pytest.fixture
-def catalog(catalog_url: str) -> Iterator[Catalog]:
-    with Catalog(catalog_url) as opened:
-        yield opened
 
 
 @pytest.fixture

@@ -173,3 +173,48 @@ def test_the_installed_command_runs_without_a_traceback(tmp_path):
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_export_writes_safetensors_of_the_latest_checkpoint(
+    cli, catalog_url, local_backend, tmp_path
+):
+    import torch
+    from safetensors.torch import load_file
+
+    from zephon.checkpointing import CheckpointManager
+    from zephon.config import CheckpointingConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    store_root = local_backend.url
+    config = CheckpointingConfig(save_dir=store_root, catalog_url=catalog_url)
+    with CheckpointManager(config, run_name="m", total_steps=5) as manager:
+        manager.save(5, {"model": model})
+    out = tmp_path / "export"
+    code, stdout, _ = cli("export", "m", "--out", str(out), "--json")  # found in the catalog
+    assert code == 0 and json.loads(stdout)["step"] == 5
+    exported = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
+    code, _, err = cli("export", "m", "--save-dir", store_root, "--out", str(out))
+    assert code == 6 and "is not empty" in err
+
+
+@pytest.mark.slow
+def test_demo_resumes_bit_for_bit(tmp_path, capsys):
+    code = main(
+        [
+            "demo",
+            "--json",
+            "--work-dir",
+            str(tmp_path),
+            "--steps",
+            "8",
+            "--kill-after",
+            "5",
+            "--ranks",
+            "2",
+        ]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["identical"] is True
+    assert result["resumed_from"] == 4 and set(result["losses"]) == {"5", "6", "7", "8"}

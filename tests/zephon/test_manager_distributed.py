@@ -72,7 +72,7 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run_locally(spec, world, asy
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sigkill_and_resume_on_s3_with_postgres(spec, world, s3_backend, postgres_url):
-    from tests.catalog.conftest import postgres_database
+    from tests.servers import postgres_database
 
     with postgres_database(postgres_url) as catalog_url:
         spec = replace(

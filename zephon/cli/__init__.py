@@ -33,7 +33,7 @@ EXIT_ZEPHON = 6
 EXIT_INTERRUPTED = 130
 
 
-def _step(text: str) -> int:
+def parse_step(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--save-dir", metavar="URL", help="scan this storage URL instead of the catalog"
         )
         if name == "verify":
-            p.add_argument("--step", type=_step, help="step to verify (default: the latest)")
+            p.add_argument("--step", type=parse_step, help="step to verify (default: the latest)")
             p.add_argument("--deep", action="store_true", help="also check every CRC32C")
 
     p = add("gc", c.cmd_gc, "apply retention, finish interrupted deletes, remove orphans")
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
             name, c.cmd_pin, f"{name} a checkpoint so retention {'keeps' if pin else 'decides'} it"
         )
         p.add_argument("run")
-        p.add_argument("step", type=_step)
+        p.add_argument("step", type=parse_step)
         p.set_defaults(pin=pin)
 
     p = add("db", c.cmd_db, "manage the catalog schema")

@@ -4,8 +4,11 @@ and returns the process exit code. None of them imports torch."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import re
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -18,6 +21,8 @@ from zephon.gc import collect_garbage
 from zephon.latest import find_latest
 from zephon.locations import resolve_catalog_url, run_location, storage_options_from_env
 from zephon.sync import sync_storage
+
+T = TypeVar("T")
 
 EXIT_OK = 0
 EXIT_NOT_FOUND = 1
@@ -115,26 +120,46 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _locate(args: argparse.Namespace):
-    """(store, storage_run, catalog or None, catalog name) for latest/verify."""
+@contextlib.contextmanager
+def located(args: argparse.Namespace) -> Iterator[tuple[CheckpointStore, str | None, Any, str]]:
+    """``(store, storage run, catalog or None, catalog name)`` of ``args.run``, found through
+    the catalog, or by scanning ``--save-dir`` without one; the catalog is closed after."""
     options = storage_options_from_env(args.storage_options)
     if args.save_dir:
-        store = CheckpointStore(args.save_dir, options)
-        return store, args.run, None, args.run
+        yield CheckpointStore(args.save_dir, options), args.run, None, args.run
+        return
     if not args.run:
         raise ConfigError("name a RUN (from `zephon runs`), or give --save-dir to scan storage")
-    cat = open_catalog(args)
-    location = run_location(cat.get_run(args.run), options)
-    return location.store, location.storage_run, cat, location.name
+    with open_catalog(args) as cat:
+        location = run_location(cat.get_run(args.run), options)
+        yield location.store, location.storage_run, cat, location.name
+
+
+def choose_checkpoint(
+    args: argparse.Namespace, action: str
+) -> tuple[CheckpointStore, str | None, int] | None:
+    """The checkpoint ``args`` name: ``--step``, else the run's latest complete one (None, with
+    a message, when it has none)."""
+    with located(args) as (store, storage_run, cat, name):
+        if args.step is not None:
+            return store, storage_run, args.step
+        latest = find_latest(store, storage_run, catalog=cat, name=name)
+    if latest is None:
+        console.print(f"no complete checkpoint to {action} for run {args.run or '(inference)'}")
+        return None
+    return store, storage_run, latest.step
+
+
+def with_progress(label: str, work: Callable[[Callable[[str], None]], T]) -> T:
+    """Run ``work(report)`` under a spinner; ``report(name)`` shows the run being processed."""
+    with _progress() as progress:
+        task = progress.add_task(label)
+        return work(lambda name: progress.update(task, description=f"{label} run {name}"))
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
-    store, storage_run, cat, name = _locate(args)
-    try:
+    with located(args) as (store, storage_run, cat, name):
         latest = find_latest(store, storage_run, catalog=cat, name=name)
-    finally:
-        if cat is not None:
-            cat.close()
     if latest is None:
         if args.json:
             print_json(None)
@@ -159,18 +184,10 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store, storage_run, cat, name = _locate(args)
-    try:
-        step = args.step
-        if step is None:
-            latest = find_latest(store, storage_run, catalog=cat, name=name)
-            if latest is None:
-                console.print(f"no complete checkpoint to verify for run {args.run}")
-                return EXIT_NOT_FOUND
-            step = latest.step
-    finally:
-        if cat is not None:
-            cat.close()
+    chosen = choose_checkpoint(args, "verify")
+    if chosen is None:
+        return EXIT_NOT_FOUND
+    store, storage_run, step = chosen
     report = store.verify(storage_run, step, deep=args.deep)
     if args.json:
         print_json(
@@ -203,16 +220,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     options = storage_options_from_env(args.storage_options)
-    with open_catalog(args) as cat, _progress() as progress:
-        task = progress.add_task("gc")
-        report = collect_garbage(
-            cat,
-            runs=args.run or None,
-            grace=args.grace,
-            lease=args.lease,
-            dry_run=args.dry_run,
-            storage_options=options,
-            progress=lambda name: progress.update(task, description=f"gc run {name}"),
+    with open_catalog(args) as cat:
+        report = with_progress(
+            "gc",
+            lambda report_run: collect_garbage(
+                cat,
+                runs=args.run or None,
+                grace=args.grace,
+                lease=args.lease,
+                dry_run=args.dry_run,
+                storage_options=options,
+                progress=report_run,
+            ),
         )
     if args.json:
         print_json(report.to_dict())
@@ -238,14 +257,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_sync(args: argparse.Namespace) -> int:
     options = storage_options_from_env(args.storage_options)
-    with open_catalog(args) as cat, _progress() as progress:
-        task = progress.add_task("sync")
-        report = sync_storage(
-            cat,
-            args.url,
-            options,
-            inference_name=args.inference_name,
-            progress=lambda name: progress.update(task, description=f"sync run {name}"),
+    with open_catalog(args) as cat:
+        report = with_progress(
+            "sync",
+            lambda report_run: sync_storage(
+                cat,
+                args.url,
+                options,
+                inference_name=args.inference_name,
+                progress=report_run,
+            ),
         )
     if args.json:
         print_json(report.to_dict())

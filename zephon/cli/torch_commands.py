@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from zephon.cli import parse_step
 from zephon.cli.render import console, human_bytes, print_json, print_table
 from zephon.errors import ConfigError
 
@@ -40,22 +41,13 @@ def parse_size(text: str) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from zephon.checkpointing import export_safetensors
-    from zephon.cli.commands import EXIT_NOT_FOUND, _locate
-    from zephon.latest import find_latest
+    from zephon.cli.commands import EXIT_NOT_FOUND, choose_checkpoint
     from zephon.locations import storage_options_from_env
 
-    store, storage_run, cat, name = _locate(args)
-    try:
-        step = args.step
-        if step is None:
-            latest = find_latest(store, storage_run, catalog=cat, name=name)
-            if latest is None:
-                console.print(f"no complete checkpoint to export for run {args.run}")
-                return EXIT_NOT_FOUND
-            step = latest.step
-    finally:
-        if cat is not None:
-            cat.close()
+    chosen = choose_checkpoint(args, "export")
+    if chosen is None:
+        return EXIT_NOT_FOUND
+    store, storage_run, step = chosen
     result = export_safetensors(
         store,
         storage_run,
@@ -136,7 +128,7 @@ def register(add) -> None:
     p = add("export", cmd_export, "export a checkpoint's model as .safetensors files")
     p.add_argument("run", nargs="?", help="run name (omit with --save-dir for inference)")
     p.add_argument("--out", required=True, metavar="DIR", help="new directory for the files")
-    p.add_argument("--step", type=int, help="step to export (default: the latest)")
+    p.add_argument("--step", type=parse_step, help="step to export (default: the latest)")
     p.add_argument("--save-dir", metavar="URL", help="find the run here instead of the catalog")
     p.add_argument("--key", default="model", help="the model entry to export (default: model)")
     p.add_argument(
