@@ -18,7 +18,7 @@ if REPO not in sys.path:
 
 from tests import servers  # noqa: E402  (needs the repo on sys.path)
 
-__all__ = ["REPO", "servers", "timed", "best_of", "count_s3_requests", "table"]
+__all__ = ["REPO", "servers", "timed", "best_of", "interleaved", "count_s3_requests", "table"]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -34,6 +34,27 @@ def best_of(repeats: int, fn: Callable[[], object], setup: Callable[[], object] 
         setup()
         times.append(timed(fn))
     return statistics.median(times), min(times)
+
+
+def interleaved(
+    repeats: int,
+    baseline: Callable[[], object],
+    candidate: Callable[[], object],
+    setup: Callable[[], object] = lambda: None,
+) -> tuple[float, float, float]:
+    """Median baseline time, median candidate time, and the median of the per-repeat ratios
+    baseline/candidate, running the two back to back in each repeat so that load changes on a
+    shared machine hit both alike."""
+    base_times, cand_times, ratios = [], [], []
+    for _ in range(repeats):
+        setup()
+        b = timed(baseline)
+        setup()
+        c = timed(candidate)
+        base_times.append(b)
+        cand_times.append(c)
+        ratios.append(b / c)
+    return statistics.median(base_times), statistics.median(cand_times), statistics.median(ratios)
 
 
 class count_s3_requests:  # noqa: N801 - used as a context manager, reads like a function
