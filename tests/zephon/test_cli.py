@@ -218,3 +218,16 @@ def test_demo_resumes_bit_for_bit(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["identical"] is True
     assert result["resumed_from"] == 4 and set(result["losses"]) == {"5", "6", "7", "8"}
+
+
+def test_an_unexpected_error_is_still_one_line(monkeypatch, capsys):
+    from zephon.cli import commands
+
+    def broken(args):
+        raise RuntimeError("something no one foresaw")
+
+    monkeypatch.setattr(commands, "cmd_runs", broken)
+    assert main(["runs"]) == 70
+    err = capsys.readouterr().err
+    assert err.startswith("zephon: error: unexpected RuntimeError: something no one foresaw")
+    assert "ZEPHON_DEBUG=1" in err and err.count("\n") == 1

@@ -10,6 +10,7 @@ Every error becomes one line on stderr and a documented exit code, never a trace
 4     storage error (unreachable, permission, corrupt checkpoint)
 5     catalog error (unreachable database, outdated schema, unknown run)
 6     other Zephon error (invalid configuration, torch-side errors)
+70    internal error (a bug; ``ZEPHON_DEBUG=1`` shows the traceback)
 130   interrupted
 ====  ===========================================================
 """
@@ -17,6 +18,7 @@ Every error becomes one line on stderr and a documented exit code, never a trace
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +32,7 @@ EXIT_USAGE = 2
 EXIT_STORAGE = 4
 EXIT_CATALOG = 5
 EXIT_ZEPHON = 6
+EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
 
 
@@ -156,6 +159,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(exc, EXIT_ZEPHON)
     except ValueError as exc:  # invalid values from layers below that are not yet wrapped
         return _fail(exc, EXIT_USAGE)
+    except Exception as exc:  # a bug: still one line, with a way to see the traceback
+        if os.environ.get("ZEPHON_DEBUG"):
+            raise
+        return _fail(
+            f"unexpected {type(exc).__name__}: {exc} (a bug in zephon: run again with "
+            "ZEPHON_DEBUG=1 for the traceback and report it)",
+            EXIT_INTERNAL,
+        )
 
 
 def _fail(message: object, code: int = EXIT_ZEPHON) -> int:
