@@ -207,6 +207,7 @@ class ZephonStorageReader(StorageReader):
     def read_metadata(self, *args: Any) -> Metadata:
         """All ranks: open the committed checkpoint, optionally verify it, and parse the JSON
         metadata (never unpickled)."""
+        self.failure = None
         try:
             metadata = self._open()
         except BaseException as exc:
