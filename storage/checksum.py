@@ -3,19 +3,68 @@
 Checksums are stored as base64 of the big-endian 32-bit value, the form both object stores use
 in their APIs (``x-amz-checksum-crc32c``, GCS ``crc32c``), so a manifest can be compared with
 what the store reports without recomputing.
+
+google-crc32c's Python API takes only ``bytes`` and holds the GIL. Where its wheel ships the C
+library (``libcrc32c``), it is called through ctypes instead: no copy of the caller's buffer, and
+the GIL is released, so files written on several threads are checksummed in parallel.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
+import glob
+import os
 
 import google_crc32c
 
-__all__ = ["Crc32c", "crc32c_of", "encode_crc32c"]
+__all__ = ["Crc32c", "crc32c_of", "encode_crc32c", "NATIVE"]
 
-# google_crc32c only takes bytes and holds the GIL, so large buffers are fed in slices: each
-# slice is copied once, which keeps peak memory bounded for memoryviews of big tensors.
+# Fallback path: each slice is copied once into bytes, which bounds peak memory for views of
+# large tensors.
 _SLICE = 8 << 20
+
+
+def _load_native() -> ctypes.CDLL | None:
+    package = os.path.dirname(os.path.dirname(google_crc32c.__file__))
+    for path in sorted(glob.glob(os.path.join(package, "google_crc32c.libs", "libcrc32c*"))):
+        try:
+            lib = ctypes.CDLL(path)
+            extend = lib.crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        extend.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        extend.restype = ctypes.c_uint32
+        if extend(0, b"hello", 5) == google_crc32c.extend(0, b"hello"):
+            return lib
+    return None
+
+
+_NATIVE = _load_native()
+#: whether the GIL-free, copy-free path is in use
+NATIVE = _NATIVE is not None
+
+
+def _extend(crc: int, data: bytes | bytearray | memoryview) -> int:
+    if _NATIVE is not None:
+        if isinstance(data, bytes):
+            return _NATIVE.crc32c_extend(crc, data, len(data))
+        view = memoryview(data).cast("B")
+        if view.readonly:
+            return _extend_copying(crc, view)
+        if not view.nbytes:
+            return crc
+        pointer = (ctypes.c_char * view.nbytes).from_buffer(view)
+        return _NATIVE.crc32c_extend(crc, pointer, view.nbytes)
+    if isinstance(data, bytes):
+        return google_crc32c.extend(crc, data)
+    return _extend_copying(crc, memoryview(data).cast("B"))
+
+
+def _extend_copying(crc: int, view: memoryview) -> int:
+    for start in range(0, len(view), _SLICE):
+        crc = google_crc32c.extend(crc, bytes(view[start : start + _SLICE]))
+    return crc
 
 
 def encode_crc32c(value: int) -> str:
@@ -32,15 +81,8 @@ class Crc32c:
         self.size = 0
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
-        if isinstance(data, bytes):
-            self.value = google_crc32c.extend(self.value, data)
-            self.size += len(data)
-            return
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), _SLICE):
-            piece = bytes(view[start : start + _SLICE])
-            self.value = google_crc32c.extend(self.value, piece)
-        self.size += len(view)
+        self.value = _extend(self.value, data)
+        self.size += memoryview(data).nbytes
 
     def encoded(self) -> str:
         return encode_crc32c(self.value)

@@ -94,6 +94,27 @@ class CheckpointReader:
             except FileNotFoundError:
                 raise self._missing(name) from None
 
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of one file, in one ranged request; fewer bytes than asked
+        for means the file is shorter than that (the caller decides if that is damage)."""
+        target = self._target(name)
+        location = self._store.location
+        with backend_errors(location, f"reading {name} of {self.url}"):
+            try:
+                return location.fs.cat_file(target, start=start, end=end)
+            except FileNotFoundError:
+                raise self._missing(name) from None
+
+    def local_path(self, name: str) -> str | None:
+        """The file's path on a local (POSIX) file system, for callers that read it in place
+        (e.g. straight into tensor memory); None on object stores."""
+        target = self._target(name)
+        return target if self._store.location.is_local else None
+
+    def missing(self, name: str) -> CorruptCheckpointError:
+        """The error for a listed file that is not on storage."""
+        return self._missing(name)
+
     def get_file(self, name: str, local_path: str | os.PathLike) -> None:
         target = self._target(name)
         location = self._store.location

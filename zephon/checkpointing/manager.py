@@ -132,6 +132,7 @@ class CheckpointManager:
             self.coll.destroy()
             raise ZephonError(f"rank 0 could not set up checkpointing: {reason}")
         self._background: Future | None = None
+        self._async_stager: zdcp.ZephonStager | None = None
         self._background_lock = threading.Lock()
 
     def _open_catalog(self, url: str) -> Catalog:
@@ -207,7 +208,12 @@ class CheckpointManager:
                 writer, subdir=DCP_SUBDIR, commit_metadata={"step": step, "kind": self.kind}
             )
             if self.config.async_save:
-                future = zdcp.async_save(tensors, storage_writer, process_group=self.coll.io_group)
+                future = zdcp.async_save(
+                    tensors,
+                    storage_writer,
+                    process_group=self.coll.io_group,
+                    stager=self._stager(),
+                )
                 self._start_background(step, future, storage_writer, writer, row)
                 self.coll.barrier()
                 return
@@ -331,6 +337,13 @@ class CheckpointManager:
         )
         with self._background_lock:
             self._background = done
+
+    def _stager(self) -> zdcp.ZephonStager:
+        """One stager for the job's async saves: its host buffers are reused by the next save
+        (which waits for the previous one first), instead of allocated anew each time."""
+        if self._async_stager is None:
+            self._async_stager = zdcp.ZephonStager()
+        return self._async_stager
 
     def wait(self) -> None:
         """Wait for a background save; raise its failure, if it failed."""
@@ -473,6 +486,9 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._async_stager is not None:
+                self._async_stager.close()
+                self._async_stager = None
             if self.catalog is not None:
                 self.catalog.close()
                 self.catalog = None

@@ -5,9 +5,8 @@ Zephon or storage error that caused it, so callers can ``except Exception`` as u
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,6 +25,15 @@ from zephon.dcp.writer import ZephonStorageWriter
 from zephon.errors import ZephonError
 
 __all__ = ["as_zephon_error", "async_save", "attach_ranks", "load", "save"]
+
+# Without torch.distributed a single process is what the caller asked for (a one-process job,
+# an export); DCP warns about it on every call, also from the threads of an async save, so the
+# filter is process-wide and matches only that message.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is (disabled|unavailable)",
+    category=UserWarning,
+)
 
 
 def _distributed() -> bool:
@@ -64,18 +72,6 @@ def _no_dist(process_group: Any) -> bool:
     return process_group is None and not _distributed()
 
 
-@contextlib.contextmanager
-def _single_process_quietly(no_dist: bool) -> Iterator[None]:
-    """Without torch.distributed a single process is what the caller asked for; DCP warns
-    about it on every call."""
-    if not no_dist:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def save(
     state_dict: dict[str, Any],
     writer: ZephonStorageWriter,
@@ -88,14 +84,13 @@ def save(
     or ``DistributedCheckpointError``, on every rank."""
     no_dist = _no_dist(process_group)
     try:
-        with _single_process_quietly(no_dist):
-            return dcp.save(
-                state_dict,
-                storage_writer=writer,
-                planner=planner,
-                process_group=process_group,
-                no_dist=no_dist,
-            )
+        return dcp.save(
+            state_dict,
+            storage_writer=writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+        )
     except CheckpointException as exc:
         raise as_zephon_error(exc, where=writer.url) from exc
 
@@ -159,14 +154,13 @@ def load(
         planner = ZephonLoadPlanner(allow_partial_load=allow_partial_load, where=reader.url)
     no_dist = _no_dist(process_group)
     try:
-        with _single_process_quietly(no_dist):
-            dcp.load(
-                state_dict,
-                storage_reader=reader,
-                planner=planner,
-                process_group=process_group,
-                no_dist=no_dist,
-            )
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+        )
     except CheckpointException as exc:
         raise as_zephon_error(exc, where=reader.url, local_failure=reader.failure) from exc
 

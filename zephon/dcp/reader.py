@@ -324,7 +324,9 @@ class ZephonStorageReader(StorageReader):
 
     def _path(self, name: str) -> str:
         assert self._reader is not None
-        return f"{self._reader.path}/{name}"
+        path = self._reader.local_path(name)
+        assert path is not None, "only local checkpoints are read in place"
+        return path
 
     def _missing(self, name: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -378,14 +380,8 @@ class ZephonStorageReader(StorageReader):
             got += n
 
     def _read_remote(self, group: _Group, planner: LoadPlanner) -> None:
-        location = self.store.location
-        with backend_errors(location, f"reading {group.file} of {self.url}"):
-            try:
-                data = location.fs.cat_file(
-                    self._path(group.file), start=group.start, end=group.end
-                )
-            except FileNotFoundError:
-                raise self._missing(group.file) from None
+        assert self._reader is not None
+        data = self._reader.read_range(group.file, group.start, group.end)
         if len(data) != group.end - group.start:
             raise self._short(group.file, group.end, group.start + len(data))
         view = memoryview(data)

@@ -26,7 +26,6 @@ from torch.futures import Future
 
 from storage import CheckpointWriter, FileEntry, Manifest
 from storage.layout import validate_file_name
-from zephon.dcp._writeback import Writeback
 from zephon.dcp.errors import WriterSetupError
 from zephon.dcp.metadata_codec import FORMAT_VERSION, ShardSlice, dtype_name, encode_metadata
 
@@ -36,7 +35,8 @@ __all__ = ["METADATA_FILE", "ZephonStorageWriter", "shard_prefix"]
 METADATA_FILE = "dcp_metadata.json"
 #: version of torch DCP's metadata semantics these files follow (torch's FileSystemWriter's)
 _DCP_VERSION = "1.0.0"
-#: bytes handed to the storage writer at a time: each one's writeback starts while the next copies
+#: bytes handed to the storage writer at a time (on local disk it starts each one's writeback
+#: while the next is copied)
 _PIECE = 16 << 20
 
 CommitMetadata = Mapping[str, Any] | Callable[[Metadata], Mapping[str, Any]]
@@ -294,16 +294,12 @@ class ZephonStorageWriter(StorageWriter):
         self, name: str, items: list[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
         placed: list[tuple[WriteItem, ShardSlice]] = []
-        # Local paths have no scheme in the writer's URL; only there is early writeback possible.
-        local_path = None if "://" in self.writer.url else f"{self.writer.path}/{name}"
-        with self.writer.open(name) as out, Writeback(local_path) as writeback:
+        with self.writer.open(name) as out:
             position = 0
 
             def emit(view: memoryview) -> int:
                 for start in range(0, view.nbytes, _PIECE):
-                    piece = view[start : start + _PIECE]
-                    out.write(piece)
-                    writeback.push(position + start, piece.nbytes)
+                    out.write(view[start : start + _PIECE])
                 return view.nbytes
 
             for item in items:
