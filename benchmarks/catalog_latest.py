@@ -97,12 +97,32 @@ def _checkpoint_rows(run_ids: list[int], per_run: int) -> Iterator[tuple]:
             at = base + timedelta(seconds=step)
             state = _state(step, per_run)
             committed = at if state != "pending" else None
-            yield (run_id, step, state, f"s3://bench/r{run_id}/save-{step}", "bench",
-                   state != "pending" and step * 1000 or None, False, at, committed, at)
+            yield (
+                run_id,
+                step,
+                state,
+                f"s3://bench/r{run_id}/save-{step}",
+                "bench",
+                state != "pending" and step * 1000 or None,
+                False,
+                at,
+                committed,
+                at,
+            )
 
 
-_COLUMNS = ("run_id", "step", "state", "path", "attempt_id", "bytes", "pinned", "created_at",
-            "committed_at", "updated_at")
+_COLUMNS = (
+    "run_id",
+    "step",
+    "state",
+    "path",
+    "attempt_id",
+    "bytes",
+    "pinned",
+    "created_at",
+    "committed_at",
+    "updated_at",
+)
 
 
 def _load_sqlite(url: str, run_ids: list[int], per_run: int) -> None:
@@ -117,8 +137,10 @@ def _load_sqlite(url: str, run_ids: list[int], per_run: int) -> None:
         connection.execute("BEGIN IMMEDIATE")
         connection.executemany(
             f"INSERT INTO checkpoints ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * 10)})",
-            ((*row[:7], stamp(row[7]), stamp(row[8]), stamp(row[9]))
-             for row in _checkpoint_rows(run_ids, per_run)),
+            (
+                (*row[:7], stamp(row[7]), stamp(row[8]), stamp(row[9]))
+                for row in _checkpoint_rows(run_ids, per_run)
+            ),
         )
         connection.execute("COMMIT")
         connection.execute("ANALYZE")
@@ -151,8 +173,18 @@ def populate(url: str, runs: int, per_run: int) -> list[str]:
         with engine.begin() as connection:
             connection.execute(
                 insert(Run),
-                [dict(name=n, storage_url=f"s3://bench/{n}", kind="train", status="active",
-                      num_to_keep=2, created_at=now, updated_at=now) for n in names],
+                [
+                    dict(
+                        name=n,
+                        storage_url=f"s3://bench/{n}",
+                        kind="train",
+                        status="active",
+                        num_to_keep=2,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                    for n in names
+                ],
             )
             run_ids = list(connection.execute(text("SELECT id FROM runs ORDER BY id")).scalars())
     finally:
@@ -239,8 +271,12 @@ def _plant_checkpoints(store, run: str, steps: range, files: int, size: int = 64
     for step in steps:
         base = store.checkpoint_path(run, step)
         names = [f"part-{i:03d}.bin" for i in range(files)]
-        manifest = Manifest(run=run, step=step, attempt_id=uuid.uuid4().hex,
-                            files=tuple(FileEntry(n, size, entry_crc) for n in names))
+        manifest = Manifest(
+            run=run,
+            step=step,
+            attempt_id=uuid.uuid4().hex,
+            files=tuple(FileEntry(n, size, entry_crc) for n in names),
+        )
         objects.update({f"{base}/{n}": payload for n in names})
         objects[f"{base}/_COMMIT"] = manifest.to_json()
     fs = store.location.fs
@@ -267,9 +303,15 @@ def section_storage_scan(args: argparse.Namespace, results: list[Row]) -> list[R
             requests = counter.count
             assert latest == steps - 1, latest
     scan_ms = statistics.median(times)
-    rows = [Row(section="storage scan latest_step", backend="s3 (moto)",
-                size=f"{steps:,} checkpoints, {3 * steps:,} objects", p50_ms=scan_ms,
-                figures={"requests": str(requests)})]
+    rows = [
+        Row(
+            section="storage scan latest_step",
+            backend="s3 (moto)",
+            size=f"{steps:,} checkpoints, {3 * steps:,} objects",
+            p50_ms=scan_ms,
+            figures={"requests": str(requests)},
+        )
+    ]
     for row in results:
         if row.section == "catalog latest_committed" and row.p50_ms:
             ratio = scan_ms / row.p50_ms
@@ -308,15 +350,22 @@ def section_gc_requests(args: argparse.Namespace, results: list[Row]) -> list[Ro
         "DeleteObject", 0
     )
     naive = count * (files + 1)
-    return [Row(section="gc delete requests", backend="s3 (moto)",
-                size=f"{count} checkpoints x {files} files", figures={
-                    "delete requests": str(deletes),
-                    "all requests": str(counter.count),
-                    "one DELETE per object would be": str(naive),
-                    "by operation": " ".join(f"{k}:{v}" for k, v in
-                                             sorted(counter.by_operation.items())),
-                    "time": f"{seconds:.1f} s",
-                })]
+    return [
+        Row(
+            section="gc delete requests",
+            backend="s3 (moto)",
+            size=f"{count} checkpoints x {files} files",
+            figures={
+                "delete requests": str(deletes),
+                "all requests": str(counter.count),
+                "one DELETE per object would be": str(naive),
+                "by operation": " ".join(
+                    f"{k}:{v}" for k, v in sorted(counter.by_operation.items())
+                ),
+                "time": f"{seconds:.1f} s",
+            },
+        )
+    ]
 
 
 SECTIONS: list[Callable[[argparse.Namespace, list[Row]], list[Row]]] = [
@@ -343,8 +392,10 @@ def format_table(rows: list[Row]) -> str:
         for row in rows
     ]
     widths = [max(len(str(c)) for c in column) for column in zip(header, *lines, strict=True)]
-    render = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-              for line in (header, *lines)]
+    render = [
+        "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+        for line in (header, *lines)
+    ]
     render.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(render)
 
@@ -355,11 +406,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--per-run", type=int, default=1000)
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="100 runs x 100 checkpoints")
-    parser.add_argument("--backends", default="sqlite,postgresql",
-                        help="comma-separated subset of: " + ", ".join(BACKENDS))
+    parser.add_argument(
+        "--backends",
+        default="sqlite,postgresql",
+        help="comma-separated subset of: " + ", ".join(BACKENDS),
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--scan-steps", type=int, default=10_000,
-                        help="checkpoints of the S3 run the storage scan lists")
+    parser.add_argument(
+        "--scan-steps",
+        type=int,
+        default=10_000,
+        help="checkpoints of the S3 run the storage scan lists",
+    )
     parser.add_argument("--gc-checkpoints", type=int, default=100)
     parser.add_argument("--gc-files", type=int, default=100)
     args = parser.parse_args(argv)

@@ -56,8 +56,13 @@ def build(shards: dict[str, list[dict]]) -> zephon.Pipeline:
         "bench", {k: zephon.InMemoryShard(v) for k, v in shards.items()}
     )
     source = zephon.StaticMixtureWorkSource(dataset, chunk_size=CHUNK, seed=0)
-    return (zephon.Pipeline(source).map_transform(transform).shuffle(SHUFFLE).batch(BATCH)
-            .options(canonical_replicas=LANES))
+    return (
+        zephon.Pipeline(source)
+        .map_transform(transform)
+        .shuffle(SHUFFLE)
+        .batch(BATCH)
+        .options(canonical_replicas=LANES)
+    )
 
 
 class MapDataset(torch.utils.data.Dataset):
@@ -77,7 +82,11 @@ def identity(batch):
 
 def dataloader_rate(rows: list[dict]) -> tuple[float, int]:
     loader = torch.utils.data.DataLoader(
-        MapDataset(rows), batch_size=BATCH, shuffle=True, num_workers=0, collate_fn=identity,
+        MapDataset(rows),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=0,
+        collate_fn=identity,
         generator=torch.Generator().manual_seed(0),
     )
     start = time.perf_counter()
@@ -134,8 +143,10 @@ def main() -> None:
     dl_rate = statistics.median(r for r, _ in dl)
     zp_rate = statistics.median(r for r, _ in zp)
     print(f"throughput   DataLoader (baseline)   {dl_rate:12,.0f} records/s")
-    print(f"             zephon Pipeline         {zp_rate:12,.0f} records/s   "
-          f"ratio {zp_rate / dl_rate:.2f} (goal >= 0.20)")
+    print(
+        f"             zephon Pipeline         {zp_rate:12,.0f} records/s   "
+        f"ratio {zp_rate / dl_rate:.2f} (goal >= 0.20)"
+    )
 
     pipeline = build(shards)
     it = iter(pipeline)
@@ -148,20 +159,26 @@ def main() -> None:
         latencies.append(time.perf_counter() - start)
     pipeline.close()
     size = len(json.dumps(state).encode())
-    print(f"checkpoint   after 1,000 batches     {statistics.median(latencies) * 1e3:8.3f} ms "
-          f"(goal <= 5 ms), {size:,} bytes (goal <= 8,192)")
+    print(
+        f"checkpoint   after 1,000 batches     {statistics.median(latencies) * 1e3:8.3f} ms "
+        f"(goal <= 5 ms), {size:,} bytes (goal <= 8,192)"
+    )
 
     fresh = statistics.median(fresh_first_batch(shards) for _ in range(5))
     print(f"first batch  fresh (baseline)        {fresh * 1e3:8.2f} ms")
     for position in (100, 1000, 4000):
         state = state_after(shards, position)
         restored = statistics.median(restore_first_batch(shards, state) for _ in range(5))
-        print(f"             restore after {position:>5,}      {restored * 1e3:8.2f} ms   "
-              f"ratio {restored / fresh:.2f} (goal <= 2.00)")
+        print(
+            f"             restore after {position:>5,}      {restored * 1e3:8.2f} ms   "
+            f"ratio {restored / fresh:.2f} (goal <= 2.00)"
+        )
 
     delivered = zp[0][1]
-    print(f"full pass    records delivered       {delivered:,} of {RECORDS:,}"
-          f" (DataLoader: {dl[0][1]:,})")
+    print(
+        f"full pass    records delivered       {delivered:,} of {RECORDS:,}"
+        f" (DataLoader: {dl[0][1]:,})"
+    )
 
 
 if __name__ == "__main__":

@@ -149,12 +149,24 @@ def bench_scan(s3: servers.S3Server, steps: int) -> list[tuple]:
     with count_s3_requests(fs) as latest_requests:
         latest_time = timed(lambda: store.latest_step("run"))
     return [
-        (f"scan {steps} steps: list + HEAD per step (baseline)", f"{naive_time:.2f}",
-         naive_requests.count, ""),
-        (f"scan {steps} steps: Zephon committed_steps", f"{zephon_time:.2f}",
-         zephon_requests.count, f"{naive_time / zephon_time:.1f}"),
-        (f"latest of {steps} steps: Zephon latest_step", f"{latest_time:.2f}",
-         latest_requests.count, f"{naive_time / latest_time:.1f}"),
+        (
+            f"scan {steps} steps: list + HEAD per step (baseline)",
+            f"{naive_time:.2f}",
+            naive_requests.count,
+            "",
+        ),
+        (
+            f"scan {steps} steps: Zephon committed_steps",
+            f"{zephon_time:.2f}",
+            zephon_requests.count,
+            f"{naive_time / zephon_time:.1f}",
+        ),
+        (
+            f"latest of {steps} steps: Zephon latest_step",
+            f"{latest_time:.2f}",
+            latest_requests.count,
+            f"{naive_time / latest_time:.1f}",
+        ),
     ]
 
 
@@ -167,17 +179,36 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = bench_local(args.local_mib, args.repeats)
-    print(table(rows, ("(a) local, " + f"{args.local_mib} MiB in {FILES} files", "median s",
-                       "MiB/s", "ratio vs baseline")))
+    print(
+        table(
+            rows,
+            (
+                "(a) local, " + f"{args.local_mib} MiB in {FILES} files",
+                "median s",
+                "MiB/s",
+                "ratio vs baseline",
+            ),
+        )
+    )
     print()
     with servers.s3_server() as s3:
         rows = bench_s3(s3, args.s3_mib, args.repeats)
-        print(table(rows, (f"(b) S3 via moto, {args.s3_mib} MiB in {FILES} files", "median s",
-                           "MiB/s", "ratio vs baseline")))
+        print(
+            table(
+                rows,
+                (
+                    f"(b) S3 via moto, {args.s3_mib} MiB in {FILES} files",
+                    "median s",
+                    "MiB/s",
+                    "ratio vs baseline",
+                ),
+            )
+        )
         print()
         rows = bench_scan(s3, args.steps)
-        print(table(rows, ("(c) scan on S3 via moto", "seconds", "requests",
-                           "speed-up vs baseline")))
+        print(
+            table(rows, ("(c) scan on S3 via moto", "seconds", "requests", "speed-up vs baseline"))
+        )
 
 
 if __name__ == "__main__":

@@ -158,8 +158,15 @@ class Catalog:
     ) -> RunRecord:
         """Register a new run; ``RunExistsError`` if the name is taken."""
         values = self._run_values(
-            dict(storage_url=storage_url, kind=kind, status=status, total_steps=total_steps,
-                 num_to_keep=num_to_keep, keep_every_steps=keep_every_steps, config=config)
+            dict(
+                storage_url=storage_url,
+                kind=kind,
+                status=status,
+                total_steps=total_steps,
+                num_to_keep=num_to_keep,
+                keep_every_steps=keep_every_steps,
+                config=config,
+            )
         )
         name = validate.run_name(name)
         with self._db.write(f"create run {name!r}") as session:
@@ -189,8 +196,11 @@ class Catalog:
         name = validate.run_name(name)
         identity = self._run_values({"storage_url": storage_url, "kind": kind})
         given = {
-            "status": status, "total_steps": total_steps, "num_to_keep": num_to_keep,
-            "keep_every_steps": keep_every_steps, "config": config,
+            "status": status,
+            "total_steps": total_steps,
+            "num_to_keep": num_to_keep,
+            "keep_every_steps": keep_every_steps,
+            "config": config,
         }
         changes = self._run_values({k: v for k, v in given.items() if v is not UNSET})
         defaults = {"status": RunStatus.ACTIVE.value}
@@ -221,8 +231,11 @@ class Catalog:
         """
         name = validate.run_name(name)
         given = {
-            "status": status, "total_steps": total_steps, "num_to_keep": num_to_keep,
-            "keep_every_steps": keep_every_steps, "config": config,
+            "status": status,
+            "total_steps": total_steps,
+            "num_to_keep": num_to_keep,
+            "keep_every_steps": keep_every_steps,
+            "config": config,
         }
         changes = self._run_values({k: v for k, v in given.items() if v is not UNSET})
         with self._db.write(f"update run {name!r}") as session:
@@ -317,8 +330,12 @@ class Catalog:
                 session, self.url, owner, step, attempt_id, facts, _now()
             )
             if moved:
-                detail = {"attempt_id": attempt_id, "bytes": bytes, "file_count": file_count,
-                          "manifest_checksum": manifest_checksum}
+                detail = {
+                    "attempt_id": attempt_id,
+                    "bytes": bytes,
+                    "file_count": file_count,
+                    "manifest_checksum": manifest_checksum,
+                }
                 self._event(session, "committed", run, step, detail)
             return CheckpointRecord.of(row, run)
 
@@ -336,8 +353,9 @@ class Catalog:
                 session, self.url, owner, step, attempt_id, reason, _now()
             )
             if moved:
-                self._event(session, "failed", run, step, {"attempt_id": attempt_id,
-                                                          "reason": reason})
+                self._event(
+                    session, "failed", run, step, {"attempt_id": attempt_id, "reason": reason}
+                )
             return CheckpointRecord.of(row, run)
 
     # -- checkpoints: queries ------------------------------------------------------------
@@ -436,8 +454,10 @@ class Catalog:
         is deleting alone (``SyncOutcome.SKIPPED``). ``committed_at`` defaults to now.
         """
         run, step = validate.run_name(run), validate.step(step)
-        facts = {"path": validate.storage_url("path", path),
-                 **_facts(bytes, file_count, manifest_checksum, metadata)}
+        facts = {
+            "path": validate.storage_url("path", path),
+            **_facts(bytes, file_count, manifest_checksum, metadata),
+        }
         if metadata is None:
             del facts["meta"]  # unknown here: keep what the row has
         now = _now()

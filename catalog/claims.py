@@ -96,9 +96,7 @@ def claim(
     return won
 
 
-def finish(
-    session: Session, run: Run, step: int, token: str, now: datetime
-) -> Checkpoint | None:
+def finish(session: Session, run: Run, step: int, token: str, now: datetime) -> Checkpoint | None:
     """deleting -> deleted, only for the holder of ``token``; the moved row or None."""
     moved = guarded_update(
         session,

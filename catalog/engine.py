@@ -62,7 +62,9 @@ def parse_url(url: str | URL) -> URL:
             parsed = parsed.set(drivername="postgresql+psycopg")
         elif parsed.get_driver_name() not in ("psycopg", "psycopg2"):
             raise InvalidValueError(
-                "catalog URL", mask_url(parsed), "expected sqlite:///PATH or postgresql+psycopg://..."
+                "catalog URL",
+                mask_url(parsed),
+                "expected sqlite:///PATH or postgresql+psycopg://...",
             )
     else:
         raise InvalidValueError(

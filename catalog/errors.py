@@ -163,9 +163,7 @@ class InvalidTransitionError(CatalogError):
     ``pin``...). Deterministic: retrying the same call gives the same answer.
     """
 
-    def __init__(
-        self, url: str, run: str, step: int, state: str, action: str, fix: str
-    ) -> None:
+    def __init__(self, url: str, run: str, step: int, state: str, action: str, fix: str) -> None:
         self.url = url
         self.run = run
         self.step = step

@@ -77,9 +77,7 @@ def _insert(session: Session, name: str, values: dict[str, Any], now: datetime) 
     return run
 
 
-def create(
-    session: Session, url: str, name: str, values: dict[str, Any], now: datetime
-) -> Run:
+def create(session: Session, url: str, name: str, values: dict[str, Any], now: datetime) -> Run:
     if find(session, name) is not None:
         raise RunExistsError(url, name)
     run = _insert(session, name, values, now)
@@ -170,4 +168,3 @@ def summaries(session: Session, status: str | None = None) -> list[SummaryRow]:
         )
         for row in session.execute(statement)
     ]
-

@@ -113,8 +113,14 @@ def begin(
         row = load(session, run.id, step)
         if row is None:
             fresh = Checkpoint(
-                run_id=run.id, step=step, state=PENDING, path=path, attempt_id=attempt,
-                pinned=False, created_at=now, updated_at=now,
+                run_id=run.id,
+                step=step,
+                state=PENDING,
+                path=path,
+                attempt_id=attempt,
+                pinned=False,
+                created_at=now,
+                updated_at=now,
             )
             if _insert(session, fresh):
                 return fresh, "begun", None
@@ -123,7 +129,11 @@ def begin(
             raise CheckpointExistsError(url, run.name, step, row.path)
         if row.state == DELETING:
             raise InvalidTransitionError(
-                url, run.name, step, row.state, "begin",
+                url,
+                run.name,
+                step,
+                row.state,
+                "begin",
                 f"gc ({row.claimed_by}) is deleting it; save again after `zephon gc` "
                 f"finishes, or under another step",
             )
@@ -147,7 +157,11 @@ def begin(
         if moved:
             return moved[0], "rearmed", previous
     raise InvalidTransitionError(
-        url, run.name, step, "contended", "begin",
+        url,
+        run.name,
+        step,
+        "contended",
+        "begin",
         f"{_BEGIN_RETRIES} concurrent begins raced for it; check for two jobs saving this run",
     )
 
@@ -229,7 +243,11 @@ def set_pinned(
     if row.pinned == pinned:
         return row, False
     raise InvalidTransitionError(
-        url, run.name, step, row.state, "pin",
+        url,
+        run.name,
+        step,
+        row.state,
+        "pin",
         "only pending or committed checkpoints can be pinned; save the step again first",
     )
 
@@ -253,8 +271,15 @@ def upsert_committed(
         row = load(session, run.id, step)
         if row is None:
             fresh = Checkpoint(
-                run_id=run.id, step=step, state=COMMITTED, attempt_id="sync-" + new_attempt_id(),
-                pinned=False, created_at=now, committed_at=committed_at, updated_at=now, **facts,
+                run_id=run.id,
+                step=step,
+                state=COMMITTED,
+                attempt_id="sync-" + new_attempt_id(),
+                pinned=False,
+                created_at=now,
+                committed_at=committed_at,
+                updated_at=now,
+                **facts,
             )
             if _insert(session, fresh):
                 return fresh, SyncOutcome.INSERTED
@@ -269,8 +294,13 @@ def upsert_committed(
             outcome = SyncOutcome.UPDATED
         else:
             values = {
-                **facts, "state": COMMITTED, "committed_at": committed_at, "updated_at": now,
-                "failure_reason": None, "claimed_by": None, "claimed_at": None,
+                **facts,
+                "state": COMMITTED,
+                "committed_at": committed_at,
+                "updated_at": now,
+                "failure_reason": None,
+                "claimed_by": None,
+                "claimed_at": None,
             }
             outcome = SyncOutcome.PROMOTED
         moved = guarded_update(

@@ -18,15 +18,27 @@ GLOBAL_BATCH = 64  # records per optimizer step, on any topology
 
 
 def build(groups: int, rank: int, aggregate_dir: str) -> zephon.Pipeline:
-    dataset = zephon.Dataset.from_dict("demo", {
-        f"s{s}": zephon.InMemoryShard([{"id": s * 1000 + i} for i in range(250)])
-        for s in range(8)
-    })
+    dataset = zephon.Dataset.from_dict(
+        "demo",
+        {
+            f"s{s}": zephon.InMemoryShard([{"id": s * 1000 + i} for i in range(250)])
+            for s in range(8)
+        },
+    )
     source = zephon.StaticMixtureWorkSource(dataset, chunk_size=50, seed=1)
     return (
-        zephon.Pipeline(source).shuffle(32).batch(MICROBATCH)
-        .options(world_size=groups, global_rank=rank, dp_degree=groups, dp_group_id=rank,
-                 canonical_replicas=LANES, aggregate_dir=aggregate_dir, run_id="elastic-demo")
+        zephon.Pipeline(source)
+        .shuffle(32)
+        .batch(MICROBATCH)
+        .options(
+            world_size=groups,
+            global_rank=rank,
+            dp_degree=groups,
+            dp_group_id=rank,
+            canonical_replicas=LANES,
+            aggregate_dir=aggregate_dir,
+            run_id="elastic-demo",
+        )
     )
 
 

@@ -38,11 +38,19 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / (total_steps + 1))
     pipeline = build_pipeline()
-    state = {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler,
-             "data": zephon.PipelineStateful(pipeline)}
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "lr_scheduler": scheduler,
+        "data": zephon.PipelineStateful(pipeline),
+    }
 
-    with zephon.CheckpointManager(job.checkpointing, run_name=job.run_name,
-                                  total_steps=total_steps, model_stage=job.model_stage) as manager:
+    with zephon.CheckpointManager(
+        job.checkpointing,
+        run_name=job.run_name,
+        total_steps=total_steps,
+        model_stage=job.model_stage,
+    ) as manager:
         resume = manager.load_latest(state)
         if resume.finished:
             return

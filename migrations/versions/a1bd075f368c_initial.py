@@ -79,16 +79,12 @@ def upgrade() -> None:
             name=op.f("ck_checkpoints_state"),
         ),
         sa.CheckConstraint("step >= 0", name=op.f("ck_checkpoints_step")),
-        sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_checkpoints_run_id_runs")
-        ),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_checkpoints_run_id_runs")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_checkpoints")),
         sa.UniqueConstraint("run_id", "step", name=op.f("uq_checkpoints_run_id_step")),
     )
     # Makes "newest committed checkpoint of run R" a single backward index scan.
-    op.create_index(
-        "ix_checkpoints_run_id_state_step", "checkpoints", ["run_id", "state", "step"]
-    )
+    op.create_index("ix_checkpoints_run_id_state_step", "checkpoints", ["run_id", "state", "step"])
     op.create_table(
         "events",
         sa.Column("id", sa.Integer(), nullable=False),

@@ -38,8 +38,14 @@ def test_claim_then_mark_deleted(catalog, kept2):
     for claimed in won:
         assert catalog.mark_deleted(kept2, claimed.step, claimed.claimed_by)
     assert not catalog.mark_deleted(kept2, 1, token)  # already done
-    assert _states(catalog) == {1: "deleted", 2: "deleted", 3: "deleted", 4: "deleted",
-                                5: "committed", 6: "committed"}
+    assert _states(catalog) == {
+        1: "deleted",
+        2: "deleted",
+        3: "deleted",
+        4: "deleted",
+        5: "committed",
+        6: "committed",
+    }
     actions = [e.action for e in reversed(catalog.events(run=kept2))]
     assert actions.count("claimed") == 4 and actions.count("deleted") == 4
 
@@ -137,9 +143,7 @@ def _lock_held_by_a_claim(url: str, dialect: str):
 
 def test_policy_changes_wait_for_a_claim_in_flight(catalog, kept2, catalog_url):
     done = threading.Event()
-    worker = threading.Thread(
-        target=lambda: (catalog.update_run(kept2, num_to_keep=5), done.set())
-    )
+    worker = threading.Thread(target=lambda: (catalog.update_run(kept2, num_to_keep=5), done.set()))
     with _lock_held_by_a_claim(catalog_url, catalog.dialect):
         worker.start()
         assert not done.wait(0.5), "update_run did not wait for the claim's lock"

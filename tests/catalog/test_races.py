@@ -25,8 +25,9 @@ def test_commit_and_fail_racing_on_one_attempt_move_the_row_once(catalog_url):
         barrier.wait()
         try:
             if index % 2:
-                catalog.mark_committed("r", 1, begun.attempt_id, bytes=1, file_count=1,
-                                       manifest_checksum=None)
+                catalog.mark_committed(
+                    "r", 1, begun.attempt_id, bytes=1, file_count=1, manifest_checksum=None
+                )
                 outcomes[index] = "committed"
             else:
                 catalog.mark_failed("r", 1, begun.attempt_id, "racing")

@@ -35,18 +35,23 @@ def _committed(*steps: int) -> list[Row]:
         pytest.param(_committed(1, 2, 3), None, None, [], id="null-keeps-all"),
         pytest.param(_committed(1, 2, 3), 1, None, [1, 2], id="keep-1"),
         pytest.param(_committed(1, 2, 3), 10, None, [], id="fewer-than-n"),
-        pytest.param(_committed(100, 200, 300, 400, 500), 1, 200, [100, 300],
-                     id="milestones-kept"),
+        pytest.param(_committed(100, 200, 300, 400, 500), 1, 200, [100, 300], id="milestones-kept"),
         pytest.param([Row(1, pinned=True), Row(2), Row(3)], 1, None, [2], id="pinned-kept"),
         pytest.param([Row(0)], 1, 1000, [], id="only-one"),
         pytest.param(_committed(30, 10, 20), 1, None, [10, 20], id="unordered-input"),
         pytest.param(
-            [Row(1), Row(2), Row(3, "pending"), Row(4, "pending")], 1, None, [1],
+            [Row(1), Row(2), Row(3, "pending"), Row(4, "pending")],
+            1,
+            None,
+            [1],
             id="pending-not-counted",
         ),
         pytest.param(
-            [Row(1, "deleting"), Row(2, "deleted"), Row(3, "failed"), Row(4), Row(5)], 1, None,
-            [4], id="other-states-ignored",
+            [Row(1, "deleting"), Row(2, "deleted"), Row(3, "failed"), Row(4), Row(5)],
+            1,
+            None,
+            [4],
+            id="other-states-ignored",
         ),
         pytest.param([], 1, None, [], id="empty"),
     ],
@@ -142,7 +147,8 @@ def test_plans_never_delete_what_must_be_kept(rows, num_to_keep, keep_every, gra
         assert keep_every is None or step % keep_every != 0
     # Exactly the unprotected committed rows go: retention keeps nothing it need not keep.
     expected = {
-        s for s in committed[num_to_keep or len(committed):]
+        s
+        for s in committed[num_to_keep or len(committed) :]
         if not by_step[s].pinned and (keep_every is None or s % keep_every)
     }
     assert deleted == expected

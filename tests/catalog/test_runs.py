@@ -21,7 +21,10 @@ from tests.catalog.conftest import commit_step
 def test_ensure_run_creates_a_run_with_defaults(catalog):
     record = catalog.ensure_run("job-1", "s3://bucket/ckpt/job-1")
     assert (record.name, record.storage_url, record.kind, record.status) == (
-        "job-1", "s3://bucket/ckpt/job-1", "train", "active",
+        "job-1",
+        "s3://bucket/ckpt/job-1",
+        "train",
+        "active",
     )
     assert (record.num_to_keep, record.keep_every_steps, record.total_steps) == (None,) * 3
     assert record.created_at.tzinfo is not None

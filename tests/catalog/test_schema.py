@@ -160,8 +160,14 @@ def _populate(url: str, runs: int, per_run: int) -> None:
             connection.execute(
                 insert(Run),
                 [
-                    dict(name=f"run-{r}", storage_url=f"/c/run-{r}", kind="train",
-                         status="active", created_at=now, updated_at=now)
+                    dict(
+                        name=f"run-{r}",
+                        storage_url=f"/c/run-{r}",
+                        kind="train",
+                        status="active",
+                        created_at=now,
+                        updated_at=now,
+                    )
                     for r in range(runs)
                 ],
             )
@@ -170,8 +176,16 @@ def _populate(url: str, runs: int, per_run: int) -> None:
             connection.execute(
                 insert(Checkpoint),
                 [
-                    dict(run_id=ids[f"run-{r}"], step=s, state=states[s % 4], path=f"/c/{s}",
-                         attempt_id="a", pinned=False, created_at=now, updated_at=now)
+                    dict(
+                        run_id=ids[f"run-{r}"],
+                        step=s,
+                        state=states[s % 4],
+                        path=f"/c/{s}",
+                        attempt_id="a",
+                        pinned=False,
+                        created_at=now,
+                        updated_at=now,
+                    )
                     for r in range(runs)
                     for s in range(per_run)
                 ],

@@ -28,12 +28,19 @@ def test_begin_then_commit_records_the_facts(catalog, run):
     assert len(begun.attempt_id) == 32 and begun.committed_at is None
 
     committed = catalog.mark_committed(
-        run, 100, begun.attempt_id, bytes=4096, file_count=7, manifest_checksum="crc:abcd",
+        run,
+        100,
+        begun.attempt_id,
+        bytes=4096,
+        file_count=7,
+        manifest_checksum="crc:abcd",
         metadata={"loss": 0.25, "tokens": [1, 2]},
     )
     assert committed.state == "committed"
     assert (committed.bytes, committed.file_count, committed.manifest_checksum) == (
-        4096, 7, "crc:abcd",
+        4096,
+        7,
+        "crc:abcd",
     )
     assert committed.metadata == {"loss": 0.25, "tokens": [1, 2]}
     assert committed.committed_at.tzinfo == UTC
@@ -44,10 +51,12 @@ def test_begin_then_commit_records_the_facts(catalog, run):
 
 def test_mark_committed_again_by_the_same_attempt_is_a_no_op(catalog, run):
     begun = catalog.begin_checkpoint(run, 1, "/c/1")
-    first = catalog.mark_committed(run, 1, begun.attempt_id, bytes=1, file_count=1,
-                                   manifest_checksum="x")
-    again = catalog.mark_committed(run, 1, begun.attempt_id, bytes=1, file_count=1,
-                                   manifest_checksum="x")
+    first = catalog.mark_committed(
+        run, 1, begun.attempt_id, bytes=1, file_count=1, manifest_checksum="x"
+    )
+    again = catalog.mark_committed(
+        run, 1, begun.attempt_id, bytes=1, file_count=1, manifest_checksum="x"
+    )
     assert again == first
     assert _actions(catalog).count("committed") == 1
 
@@ -55,8 +64,9 @@ def test_mark_committed_again_by_the_same_attempt_is_a_no_op(catalog, run):
 def test_mark_committed_with_a_foreign_attempt_raises_state_conflict(catalog, run):
     begun = catalog.begin_checkpoint(run, 1, "/c/1")
     with pytest.raises(StateConflictError) as caught:
-        catalog.mark_committed(run, 1, "someone-else", bytes=1, file_count=1,
-                               manifest_checksum=None)
+        catalog.mark_committed(
+            run, 1, "someone-else", bytes=1, file_count=1, manifest_checksum=None
+        )
     error = caught.value
     assert (error.run, error.step, error.state, error.action) == (run, 1, "pending", "commit")
     assert (error.expected_attempt, error.found_attempt) == ("someone-else", begun.attempt_id)
@@ -79,14 +89,19 @@ def test_failed_deleted_and_crashed_pending_steps_are_re_armed(catalog, run, pre
     if previous == "failed":
         catalog.mark_failed(run, 7, old.attempt_id, "rank 3 died")
     elif previous == "deleted":
-        catalog.mark_committed(run, 7, old.attempt_id, bytes=9, file_count=2,
-                               manifest_checksum="m", metadata={"a": 1})
+        catalog.mark_committed(
+            run, 7, old.attempt_id, bytes=9, file_count=2, manifest_checksum="m", metadata={"a": 1}
+        )
         assert catalog.mark_missing(run, 7)
 
     new = catalog.begin_checkpoint(run, 7, "/c/new-7")
     assert new.state == "pending" and new.attempt_id != old.attempt_id
     assert (new.path, new.bytes, new.metadata, new.failure_reason, new.committed_at) == (
-        "/c/new-7", None, None, None, None,
+        "/c/new-7",
+        None,
+        None,
+        None,
+        None,
     )
     rearmed = catalog.events(run=run)[0]
     assert rearmed.action == "rearmed"
@@ -95,8 +110,9 @@ def test_failed_deleted_and_crashed_pending_steps_are_re_armed(catalog, run, pre
 
     # The older attempt has lost the step for good.
     with pytest.raises(StateConflictError):
-        catalog.mark_committed(run, 7, old.attempt_id, bytes=1, file_count=1,
-                               manifest_checksum=None)
+        catalog.mark_committed(
+            run, 7, old.attempt_id, bytes=1, file_count=1, manifest_checksum=None
+        )
     with pytest.raises(StateConflictError):
         catalog.mark_failed(run, 7, old.attempt_id, "late failure report")
     catalog.mark_committed(run, 7, new.attempt_id, bytes=1, file_count=1, manifest_checksum=None)
@@ -121,8 +137,9 @@ def test_failed_then_commit_by_the_same_attempt_is_a_conflict(catalog, run):
     assert failed.failure_reason == "stale: no marker after grace"
     assert catalog.mark_failed(run, 3, begun.attempt_id, "again") == failed  # idempotent
     with pytest.raises(StateConflictError) as caught:
-        catalog.mark_committed(run, 3, begun.attempt_id, bytes=1, file_count=1,
-                               manifest_checksum=None)
+        catalog.mark_committed(
+            run, 3, begun.attempt_id, bytes=1, file_count=1, manifest_checksum=None
+        )
     assert caught.value.state == "failed"
     assert "moved it first" in str(caught.value)
 
@@ -216,8 +233,7 @@ def test_upsert_committed_promotes_a_pending_row_and_keeps_its_attempt(catalog, 
     )
     assert outcome is SyncOutcome.PROMOTED and record.attempt_id == begun.attempt_id
     # The writer, still alive, finishes its own commit without an error.
-    catalog.mark_committed(run, 8, begun.attempt_id, bytes=5, file_count=1,
-                           manifest_checksum="m")
+    catalog.mark_committed(run, 8, begun.attempt_id, bytes=5, file_count=1, manifest_checksum="m")
     assert catalog.latest_committed(run).step == 8
 
 

@@ -75,25 +75,58 @@ def test_the_installed_wheel_creates_a_catalog_from_any_directory(tmp_path):
     dist = tmp_path / "dist"
     # No isolation: no network here. The dependency check is skipped because setuptools >= 70.1
     # builds wheels itself; the separate `wheel` package named in build-system is not needed.
-    _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--skip-dependency-check",
-          "--outdir", str(dist), str(source)], cwd=tmp_path)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "build",
+            "--wheel",
+            "--no-isolation",
+            "--skip-dependency-check",
+            "--outdir",
+            str(dist),
+            str(source),
+        ],
+        cwd=tmp_path,
+    )
     [wheel] = dist.glob("zephon-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for required in ("migrations/__init__.py", "migrations/env.py", "migrations/script.py.mako",
-                     "migrations/alembic.ini", "catalog/schema.py"):
+    for required in (
+        "migrations/__init__.py",
+        "migrations/env.py",
+        "migrations/script.py.mako",
+        "migrations/alembic.ini",
+        "catalog/schema.py",
+    ):
         assert required in names, required
     assert any(n.startswith("migrations/versions/") and n.endswith("_initial.py") for n in names)
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
     python = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-          "--no-index", "--quiet", str(wheel)], cwd=tmp_path)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--quiet",
+            str(wheel),
+        ],
+        cwd=tmp_path,
+    )
     # Dependencies come from the dev environment's site-packages, appended as a plain path:
     # its .pth files (the editable install of this repository) are not processed that way.
-    fresh_site = Path(_run([str(python), "-c",
-                            "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                           cwd=tmp_path).strip())
+    fresh_site = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            cwd=tmp_path,
+        ).strip()
+    )
     (fresh_site / "zz_dev_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
     elsewhere = tmp_path / "elsewhere"

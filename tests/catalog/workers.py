@@ -79,8 +79,14 @@ def begin_then_commit(url: str, run: str, step: int, start: Any) -> str:
         except CheckpointExistsError:
             return "exists"
         try:
-            catalog.mark_committed(run, step, begun.attempt_id, bytes=1, file_count=1,
-                                   manifest_checksum=begun.attempt_id)
+            catalog.mark_committed(
+                run,
+                step,
+                begun.attempt_id,
+                bytes=1,
+                file_count=1,
+                manifest_checksum=begun.attempt_id,
+            )
         except StateConflictError:
             return "conflict"
         return "committed"
@@ -118,8 +124,9 @@ def stress_committer(url: str, run: str, first_step: int, seconds: float, start:
                 pending.append((step, begun.attempt_id))
             else:
                 started = time.time()
-                catalog.mark_committed(run, step, begun.attempt_id, bytes=step, file_count=1,
-                                       manifest_checksum=None)
+                catalog.mark_committed(
+                    run, step, begun.attempt_id, bytes=step, file_count=1, manifest_checksum=None
+                )
                 commits.append((step, started, time.time()))
             step += 1
             time.sleep(random.uniform(0, 0.01))

@@ -51,8 +51,17 @@ def _parse_key(name: str) -> tuple[str, int] | None:
 class Aggregator:
     """The shared-directory protocol for one pipeline process (one rank)."""
 
-    def __init__(self, url: str, storage_options: dict | None, run_id: str, *, world_size: int,
-                 rank: int, timeout_s: float, poll_interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict | None,
+        run_id: str,
+        *,
+        world_size: int,
+        rank: int,
+        timeout_s: float,
+        poll_interval_s: float = 0.2,
+    ) -> None:
         self.location = open_location(url, storage_options)
         self._create = marker_protocol_for(self.location).create
         self.run_id = run_id
@@ -105,7 +114,8 @@ class Aggregator:
         except ValueError as exc:
             raise AggregationError(
                 f"the pipeline checkpoint part {self.location.display(path)} is not JSON "
-                f"({exc}); remove it and checkpoint again", run_id=self.run_id,
+                f"({exc}); remove it and checkpoint again",
+                run_id=self.run_id,
                 url=self.location.url,
             ) from exc
 
@@ -150,7 +160,9 @@ class Aggregator:
                     f"{self.timeout_s:g} s{detail}; every rank in world_size={self.world_size} "
                     "must call checkpoint() at the same step (raise aggregate_timeout_s if "
                     "they are slow)",
-                    missing_ranks=sorted(missing), timeout_s=self.timeout_s, run_id=self.run_id,
+                    missing_ranks=sorted(missing),
+                    timeout_s=self.timeout_s,
+                    run_id=self.run_id,
                     url=self.location.url,
                 )
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
@@ -168,8 +180,9 @@ class Aggregator:
                 location.fs.invalidate_cache(run_dir)
                 doomed: dict[str, list[str]] = {}
                 for listed in list_files(location, run_dir):
-                    rest = listed.path[len(run_dir) + 1:] if listed.path.startswith(run_dir) \
-                        else ""
+                    rest = (
+                        listed.path[len(run_dir) + 1 :] if listed.path.startswith(run_dir) else ""
+                    )
                     name = rest.split("/", 1)[0]
                     parsed = _parse_key(name)
                     if parsed is None or current is None:

@@ -12,8 +12,13 @@ from zephon.pipeline.shards import JsonlShard, ParquetShard, Shard, _RowCache
 
 __all__ = ["Dataset"]
 
-_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet",
-            ".pq": "parquet"}
+_FORMATS = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+}
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
@@ -77,30 +82,34 @@ class Dataset:
             if any(c in root for c in "*?["):
                 paths = sorted(p for p in fs.glob(root) if not fs.isdir(p))
                 base = root[: min(root.index(c) for c in "*?[" if c in root)].rsplit("/", 1)[0]
-                entries = [(p[len(base) + 1:] if p.startswith(base + "/") else p, p)
-                           for p in paths]
+                entries = [
+                    (p[len(base) + 1 :] if p.startswith(base + "/") else p, p) for p in paths
+                ]
             elif fs.isdir(root):
                 paths = sorted(p for p in fs.find(root) if format or _format_of(p))
                 base = root.rstrip("/") + "/"
-                entries = [(p[len(base):] if p.startswith(base) else p, p) for p in paths]
+                entries = [(p[len(base) :] if p.startswith(base) else p, p) for p in paths]
             elif fs.exists(root):
                 entries = [(root.rsplit("/", 1)[-1], root)]
             else:
                 raise DataSourceError(
                     f"dataset {name!r}: nothing at {location.url}; check the URL and "
-                    "storage_options", url=location.url,
+                    "storage_options",
+                    url=location.url,
                 )
         except DataSourceError:
             raise
         except (OSError, ValueError) as exc:
             raise DataSourceError(
                 f"dataset {name!r}: cannot list {location.url}: {exc}; check the URL and "
-                "storage_options", url=location.url,
+                "storage_options",
+                url=location.url,
             ) from exc
         if not entries:
             raise DataSourceError(
                 f"dataset {name!r}: no .jsonl or .parquet files under {location.url}; pass "
-                "format='jsonl' or 'parquet' if the files have other suffixes", url=location.url,
+                "format='jsonl' or 'parquet' if the files have other suffixes",
+                url=location.url,
             )
         cache = _RowCache()
         shards: dict[str, Shard] = {}
@@ -109,7 +118,8 @@ class Dataset:
             if kind is None:
                 raise DataSourceError(
                     f"dataset {name!r}: cannot tell the format of {location.display(path)}; "
-                    "pass format='jsonl' or format='parquet'", url=location.display(path),
+                    "pass format='jsonl' or format='parquet'",
+                    url=location.display(path),
                 )
             shard_cls = ParquetShard if kind == "parquet" else JsonlShard
             shards[shard_id] = shard_cls(fs, path, location.display(path), cache)

@@ -33,8 +33,9 @@ class _Failure:
         self.exc = exc
 
 
-def _produce(readers: dict[int, LaneReader], spec: BatchSpec
-             ) -> Iterator[tuple[Batch, int, LaneProgress]]:
+def _produce(
+    readers: dict[int, LaneReader], spec: BatchSpec
+) -> Iterator[tuple[Batch, int, LaneProgress]]:
     """The group's batches in delivery order: each from the owned lane whose turn it is."""
     active = sorted(readers)
     size, drop_last = spec.microbatch_size, spec.drop_last
@@ -77,8 +78,13 @@ class Iteration:
     batch is handed over; the prefetch thread only ever prepares.
     """
 
-    def __init__(self, pipeline: Pipeline, plan: LanePlan, owned: list[int],
-                 progress: dict[int, LaneProgress]) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        plan: LanePlan,
+        owned: list[int],
+        progress: dict[int, LaneProgress],
+    ) -> None:
         self._pipeline = pipeline
         spec = pipeline._prefetch
         parallelism = spec.parallelism if spec else 1
@@ -94,8 +100,10 @@ class Iteration:
         if spec is not None:
             self._queue = queue.Queue(maxsize=spec.buffer_size)
             self._thread = threading.Thread(
-                target=_fill, args=(self._gen, self._queue, self._stop),
-                name="zephon-pipeline-prefetch", daemon=True,
+                target=_fill,
+                args=(self._gen, self._queue, self._stop),
+                name="zephon-pipeline-prefetch",
+                daemon=True,
             )
             self._thread.start()
 

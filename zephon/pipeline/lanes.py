@@ -170,8 +170,9 @@ class _Segments:
     function of the window, so using a pool changes timing but never the output.
     """
 
-    def __init__(self, window: Window, start: int, size: int, pool: Executor | None,
-                 lookahead: int) -> None:
+    def __init__(
+        self, window: Window, start: int, size: int, pool: Executor | None, lookahead: int
+    ) -> None:
         self.window = window
         self.next_start = start
         self.size = size
@@ -210,8 +211,14 @@ class LaneReader:
     reports once that batch is delivered); reading may run ahead of it into buffered segments.
     """
 
-    def __init__(self, plan: LanePlan, lane: int, progress: LaneProgress,
-                 pool: Executor | None = None, parallelism: int = 1) -> None:
+    def __init__(
+        self,
+        plan: LanePlan,
+        lane: int,
+        progress: LaneProgress,
+        pool: Executor | None = None,
+        parallelism: int = 1,
+    ) -> None:
         self.plan = plan
         self.lane = lane
         self.window_index = progress.window

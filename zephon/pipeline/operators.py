@@ -15,8 +15,15 @@ from typing import Any
 from zephon.errors import ConfigError
 
 __all__ = [
-    "BatchSpec", "MapOp", "Operator", "PackOp", "PrefetchSpec", "ShuffleOp", "jitter_order",
-    "reorders", "signature",
+    "BatchSpec",
+    "MapOp",
+    "Operator",
+    "PackOp",
+    "PrefetchSpec",
+    "ShuffleOp",
+    "jitter_order",
+    "reorders",
+    "signature",
 ]
 
 

@@ -254,13 +254,22 @@ class Pipeline:
         when the chain shuffles or packs, else 0 (flush at every chunk).
         """
         self._mutable("options")
-        given = {k: v for k, v in {
-            "world_size": world_size, "global_rank": global_rank, "dp_degree": dp_degree,
-            "dp_group_id": dp_group_id, "canonical_replicas": canonical_replicas,
-            "aggregate_dir": aggregate_dir, "run_id": run_id,
-            "aggregate_timeout_s": aggregate_timeout_s,
-            "flush_every_k_chunks": flush_every_k_chunks, "storage_options": storage_options,
-        }.items() if v is not None}
+        given = {
+            k: v
+            for k, v in {
+                "world_size": world_size,
+                "global_rank": global_rank,
+                "dp_degree": dp_degree,
+                "dp_group_id": dp_group_id,
+                "canonical_replicas": canonical_replicas,
+                "aggregate_dir": aggregate_dir,
+                "run_id": run_id,
+                "aggregate_timeout_s": aggregate_timeout_s,
+                "flush_every_k_chunks": flush_every_k_chunks,
+                "storage_options": storage_options,
+            }.items()
+            if v is not None
+        }
         self._options = replace(self._options, **given)
         return self
 
@@ -354,21 +363,31 @@ class Pipeline:
         self._seq += 1
         if self._aggregator is None:
             self._aggregator = Aggregator(
-                opts.aggregate_dir, opts.storage_options, opts.run_id,
-                world_size=opts.world_size, rank=opts.global_rank,
+                opts.aggregate_dir,
+                opts.storage_options,
+                opts.run_id,
+                world_size=opts.world_size,
+                rank=opts.global_rank,
                 timeout_s=opts.aggregate_timeout_s,
             )
         part = build_part(
-            identity, lanes, run_id=opts.run_id, key=key, rank=opts.global_rank,
-            world_size=opts.world_size, dp_degree=opts.dp_degree, dp_group_id=opts.dp_group_id,
+            identity,
+            lanes,
+            run_id=opts.run_id,
+            key=key,
+            rank=opts.global_rank,
+            world_size=opts.world_size,
+            dp_degree=opts.dp_degree,
+            dp_group_id=opts.dp_group_id,
             delivered=self._delivered,
         )
         if opts.global_rank != 0:
             self._aggregator.write_part(key, part)
             return None
         others = self._aggregator.gather(key, self._delivered)
-        state = merge_parts([part, *others], identity, run_id=opts.run_id,
-                            url=self._aggregator.location.url)
+        state = merge_parts(
+            [part, *others], identity, run_id=opts.run_id, url=self._aggregator.location.url
+        )
         self._aggregator.cleanup(key)
         return state
 

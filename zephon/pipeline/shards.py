@@ -118,7 +118,8 @@ class JsonlShard(_FileShard):
         except (OSError, ValueError) as exc:
             raise DataSourceError(
                 f"cannot read JSONL shard {self._display}: {exc}; check that it exists and is "
-                "readable with the storage_options given", url=self._display,
+                "readable with the storage_options given",
+                url=self._display,
             ) from exc
         rows = []
         for number, line in enumerate(data.splitlines(), 1):
@@ -129,7 +130,8 @@ class JsonlShard(_FileShard):
             except ValueError as exc:
                 raise DataSourceError(
                     f"JSONL shard {self._display} line {number} is not valid JSON ({exc}); "
-                    "fix or remove that line", url=self._display,
+                    "fix or remove that line",
+                    url=self._display,
                 ) from exc
         return rows
 
@@ -157,7 +159,8 @@ class ParquetShard(_FileShard):
         except (OSError, ValueError) as exc:
             raise DataSourceError(
                 f"cannot read Parquet shard {self._display}: {exc}; check that it is a Parquet "
-                "file and readable with the storage_options given", url=self._display,
+                "file and readable with the storage_options given",
+                url=self._display,
             ) from exc
 
     def _load(self) -> list[Any]:
@@ -168,5 +171,6 @@ class ParquetShard(_FileShard):
         except (OSError, ValueError) as exc:
             raise DataSourceError(
                 f"cannot read Parquet shard {self._display}: {exc}; check that it is a Parquet "
-                "file and readable with the storage_options given", url=self._display,
+                "file and readable with the storage_options given",
+                url=self._display,
             ) from exc

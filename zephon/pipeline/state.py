@@ -32,8 +32,15 @@ from zephon.pipeline.errors import AggregationError, PipelineStateError
 from zephon.pipeline.lanes import LanePlan, LaneProgress
 
 __all__ = [
-    "STATE_FORMAT", "STATE_VERSION", "PART_FORMAT", "Identity", "build_lanes", "build_part",
-    "build_state", "merge_parts", "parse_state",
+    "STATE_FORMAT",
+    "STATE_VERSION",
+    "PART_FORMAT",
+    "Identity",
+    "build_lanes",
+    "build_part",
+    "build_state",
+    "merge_parts",
+    "parse_state",
 ]
 
 STATE_FORMAT = "zephon.pipeline"
@@ -73,8 +80,9 @@ def lane_entry(plan: LanePlan, lane: int, progress: LaneProgress) -> dict[str, i
     }
 
 
-def build_lanes(plan: LanePlan, progress: Mapping[int, LaneProgress],
-                lanes: Sequence[int]) -> list[dict[str, int]]:
+def build_lanes(
+    plan: LanePlan, progress: Mapping[int, LaneProgress], lanes: Sequence[int]
+) -> list[dict[str, int]]:
     return [lane_entry(plan, lane, progress[lane]) for lane in lanes]
 
 
@@ -82,22 +90,41 @@ def build_state(identity: Identity, lanes: list[dict[str, int]]) -> dict[str, An
     return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity.header(), "lanes": lanes}
 
 
-def build_part(identity: Identity, lanes: list[dict[str, int]], *, run_id: str, key: str,
-               rank: int, world_size: int, dp_degree: int, dp_group_id: int,
-               delivered: int) -> dict[str, Any]:
+def build_part(
+    identity: Identity,
+    lanes: list[dict[str, int]],
+    *,
+    run_id: str,
+    key: str,
+    rank: int,
+    world_size: int,
+    dp_degree: int,
+    dp_group_id: int,
+    delivered: int,
+) -> dict[str, Any]:
     """One rank's contribution to a distributed checkpoint: the lanes its group owns, and how
     many batches it delivered since its progress began (fresh or restored)."""
     return {
-        "format": PART_FORMAT, "version": STATE_VERSION, "run_id": run_id, "key": key,
-        "rank": rank, "world_size": world_size, "dp_degree": dp_degree,
-        "dp_group_id": dp_group_id, "delivered": delivered, **identity.header(), "lanes": lanes,
+        "format": PART_FORMAT,
+        "version": STATE_VERSION,
+        "run_id": run_id,
+        "key": key,
+        "rank": rank,
+        "world_size": world_size,
+        "dp_degree": dp_degree,
+        "dp_group_id": dp_group_id,
+        "delivered": delivered,
+        **identity.header(),
+        "lanes": lanes,
     }
 
 
 def _fail(field: str, value: Any, expected: Any, fix: str) -> PipelineStateError:
     return PipelineStateError(
         f"cannot restore pipeline state: {field} is {value!r}, expected {expected}; {fix}",
-        field=field, value=value, expected=expected,
+        field=field,
+        value=value,
+        expected=expected,
     )
 
 
@@ -107,44 +134,69 @@ def parse_state(state: Any, identity: Identity) -> dict[int, LaneProgress]:
     Raises ``PipelineStateError`` naming the first offending field.
     """
     if not isinstance(state, Mapping):
-        raise _fail("state", type(state).__name__, "a dict returned by Pipeline.checkpoint()",
-                    "pass the dict that checkpoint() returned (on global_rank 0)")
+        raise _fail(
+            "state",
+            type(state).__name__,
+            "a dict returned by Pipeline.checkpoint()",
+            "pass the dict that checkpoint() returned (on global_rank 0)",
+        )
     if state.get("format") != STATE_FORMAT:
-        raise _fail("format", state.get("format"), repr(STATE_FORMAT),
-                    "this is not a Zephon pipeline state dict")
+        raise _fail(
+            "format",
+            state.get("format"),
+            repr(STATE_FORMAT),
+            "this is not a Zephon pipeline state dict",
+        )
     if state.get("version") != STATE_VERSION:
-        raise _fail("version", state.get("version"), STATE_VERSION,
-                    "it was written by an incompatible Zephon version")
+        raise _fail(
+            "version",
+            state.get("version"),
+            STATE_VERSION,
+            "it was written by an incompatible Zephon version",
+        )
     if state.get("canonical_replicas") != identity.canonical_replicas:
         raise _fail(
-            "canonical_replicas", state.get("canonical_replicas"), identity.canonical_replicas,
+            "canonical_replicas",
+            state.get("canonical_replicas"),
+            identity.canonical_replicas,
             "canonical_replicas must stay the same across restores (to resume on a different "
             "number of data-parallel ranks change dp_degree only)",
         )
     if state.get("flush_every_k_chunks") != identity.flush_every_k_chunks:
         raise _fail(
-            "flush_every_k_chunks", state.get("flush_every_k_chunks"),
+            "flush_every_k_chunks",
+            state.get("flush_every_k_chunks"),
             identity.flush_every_k_chunks,
             "set options(flush_every_k_chunks=...) to the value of the run that saved the state",
         )
     if state.get("work_source") != identity.work_source:
         raise _fail(
-            "work_source", state.get("work_source"), repr(identity.work_source),
+            "work_source",
+            state.get("work_source"),
+            repr(identity.work_source),
             "the datasets (shards and their lengths), mixture, chunk_size, seed, shuffle_shards "
             "or stop_after_passes differ from the run that saved the state",
         )
     if state.get("operators") != identity.operators:
         raise _fail(
-            "operators", state.get("operators"), repr(identity.operators),
+            "operators",
+            state.get("operators"),
+            repr(identity.operators),
             "the chain of map_transform/shuffle/pack_sequences differs from the run that saved "
             "the state; rebuild the same chain",
         )
     lanes = state.get("lanes")
-    if not isinstance(lanes, Sequence) or isinstance(lanes, (str, bytes)) or \
-            len(lanes) != identity.canonical_replicas:
-        raise _fail("lanes", type(lanes).__name__ if not isinstance(lanes, list) else
-                    f"a list of {len(lanes)}", f"a list of {identity.canonical_replicas} lanes",
-                    "the state dict is malformed")
+    if (
+        not isinstance(lanes, Sequence)
+        or isinstance(lanes, (str, bytes))
+        or len(lanes) != identity.canonical_replicas
+    ):
+        raise _fail(
+            "lanes",
+            type(lanes).__name__ if not isinstance(lanes, list) else f"a list of {len(lanes)}",
+            f"a list of {identity.canonical_replicas} lanes",
+            "the state dict is malformed",
+        )
     k = max(identity.flush_every_k_chunks, 1)
     progress: dict[int, LaneProgress] = {}
     for i, entry in enumerate(lanes):
@@ -152,10 +204,15 @@ def parse_state(state: Any, identity: Identity) -> dict[int, LaneProgress]:
         if values["lane"] != i:
             raise _fail(f"lanes[{i}].lane", values["lane"], i, "the state dict is malformed")
         if values["flushed_chunks"] % k:
-            raise _fail(f"lanes[{i}].flushed_chunks", values["flushed_chunks"],
-                        f"a multiple of {k}", "the state dict is malformed")
-        progress[i] = LaneProgress(values["flushed_chunks"] // k,
-                                   values["delivered_since_flush"], values["batches"])
+            raise _fail(
+                f"lanes[{i}].flushed_chunks",
+                values["flushed_chunks"],
+                f"a multiple of {k}",
+                "the state dict is malformed",
+            )
+        progress[i] = LaneProgress(
+            values["flushed_chunks"] // k, values["delivered_since_flush"], values["batches"]
+        )
     return progress
 
 
@@ -171,8 +228,9 @@ def _lane_values(entry: Any, where: str) -> dict[str, int]:
     return values
 
 
-def merge_parts(parts: Sequence[Mapping[str, Any]], identity: Identity, *, run_id: str,
-                url: str) -> dict[str, Any]:
+def merge_parts(
+    parts: Sequence[Mapping[str, Any]], identity: Identity, *, run_id: str, url: str
+) -> dict[str, Any]:
     """Assemble every rank's part into one state dict covering all lanes.
 
     Ranks of one data-parallel group read the same lanes, so their entries must agree; a
@@ -184,14 +242,17 @@ def merge_parts(parts: Sequence[Mapping[str, Any]], identity: Identity, *, run_i
         if part.get("format") != PART_FORMAT or part.get("version") != STATE_VERSION:
             raise AggregationError(
                 f"part of rank {rank} under {url} is not a version-{STATE_VERSION} Zephon "
-                "pipeline part; remove it and checkpoint again", run_id=run_id, url=url,
+                "pipeline part; remove it and checkpoint again",
+                run_id=run_id,
+                url=url,
             )
         for field, expected in identity.header().items():
             if part.get(field) != expected:
                 raise AggregationError(
                     f"rank {rank} checkpointed a pipeline with {field}={part.get(field)!r}, "
                     f"rank 0 has {expected!r}: every rank must build the same pipeline",
-                    run_id=run_id, url=url,
+                    run_id=run_id,
+                    url=url,
                 )
         for entry in part.get("lanes", []):
             values = _lane_values(entry, f"rank {rank} lane")
@@ -201,14 +262,18 @@ def merge_parts(parts: Sequence[Mapping[str, Any]], identity: Identity, *, run_i
                 raise AggregationError(
                     f"ranks {seen[0]} and {rank} report different progress for lane {lane} "
                     f"({seen[1]} vs {values}): ranks of one data-parallel group must call "
-                    "checkpoint() after the same step", run_id=run_id, url=url,
+                    "checkpoint() after the same step",
+                    run_id=run_id,
+                    url=url,
                 )
             by_lane[lane] = (rank, values)
     missing = [lane for lane in range(identity.canonical_replicas) if lane not in by_lane]
     if missing:
         raise AggregationError(
             f"no rank reported lanes {missing}: every dp_group_id in range(dp_degree) needs at "
-            "least one rank in world_size", run_id=run_id, url=url,
+            "least one rank in world_size",
+            run_id=run_id,
+            url=url,
         )
     lanes = [by_lane[lane][1] for lane in range(identity.canonical_replicas)]
     return build_state(identity, lanes)

@@ -43,8 +43,12 @@ class PipelineStateful:
     def state_dict(self) -> dict[str, Any]:
         state = self.pipeline.checkpoint()
         text = None if state is None else json.dumps(state, separators=(",", ":"))
-        if self.broadcast and dist.is_available() and dist.is_initialized() and \
-                dist.get_world_size() > 1:
+        if (
+            self.broadcast
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
             box = [text]
             dist.broadcast_object_list(box, src=0)
             text = box[0]
@@ -56,13 +60,17 @@ class PipelineStateful:
             raise PipelineStateError(
                 f"load_state_dict needs {{{STATE_KEY!r}: <JSON string>}} as saved by "
                 f"PipelineStateful.state_dict() on global rank 0, got {text!r}",
-                field=STATE_KEY, value=text, expected="a JSON string",
+                field=STATE_KEY,
+                value=text,
+                expected="a JSON string",
             )
         try:
             state = json.loads(text)
         except ValueError as exc:
             raise PipelineStateError(
                 f"{STATE_KEY} is not valid JSON ({exc}); the checkpoint is damaged",
-                field=STATE_KEY, value=text[:80], expected="a JSON string",
+                field=STATE_KEY,
+                value=text[:80],
+                expected="a JSON string",
             ) from exc
         self.pipeline.restore(state)

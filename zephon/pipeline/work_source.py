@@ -224,7 +224,10 @@ class StaticMixtureWorkSource:
         """
         parts = (
             [(name, self._lengths()[name]) for name in self._order],
-            self._weights, self.chunk_size, self.seed, self.shuffle_shards,
+            self._weights,
+            self.chunk_size,
+            self.seed,
+            self.shuffle_shards,
             self.stop_after_passes,
         )
         return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
@@ -265,4 +268,3 @@ def _check_int(name: str, value: Any, *, minimum: int, none_ok: bool = False) ->
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         allowed = f"an integer >= {minimum}" + (" or None" if none_ok else "")
         raise ConfigError(f"{name} must be {allowed}, got {value!r}")
-

@@ -120,8 +120,16 @@ def test_separate_processes_assemble_one_state_and_leave_nothing_behind(
 def test_a_rank_that_never_arrives_fails_rank_0_naming_it(request, tmp_path):
     backend = _backend(request, "local")
     # ranks 2 and 3 run as processes and write their parts; rank 1 never starts
-    _run_ranks((2, 3), world_size=4, dp_degree=2, url=backend.url, storage_options={},
-               run_id="run-b", checkpoints=[1], timeout=60)
+    _run_ranks(
+        (2, 3),
+        world_size=4,
+        dp_degree=2,
+        url=backend.url,
+        storage_options={},
+        run_id="run-b",
+        checkpoints=[1],
+        timeout=60,
+    )
     rank0 = build(0, 4, 2, backend.url, {}, "run-b", 2)
     next(iter(rank0))
     with pytest.raises(AggregationTimeoutError) as info:
