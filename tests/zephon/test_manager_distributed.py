@@ -121,3 +121,43 @@ def test_a_resumed_inference_job_skips_the_data_it_already_processed(tmp_path):
         every += kept + [i for ids in after.values() for i in ids]
     assert sorted(every) == list(range(2048))  # each record processed once, none skipped
     assert Ranks(replace(spec, tag="c"), world).wait()["finished"] is True
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_raises_on_every_rank_instead_of_hanging(tmp_path):
+    import subprocess
+    import sys
+
+    from zephon.demo.launch import free_port
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_PORT": str(free_port())}
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.zephon.failing_rank_child",
+        json.dumps({"save_dir": str(tmp_path / "ckpt")}),
+    ]
+    procs = [
+        subprocess.Popen(
+            argv,
+            cwd=repo,
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outcomes = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)  # a hang fails here
+        assert proc.returncode == 0, err
+        outcomes.append(json.loads(out.strip().splitlines()[-1]))
+    rank0, rank1 = outcomes
+    assert "never with pickle" in rank1["save"]
+    assert "rank 1 could not prepare the state of step 1" in rank0["save"]
+    for outcome in outcomes:  # DCP's planning carries rank 1's mismatch to every rank
+        assert outcome["load"].startswith("StateDictMismatchError")
+        assert "model/weight (checkpoint [3, 3], here [4, 3])" in outcome["load"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "r")) == ["save-2"]

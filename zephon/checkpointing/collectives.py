@@ -8,9 +8,14 @@ interleaves with the training loop's collectives on the default group. Without a
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+from zephon.errors import ZephonError
+
+T = TypeVar("T")
 
 __all__ = ["Collectives"]
 
@@ -65,6 +70,37 @@ class Collectives:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value, group=self.group)
         return out
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Collective: every rank says whether its part of ``what`` worked; if any failed, every
+        rank raises (its own exception where it failed), instead of the others waiting forever
+        in the next collective."""
+        statuses = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [(rank, text) for rank, text in enumerate(statuses) if text is not None]
+        if failed:
+            rank, text = failed[0]
+            others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+            raise ZephonError(f"rank {rank}{others} could not {what}: {text}")
+
+    def from_main(self, compute: Callable[[], T], what: str) -> T:
+        """Collective: ``compute()`` on rank 0, its result on every rank; if it raises, rank 0
+        raises it and every other rank a ``ZephonError`` naming it."""
+        outcome: tuple[str, Any] = ("ok", None)
+        error: BaseException | None = None
+        if self.is_main:
+            try:
+                outcome = ("ok", compute())
+            except Exception as exc:
+                error = exc
+                outcome = ("error", f"{type(exc).__name__}: {exc}")
+        outcome = self.broadcast(outcome)
+        if error is not None:
+            raise error
+        if outcome[0] == "error":
+            raise ZephonError(f"rank 0 could not {what}: {outcome[1]}")
+        return outcome[1]
 
     def destroy(self) -> None:
         if self.distributed:

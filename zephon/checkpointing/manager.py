@@ -116,21 +116,16 @@ class CheckpointManager:
         self.location = RunLocation(self.name, self.store, self.run)
         self.coll = Collectives()
         self.catalog: Catalog | None = None
-        failure: Exception | None = None
-        if self.coll.is_main and config.resolved_catalog_url:
-            try:
+
+        def open_catalog_on_main() -> None:
+            if config.resolved_catalog_url:
                 self.catalog = self._open_catalog(config.resolved_catalog_url)
-            except Exception as exc:  # every rank must learn of it, or they wait forever
-                failure = exc
-        reason = self.coll.broadcast(
-            None if failure is None else f"{type(failure).__name__}: {failure}"
-        )
-        if failure is not None:
+
+        try:
+            self.coll.from_main(open_catalog_on_main, "set up checkpointing")
+        except BaseException:
             self.coll.destroy()
-            raise failure
-        if reason is not None:
-            self.coll.destroy()
-            raise ZephonError(f"rank 0 could not set up checkpointing: {reason}")
+            raise
         self._background: Future | None = None
         self._async_stager: zdcp.ZephonStager | None = None
         self._background_lock = threading.Lock()
@@ -177,33 +172,33 @@ class CheckpointManager:
         shards), everything else as JSON; rank 0 commits the marker, then the catalog row, then
         applies retention. With ``async_save`` this returns once tensors are staged in host
         memory; the rest happens in the background and a failure is raised by the next call.
+        A failure on any rank raises on every rank; nothing of the attempt is left behind.
         """
         self.wait()
-        layout = StateLayout(
-            state, trainable_only=self.model_stage.checkpoint_only_trainable_parameters
-        )
-        # Models and optimizers are shared by all ranks (DCP reshards them); every other entry
-        # is this rank's own, its tensors keyed under rank<r>/ so DCP keeps every rank's copy.
-        tensors, shared = split_state(layout.state_tree(IN_PLACE))
-        own_tensors, own = split_state(layout.state_tree(PER_RANK), (f"rank{self.coll.rank}",))
-        tensors.update(own_tensors)
-        self.coll.barrier()
-        row, primary, begin_error = None, None, None
+        prepared, problem = None, None
+        try:
+            prepared = self._prepare(state, rank_state)
+        except Exception as exc:
+            problem = exc
+        # Doubles as the barrier before the save.
+        self.coll.agree(problem, f"prepare the state of step {step}")
+        layout, tensors, shared, mine = prepared
+        row, primary = None, None
         if self.coll.is_main:
             try:
                 row, primary = self._begin(step)
-            except Exception as exc:  # raised below, after the other ranks learn of it
-                begin_error = exc
+            except Exception as exc:
+                problem = exc
         try:
             writer = zdcp.attach_ranks(
                 self.store, self.run, step, primary, process_group=self.coll.group
             )
         except Exception:
-            if begin_error is not None:
-                raise begin_error from None
+            if problem is not None:
+                raise problem from None
             raise
         try:
-            self._write_json(writer, step, layout, shared, own, rank_state)
+            self._write_json(writer, step, layout, shared, mine)
             storage_writer = zdcp.ZephonStorageWriter(
                 writer, subdir=DCP_SUBDIR, commit_metadata={"step": step, "kind": self.kind}
             )
@@ -224,28 +219,17 @@ class CheckpointManager:
         self._committed(step, storage_writer, row)
         self.coll.barrier()
 
-    def _begin(self, step: int):
-        row = None
-        if self.catalog is not None:
-            row = self.catalog.begin_checkpoint(
-                self.name, step, self.store.checkpoint_url(self.run, step)
-            )
-        primary = self.store.begin(
-            self.run, step, attempt_id=row.attempt_id if row is not None else None
+    def _prepare(self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None):
+        """This rank's part of a save, before anything is written: classify the state, split
+        tensors from JSON, and build this rank's own JSON document."""
+        layout = StateLayout(
+            state, trainable_only=self.model_stage.checkpoint_only_trainable_parameters
         )
-        return row, primary
-
-    def _write_json(
-        self,
-        writer: CheckpointWriter,
-        step: int,
-        layout: StateLayout,
-        shared: Any,
-        own: Any,
-        rank_state: Mapping[str, Any] | None,
-    ) -> None:
-        """Every rank writes ``ranks/<rank>.json``; rank 0 collects their entries and writes
-        ``zephon.json``."""
+        # Models and optimizers are shared by all ranks (DCP reshards them); every other entry
+        # is this rank's own, its tensors keyed under rank<r>/ so DCP keeps every rank's copy.
+        tensors, shared = split_state(layout.state_tree(IN_PLACE))
+        own_tensors, own = split_state(layout.state_tree(PER_RANK), (f"rank{self.coll.rank}",))
+        tensors.update(own_tensors)
         mine: dict[str, Any] = {"state": own}
         if self.save_rng:
             mine["rng"] = capture_rng()
@@ -254,24 +238,60 @@ class CheckpointManager:
             if tensor_keys(rank_skeleton):
                 raise ZephonError("rank_state holds tensors: keep per-rank state to JSON values")
             mine["rank_state"] = rank_skeleton
-        entry = writer.write_bytes(rank_file(self.coll.rank), encode_json(mine))
+        return layout, tensors, shared, mine
+
+    def _begin(self, step: int):
+        """Rank 0: arm the catalog row, then begin the storage checkpoint (removing an
+        uncommitted leftover). A failed begin leaves the row failed, not pending."""
+        row = None
+        if self.catalog is not None:
+            row = self.catalog.begin_checkpoint(
+                self.name, step, self.store.checkpoint_url(self.run, step)
+            )
+        try:
+            primary = self.store.begin(
+                self.run, step, attempt_id=row.attempt_id if row is not None else None
+            )
+        except Exception as exc:
+            if row is not None:
+                with contextlib.suppress(Exception):
+                    self.catalog.mark_failed(self.name, step, row.attempt_id, str(exc))
+            raise
+        return row, primary
+
+    def _write_json(
+        self,
+        writer: CheckpointWriter,
+        step: int,
+        layout: StateLayout,
+        shared: Any,
+        mine: dict[str, Any],
+    ) -> None:
+        """Every rank writes ``ranks/<rank>.json`` (rank 0 also ``zephon.json``); rank 0 then
+        records every rank's file in the manifest."""
+        entry, problem = None, None
+        try:
+            entry = writer.write_bytes(rank_file(self.coll.rank), encode_json(mine))
+            if self.coll.is_main:
+                meta = {
+                    "format_version": META_VERSION,
+                    "run": self.run,
+                    "name": self.name,
+                    "kind": self.kind,
+                    "step": step,
+                    "total_steps": self.total_steps,
+                    "world_size": self.coll.world_size,
+                    "entries": layout.kinds(),
+                    "trainable_only": layout.trainable_only,
+                    "state": shared,
+                }
+                writer.write_bytes(META_FILE, encode_json(meta))
+        except Exception as exc:
+            problem = exc
+        self.coll.agree(problem, f"write its state of step {step}")
         gathered = self.coll.gather(entry.to_dict())
-        if not self.coll.is_main:
-            return
-        writer.add_entries(FileEntry(**e) for e in gathered or [])
-        meta = {
-            "format_version": META_VERSION,
-            "run": self.run,
-            "name": self.name,
-            "kind": self.kind,
-            "step": step,
-            "total_steps": self.total_steps,
-            "world_size": self.coll.world_size,
-            "entries": layout.kinds(),
-            "trainable_only": layout.trainable_only,
-            "state": shared,
-        }
-        writer.write_bytes(META_FILE, encode_json(meta))
+        if self.coll.is_main:
+            writer.add_entries(FileEntry(**e) for e in gathered or [])
 
     def _committed(self, step: int, storage_writer, row) -> None:
         """Rank 0, after the marker: the catalog row, then retention."""
@@ -363,16 +383,19 @@ class CheckpointManager:
         complete, nothing to do" (or "Inference ...") and return ``finished=True``.
         """
         self.wait()
-        found = None
-        if self.coll.is_main:
+
+        def latest_on_main() -> tuple[dict[str, Any], dict[str, Any]] | None:
             latest = find_latest(self.store, self.run, catalog=self.catalog, name=self.name)
-            if latest is not None:
-                found = {"step": latest.step, "url": latest.url}
-        found = self.coll.broadcast(found)
-        if found is None:
+            if latest is None:
+                return None
+            return {"step": latest.step, "url": latest.url}, self._read_meta(latest.step)
+
+        # One process asks the catalog and reads the small JSON; the others get the answer.
+        answer = self.coll.from_main(latest_on_main, "find the latest checkpoint")
+        if answer is None:
             return Resume(step=None, next_step=1)
+        found, meta = answer
         step = found["step"]
-        meta = self.coll.broadcast(self._read_meta(step) if self.coll.is_main else None)
         saved_total = meta.get("total_steps")
         if self.total_steps is not None and step >= self.total_steps:
             log.info(ALREADY_COMPLETE[self.kind])
@@ -383,10 +406,7 @@ class CheckpointManager:
                 url=found["url"],
                 saved_total_steps=saved_total,
             )
-        layout = StateLayout(state, trainable_only=bool(meta.get("trainable_only")))
-        if layout.trainable_only:
-            self._load_source(layout)
-        values, rank_state = self._load(step, meta, layout, allow_partial_load)
+        values, rank_state = self._load(step, meta, state, allow_partial_load)
         return Resume(
             step=step,
             next_step=step + 1,
@@ -404,8 +424,45 @@ class CheckpointManager:
         return meta
 
     def _load(
-        self, step: int, meta: dict[str, Any], layout: StateLayout, allow_partial_load: bool
+        self,
+        step: int,
+        meta: dict[str, Any],
+        state: Mapping[str, Any],
+        allow_partial_load: bool,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        planned, problem = None, None
+        try:
+            planned = self._plan_load(step, meta, state, allow_partial_load)
+        except Exception as exc:
+            problem = exc
+        # Every rank must be ready before the collective load, or the others would wait forever.
+        self.coll.agree(problem, f"prepare loading step {step}")
+        layout, reader, targets, shared, own, mine, same_world = planned
+        kinds = layout.kinds()
+        zdcp.load(
+            targets, reader, process_group=self.coll.io_group, allow_partial_load=allow_partial_load
+        )
+        tree = join_state({k: v for k, v in shared.items() if k in kinds}, targets)
+        tree.update(join_state(own, targets))
+        values = layout.apply(tree)
+        rank_state = None
+        if same_world:
+            if self.save_rng and "rng" in mine:
+                restore_rng(mine["rng"])
+            if "rank_state" in mine:
+                rank_state = join_state(mine["rank_state"], {})
+        return values, rank_state
+
+    def _plan_load(
+        self,
+        step: int,
+        meta: dict[str, Any],
+        state: Mapping[str, Any],
+        allow_partial_load: bool,
+    ):
+        """This rank's part of a load, before the collective: check the state against the
+        checkpoint, load frozen parameters from the source, read this rank's JSON."""
+        layout = StateLayout(state, trainable_only=bool(meta.get("trainable_only")))
         kinds = layout.kinds()
         saved_kinds: dict[str, str] = meta["entries"]
         mismatched = [k for k, kind in kinds.items() if k in saved_kinds and saved_kinds[k] != kind]
@@ -416,15 +473,15 @@ class CheckpointManager:
                 f"state entries {mismatched} were saved as {was} but are {now} now; pass the "
                 "same kinds of objects that were saved"
             )
+        if layout.trainable_only:
+            self._load_source(layout)
         url = self.store.checkpoint_url(self.run, step)
         checkpoint = self.store.reader(self.run, step)
         # The same world size gets every rank its own state back; another one (an elastic
         # resume) gets every rank rank 0's, and no RNG or rank_state.
         same_world = meta.get("world_size") == self.coll.world_size
-        source_rank = self.coll.rank if same_world else 0
-        name = rank_file(source_rank)
+        name = rank_file(self.coll.rank if same_world else 0)
         mine = decode_json(checkpoint.read_bytes(name), f"{checkpoint.url}/{name}")
-
         targets, _ = split_state(layout.load_targets())
         shared = meta["state"]
         saved = set(tensor_keys({k: v for k, v in shared.items() if k in kinds}))
@@ -440,24 +497,12 @@ class CheckpointManager:
         )
         own = {k: v for k, v in mine["state"].items() if k in kinds}
         own_keys = tensor_keys(own)
-        if own_keys:
+        if own_keys:  # this rank's own tensors: allocated from the checkpoint's metadata
             metadata = reader.read_metadata()
             for key in own_keys:
                 md = metadata.state_dict_metadata[key]
                 targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        zdcp.load(
-            targets, reader, process_group=self.coll.io_group, allow_partial_load=allow_partial_load
-        )
-        tree = join_state({k: v for k, v in shared.items() if k in kinds}, targets)
-        tree.update(join_state(own, targets))
-        values = layout.apply(tree)
-        rank_state = None
-        if same_world:
-            if self.save_rng and "rng" in mine:
-                restore_rng(mine["rng"])
-            if "rank_state" in mine:
-                rank_state = join_state(mine["rank_state"], {})
-        return values, rank_state
+        return layout, reader, targets, shared, own, mine, same_world
 
     def _load_source(self, layout: StateLayout) -> None:
         source = self.model_stage.source_checkpoint
