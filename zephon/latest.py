@@ -77,6 +77,11 @@ def _from_catalog(
 ) -> LatestCheckpoint | None:
     promoted: list[int] = []
     missing: list[int] = []
+
+    def found(step: int, manifest: Manifest) -> LatestCheckpoint:
+        url = store.checkpoint_url(storage_run, step)
+        return LatestCheckpoint(step, url, manifest, "catalog", tuple(promoted), tuple(missing))
+
     while True:
         newest = catalog.latest_committed(name)
         for row in catalog.pending_after(name, newest.step if newest else None):
@@ -89,14 +94,7 @@ def _from_catalog(
             except StateConflictError:
                 continue  # another process moved the row first; re-read below
             promoted.append(row.step)
-            return LatestCheckpoint(
-                row.step,
-                store.checkpoint_url(storage_run, row.step),
-                manifest,
-                "catalog",
-                tuple(promoted),
-                tuple(missing),
-            )
+            return found(row.step, manifest)
         if newest is None:
             return None
         try:
@@ -106,11 +104,4 @@ def _from_catalog(
             catalog.mark_missing(name, newest.step)
             missing.append(newest.step)
             continue
-        return LatestCheckpoint(
-            newest.step,
-            store.checkpoint_url(storage_run, newest.step),
-            manifest,
-            "catalog",
-            tuple(promoted),
-            tuple(missing),
-        )
+        return found(newest.step, manifest)

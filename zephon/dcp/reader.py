@@ -329,15 +329,8 @@ class ZephonStorageReader(StorageReader):
         return path
 
     def _missing(self, name: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{name} of committed checkpoint {self.url} is missing from storage; the checkpoint "
-            "is damaged: run `zephon verify` and resume from an earlier checkpoint",
-            url=self.url,
-            run=self.run,
-            step=self.step,
-            path=name,
-            problems=[f"{name}: missing"],
-        )
+        assert self._reader is not None
+        return self._reader.missing(name)
 
     def _short(self, name: str, wanted: int, got: int) -> CorruptCheckpointError:
         return CorruptCheckpointError(
