@@ -195,14 +195,7 @@ class Catalog:
         """
         name = validate.run_name(name)
         identity = self._run_values({"storage_url": storage_url, "kind": kind})
-        given = {
-            "status": status,
-            "total_steps": total_steps,
-            "num_to_keep": num_to_keep,
-            "keep_every_steps": keep_every_steps,
-            "config": config,
-        }
-        changes = self._run_values({k: v for k, v in given.items() if v is not UNSET})
+        changes = self._given_changes(status, total_steps, num_to_keep, keep_every_steps, config)
         defaults = {"status": RunStatus.ACTIVE.value}
         with self._db.write(f"ensure run {name!r}") as session:
             run, created, changed = runs.ensure(
@@ -230,14 +223,7 @@ class Catalog:
         decides on a retention policy that is being changed.
         """
         name = validate.run_name(name)
-        given = {
-            "status": status,
-            "total_steps": total_steps,
-            "num_to_keep": num_to_keep,
-            "keep_every_steps": keep_every_steps,
-            "config": config,
-        }
-        changes = self._run_values({k: v for k, v in given.items() if v is not UNSET})
+        changes = self._given_changes(status, total_steps, num_to_keep, keep_every_steps, config)
         with self._db.write(f"update run {name!r}") as session:
             run = runs.require(session, self.url, name, lock="update")
             changed = runs.apply_changes(run, changes, _now())
@@ -268,6 +254,24 @@ class Catalog:
                 )
                 for row in runs.summaries(session, status)
             ]
+
+    def _given_changes(
+        self,
+        status: str | _Unset,
+        total_steps: OptionalInt,
+        num_to_keep: OptionalInt,
+        keep_every_steps: OptionalInt,
+        config: dict[str, Any] | None | _Unset,
+    ) -> dict[str, Any]:
+        """The validated run fields a caller gave (those not ``UNSET``)."""
+        given = {
+            "status": status,
+            "total_steps": total_steps,
+            "num_to_keep": num_to_keep,
+            "keep_every_steps": keep_every_steps,
+            "config": config,
+        }
+        return self._run_values({k: v for k, v in given.items() if v is not UNSET})
 
     def _run_values(self, values: dict[str, Any]) -> dict[str, Any]:
         checks = {
