@@ -116,7 +116,7 @@ _COLUMNS = (
     "step",
     "state",
     "path",
-    "attempt_id",
+    "save_id",
     "bytes",
     "pinned",
     "created_at",
@@ -274,7 +274,7 @@ def _plant_checkpoints(store, run: str, steps: range, files: int, size: int = 64
         manifest = Manifest(
             run=run,
             step=step,
-            attempt_id=uuid.uuid4().hex,
+            save_id=uuid.uuid4().hex,
             files=tuple(FileEntry(n, size, entry_crc) for n in names),
         )
         objects.update({f"{base}/{n}": payload for n in names})

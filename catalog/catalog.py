@@ -288,11 +288,11 @@ class Catalog:
     # -- checkpoints: the save path ------------------------------------------------------
 
     def begin_checkpoint(self, run: str, step: int, path: str) -> CheckpointRecord:
-        """Arm ``(run, step)`` as ``pending`` before writing it; the record's ``attempt_id`` is
+        """Arm ``(run, step)`` as ``pending`` before writing it; the record's ``save_id`` is
         what ``mark_committed``/``mark_failed`` need.
 
         A missing row is created; a ``failed``, ``deleted`` or ``pending`` one (a crashed
-        earlier attempt) is re-armed under a new attempt id, which makes the older attempt's
+        earlier attempt) is re-armed under a new save id, which makes the older attempt's
         later ``mark_committed`` fail with ``StateConflictError``. Raises
         ``CheckpointExistsError`` for a ``committed`` step (never overwritten) and
         ``InvalidTransitionError`` for one gc is deleting; ``RunNotFoundError`` without the run.
@@ -302,7 +302,7 @@ class Catalog:
         with self._db.write(f"begin run {run!r} step {step}") as session:
             owner = runs.require(session, self.url, run)
             row, action, previous = transitions.begin(session, self.url, owner, step, path, _now())
-            detail: dict[str, Any] = {"attempt_id": row.attempt_id, "path": path}
+            detail: dict[str, Any] = {"save_id": row.save_id, "path": path}
             if previous is not None:
                 detail["previous"] = previous
             self._event(session, action, run, step, detail)
@@ -312,7 +312,7 @@ class Catalog:
         self,
         run: str,
         step: int,
-        attempt_id: str,
+        save_id: str,
         *,
         bytes: int | None,
         file_count: int | None,
@@ -330,12 +330,10 @@ class Catalog:
         facts = _facts(bytes, file_count, manifest_checksum, metadata)
         with self._db.write(f"commit run {run!r} step {step}") as session:
             owner = runs.require(session, self.url, run)
-            row, moved = transitions.commit(
-                session, self.url, owner, step, attempt_id, facts, _now()
-            )
+            row, moved = transitions.commit(session, self.url, owner, step, save_id, facts, _now())
             if moved:
                 detail = {
-                    "attempt_id": attempt_id,
+                    "save_id": save_id,
                     "bytes": bytes,
                     "file_count": file_count,
                     "manifest_checksum": manifest_checksum,
@@ -343,7 +341,7 @@ class Catalog:
                 self._event(session, "committed", run, step, detail)
             return CheckpointRecord.of(row, run)
 
-    def mark_failed(self, run: str, step: int, attempt_id: str, reason: str) -> CheckpointRecord:
+    def mark_failed(self, run: str, step: int, save_id: str, reason: str) -> CheckpointRecord:
         """``pending -> failed`` for this attempt: the save failed, or gc expired a stale row.
 
         Idempotent for the same attempt; ``StateConflictError`` if the row moved on
@@ -353,13 +351,9 @@ class Catalog:
         run, step = validate.run_name(run), validate.step(step)
         with self._db.write(f"fail run {run!r} step {step}") as session:
             owner = runs.require(session, self.url, run)
-            row, moved = transitions.fail(
-                session, self.url, owner, step, attempt_id, reason, _now()
-            )
+            row, moved = transitions.fail(session, self.url, owner, step, save_id, reason, _now())
             if moved:
-                self._event(
-                    session, "failed", run, step, {"attempt_id": attempt_id, "reason": reason}
-                )
+                self._event(session, "failed", run, step, {"save_id": save_id, "reason": reason})
             return CheckpointRecord.of(row, run)
 
     # -- checkpoints: queries ------------------------------------------------------------
@@ -384,7 +378,7 @@ class Catalog:
         """Pending rows with a step above ``step`` (all pending rows if None), newest first.
 
         For the marker probe on resume: pass the latest committed step; a pending row whose
-        marker exists on storage is promoted with ``mark_committed`` and its ``attempt_id``.
+        marker exists on storage is promoted with ``mark_committed`` and its ``save_id``.
         """
         run = validate.run_name(run)
         if step is not None:
@@ -498,7 +492,7 @@ class Catalog:
 
         Advisory: nothing is changed. Act on ``to_delete`` with ``claim_for_deletion`` (which
         re-checks) and on ``to_expire`` by probing the marker, then ``mark_committed`` or
-        ``mark_failed`` with the decision's ``attempt_id``.
+        ``mark_failed`` with the decision's ``save_id``.
         """
         run = validate.run_name(run)
         with self._db.read(f"plan retention of run {run!r}") as session:
@@ -529,7 +523,7 @@ class Catalog:
         steps = [validate.step(s) for s in steps]
         if lease <= timedelta(0):
             raise InvalidValueError("lease", lease, "expected a duration > 0")
-        token = f"{self._actor or default_actor()}/{transitions.new_attempt_id()[:12]}"
+        token = f"{self._actor or default_actor()}/{transitions.new_save_id()[:12]}"
         now = now or _now()
         with self._db.write(f"claim checkpoints of run {run!r} for deletion") as session:
             owner = runs.require(session, self.url, run, lock="share")

@@ -194,8 +194,8 @@ class StateConflictError(InvalidTransitionError):
     """A guarded update lost: the row is no longer the attempt the caller holds.
 
     Raised by ``mark_committed`` / ``mark_failed`` when another process re-armed the step
-    (new ``attempt_id``) or moved it first. ``expected_attempt`` is the caller's attempt id,
-    ``found_attempt`` the row's.
+    (new ``save_id``) or moved it first. ``expected_save`` is the caller's save id,
+    ``found_save`` the row's.
     """
 
     def __init__(
@@ -205,14 +205,14 @@ class StateConflictError(InvalidTransitionError):
         step: int,
         state: str,
         action: str,
-        expected_attempt: str,
-        found_attempt: str | None,
+        expected_save: str,
+        found_save: str | None,
     ) -> None:
-        self.expected_attempt = expected_attempt
-        self.found_attempt = found_attempt
-        if found_attempt != expected_attempt:
-            why = f"another process took the step over (attempt {found_attempt} replaced "
-            why += f"{expected_attempt})"
+        self.expected_save = expected_save
+        self.found_save = found_save
+        if found_save != expected_save:
+            why = f"another process took the step over (save {found_save} replaced "
+            why += f"{expected_save})"
         else:
             why = "another process moved it first"
         super().__init__(

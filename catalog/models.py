@@ -137,7 +137,7 @@ class Run(Base):
 class Checkpoint(Base):
     """One step of one run. ``(run_id, step)`` is unique; a re-save re-arms the same row.
 
-    ``attempt_id`` identifies the ``begin_checkpoint`` call that armed the row, so a slow or
+    ``save_id`` identifies the ``begin_checkpoint`` call that armed the row, so a slow or
     crashed writer can never commit over a newer attempt. ``claimed_by``/``claimed_at`` are the
     deletion lease held while the row is ``deleting``.
     """
@@ -157,7 +157,7 @@ class Checkpoint(Base):
     step: Mapped[int] = mapped_column(BigInteger)
     state: Mapped[str] = mapped_column(String(16))
     path: Mapped[str] = mapped_column(Text)
-    attempt_id: Mapped[str] = mapped_column(String(64))
+    save_id: Mapped[str] = mapped_column(String(64))
     bytes: Mapped[int | None] = mapped_column(BigInteger)
     file_count: Mapped[int | None] = mapped_column(Integer)
     manifest_checksum: Mapped[str | None] = mapped_column(String(128))

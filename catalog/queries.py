@@ -54,5 +54,5 @@ def retention_view(run_id: int, states: Sequence[str]) -> Select:
         Checkpoint.state,
         Checkpoint.pinned,
         Checkpoint.created_at,
-        Checkpoint.attempt_id,
+        Checkpoint.save_id,
     ).where(Checkpoint.run_id == run_id, Checkpoint.state.in_(states))

@@ -86,7 +86,7 @@ class RunSummary(_Record):
 class CheckpointRecord(_Record):
     """One checkpoint row. ``path`` is the URL of its ``save-<step>`` directory.
 
-    ``attempt_id`` is what ``mark_committed``/``mark_failed`` must present; ``claimed_by`` is the
+    ``save_id`` is what ``mark_committed``/``mark_failed`` must present; ``claimed_by`` is the
     claim token ``mark_deleted`` must present while the row is ``deleting``.
     """
 
@@ -94,7 +94,7 @@ class CheckpointRecord(_Record):
     step: int
     state: str
     path: str
-    attempt_id: str
+    save_id: str
     bytes: int | None
     file_count: int | None
     manifest_checksum: str | None
@@ -114,7 +114,7 @@ class CheckpointRecord(_Record):
             step=row.step,
             state=str(row.state),
             path=row.path,
-            attempt_id=row.attempt_id,
+            save_id=row.save_id,
             bytes=row.bytes,
             file_count=row.file_count,
             manifest_checksum=row.manifest_checksum,

@@ -14,7 +14,7 @@ Rules (DESIGN.md "Retention"):
 - ``pending`` rows younger than ``grace`` are kept untouched. Older ones are *expired*: the
   writer most likely crashed. The caller must probe the commit marker first (a crash between
   the marker and the catalog update leaves a complete checkpoint behind a pending row): marker
-  present -> ``mark_committed``; absent -> ``mark_failed`` with the planned attempt id, after
+  present -> ``mark_committed``; absent -> ``mark_failed`` with the planned save id, after
   which the directory is an uncommitted orphan that gc removes.
 - Rows in any other state (``deleting``, ``deleted``, ``failed``) are not part of a plan.
 """
@@ -53,7 +53,7 @@ class RetentionCandidate(Protocol):
     def created_at(self) -> datetime: ...
 
     @property
-    def attempt_id(self) -> str: ...
+    def save_id(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class Decision:
     state: str
     action: Action
     reasons: tuple[str, ...]
-    attempt_id: str
+    save_id: str
 
     @property
     def reason(self) -> str:
@@ -143,7 +143,7 @@ def plan_retention(
             action, reasons = Action.DELETE, [f"older than the {num_to_keep} newest committed"]
         else:
             action = Action.KEEP
-        decisions.append(Decision(row.step, row.state, action, tuple(reasons), row.attempt_id))
+        decisions.append(Decision(row.step, row.state, action, tuple(reasons), row.save_id))
     for row in rows:
         if row.state != CheckpointState.PENDING:
             continue
@@ -157,7 +157,7 @@ def plan_retention(
                 f"pending for {_human(age)}, beyond grace {_human(grace)}: probe its commit "
                 f"marker, then commit or fail it"
             )
-        decisions.append(Decision(row.step, row.state, action, (why,), row.attempt_id))
+        decisions.append(Decision(row.step, row.state, action, (why,), row.save_id))
     decisions.sort(key=lambda d: d.step)
     return RetentionPlan(tuple(decisions))
 

@@ -2,7 +2,7 @@
 
 Internal to the catalog: each function runs inside a write session opened by ``Catalog``.
 
-Every transition is one guarded ``UPDATE ... WHERE state = <expected> [AND attempt_id = <mine>]
+Every transition is one guarded ``UPDATE ... WHERE state = <expected> [AND save_id = <mine>]
 RETURNING``: the database, not Python, decides who wins, so two processes can never both move
 the same row. When the guard matches nothing the row is re-read to say precisely why
 (not found, already done by this same attempt, or taken over by someone else).
@@ -11,7 +11,7 @@ the same row. When the guard matches nothing the row is re-read to say precisely
 
     (none) --begin--> pending --commit--> committed --claim--> deleting --mark_deleted--> deleted
                       pending --fail----> failed
-    failed | deleted | pending(older attempt) --begin (re-arm, new attempt id)--> pending
+    failed | deleted | pending(older attempt) --begin (re-arm, new save id)--> pending
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class SyncOutcome(StrEnum):
     SKIPPED = "skipped"  # row is being deleted by gc; left to it
 
 
-def new_attempt_id() -> str:
+def new_save_id() -> str:
     return uuid.uuid4().hex
 
 
@@ -102,14 +102,14 @@ def _insert(session: Session, row: Checkpoint) -> bool:
 def begin(
     session: Session, url: str, run: Run, step: int, path: str, now: datetime
 ) -> tuple[Checkpoint, str, dict[str, Any] | None]:
-    """Arm ``(run, step)`` as pending under a fresh attempt id.
+    """Arm ``(run, step)`` as pending under a fresh save id.
 
     Returns ``(row, "begun" | "rearmed", previous)`` where ``previous`` describes the state and
     attempt that were re-armed. Raises ``CheckpointExistsError`` for a committed step and
     ``InvalidTransitionError`` for one being deleted.
     """
     for _ in range(_BEGIN_RETRIES):
-        attempt = new_attempt_id()
+        attempt = new_save_id()
         row = load(session, run.id, step)
         if row is None:
             fresh = Checkpoint(
@@ -117,7 +117,7 @@ def begin(
                 step=step,
                 state=PENDING,
                 path=path,
-                attempt_id=attempt,
+                save_id=attempt,
                 pinned=False,
                 created_at=now,
                 updated_at=now,
@@ -143,12 +143,12 @@ def begin(
             [
                 Checkpoint.id == row.id,
                 Checkpoint.state == row.state,
-                Checkpoint.attempt_id == row.attempt_id,
+                Checkpoint.save_id == row.save_id,
             ],
             {
                 **_CLEARED_ON_REARM,
                 "state": PENDING,
-                "attempt_id": attempt,
+                "save_id": attempt,
                 "path": path,
                 "created_at": now,
                 "updated_at": now,
@@ -167,7 +167,7 @@ def begin(
 
 
 def _snapshot(row: Checkpoint) -> dict[str, Any]:
-    return {"state": row.state, "attempt_id": row.attempt_id, "reason": row.failure_reason}
+    return {"state": row.state, "save_id": row.save_id, "reason": row.failure_reason}
 
 
 def _finish_attempt(
@@ -175,7 +175,7 @@ def _finish_attempt(
     url: str,
     run: Run,
     step: int,
-    attempt_id: str,
+    save_id: str,
     target: CheckpointState,
     values: dict[str, Any],
     action: str,
@@ -186,7 +186,7 @@ def _finish_attempt(
             Checkpoint.run_id == run.id,
             Checkpoint.step == step,
             Checkpoint.state == PENDING,
-            Checkpoint.attempt_id == attempt_id,
+            Checkpoint.save_id == save_id,
         ],
         {**values, "state": target},
     )
@@ -195,10 +195,10 @@ def _finish_attempt(
     row = load(session, run.id, step)
     if row is None:
         raise CheckpointNotFoundError(url, run.name, step)
-    if row.state == target and row.attempt_id == attempt_id:
+    if row.state == target and row.save_id == save_id:
         # Already done by this attempt: a retried call, or the marker probe promoted it.
         return row, False
-    raise StateConflictError(url, run.name, step, row.state, action, attempt_id, row.attempt_id)
+    raise StateConflictError(url, run.name, step, row.state, action, save_id, row.save_id)
 
 
 def commit(
@@ -206,21 +206,21 @@ def commit(
     url: str,
     run: Run,
     step: int,
-    attempt_id: str,
+    save_id: str,
     facts: dict[str, Any],
     now: datetime,
 ) -> tuple[Checkpoint, bool]:
     """pending -> committed for this attempt; ``(row, moved)``; idempotent for the same attempt."""
     values = {**facts, "committed_at": now, "updated_at": now, "failure_reason": None}
-    return _finish_attempt(session, url, run, step, attempt_id, COMMITTED, values, "commit")
+    return _finish_attempt(session, url, run, step, save_id, COMMITTED, values, "commit")
 
 
 def fail(
-    session: Session, url: str, run: Run, step: int, attempt_id: str, reason: str, now: datetime
+    session: Session, url: str, run: Run, step: int, save_id: str, reason: str, now: datetime
 ) -> tuple[Checkpoint, bool]:
     """pending -> failed for this attempt; ``(row, moved)``; idempotent for the same attempt."""
     values = {"failure_reason": reason, "updated_at": now}
-    return _finish_attempt(session, url, run, step, attempt_id, FAILED, values, "fail")
+    return _finish_attempt(session, url, run, step, save_id, FAILED, values, "fail")
 
 
 def set_pinned(
@@ -264,7 +264,7 @@ def upsert_committed(
 
     Storage is the source of truth: a complete checkpoint is committed whatever its row said,
     except while gc holds it (``deleting``), since gc may already have removed its marker.
-    Promotion keeps the row's attempt id, so a still-running writer's ``mark_committed``
+    Promotion keeps the row's save id, so a still-running writer's ``mark_committed``
     succeeds as a no-op.
     """
     for _ in range(_BEGIN_RETRIES):
@@ -274,7 +274,7 @@ def upsert_committed(
                 run_id=run.id,
                 step=step,
                 state=COMMITTED,
-                attempt_id="sync-" + new_attempt_id(),
+                save_id="sync-" + new_save_id(),
                 pinned=False,
                 created_at=now,
                 committed_at=committed_at,
@@ -308,7 +308,7 @@ def upsert_committed(
             [
                 Checkpoint.id == row.id,
                 Checkpoint.state == row.state,
-                Checkpoint.attempt_id == row.attempt_id,
+                Checkpoint.save_id == row.save_id,
             ],
             values,
         )

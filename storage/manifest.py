@@ -37,7 +37,7 @@ class Manifest:
 
     run: str | None
     step: int
-    attempt_id: str
+    save_id: str
     files: tuple[FileEntry, ...]
     writer: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -64,7 +64,7 @@ class Manifest:
             "format_version": self.format_version,
             "run": self.run,
             "step": self.step,
-            "attempt_id": self.attempt_id,
+            "save_id": self.save_id,
             "total_bytes": self.total_bytes,
             "file_count": self.file_count,
             "files": [entry.to_dict() for entry in self.files],
@@ -94,7 +94,7 @@ class Manifest:
             manifest = cls(
                 run=body["run"],
                 step=int(body["step"]),
-                attempt_id=str(body["attempt_id"]),
+                save_id=str(body["save_id"]),
                 files=files,
                 writer=dict(body.get("writer") or {}),
                 metadata=dict(body.get("metadata") or {}),

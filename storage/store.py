@@ -196,7 +196,7 @@ class CheckpointStore:
         step: int,
         *,
         metadata: Mapping[str, Any] | None = None,
-        attempt_id: str | None = None,
+        save_id: str | None = None,
     ) -> CheckpointWriter:
         """Start writing checkpoint ``(run, step)``; returns the primary writer.
 
@@ -224,15 +224,15 @@ class CheckpointStore:
             if location.is_local:
                 self._make_local_dirs(path)
         return CheckpointWriter(
-            self, run, step, attempt_id or uuid.uuid4().hex, primary=True, metadata=metadata
+            self, run, step, save_id or uuid.uuid4().hex, primary=True, metadata=metadata
         )
 
-    def attach(self, run: str | None, step: int, *, attempt_id: str) -> CheckpointWriter:
+    def attach(self, run: str | None, step: int, *, save_id: str) -> CheckpointWriter:
         """A secondary writer into a checkpoint another process began (e.g. another rank):
         it writes files and reports entries, but never removes leftovers or commits."""
         validate_run(run)
         validate_step(step)
-        return CheckpointWriter(self, run, step, attempt_id, primary=False)
+        return CheckpointWriter(self, run, step, save_id, primary=False)
 
     def _make_local_dirs(self, path: str) -> None:
         # Make the new directory entries durable up to the first one that already existed, so a
@@ -450,7 +450,7 @@ class CheckpointStore:
         writer = manifest.writer
         return (
             f" (by {writer.get('host', '?')} pid {writer.get('pid', '?')} at "
-            f"{manifest.committed_at}, attempt {manifest.attempt_id[:8]})"
+            f"{manifest.committed_at}, save {manifest.save_id[:8]})"
         )
 
     def _executor(self) -> ThreadPoolExecutor:

@@ -97,7 +97,7 @@ class CheckpointWriter:
         store: CheckpointStore,
         run: str | None,
         step: int,
-        attempt_id: str,
+        save_id: str,
         *,
         primary: bool,
         metadata: Mapping[str, Any] | None = None,
@@ -105,7 +105,7 @@ class CheckpointWriter:
         self._store = store
         self.run = run
         self.step = step
-        self.attempt_id = attempt_id
+        self.save_id = save_id
         self.primary = primary
         self.path = store.checkpoint_path(run, step)
         self.url = store.location.display(self.path)
@@ -237,7 +237,7 @@ class CheckpointWriter:
         manifest = Manifest(
             run=self.run,
             step=self.step,
-            attempt_id=self.attempt_id,
+            save_id=self.save_id,
             files=tuple(entries),
             writer={"host": socket.gethostname(), "pid": os.getpid()},
             metadata={**self._metadata, **dict(metadata or {})},

@@ -134,13 +134,13 @@ def _settle_stale_pending(catalog, location: RunLocation, decision, dry_run, rep
     try:
         if manifest is not None:
             row = catalog.get_checkpoint(location.name, decision.step)
-            if row.attempt_id == decision.attempt_id:
+            if row.save_id == decision.save_id:
                 record_commit(catalog, location.name, row, manifest)
         else:
             catalog.mark_failed(
                 location.name,
                 decision.step,
-                decision.attempt_id,
+                decision.save_id,
                 "no commit marker after the grace period: the writer did not finish",
             )
     except StateConflictError:
@@ -172,7 +172,7 @@ class _StorageRow:
     state: str = "committed"
     pinned: bool = False
     created_at: dt.datetime = dt.datetime.fromtimestamp(0, dt.UTC)
-    attempt_id: str = ""
+    save_id: str = ""
 
 
 def retain_without_catalog(

@@ -30,7 +30,7 @@ def record_commit(catalog: Catalog, name: str, row: CheckpointRecord, manifest: 
     catalog.mark_committed(
         name,
         row.step,
-        row.attempt_id,
+        row.save_id,
         bytes=manifest.total_bytes,
         file_count=manifest.file_count,
         manifest_checksum=manifest.checksum(),

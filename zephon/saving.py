@@ -37,9 +37,7 @@ def saving(
     row = None
     if catalog is not None:
         row = catalog.begin_checkpoint(name, step, location.checkpoint_url(step))
-    writer = store.begin(
-        storage_run, step, metadata=metadata, attempt_id=row.attempt_id if row else None
-    )
+    writer = store.begin(storage_run, step, metadata=metadata, save_id=row.save_id if row else None)
     try:
         yield writer
         if writer.manifest is None:
@@ -52,14 +50,14 @@ def saving(
             writer.abort()
         if catalog is not None and row is not None:
             with contextlib.suppress(Exception):
-                catalog.mark_failed(name, step, row.attempt_id, f"{type(exc).__name__}: {exc}")
+                catalog.mark_failed(name, step, row.save_id, f"{type(exc).__name__}: {exc}")
         raise
     if catalog is not None and row is not None:
         manifest = writer.manifest
         catalog.mark_committed(
             name,
             step,
-            row.attempt_id,
+            row.save_id,
             bytes=manifest.total_bytes,
             file_count=manifest.file_count,
             manifest_checksum=manifest.checksum(),

@@ -21,7 +21,7 @@ def commit_step(catalog: Catalog, run: str, step: int, **facts) -> None:
     catalog.mark_committed(
         run,
         step,
-        record.attempt_id,
+        record.save_id,
         bytes=facts.get("bytes", 1000 + step),
         file_count=facts.get("file_count", 3),
         manifest_checksum=facts.get("manifest_checksum", f"crc-{step}"),

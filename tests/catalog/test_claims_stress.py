@@ -59,5 +59,5 @@ def test_gcs_and_a_committing_job_never_delete_what_must_be_kept(catalog_url):
     assert {s for s, c in rows.items() if c.state == "deleted"} == set(claimed_steps)
     assert not [s for s, c in rows.items() if c.state in ("deleting", "failed")]
     for step, attempt in pending:
-        assert (rows[step].state, rows[step].attempt_id) == ("pending", attempt)
+        assert (rows[step].state, rows[step].save_id) == ("pending", attempt)
     assert rows[PINNED].state == "committed"

@@ -26,11 +26,11 @@ def test_commit_and_fail_racing_on_one_attempt_move_the_row_once(catalog_url):
         try:
             if index % 2:
                 catalog.mark_committed(
-                    "r", 1, begun.attempt_id, bytes=1, file_count=1, manifest_checksum=None
+                    "r", 1, begun.save_id, bytes=1, file_count=1, manifest_checksum=None
                 )
                 outcomes[index] = "committed"
             else:
-                catalog.mark_failed("r", 1, begun.attempt_id, "racing")
+                catalog.mark_failed("r", 1, begun.save_id, "racing")
                 outcomes[index] = "failed"
         except StateConflictError:
             outcomes[index] = "lost"
@@ -61,7 +61,7 @@ def test_processes_saving_the_same_step_leave_exactly_one_commit(catalog_url):
     assert set(results) <= {"committed", "conflict", "exists"}
     with Catalog(catalog_url) as catalog:
         row = catalog.get_checkpoint("r", 42)
-        assert row.state == "committed" and row.manifest_checksum == row.attempt_id
+        assert row.state == "committed" and row.manifest_checksum == row.save_id
 
 
 @pytest.mark.slow

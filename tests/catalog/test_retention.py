@@ -21,7 +21,7 @@ class Row:
     state: str = "committed"
     pinned: bool = False
     created_at: datetime = NOW - timedelta(days=3)
-    attempt_id: str = "a"
+    save_id: str = "a"
 
 
 def _committed(*steps: int) -> list[Row]:
@@ -80,12 +80,12 @@ def test_every_decision_explains_itself():
 def test_young_pending_rows_are_kept_and_old_ones_expire_with_their_attempt():
     rows = [
         Row(1),
-        Row(2, "pending", created_at=NOW - timedelta(hours=1), attempt_id="young"),
-        Row(3, "pending", created_at=NOW - timedelta(hours=30), attempt_id="stale"),
-        Row(4, "pending", created_at=NOW - GRACE, attempt_id="exactly-grace"),
+        Row(2, "pending", created_at=NOW - timedelta(hours=1), save_id="young"),
+        Row(3, "pending", created_at=NOW - timedelta(hours=30), save_id="stale"),
+        Row(4, "pending", created_at=NOW - GRACE, save_id="exactly-grace"),
     ]
     plan = plan_retention(rows, 1, None, NOW, GRACE)
-    assert [(d.step, d.attempt_id) for d in plan.to_expire] == [(3, "stale"), (4, "exactly-grace")]
+    assert [(d.step, d.save_id) for d in plan.to_expire] == [(3, "stale"), (4, "exactly-grace")]
     young = next(d for d in plan.decisions if d.step == 2)
     assert young.action is Action.KEEP and "within grace 24h" in young.reason
     assert "probe its commit marker" in plan.to_expire[0].reason

@@ -125,7 +125,7 @@ def test_list_runs_summarises_every_run_in_one_query(catalog):
         commit_step(catalog, "busy", step, bytes=100)
     catalog.begin_checkpoint("busy", 40, "/ckpt/busy/save-40")
     failed = catalog.begin_checkpoint("busy", 50, "/ckpt/busy/save-50")
-    catalog.mark_failed("busy", 50, failed.attempt_id, "disk full")
+    catalog.mark_failed("busy", 50, failed.save_id, "disk full")
     commit_step(catalog, "done", 7, bytes=None)
 
     statements: list[str] = []

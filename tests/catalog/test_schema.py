@@ -181,7 +181,7 @@ def _populate(url: str, runs: int, per_run: int) -> None:
                         step=s,
                         state=states[s % 4],
                         path=f"/c/{s}",
-                        attempt_id="a",
+                        save_id="a",
                         pinned=False,
                         created_at=now,
                         updated_at=now,

@@ -25,12 +25,12 @@ def _actions(catalog, run="r"):
 def test_begin_then_commit_records_the_facts(catalog, run):
     begun = catalog.begin_checkpoint(run, 100, "memory://ckpt/r/save-100")
     assert (begun.state, begun.path, begun.pinned) == ("pending", "memory://ckpt/r/save-100", False)
-    assert len(begun.attempt_id) == 32 and begun.committed_at is None
+    assert len(begun.save_id) == 32 and begun.committed_at is None
 
     committed = catalog.mark_committed(
         run,
         100,
-        begun.attempt_id,
+        begun.save_id,
         bytes=4096,
         file_count=7,
         manifest_checksum="crc:abcd",
@@ -44,7 +44,7 @@ def test_begin_then_commit_records_the_facts(catalog, run):
     )
     assert committed.metadata == {"loss": 0.25, "tokens": [1, 2]}
     assert committed.committed_at.tzinfo == UTC
-    assert committed.attempt_id == begun.attempt_id
+    assert committed.save_id == begun.save_id
     assert catalog.get_checkpoint(run, 100) == committed
     assert _actions(catalog) == ["run_created", "begun", "committed"]
 
@@ -52,10 +52,10 @@ def test_begin_then_commit_records_the_facts(catalog, run):
 def test_mark_committed_again_by_the_same_attempt_is_a_no_op(catalog, run):
     begun = catalog.begin_checkpoint(run, 1, "/c/1")
     first = catalog.mark_committed(
-        run, 1, begun.attempt_id, bytes=1, file_count=1, manifest_checksum="x"
+        run, 1, begun.save_id, bytes=1, file_count=1, manifest_checksum="x"
     )
     again = catalog.mark_committed(
-        run, 1, begun.attempt_id, bytes=1, file_count=1, manifest_checksum="x"
+        run, 1, begun.save_id, bytes=1, file_count=1, manifest_checksum="x"
     )
     assert again == first
     assert _actions(catalog).count("committed") == 1
@@ -69,7 +69,7 @@ def test_mark_committed_with_a_foreign_attempt_raises_state_conflict(catalog, ru
         )
     error = caught.value
     assert (error.run, error.step, error.state, error.action) == (run, 1, "pending", "commit")
-    assert (error.expected_attempt, error.found_attempt) == ("someone-else", begun.attempt_id)
+    assert (error.expected_save, error.found_save) == ("someone-else", begun.save_id)
     assert "zephon checkpoints r" in str(error)
     assert catalog.get_checkpoint(run, 1).state == "pending"
 
@@ -87,15 +87,15 @@ def test_a_committed_step_is_never_re_armed(catalog, run):
 def test_failed_deleted_and_crashed_pending_steps_are_re_armed(catalog, run, previous):
     old = catalog.begin_checkpoint(run, 7, "/c/old-7")
     if previous == "failed":
-        catalog.mark_failed(run, 7, old.attempt_id, "rank 3 died")
+        catalog.mark_failed(run, 7, old.save_id, "rank 3 died")
     elif previous == "deleted":
         catalog.mark_committed(
-            run, 7, old.attempt_id, bytes=9, file_count=2, manifest_checksum="m", metadata={"a": 1}
+            run, 7, old.save_id, bytes=9, file_count=2, manifest_checksum="m", metadata={"a": 1}
         )
         assert catalog.mark_missing(run, 7)
 
     new = catalog.begin_checkpoint(run, 7, "/c/new-7")
-    assert new.state == "pending" and new.attempt_id != old.attempt_id
+    assert new.state == "pending" and new.save_id != old.save_id
     assert (new.path, new.bytes, new.metadata, new.failure_reason, new.committed_at) == (
         "/c/new-7",
         None,
@@ -106,16 +106,14 @@ def test_failed_deleted_and_crashed_pending_steps_are_re_armed(catalog, run, pre
     rearmed = catalog.events(run=run)[0]
     assert rearmed.action == "rearmed"
     assert rearmed.detail["previous"]["state"] == previous
-    assert rearmed.detail["previous"]["attempt_id"] == old.attempt_id
+    assert rearmed.detail["previous"]["save_id"] == old.save_id
 
     # The older attempt has lost the step for good.
     with pytest.raises(StateConflictError):
-        catalog.mark_committed(
-            run, 7, old.attempt_id, bytes=1, file_count=1, manifest_checksum=None
-        )
+        catalog.mark_committed(run, 7, old.save_id, bytes=1, file_count=1, manifest_checksum=None)
     with pytest.raises(StateConflictError):
-        catalog.mark_failed(run, 7, old.attempt_id, "late failure report")
-    catalog.mark_committed(run, 7, new.attempt_id, bytes=1, file_count=1, manifest_checksum=None)
+        catalog.mark_failed(run, 7, old.save_id, "late failure report")
+    catalog.mark_committed(run, 7, new.save_id, bytes=1, file_count=1, manifest_checksum=None)
 
 
 def test_a_step_being_deleted_cannot_be_begun_or_pinned(catalog):
@@ -133,13 +131,11 @@ def test_a_step_being_deleted_cannot_be_begun_or_pinned(catalog):
 
 def test_failed_then_commit_by_the_same_attempt_is_a_conflict(catalog, run):
     begun = catalog.begin_checkpoint(run, 3, "/c/3")
-    failed = catalog.mark_failed(run, 3, begun.attempt_id, "stale: no marker after grace")
+    failed = catalog.mark_failed(run, 3, begun.save_id, "stale: no marker after grace")
     assert failed.failure_reason == "stale: no marker after grace"
-    assert catalog.mark_failed(run, 3, begun.attempt_id, "again") == failed  # idempotent
+    assert catalog.mark_failed(run, 3, begun.save_id, "again") == failed  # idempotent
     with pytest.raises(StateConflictError) as caught:
-        catalog.mark_committed(
-            run, 3, begun.attempt_id, bytes=1, file_count=1, manifest_checksum=None
-        )
+        catalog.mark_committed(run, 3, begun.save_id, bytes=1, file_count=1, manifest_checksum=None)
     assert caught.value.state == "failed"
     assert "moved it first" in str(caught.value)
 
@@ -204,7 +200,7 @@ def test_pin_and_unpin_are_idempotent_and_audited(catalog, run):
     assert _actions(catalog)[-2:] == ["pinned", "unpinned"]
     begun = catalog.begin_checkpoint(run, 2, "/c/2")
     assert catalog.pin(run, 2).pinned  # a step being written may be pinned in advance
-    catalog.mark_failed(run, 2, begun.attempt_id, "x")
+    catalog.mark_failed(run, 2, begun.save_id, "x")
     catalog.unpin(run, 2)
     with pytest.raises(InvalidTransitionError, match="is failed"):
         catalog.pin(run, 2)
@@ -231,15 +227,15 @@ def test_upsert_committed_promotes_a_pending_row_and_keeps_its_attempt(catalog, 
     record, outcome = catalog.upsert_committed(
         run, 8, "/c/save-8", bytes=5, file_count=1, manifest_checksum="m"
     )
-    assert outcome is SyncOutcome.PROMOTED and record.attempt_id == begun.attempt_id
+    assert outcome is SyncOutcome.PROMOTED and record.save_id == begun.save_id
     # The writer, still alive, finishes its own commit without an error.
-    catalog.mark_committed(run, 8, begun.attempt_id, bytes=5, file_count=1, manifest_checksum="m")
+    catalog.mark_committed(run, 8, begun.save_id, bytes=5, file_count=1, manifest_checksum="m")
     assert catalog.latest_committed(run).step == 8
 
 
 def test_upsert_committed_promotes_failed_and_deleted_rows(catalog, run):
     failed = catalog.begin_checkpoint(run, 1, "/c/1")
-    catalog.mark_failed(run, 1, failed.attempt_id, "x")
+    catalog.mark_failed(run, 1, failed.save_id, "x")
     commit_step(catalog, run, 2)
     catalog.mark_missing(run, 2)
     for step in (1, 2):

@@ -82,10 +82,10 @@ def begin_then_commit(url: str, run: str, step: int, start: Any) -> str:
             catalog.mark_committed(
                 run,
                 step,
-                begun.attempt_id,
+                begun.save_id,
                 bytes=1,
                 file_count=1,
-                manifest_checksum=begun.attempt_id,
+                manifest_checksum=begun.save_id,
             )
         except StateConflictError:
             return "conflict"
@@ -108,7 +108,7 @@ def stress_committer(url: str, run: str, first_step: int, seconds: float, start:
     """Commit increasing steps until time is up; every 5th step is begun and left pending.
 
     Returns ``(commits, pending)``: ``commits`` as ``(step, call started, call ended)``,
-    ``pending`` as ``(step, attempt_id)``.
+    ``pending`` as ``(step, save_id)``.
     """
     import random
     import time
@@ -121,11 +121,11 @@ def stress_committer(url: str, run: str, first_step: int, seconds: float, start:
         while time.time() < deadline:
             begun = catalog.begin_checkpoint(run, step, f"/c/{run}/save-{step}")
             if step % 5 == 0:
-                pending.append((step, begun.attempt_id))
+                pending.append((step, begun.save_id))
             else:
                 started = time.time()
                 catalog.mark_committed(
-                    run, step, begun.attempt_id, bytes=step, file_count=1, manifest_checksum=None
+                    run, step, begun.save_id, bytes=step, file_count=1, manifest_checksum=None
                 )
                 commits.append((step, started, time.time()))
             step += 1

@@ -66,7 +66,7 @@ def test_round_trip_records_every_file_with_size_and_crc32c(store, tmp_path):
     assert manifest.total_bytes == sum(len(d) for d in expected.values())
     assert manifest.writer == {"host": socket.gethostname(), "pid": os.getpid()}
     assert manifest.metadata == {"loss": 1.5, "extra": True}
-    assert len(manifest.attempt_id) == 32 and manifest.created_at <= manifest.committed_at
+    assert len(manifest.save_id) == 32 and manifest.created_at <= manifest.committed_at
 
     reread = store.read_manifest("run-a", 10)
     assert reread == manifest
@@ -89,7 +89,7 @@ def test_marker_holds_the_documented_json_fields(store):
     assert body["total_bytes"] == 3 and body["file_count"] == 1
     assert set(body["writer"]) == {"host", "pid"}
     assert body["metadata"] == {"note": "hi"}
-    assert body["attempt_id"] and body["created_at"] and body["committed_at"]
+    assert body["save_id"] and body["created_at"] and body["committed_at"]
 
 
 def test_inference_layout_saves_directly_under_the_root(store):
@@ -168,7 +168,7 @@ def test_a_commit_that_loses_to_another_raises_commit_conflict(exclusive_store):
     store = exclusive_store
     loser = store.begin("r", 4)
     loser.write_bytes("loser.bin", b"L")
-    winner = store.attach("r", 4, attempt_id="w" * 32)
+    winner = store.attach("r", 4, save_id="w" * 32)
     # The winner is a second primary in another process in real life; here the attached
     # writer's entries are committed by a fresh primary that skips begin's leftover cleanup.
     winner.write_bytes("winner.bin", b"W")
@@ -216,7 +216,7 @@ def test_parallel_writes_record_every_file(store):
 def test_secondary_writers_entries_are_committed_by_the_primary(store):
     primary = store.begin("r", 8)
     primary.write_bytes("rank0.bin", b"zero")
-    secondary = store.attach("r", 8, attempt_id=primary.attempt_id)
+    secondary = store.attach("r", 8, save_id=primary.save_id)
     secondary.write_bytes("rank1.bin", b"one")
     with pytest.raises(WriteAbortedError, match="only the primary writer"):
         secondary.commit()

@@ -38,7 +38,7 @@ def save_step(location, step, catalog=None, files=None):
 def crash_after_marker(location, catalog, step):
     """A save that dies between writing the marker and updating the catalog."""
     row = catalog.begin_checkpoint(location.name, step, location.checkpoint_url(step))
-    writer = location.store.begin(location.storage_run, step, attempt_id=row.attempt_id)
+    writer = location.store.begin(location.storage_run, step, save_id=row.save_id)
     writer.write_bytes("w.bin", b"y")
     writer.commit()
 
@@ -58,7 +58,7 @@ def test_saving_commits_the_row_with_the_manifest_facts(catalog, store_backend):
     row = catalog.get_checkpoint("r", 10)
     manifest = location.store.read_manifest("r", 10)
     assert row.state == "committed"
-    assert row.attempt_id == manifest.attempt_id
+    assert row.save_id == manifest.save_id
     assert (row.bytes, row.file_count) == (manifest.total_bytes, 2)
     assert row.manifest_checksum == manifest.checksum()
     assert row.path == location.checkpoint_url(10)

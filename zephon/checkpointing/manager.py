@@ -250,12 +250,12 @@ class CheckpointManager:
             )
         try:
             primary = self.store.begin(
-                self.run, step, attempt_id=row.attempt_id if row is not None else None
+                self.run, step, save_id=row.save_id if row is not None else None
             )
         except Exception as exc:
             if row is not None:
                 with contextlib.suppress(Exception):
-                    self.catalog.mark_failed(self.name, step, row.attempt_id, str(exc))
+                    self.catalog.mark_failed(self.name, step, row.save_id, str(exc))
             raise
         return row, primary
 
@@ -302,7 +302,7 @@ class CheckpointManager:
             self.catalog.mark_committed(
                 self.name,
                 step,
-                row.attempt_id,
+                row.save_id,
                 bytes=manifest.total_bytes,
                 file_count=manifest.file_count,
                 manifest_checksum=manifest.checksum(),
@@ -318,7 +318,7 @@ class CheckpointManager:
         if self.catalog is not None and row is not None:
             with contextlib.suppress(Exception):
                 self.catalog.mark_failed(
-                    self.name, step, row.attempt_id, f"{type(exc).__name__}: {exc}"
+                    self.name, step, row.save_id, f"{type(exc).__name__}: {exc}"
                 )
 
     def apply_retention(self) -> list[int]:

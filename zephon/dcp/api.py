@@ -178,7 +178,7 @@ def attach_ranks(
 
     The coordinator rank (``coordinator`` within ``process_group``) passes the primary writer it
     got from ``store.begin(run, step)``, or None if ``begin`` failed (every rank then raises);
-    the other ranks pass None and get ``store.attach(...)`` with the coordinator's attempt id.
+    the other ranks pass None and get ``store.attach(...)`` with the coordinator's save id.
     The broadcast orders ``begin`` (which removes a leftover of the step) before any other
     rank's first write. Without torch.distributed, returns ``primary``.
     """
@@ -192,9 +192,7 @@ def attach_ranks(
             f"attach_ranks needs the primary writer of {primary.url} on the coordinator"
         )
     message: list[Mapping[str, Any] | None] = [
-        {"attempt_id": primary.attempt_id if primary is not None else None}
-        if is_coordinator
-        else None
+        {"save_id": primary.save_id if primary is not None else None} if is_coordinator else None
     ]
     src = (
         dist.get_global_rank(process_group, coordinator)
@@ -202,8 +200,8 @@ def attach_ranks(
         else coordinator
     )
     dist.broadcast_object_list(message, src=src, group=process_group)
-    attempt_id = (message[0] or {}).get("attempt_id")
-    if attempt_id is None:
+    save_id = (message[0] or {}).get("save_id")
+    if save_id is None:
         raise WriterSetupError(
             f"the coordinator could not begin checkpoint {store.checkpoint_url(run, step)}; "
             "see the coordinator's error, fix it and save again"
@@ -211,4 +209,4 @@ def attach_ranks(
     if is_coordinator:
         assert primary is not None
         return primary
-    return store.attach(run, step, attempt_id=attempt_id)
+    return store.attach(run, step, save_id=save_id)

@@ -49,7 +49,7 @@ class _RankPlan:
     rank: int
     run: str | None
     step: int
-    attempt_id: str
+    save_id: str
     url: str
 
 
@@ -124,7 +124,7 @@ class ZephonStorageWriter(StorageWriter):
 
     Construct one per rank per save. The coordinator rank (rank 0 of the process group) passes
     the *primary* writer from ``store.begin(run, step)``; every other rank passes a *secondary*
-    one from ``store.attach(run, step, attempt_id=primary.attempt_id)``. The caller must make
+    one from ``store.attach(run, step, save_id=primary.save_id)``. The caller must make
     sure ``begin`` has returned before any other rank writes (a barrier), because ``begin``
     removes an uncommitted leftover of the same step.
 
@@ -197,7 +197,7 @@ class ZephonStorageWriter(StorageWriter):
         return False
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.writer.url, save_id=self.writer.attempt_id)
+        return StorageMeta(checkpoint_id=self.writer.url, save_id=self.writer.save_id)
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -218,13 +218,13 @@ class ZephonStorageWriter(StorageWriter):
         if not is_coordinator and self.writer.primary:
             raise WriterSetupError(
                 f"rank {self.rank} holds the primary writer of {self.url}, but only the "
-                "coordinator may commit: begin on the coordinator, broadcast its attempt_id, and "
-                "use store.attach(run, step, attempt_id=...) on every other rank"
+                "coordinator may commit: begin on the coordinator, broadcast its save_id, and "
+                "use store.attach(run, step, save_id=...) on every other rank"
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         w = self.writer
-        info = _RankPlan(self.rank, w.run, w.step, w.attempt_id, w.url)
+        info = _RankPlan(self.rank, w.run, w.step, w.save_id, w.url)
         return dataclasses.replace(plan, storage_data=info)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -236,16 +236,16 @@ class ZephonStorageWriter(StorageWriter):
             info = plan.storage_data
             if not isinstance(info, _RankPlan):
                 wrong.append(f"rank {i} does not use ZephonStorageWriter")
-            elif (info.run, info.step, info.attempt_id) != (w.run, w.step, w.attempt_id):
+            elif (info.run, info.step, info.save_id) != (w.run, w.step, w.save_id):
                 wrong.append(
-                    f"rank {i} writes {info.url} attempt {info.attempt_id[:12]}"
+                    f"rank {i} writes {info.url} save {info.save_id[:12]}"
                     if (info.run, info.step) != (w.run, w.step)
-                    else f"rank {i} writes attempt {info.attempt_id[:12]}"
+                    else f"rank {i} writes save {info.save_id[:12]}"
                 )
         if wrong:
             raise WriterSetupError(
-                f"the coordinator writes {self.url} attempt {w.attempt_id[:12]}, but "
-                f"{'; '.join(wrong)}: broadcast the primary writer's attempt_id and attach every "
+                f"the coordinator writes {self.url} save {w.save_id[:12]}, but "
+                f"{'; '.join(wrong)}: broadcast the primary writer's save_id and attach every "
                 "rank to the same run, step and attempt"
             )
         return [

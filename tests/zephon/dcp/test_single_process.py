@@ -142,7 +142,7 @@ def test_a_writer_refuses_another_checkpoint_id(store):
 
 def test_the_coordinator_must_hold_the_primary_writer(store):
     store.begin("r", 1)
-    secondary = store.attach("r", 1, attempt_id="x" * 32)
+    secondary = store.attach("r", 1, save_id="x" * 32)
     with pytest.raises(zd.WriterSetupError, match="primary writer"):
         zd.save({"w": torch.ones(2)}, zd.ZephonStorageWriter(secondary))
     assert not store.is_committed("r", 1)
