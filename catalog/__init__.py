@@ -27,13 +27,21 @@ from catalog.errors import (
     SchemaError,
     SchemaOutdatedError,
     SchemaUnversionedError,
+    StaleAttemptError,
     StateConflictError,
 )
 from catalog.models import CheckpointState, RunKind, RunStatus
-from catalog.records import CheckpointRecord, EventRecord, RunRecord, RunSummary
-from catalog.retention import Action, Decision, RetentionPlan, plan_retention
+from catalog.records import (
+    AttemptRecord,
+    AttemptRegistration,
+    CheckpointRecord,
+    EventRecord,
+    RunRecord,
+    RunSummary,
+)
+from catalog.repairs import SyncOutcome
+from catalog.retention import Action, Decision, ResumePoint, RetentionPlan, plan_retention
 from catalog.runs import UNSET
-from catalog.transitions import SyncOutcome
 
 
 def upgrade(url: str) -> tuple[str | None, str]:
@@ -62,6 +70,8 @@ __all__ = [
     "MISSING_MARKER_REASON",
     "UNSET",
     "Action",
+    "AttemptRecord",
+    "AttemptRegistration",
     "Catalog",
     "CatalogDatabaseError",
     "CatalogError",
@@ -74,6 +84,7 @@ __all__ = [
     "EventRecord",
     "InvalidTransitionError",
     "InvalidValueError",
+    "ResumePoint",
     "RetentionPlan",
     "RunConflictError",
     "RunExistsError",
@@ -85,6 +96,7 @@ __all__ = [
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaUnversionedError",
+    "StaleAttemptError",
     "StateConflictError",
     "SyncOutcome",
     "current_revision",

@@ -7,6 +7,12 @@ use the same database at once; the guarantees are those of the guarded transitio
 (``catalog.transitions``) and of the claim protocol (``catalog.claims``). A ``Catalog`` must
 not cross a ``fork()``: each process opens its own.
 
+Fencing: a job registers each of its starts with ``register_attempt`` and passes that
+attempt's ``epoch`` to the fenced calls (``begin_checkpoint``, ``mark_committed``, and
+``update_run``/``claim_for_deletion`` when given an epoch), which are refused with
+``StaleAttemptError`` unless it is the run's current epoch, checked in the transaction that
+makes the change (``catalog.attempts``).
+
 Errors: argument problems raise ``InvalidValueError`` before any database work; database
 problems raise ``CatalogUnavailableError``/``CatalogDatabaseError``; everything else is one of
 the specific ``CatalogError`` subclasses documented per method. Messages mask the password.
@@ -22,17 +28,25 @@ from typing import Any, Self
 from sqlalchemy import select
 from sqlalchemy.engine import URL
 
-from catalog import claims, queries, runs, schema, transitions, validate
+from catalog import attempts, claims, queries, repairs, runs, schema, transitions, validate
 from catalog.audit import default_actor, record_event
 from catalog.engine import Database
 from catalog.errors import CheckpointNotFoundError, InvalidValueError
 from catalog.models import CheckpointState, Event, RunKind, RunStatus
-from catalog.records import CheckpointRecord, EventRecord, RunRecord, RunSummary
-from catalog.retention import RetentionPlan, plan_retention, validate_policy
+from catalog.records import (
+    AttemptRecord,
+    AttemptRegistration,
+    CheckpointRecord,
+    EventRecord,
+    RunRecord,
+    RunSummary,
+)
+from catalog.repairs import SyncOutcome
+from catalog.retention import DEFAULT_GRACE, RetentionPlan, validate_policy
 from catalog.runs import UNSET, _Unset
-from catalog.transitions import SyncOutcome
 
-DEFAULT_GRACE = timedelta(hours=24)
+__all__ = ["DEFAULT_GRACE", "MISSING_MARKER_REASON", "Catalog"]
+
 MISSING_MARKER_REASON = "commit marker missing on storage"
 
 OptionalInt = int | None | _Unset
@@ -216,16 +230,23 @@ class Catalog:
         num_to_keep: OptionalInt = UNSET,
         keep_every_steps: OptionalInt = UNSET,
         config: dict[str, Any] | None | _Unset = UNSET,
+        epoch: int | None = None,
     ) -> RunRecord:
         """Change the given fields of a run (``RunNotFoundError`` if missing).
 
-        On PostgreSQL this waits for deletion claims in flight on the run, so a claim never
-        decides on a retention policy that is being changed.
+        With ``epoch`` (a job updating its own run) the call is fenced: ``StaleAttemptError``
+        unless it is the run's current epoch, so a superseded job cannot, say, mark the run
+        finished under its successor. On PostgreSQL this waits for deletion claims in flight
+        on the run, so a claim never decides on a retention policy that is being changed.
         """
         name = validate.run_name(name)
         changes = self._given_changes(status, total_steps, num_to_keep, keep_every_steps, config)
+        if epoch is not None:
+            epoch = validate.epoch(epoch)
         with self._db.write(f"update run {name!r}") as session:
             run = runs.require(session, self.url, name, lock="update")
+            if epoch is not None:
+                attempts.check_current(session, self.url, run, epoch)
             changed = runs.apply_changes(run, changes, _now())
             if changed:
                 self._event(session, "run_updated", name, detail=_run_detail(changed))
@@ -285,24 +306,97 @@ class Catalog:
         validate_policy(checked.get("num_to_keep"), checked.get("keep_every_steps"))
         return checked
 
+    # -- attempts: fencing -------------------------------------------------------------------
+
+    def register_attempt(
+        self,
+        run: str,
+        *,
+        epoch: int,
+        attempt_id: str,
+        host: str,
+        pid: int,
+        started_at: datetime,
+        resumed_from: int | None,
+    ) -> AttemptRegistration:
+        """Make a new start of a job the run's current attempt, and abandon what it discards.
+
+        ``epoch`` is the attempt's fencing token from storage (>= 1, above every earlier one),
+        ``attempt_id`` its uuid hex, ``host``/``pid``/``started_at`` its process,
+        ``resumed_from`` the step it resumed from (None: a fresh start). In one transaction,
+        holding the run row's update lock: refuse with ``StaleAttemptError`` (naming the
+        current attempt) unless ``epoch`` is above the run's epoch; insert the attempt; set the
+        run's epoch; and move every row of an older attempt above ``resumed_from`` (every step
+        for a fresh start) that is pending, committed or failed to ``stale``. The step
+        ``resumed_from`` itself stays. Fenced calls of older epochs are refused from then on.
+
+        Calling it again for the current attempt (same epoch and attempt id, a retry) returns
+        it with nothing abandoned. ``RunNotFoundError`` without the run.
+        """
+        run = validate.run_name(run)
+        values = {
+            "epoch": validate.epoch(epoch, minimum=1),
+            "attempt_id": validate.token("attempt_id", attempt_id),
+            "host": validate.host(host),
+            "pid": validate.pid(pid),
+            "started_at": validate.aware("started_at", started_at),
+            "resumed_from": validate.optional_step("resumed_from", resumed_from),
+        }
+        with self._db.write(f"register attempt {epoch} of run {run!r}") as session:
+            owner = runs.require(session, self.url, run, lock="update")
+            row, abandoned, registered = attempts.register(session, self.url, owner, values, _now())
+            if registered:
+                detail = {k: v for k, v in values.items() if k != "started_at"}
+                detail["started_at"] = started_at.isoformat()
+                detail["abandoned"] = abandoned
+                self._event(session, "attempt_registered", run, detail=detail)
+            return AttemptRegistration(AttemptRecord.of(row, run), tuple(abandoned))
+
+    def current_attempt(self, run: str) -> AttemptRecord | None:
+        """The run's current attempt; None if it never had a fenced one (epoch 0)."""
+        run = validate.run_name(run)
+        with self._db.read(f"read the current attempt of run {run!r}") as session:
+            return attempts.current_record(session, runs.require(session, self.url, run))
+
+    def list_attempts(self, run: str) -> list[AttemptRecord]:
+        """Every registered attempt of the run, ascending epoch."""
+        run = validate.run_name(run)
+        with self._db.read(f"list attempts of run {run!r}") as session:
+            owner = runs.require(session, self.url, run)
+            return [AttemptRecord.of(row, run) for row in attempts.all_of(session, owner)]
+
     # -- checkpoints: the save path ------------------------------------------------------
 
-    def begin_checkpoint(self, run: str, step: int, path: str) -> CheckpointRecord:
+    def begin_checkpoint(
+        self, run: str, step: int, path: str, *, epoch: int = 0, save_id: str | None = None
+    ) -> CheckpointRecord:
         """Arm ``(run, step)`` as ``pending`` before writing it; the record's ``save_id`` is
         what ``mark_committed``/``mark_failed`` need.
 
-        A missing row is created; a ``failed``, ``deleted`` or ``pending`` one (a crashed
-        earlier attempt) is re-armed under a new save id, which makes the older attempt's
-        later ``mark_committed`` fail with ``StateConflictError``. Raises
-        ``CheckpointExistsError`` for a ``committed`` step (never overwritten) and
-        ``InvalidTransitionError`` for one gc is deleting; ``RunNotFoundError`` without the run.
+        Fenced: refused with ``StaleAttemptError`` unless ``epoch`` is the run's current epoch
+        (epoch 0 works only while the run never had a fenced attempt). ``save_id`` (1-64
+        characters of ``[A-Za-z0-9_-]``) names the save, e.g. the id storage writes into the
+        marker; without it one is generated. The row records ``epoch``.
+
+        A missing row is created; a ``failed``, ``deleted``, ``stale``, ``corrupt`` or
+        ``pending`` one (a crashed earlier save) is re-armed under the new save id, which makes
+        the older save's later ``mark_committed`` fail with ``StateConflictError``; the event's
+        ``previous`` keeps what the row was. Raises ``CheckpointExistsError`` for a
+        ``committed`` step (never overwritten) and ``InvalidTransitionError`` for one gc is
+        deleting; ``RunNotFoundError`` without the run.
         """
         run, step = validate.run_name(run), validate.step(step)
         path = validate.storage_url("path", path)
+        epoch = validate.epoch(epoch)
+        if save_id is not None:
+            save_id = validate.token("save_id", save_id)
         with self._db.write(f"begin run {run!r} step {step}") as session:
-            owner = runs.require(session, self.url, run)
-            row, action, previous = transitions.begin(session, self.url, owner, step, path, _now())
-            detail: dict[str, Any] = {"save_id": row.save_id, "path": path}
+            owner = runs.require(session, self.url, run, lock="share")
+            attempts.check_current(session, self.url, owner, epoch)
+            row, action, previous = transitions.begin(
+                session, self.url, owner, step, path, epoch, save_id, _now()
+            )
+            detail: dict[str, Any] = {"save_id": row.save_id, "epoch": epoch, "path": path}
             if previous is not None:
                 detail["previous"] = previous
             self._event(session, action, run, step, detail)
@@ -314,26 +408,39 @@ class Catalog:
         step: int,
         save_id: str,
         *,
+        epoch: int = 0,
         bytes: int | None,
         file_count: int | None,
         manifest_checksum: str | None,
         metadata: dict[str, Any] | None = None,
     ) -> CheckpointRecord:
-        """``pending -> committed`` after the commit marker is written, for this attempt only.
+        """``pending -> committed`` after the commit marker is written, for this save only.
 
-        Idempotent: if the row is already committed by the same attempt (a retry, or the
-        marker probe promoted it), returns it unchanged. Raises ``StateConflictError`` when the
-        row is no longer this attempt's pending row (re-armed by a newer attempt, failed by gc
-        after the grace period), ``CheckpointNotFoundError`` without a row.
+        Idempotent: if the row is already committed by the same save (a retry, or the marker
+        probe promoted it), returns it unchanged, even if a newer attempt has registered since
+        (the commit happened while this attempt was current). Otherwise fenced like
+        ``begin_checkpoint``: ``StaleAttemptError`` unless ``epoch`` is the run's current
+        epoch. Raises ``StateConflictError`` when the row is no longer this save's pending row
+        (re-armed by a newer save, failed by gc after the grace period),
+        ``InvalidTransitionError`` when the save was begun by another attempt (only the
+        attempt that began a save commits it), ``CheckpointNotFoundError`` without a row.
         """
         run, step = validate.run_name(run), validate.step(step)
+        epoch = validate.epoch(epoch)
         facts = _facts(bytes, file_count, manifest_checksum, metadata)
         with self._db.write(f"commit run {run!r} step {step}") as session:
-            owner = runs.require(session, self.url, run)
-            row, moved = transitions.commit(session, self.url, owner, step, save_id, facts, _now())
+            owner = runs.require(session, self.url, run, lock="share")
+            done = transitions.committed_by(session, owner.id, step, save_id)
+            if done is not None:
+                return CheckpointRecord.of(done, run)
+            attempts.check_current(session, self.url, owner, epoch)
+            row, moved = transitions.commit(
+                session, self.url, owner, step, save_id, epoch, facts, _now()
+            )
             if moved:
                 detail = {
                     "save_id": save_id,
+                    "epoch": epoch,
                     "bytes": bytes,
                     "file_count": file_count,
                     "manifest_checksum": manifest_checksum,
@@ -342,11 +449,12 @@ class Catalog:
             return CheckpointRecord.of(row, run)
 
     def mark_failed(self, run: str, step: int, save_id: str, reason: str) -> CheckpointRecord:
-        """``pending -> failed`` for this attempt: the save failed, or gc expired a stale row.
+        """``pending -> failed`` for this save: the save failed, or gc expired a stale row.
 
-        Idempotent for the same attempt; ``StateConflictError`` if the row moved on
-        (committed, or re-armed by a newer attempt). The directory left behind has no marker
-        and is removed by gc as an orphan.
+        Not fenced: failing one's own pending row is harmless whatever attempt is current.
+        Idempotent for the same save; ``StateConflictError`` if the row moved on (committed,
+        re-armed by a newer save, or made stale by a newer attempt). The directory left behind
+        has no marker and is removed by gc as an orphan.
         """
         run, step = validate.run_name(run), validate.step(step)
         with self._db.write(f"fail run {run!r} step {step}") as session:
@@ -374,19 +482,29 @@ class Catalog:
             runs.require(session, self.url, run)
             return None
 
-    def pending_after(self, run: str, step: int | None) -> list[CheckpointRecord]:
-        """Pending rows with a step above ``step`` (all pending rows if None), newest first.
+    def rows_after(
+        self, run: str, step: int | None, *, states: str | Sequence[str]
+    ) -> list[CheckpointRecord]:
+        """Rows in ``states`` with a step above ``step`` (every step if None), newest first.
 
-        For the marker probe on resume: pass the latest committed step; a pending row whose
-        marker exists on storage is promoted with ``mark_committed`` and its ``save_id``.
+        For the marker probe on resume: pass the latest committed step and the states
+        pending, failed and deleted; a row whose verified marker exists on storage is repaired
+        with ``upsert_committed`` (the marker's save id and epoch).
         """
         run = validate.run_name(run)
         if step is not None:
             step = validate.step(step)
-        with self._db.read(f"list pending checkpoints of run {run!r}") as session:
+        wanted = validate.states(states)
+        if not wanted:
+            raise InvalidValueError("states", states, "expected at least one state")
+        with self._db.read(f"list checkpoints of run {run!r} after step {step}") as session:
             owner = runs.require(session, self.url, run)
-            statement = queries.pending_after(owner.id, step)
+            statement = queries.rows_after(owner.id, step, wanted)
             return [CheckpointRecord.of(row, run) for row in session.scalars(statement)]
+
+    def pending_after(self, run: str, step: int | None) -> list[CheckpointRecord]:
+        """``rows_after(run, step, states=["pending"])``."""
+        return self.rows_after(run, step, states=[CheckpointState.PENDING])
 
     def list_checkpoints(
         self, run: str, *, states: str | Sequence[str] | None = None
@@ -439,33 +557,50 @@ class Catalog:
         step: int,
         path: str,
         *,
+        save_id: str,
+        epoch: int,
         bytes: int | None,
         file_count: int | None,
         manifest_checksum: str | None,
         metadata: dict[str, Any] | None = None,
         committed_at: datetime | None = None,
     ) -> tuple[CheckpointRecord | None, SyncOutcome]:
-        """Record a checkpoint whose marker ``zephon sync`` found on storage. Idempotent.
+        """Storage holds a complete, verified marker of save ``save_id`` (attempt ``epoch``) at
+        ``step``: make the catalog agree. Idempotent; used by the resume probe, gc and sync.
 
-        Inserts a missing row; promotes a pending, failed or deleted row to committed (storage
-        is the source of truth); updates a committed row whose facts differ; leaves a row gc
-        is deleting alone (``SyncOutcome.SKIPPED``). ``committed_at`` defaults to now.
+        Never promotes a marker whose attempt is unregistered (epoch above the run's) or whose
+        ``(epoch, step)`` a newer attempt abandoned (it resumed from below ``step``, or started
+        fresh): ``SyncOutcome.STALE``, and a row still holding that save live is made
+        ``stale``. Otherwise: no row -> ``INSERTED``; pending with the same save, failed or
+        deleted -> ``PROMOTED``; committed -> ``UNCHANGED`` or ``UPDATED`` (a different save's
+        row takes the marker's save, epoch and facts: storage is the truth); pending with
+        another save (a live newer save), stale, corrupt or deleting -> ``SKIPPED``.
+        ``committed_at`` defaults to now; ``metadata=None`` keeps the row's.
+
+        Holds the run row's update lock, like ``mark_missing``: the lineage it checks must not
+        change before it commits, and it may take a committed row out of retention's count.
         """
         run, step = validate.run_name(run), validate.step(step)
+        save_id = validate.token("save_id", save_id)
+        epoch = validate.epoch(epoch)
         facts = {
             "path": validate.storage_url("path", path),
             **_facts(bytes, file_count, manifest_checksum, metadata),
         }
         if metadata is None:
             del facts["meta"]  # unknown here: keep what the row has
+        if committed_at is not None:
+            validate.aware("committed_at", committed_at)
         now = _now()
         with self._db.write(f"sync run {run!r} step {step}") as session:
-            owner = runs.require(session, self.url, run)
-            row, outcome = transitions.upsert_committed(
-                session, owner, step, facts, committed_at or now, now
+            owner = runs.require(session, self.url, run, lock="update")
+            row, outcome, changed = repairs.upsert_committed(
+                session, owner, step, save_id, epoch, facts, committed_at or now, now
             )
-            if outcome not in (SyncOutcome.UNCHANGED, SyncOutcome.SKIPPED):
-                self._event(session, f"sync_{outcome.value}", run, step, {"path": path})
+            if changed:
+                detail = {"path": path, "save_id": save_id, "epoch": epoch}
+                action = "sync_staled" if outcome is SyncOutcome.STALE else f"sync_{outcome}"
+                self._event(session, action, run, step, detail)
             return (CheckpointRecord.of(row, run) if row is not None else None), outcome
 
     def mark_missing(self, run: str, step: int, reason: str = MISSING_MARKER_REASON) -> bool:
@@ -478,59 +613,133 @@ class Catalog:
         run, step = validate.run_name(run), validate.step(step)
         with self._db.write(f"mark run {run!r} step {step} missing") as session:
             owner = runs.require(session, self.url, run, lock="update")
-            row = transitions.mark_missing(session, owner, step, reason, _now())
+            row = repairs.mark_missing(session, owner, step, reason, _now())
             if row is not None:
                 self._event(session, "marked_missing", run, step, {"reason": reason})
+            return row is not None
+
+    def mark_corrupt(self, run: str, step: int, save_id: str, reason: str) -> bool:
+        """The stored checkpoint of save ``save_id`` failed verification: row -> ``corrupt``.
+
+        Not fenced: any reader may find corruption. Moves the row of that save when it is
+        pending, committed, failed, or deleted by sync (marker missing); ``reason`` goes to
+        ``failure_reason``. A corrupt row is never latest, never counted by retention, and kept
+        for inspection until gc deletes it with ``corrupt=True``; a new save of the step
+        re-arms it. Returns True if the row moved; False if it holds another save, is already
+        corrupt or stale, or is being (or was) deleted by gc, whose files are going or gone.
+        Holds the run row's update lock, as ``mark_missing`` does.
+        """
+        run, step = validate.run_name(run), validate.step(step)
+        if not isinstance(reason, str) or not reason:
+            raise InvalidValueError("reason", reason, "expected a non-empty string")
+        with self._db.write(f"mark run {run!r} step {step} corrupt") as session:
+            owner = runs.require(session, self.url, run, lock="update")
+            row = repairs.mark_corrupt(session, owner, step, save_id, reason, _now())
+            if row is not None:
+                detail = {"save_id": save_id, "reason": reason}
+                self._event(session, "marked_corrupt", run, step, detail)
+            return row is not None
+
+    def mark_stale(self, run: str, step: int, save_id: str, reason: str) -> bool:
+        """The stored marker of save ``save_id`` belongs to a history the run's lineage
+        abandoned (an attempt this catalog learnt of late, an unregistered epoch): row ->
+        ``stale``. Never latest again; gc deletes it after the grace. Not fenced: any reader
+        applying the lineage rule may find it. True if the row moved (pending, committed or
+        failed rows of that save); False otherwise."""
+        run, step = validate.run_name(run), validate.step(step)
+        if not isinstance(reason, str) or not reason:
+            raise InvalidValueError("reason", reason, "expected a non-empty string")
+        with self._db.write(f"mark run {run!r} step {step} stale") as session:
+            owner = runs.require(session, self.url, run, lock="update")
+            row = repairs.mark_stale(session, owner, step, save_id, reason[:2000], _now())
+            if row is not None:
+                self._event(
+                    session, "marked_stale", run, step, {"save_id": save_id, "reason": reason}
+                )
             return row is not None
 
     # -- retention and deletion ------------------------------------------------------------
 
     def retention_plan(
-        self, run: str, *, grace: timedelta = DEFAULT_GRACE, now: datetime | None = None
+        self,
+        run: str,
+        *,
+        grace: timedelta = DEFAULT_GRACE,
+        pending_grace: timedelta = DEFAULT_GRACE,
+        corrupt: bool = False,
+        now: datetime | None = None,
     ) -> RetentionPlan:
-        """``plan_retention`` over the run's committed and pending rows with its policy.
+        """``plan_retention`` over the run's committed, pending, stale and corrupt rows, with
+        its policy and the current attempt's resume point (always kept).
 
-        Advisory: nothing is changed. Act on ``to_delete`` with ``claim_for_deletion`` (which
-        re-checks) and on ``to_expire`` by probing the marker, then ``mark_committed`` or
-        ``mark_failed`` with the decision's ``save_id``.
+        ``grace``: how long stale rows stay; ``pending_grace``: how long a pending row may take
+        to commit before it is expired (never ``grace``: gc with a zero grace must not expire a
+        save in progress); ``corrupt=True`` plans corrupt rows for deletion. Advisory: nothing
+        is changed. Act on ``to_delete`` with ``claim_for_deletion`` and the same ``grace``
+        and ``corrupt`` (it re-plans), and on ``to_expire`` by probing the marker, then
+        ``upsert_committed`` or ``mark_failed`` with the decision's ``save_id``.
         """
         run = validate.run_name(run)
+        validate.duration("grace", grace)
+        validate.duration("pending_grace", pending_grace)
+        now = validate.aware("now", now) if now is not None else _now()
         with self._db.read(f"plan retention of run {run!r}") as session:
             owner = runs.require(session, self.url, run)
-            live = [CheckpointState.COMMITTED, CheckpointState.PENDING]
-            rows = session.execute(queries.retention_view(owner.id, live)).all()
-            policy = (owner.num_to_keep, owner.keep_every_steps)
-        return plan_retention(rows, *policy, now or _now(), grace)
+            return claims.current_plan(
+                session,
+                owner,
+                now,
+                grace=grace,
+                pending_grace=pending_grace,
+                corrupt=bool(corrupt),
+            )
 
     def claim_for_deletion(
         self,
         run: str,
         steps: Sequence[int],
         *,
+        epoch: int | None = None,
+        corrupt: bool = False,
+        grace: timedelta = DEFAULT_GRACE,
         lease: timedelta = claims.DEFAULT_LEASE,
         now: datetime | None = None,
     ) -> list[CheckpointRecord]:
-        """Move the given steps ``committed -> deleting`` for this caller; returns the rows won.
+        """Move the given steps to ``deleting`` for this caller; returns the rows won.
 
-        Only rows that are still deletable under the run's current policy and rows (at the
-        current moment, not the caller's plan) are claimed, and ``deleting`` rows whose lease
-        is older than ``lease`` are re-claimed (a crashed gc). Rows locked or claimed by a
-        concurrent gc, kept by the fresh plan, or not committed are silently left out: losing
-        is normal, not an error. Each returned record's ``claimed_by`` is the token
-        ``mark_deleted`` needs. Then delete from storage (marker first) and ``mark_deleted``.
+        Only rows the run's retention plan deletes *now* are claimed: the plan is re-made in
+        this transaction with the current rows, policy and resume point, ``grace`` and
+        ``corrupt`` (pass the values the caller planned with). That is committed rows the
+        policy no longer keeps, stale rows stale for longer than ``grace``, corrupt rows when
+        ``corrupt=True``; the current attempt's resume point is never claimed. ``deleting``
+        rows whose lease is older than ``lease`` are re-claimed (a crashed gc). Rows locked or
+        claimed by a concurrent gc, kept by the fresh plan, or in other states are silently
+        left out: losing is normal, not an error.
+
+        With ``epoch`` (a job applying its own retention) the call is fenced in the same
+        transaction: ``StaleAttemptError`` unless it is the run's current epoch. Each returned
+        record's ``claimed_by`` is the token ``mark_deleted`` needs. Then delete from storage
+        (marker first) and ``mark_deleted``.
         """
         run = validate.run_name(run)
         steps = [validate.step(s) for s in steps]
+        if epoch is not None:
+            epoch = validate.epoch(epoch)
+        validate.duration("grace", grace)
         if lease <= timedelta(0):
             raise InvalidValueError("lease", lease, "expected a duration > 0")
         token = f"{self._actor or default_actor()}/{transitions.new_save_id()[:12]}"
-        now = now or _now()
+        now = validate.aware("now", now) if now is not None else _now()
         with self._db.write(f"claim checkpoints of run {run!r} for deletion") as session:
             owner = runs.require(session, self.url, run, lock="share")
-            won = claims.claim(session, owner, steps, token, now, lease)
-            for row, action in won:
-                self._event(session, action, run, row.step, {"claim": token})
-            return [CheckpointRecord.of(row, run) for row, _ in won]
+            if epoch is not None:
+                attempts.check_current(session, self.url, owner, epoch)
+            won = claims.claim(
+                session, owner, steps, token, now, lease, grace=grace, corrupt=bool(corrupt)
+            )
+            for row, action, was in won:
+                self._event(session, action, run, row.step, {"claim": token, "from": was})
+            return [CheckpointRecord.of(row, run) for row, _, _ in won]
 
     def mark_deleted(self, run: str, step: int, claim_token: str) -> bool:
         """``deleting -> deleted`` once storage no longer holds the checkpoint.

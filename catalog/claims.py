@@ -1,20 +1,22 @@
-"""The deletion claim protocol: committed -> deleting -> deleted, safe with many gc processes.
+"""The deletion claim protocol: -> deleting -> deleted, safe with many gc processes and jobs.
 
 Internal to the catalog: ``Catalog.claim_for_deletion`` opens the write transaction, locks the
 run row in share mode (PostgreSQL ``FOR SHARE``; SQLite's ``BEGIN IMMEDIATE`` already excludes
-every other writer) and calls ``claim``. In that one transaction:
+every other writer), applies the attempt fence when the caller is a job's own retention, and
+calls ``claim``. In that one transaction:
 
-1. Lock the requested rows that are claimable: ``committed``, or ``deleting`` with a lease
-   older than ``lease`` (a gc that crashed or hung). PostgreSQL: ``FOR UPDATE SKIP LOCKED``, so
-   concurrent gcs split the work instead of queueing behind each other; a skipped row belongs
-   to someone else this round.
-2. Re-read the run's committed rows and re-plan with the run's current policy. Only rows the
-   fresh plan deletes are claimed; whatever changed since the caller's plan (a new commit, a
-   pin, another gc) is taken into account. Missing rows (locked by someone else) can only make
-   the fresh plan keep more, never less: a row with fewer than ``num_to_keep`` committed rows
-   above it in reality has fewer above it in any subset.
-3. Guarded ``UPDATE ... WHERE state = 'committed'`` (or ``deleting`` with an expired lease) sets
-   ``deleting`` with this claim's token and time, and returns exactly the rows this caller won.
+1. Lock the requested rows that are claimable: ``committed`` and ``stale`` (and ``corrupt``
+   when asked), or ``deleting`` with a lease older than ``lease`` (a gc that crashed or hung).
+   PostgreSQL: ``FOR UPDATE SKIP LOCKED``, so concurrent gcs split the work instead of queueing
+   behind each other; a skipped row belongs to someone else this round.
+2. Re-plan with ``current_plan``: the very function, rows, policy, resume point and grace that
+   ``Catalog.retention_plan`` uses, read now. Only rows the fresh plan deletes are claimed;
+   whatever changed since the caller's plan (a new commit, a pin, a new attempt and its resume
+   point, another gc) is taken into account. The plan reads every row, locked or not, so rows
+   skipped in step 1 change nothing about what the others may do.
+3. Guarded ``UPDATE ... WHERE state IN (<claimable>)`` (or ``deleting`` with an expired lease)
+   sets ``deleting`` with this claim's token and time, and returns exactly the rows this
+   caller won.
 
 The claim token (``claimed_by``) identifies the claim; ``mark_deleted`` needs it, so a gc whose
 lease was taken over cannot mark a row another gc is finishing. Leases use the claimant's
@@ -30,9 +32,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from catalog import queries
+from catalog import attempts, queries
 from catalog.models import Checkpoint, CheckpointState, Run
-from catalog.retention import plan_retention
+from catalog.retention import DEFAULT_GRACE, RetentionPlan, plan_retention
 from catalog.transitions import guarded_update
 
 DEFAULT_LEASE = timedelta(hours=1)
@@ -40,6 +42,38 @@ DEFAULT_LEASE = timedelta(hours=1)
 COMMITTED = CheckpointState.COMMITTED
 DELETING = CheckpointState.DELETING
 DELETED = CheckpointState.DELETED
+STALE = CheckpointState.STALE
+CORRUPT = CheckpointState.CORRUPT
+
+# The states retention plans over; the others are transient (deleting) or final.
+PLANNED = [COMMITTED, CheckpointState.PENDING, STALE, CORRUPT]
+
+
+def current_plan(
+    session: Session,
+    run: Run,
+    now: datetime,
+    *,
+    grace: timedelta,
+    pending_grace: timedelta = DEFAULT_GRACE,
+    corrupt: bool = False,
+) -> RetentionPlan:
+    """The run's retention plan from its rows, policy and current resume point, as of now.
+
+    The one place a plan is made from the database: ``Catalog.retention_plan`` shows it and
+    ``claim`` re-makes it inside the claim's transaction.
+    """
+    rows = session.execute(queries.retention_view(run.id, PLANNED)).all()
+    return plan_retention(
+        rows,
+        run.num_to_keep,
+        run.keep_every_steps,
+        now,
+        grace,
+        pending_grace=pending_grace,
+        corrupt=corrupt,
+        resume_point=attempts.resume_point(session, run),
+    )
 
 
 def claim(
@@ -49,13 +83,20 @@ def claim(
     token: str,
     now: datetime,
     lease: timedelta,
-) -> list[tuple[Checkpoint, str]]:
-    """Claim what may still be deleted among ``steps``; ``[(row, "claimed" | "reclaimed")]``."""
+    *,
+    grace: timedelta,
+    corrupt: bool,
+) -> list[tuple[Checkpoint, str, str]]:
+    """Claim what may still be deleted among ``steps``.
+
+    Returns ``[(row, "claimed" | "reclaimed", state it was in)]`` in step order.
+    """
     if not steps:
         return []
     cutoff = now - lease
+    deletable_states = [COMMITTED, STALE, *([CORRUPT] if corrupt else [])]
     claimable = or_(
-        Checkpoint.state == COMMITTED,
+        Checkpoint.state.in_(deletable_states),
         and_(Checkpoint.state == DELETING, Checkpoint.claimed_at < cutoff),
     )
     candidates = session.scalars(
@@ -67,20 +108,18 @@ def claim(
     ).all()
     if not candidates:
         return []
+    was = {row.id: str(row.state) for row in candidates}
 
-    committed_now = session.execute(queries.retention_view(run.id, [COMMITTED])).all()
-    plan = plan_retention(committed_now, run.num_to_keep, run.keep_every_steps, now, timedelta(0))
-    deletable = set(plan.to_delete)
-
-    fresh = [row.id for row in candidates if row.state == COMMITTED and row.step in deletable]
+    deletable = set(current_plan(session, run, now, grace=grace, corrupt=corrupt).to_delete)
+    fresh = [row.id for row in candidates if row.state != DELETING and row.step in deletable]
     expired = [row.id for row in candidates if row.state == DELETING]
     values = {"state": DELETING, "claimed_by": token, "claimed_at": now, "updated_at": now}
-    won: list[tuple[Checkpoint, str]] = []
+    won: list[tuple[Checkpoint, str, str]] = []
     if fresh:
         rows = guarded_update(
-            session, [Checkpoint.id.in_(fresh), Checkpoint.state == COMMITTED], values
+            session, [Checkpoint.id.in_(fresh), Checkpoint.state.in_(deletable_states)], values
         )
-        won.extend((row, "claimed") for row in rows)
+        won.extend((row, "claimed", was[row.id]) for row in rows)
     if expired:
         rows = guarded_update(
             session,
@@ -91,8 +130,8 @@ def claim(
             ],
             values,
         )
-        won.extend((row, "reclaimed") for row in rows)
-    won.sort(key=lambda pair: pair[0].step)
+        won.extend((row, "reclaimed", was[row.id]) for row in rows)
+    won.sort(key=lambda entry: entry[0].step)
     return won
 
 

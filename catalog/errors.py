@@ -7,6 +7,11 @@ read the attributes, never the message text.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # records import models; errors stay importable on their own
+    from catalog.records import AttemptRecord
+
 
 class CatalogError(Exception):
     """Root of every error the catalog layer raises on purpose."""
@@ -223,3 +228,37 @@ class StateConflictError(InvalidTransitionError):
             action,
             f"{why}; check for two jobs saving the same run with `zephon checkpoints {run}`",
         )
+
+
+class StaleAttemptError(CatalogError):
+    """A fenced call presented an epoch that is not the run's current attempt.
+
+    ``epoch`` is the caller's, ``current`` the run's current attempt (None when the run never
+    had a fenced attempt). Raised by ``register_attempt`` for an epoch not above the current
+    one, and by every fenced call (``begin_checkpoint``, ``mark_committed``, ``update_run`` and
+    ``claim_for_deletion`` with an epoch) unless the epoch is the current one. A process that
+    sees it is a superseded attempt (a preempted job still running, say) and must stop
+    saving: a newer attempt owns the run.
+    """
+
+    def __init__(self, url: str, run: str, epoch: int, current: AttemptRecord | None) -> None:
+        self.url = url
+        self.run = run
+        self.epoch = epoch
+        self.current = current
+        where = f"run {run!r} in catalog {url}: attempt epoch {epoch}"
+        stop = "this process is a stale attempt (a preempted job still running?): stop saving"
+        register = "register the attempt with register_attempt before saving"
+        if current is not None and current.epoch > epoch:
+            message = f"{where} is no longer current: {current.describe()} took over; {stop}"
+        elif current is not None and current.epoch == epoch:
+            message = (
+                f"{where} is already registered to attempt {current.attempt_id} "
+                f"({current.process}); {stop}"
+            )
+        elif current is not None:
+            message = f"{where} is not registered: the current one is {current.describe()}; "
+            message += register
+        else:
+            message = f"{where} is not registered: the run has no fenced attempt yet; {register}"
+        super().__init__(message)

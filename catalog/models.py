@@ -1,4 +1,4 @@
-"""ORM models of the catalog: ``runs``, ``checkpoints`` and the ``events`` audit log.
+"""ORM models of the catalog: ``runs``, ``attempts``, ``checkpoints`` and the ``events`` log.
 
 This module describes the schema that the newest Alembic revision in ``migrations/`` creates;
 the two are kept equal by a test (``compare_metadata`` finds no difference). Changing a model
@@ -36,13 +36,21 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
 class CheckpointState(StrEnum):
-    """States of a checkpoint row; transitions are in ``docs/catalog.md``."""
+    """States of a checkpoint row; transitions are in ``docs/catalog.md``.
+
+    ``CORRUPT``: verification of the stored checkpoint failed. Never latest, never counted by
+    retention, kept for inspection until gc deletes it with ``corrupt=True``.
+    ``STALE``: the row belongs to a history that a newer attempt abandoned (a step above the
+    point that attempt resumed from). Never latest; gc deletes it once the grace has passed.
+    """
 
     PENDING = "pending"
     COMMITTED = "committed"
     DELETING = "deleting"
     DELETED = "deleted"
     FAILED = "failed"
+    CORRUPT = "corrupt"
+    STALE = "stale"
 
 
 class RunKind(StrEnum):
@@ -108,7 +116,12 @@ class Base(DeclarativeBase):
 
 
 class Run(Base):
-    """A training or inference job; its checkpoints live under ``storage_url``."""
+    """A training or inference job; its checkpoints live under ``storage_url``.
+
+    ``epoch`` is the fencing token of the run's current attempt (the newest registered row of
+    ``attempts``); 0 means the run never had a fenced attempt. Fenced calls present their
+    attempt's epoch and are refused unless it equals this one.
+    """
 
     __tablename__ = "runs"
     __table_args__ = (
@@ -130,16 +143,43 @@ class Run(Base):
     num_to_keep: Mapped[int | None] = mapped_column(Integer)
     keep_every_steps: Mapped[int | None] = mapped_column(BigInteger)
     config: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class Attempt(Base):
+    """One start of a job for a run, mirrored from storage's create-only attempt objects.
+
+    ``epoch`` is handed out by storage, monotonic per run, and is the fencing token;
+    ``resumed_from`` is the step the attempt resumed from (None: a fresh start). Rows are only
+    ever inserted, by ``register_attempt``, in the transaction that moves ``runs.epoch``.
+    """
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        UniqueConstraint("run_id", "epoch"),
+        CheckConstraint("epoch >= 1", name="epoch"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    attempt_id: Mapped[str] = mapped_column(String(64))
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    resumed_from: Mapped[int | None] = mapped_column(BigInteger)
+    registered_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
 class Checkpoint(Base):
     """One step of one run. ``(run_id, step)`` is unique; a re-save re-arms the same row.
 
     ``save_id`` identifies the ``begin_checkpoint`` call that armed the row, so a slow or
-    crashed writer can never commit over a newer attempt. ``claimed_by``/``claimed_at`` are the
-    deletion lease held while the row is ``deleting``.
+    crashed writer can never commit over a newer save; ``epoch`` is the attempt that armed it
+    (0: unfenced). ``claimed_by``/``claimed_at`` are the deletion lease held while the row is
+    ``deleting``.
     """
 
     __tablename__ = "checkpoints"
@@ -158,6 +198,7 @@ class Checkpoint(Base):
     state: Mapped[str] = mapped_column(String(16))
     path: Mapped[str] = mapped_column(Text)
     save_id: Mapped[str] = mapped_column(String(64))
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     bytes: Mapped[int | None] = mapped_column(BigInteger)
     file_count: Mapped[int | None] = mapped_column(Integer)
     manifest_checksum: Mapped[str | None] = mapped_column(String(128))
@@ -191,4 +232,4 @@ class Event(Base):
     detail: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
 
 
-CATALOG_TABLES = ("runs", "checkpoints", "events")
+CATALOG_TABLES = ("runs", "attempts", "checkpoints", "events")

@@ -27,11 +27,11 @@ def latest_committed(run: str) -> Select[tuple[Checkpoint]]:
     )
 
 
-def pending_after(run_id: int, step: int | None) -> Select[tuple[Checkpoint]]:
-    """Pending rows above ``step`` (all if None), newest first."""
+def rows_after(run_id: int, step: int | None, states: Sequence[str]) -> Select[tuple[Checkpoint]]:
+    """Rows in ``states`` above ``step`` (all steps if None), newest first."""
     statement = (
         select(Checkpoint)
-        .where(Checkpoint.run_id == run_id, Checkpoint.state == CheckpointState.PENDING)
+        .where(Checkpoint.run_id == run_id, Checkpoint.state.in_(states))
         .order_by(Checkpoint.step.desc())
     )
     if step is not None:
@@ -54,5 +54,6 @@ def retention_view(run_id: int, states: Sequence[str]) -> Select:
         Checkpoint.state,
         Checkpoint.pinned,
         Checkpoint.created_at,
+        Checkpoint.updated_at,
         Checkpoint.save_id,
     ).where(Checkpoint.run_id == run_id, Checkpoint.state.in_(states))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from catalog.models import Checkpoint, Event, Run
+from catalog.models import Attempt, Checkpoint, Event, Run
 
 
 def _jsonable(value: Any) -> Any:
@@ -29,6 +29,8 @@ class _Record:
 
 @dataclass(frozen=True, slots=True)
 class RunRecord(_Record):
+    """One run. ``epoch`` is the current attempt's fencing token (0: never fenced)."""
+
     name: str
     storage_url: str
     kind: str
@@ -37,6 +39,7 @@ class RunRecord(_Record):
     num_to_keep: int | None
     keep_every_steps: int | None
     config: dict[str, Any] | None
+    epoch: int
     created_at: datetime
     updated_at: datetime
 
@@ -51,6 +54,7 @@ class RunRecord(_Record):
             num_to_keep=row.num_to_keep,
             keep_every_steps=row.keep_every_steps,
             config=row.config,
+            epoch=row.epoch,
             created_at=row.created_at,
             updated_at=row.updated_at,
         )
@@ -86,8 +90,9 @@ class RunSummary(_Record):
 class CheckpointRecord(_Record):
     """One checkpoint row. ``path`` is the URL of its ``save-<step>`` directory.
 
-    ``save_id`` is what ``mark_committed``/``mark_failed`` must present; ``claimed_by`` is the
-    claim token ``mark_deleted`` must present while the row is ``deleting``.
+    ``save_id`` is what ``mark_committed``/``mark_failed`` must present; ``epoch`` the attempt
+    that armed the row (0: unfenced); ``claimed_by`` is the claim token ``mark_deleted`` must
+    present while the row is ``deleting``.
     """
 
     run: str
@@ -95,6 +100,7 @@ class CheckpointRecord(_Record):
     state: str
     path: str
     save_id: str
+    epoch: int
     bytes: int | None
     file_count: int | None
     manifest_checksum: str | None
@@ -115,6 +121,7 @@ class CheckpointRecord(_Record):
             state=str(row.state),
             path=row.path,
             save_id=row.save_id,
+            epoch=row.epoch,
             bytes=row.bytes,
             file_count=row.file_count,
             manifest_checksum=row.manifest_checksum,
@@ -127,6 +134,62 @@ class CheckpointRecord(_Record):
             committed_at=row.committed_at,
             updated_at=row.updated_at,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRecord(_Record):
+    """One registered attempt (one start of a job) of a run.
+
+    ``epoch`` is its fencing token; ``attempt_id`` the uuid hex identifying it; ``host``,
+    ``pid`` and ``started_at`` say which process it is; ``resumed_from`` is the step it resumed
+    from (None: a fresh start); ``registered_at`` when the catalog learnt of it.
+    """
+
+    run: str
+    epoch: int
+    attempt_id: str
+    host: str
+    pid: int
+    started_at: datetime
+    resumed_from: int | None
+    registered_at: datetime
+
+    @classmethod
+    def of(cls, row: Attempt, run: str) -> AttemptRecord:
+        return cls(
+            run=run,
+            epoch=row.epoch,
+            attempt_id=row.attempt_id,
+            host=row.host,
+            pid=row.pid,
+            started_at=row.started_at,
+            resumed_from=row.resumed_from,
+            registered_at=row.registered_at,
+        )
+
+    @property
+    def process(self) -> str:
+        """``host h1, pid 4242, started 2026-12-01T10:00:00+00:00``: which process it is."""
+        return f"host {self.host}, pid {self.pid}, started {self.started_at.isoformat()}"
+
+    def describe(self) -> str:
+        """``attempt epoch 5 (host h1, pid 4242, started ...)``, for messages."""
+        return f"attempt epoch {self.epoch} ({self.process})"
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRegistration(_Record):
+    """What ``register_attempt`` did: the attempt now current, and the steps it abandoned.
+
+    ``abandoned`` lists, ascending, the steps of older attempts above the resume point that
+    were moved to ``stale`` in the registering transaction.
+    """
+
+    attempt: AttemptRecord
+    abandoned: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.attempt.to_dict(), "abandoned": list(self.abandoned)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,20 +2,29 @@
 
 ``plan_retention`` is a pure function of the rows, the policy and the clock; it reads and writes
 nothing, so ``zephon gc --dry-run`` and the tests use it as is. Acting on a plan is the
-caller's job: ``Catalog.claim_for_deletion`` re-plans inside its transaction before claiming,
-because rows may have changed since the plan was made.
+caller's job: ``Catalog.claim_for_deletion`` re-plans inside its transaction, with the same
+function and the same inputs, before claiming, because rows may have changed since the plan
+was made.
 
-Rules (DESIGN.md "Retention"):
+Rules:
 
-- Only ``committed`` rows are ever planned for deletion. Kept are: the newest committed one
-  (always, whatever the policy), the ``num_to_keep`` newest committed ones (``None`` keeps all),
-  milestones (``step % keep_every_steps == 0``) and pinned ones. Every other committed row is
-  deleted. "Newest" means highest step.
-- ``pending`` rows younger than ``grace`` are kept untouched. Older ones are *expired*: the
-  writer most likely crashed. The caller must probe the commit marker first (a crash between
-  the marker and the catalog update leaves a complete checkpoint behind a pending row): marker
-  present -> ``mark_committed``; absent -> ``mark_failed`` with the planned save id, after
-  which the directory is an uncommitted orphan that gc removes.
+- ``committed`` rows: kept are the newest one (always, whatever the policy), the
+  ``num_to_keep`` newest ones (``None`` keeps all), milestones (``step % keep_every_steps ==
+  0``) and pinned ones; every other committed row is deleted. "Newest" means highest step.
+  Only committed rows count towards ``num_to_keep``.
+- The *resume point* (the step the current attempt resumed from) is always kept, whatever its
+  state: retention never deletes the step the current attempt resumed from.
+- ``stale`` rows (an abandoned lineage) are deleted once they have been stale for ``grace``
+  (since ``updated_at``), kept before that.
+- ``corrupt`` rows are kept for inspection, and deleted only when ``corrupt=True``.
+- Pinned rows are kept in every state above.
+- ``pending`` rows younger than ``pending_grace`` are kept untouched. Older ones are *expired*:
+  the writer most likely crashed. The caller must probe the commit marker first (a crash
+  between the marker and the catalog update leaves a complete checkpoint behind a pending
+  row): marker present -> commit it; absent -> ``mark_failed`` with the planned save id, after
+  which the directory is an uncommitted orphan that gc removes. ``pending_grace`` is separate
+  from ``grace`` on purpose: a gc told ``grace=0`` to clear abandoned rows at once must not
+  expire a checkpoint that is still being written.
 - Rows in any other state (``deleting``, ``deleted``, ``failed``) are not part of a plan.
 """
 
@@ -37,6 +46,9 @@ class Action(StrEnum):
     EXPIRE = "expire"
 
 
+DEFAULT_GRACE = timedelta(hours=24)
+
+
 class RetentionCandidate(Protocol):
     """What planning reads from a row; ``CheckpointRecord`` satisfies it."""
 
@@ -53,12 +65,28 @@ class RetentionCandidate(Protocol):
     def created_at(self) -> datetime: ...
 
     @property
+    def updated_at(self) -> datetime: ...
+
+    @property
     def save_id(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """The step the current attempt (``epoch``) resumed from; retention always keeps it."""
+
+    step: int
+    epoch: int
+
+    @property
+    def reason(self) -> str:
+        return f"resume point of the current attempt (epoch {self.epoch})"
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
-    """The fate of one committed or pending row, with every reason that applies."""
+    """The fate of one planned row (committed, pending, stale or corrupt), with every reason
+    that applies."""
 
     step: int
     state: str
@@ -73,13 +101,13 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class RetentionPlan:
-    """Decisions for the committed and pending rows of one run, in ascending step order."""
+    """Decisions for the planned rows of one run, in ascending step order."""
 
     decisions: tuple[Decision, ...]
 
     @property
     def to_delete(self) -> list[int]:
-        """Steps of committed rows to claim for deletion."""
+        """Steps to claim for deletion (committed, stale, and corrupt ones if asked)."""
         return [d.step for d in self.decisions if d.action is Action.DELETE]
 
     @property
@@ -124,42 +152,83 @@ def plan_retention(
     keep_every_steps: int | None,
     now: datetime,
     grace: timedelta,
+    *,
+    pending_grace: timedelta = DEFAULT_GRACE,
+    corrupt: bool = False,
+    resume_point: ResumePoint | None = None,
 ) -> RetentionPlan:
-    """Plan retention for the rows of one run; see the module docstring for the rules."""
+    """Plan retention for the rows of one run; see the module docstring for the rules.
+
+    ``grace`` is how long ``stale`` rows stay, ``pending_grace`` how long ``pending`` ones may
+    take to commit; ``corrupt`` deletes ``corrupt`` rows; ``resume_point`` is kept whatever.
+    """
     validate_policy(num_to_keep, keep_every_steps)
-    if grace < timedelta(0):
-        raise InvalidValueError("grace", grace, "expected a duration >= 0")
+    for name, value in (("grace", grace), ("pending_grace", pending_grace)):
+        if value < timedelta(0):
+            raise InvalidValueError(name, value, "expected a duration >= 0")
     if now.tzinfo is None:
         raise InvalidValueError("now", now, "expected a timezone-aware datetime")
 
     rows = list(checkpoints)
+
+    def protections(row: RetentionCandidate) -> list[str]:
+        reasons = [resume_point.reason] if resume_point and row.step == resume_point.step else []
+        return reasons + (["pinned"] if row.pinned else [])
+
     committed = sorted(
         (c for c in rows if c.state == CheckpointState.COMMITTED), key=lambda c: -c.step
     )
     decisions = []
     for rank, row in enumerate(committed):
         reasons = _keep_reasons(row.step, rank, row.pinned, num_to_keep, keep_every_steps)
+        if resume_point is not None and row.step == resume_point.step:
+            reasons.append(resume_point.reason)
         if not reasons:
             action, reasons = Action.DELETE, [f"older than the {num_to_keep} newest committed"]
         else:
             action = Action.KEEP
         decisions.append(Decision(row.step, row.state, action, tuple(reasons), row.save_id))
     for row in rows:
-        if row.state != CheckpointState.PENDING:
-            continue
-        age = now - row.created_at
-        if age < grace:
-            action = Action.KEEP
-            why = f"pending for {_human(age)}, within grace {_human(grace)}"
+        if row.state == CheckpointState.PENDING:
+            action, reasons = _pending(now - row.created_at, pending_grace)
+        elif row.state == CheckpointState.STALE:
+            action, reasons = _stale(now - row.updated_at, grace, protections(row))
+        elif row.state == CheckpointState.CORRUPT:
+            action, reasons = _corrupt(corrupt, protections(row))
         else:
-            action = Action.EXPIRE
-            why = (
-                f"pending for {_human(age)}, beyond grace {_human(grace)}: probe its commit "
-                f"marker, then commit or fail it"
-            )
-        decisions.append(Decision(row.step, row.state, action, (why,), row.save_id))
+            continue
+        decisions.append(Decision(row.step, row.state, action, tuple(reasons), row.save_id))
     decisions.sort(key=lambda d: d.step)
     return RetentionPlan(tuple(decisions))
+
+
+def _pending(age: timedelta, pending_grace: timedelta) -> tuple[Action, list[str]]:
+    if age < pending_grace:
+        return Action.KEEP, [f"pending for {_human(age)}, within grace {_human(pending_grace)}"]
+    return Action.EXPIRE, [
+        f"pending for {_human(age)}, beyond grace {_human(pending_grace)}: probe its commit "
+        f"marker, then commit or fail it"
+    ]
+
+
+def _stale(age: timedelta, grace: timedelta, kept: list[str]) -> tuple[Action, list[str]]:
+    if kept:
+        return Action.KEEP, [f"abandoned lineage, stale for {_human(age)}", *kept]
+    if age < grace:
+        return Action.KEEP, [
+            f"abandoned lineage, stale for {_human(age)}, within grace {_human(grace)}"
+        ]
+    return Action.DELETE, [
+        f"abandoned lineage, stale for {_human(age)}, beyond grace {_human(grace)}"
+    ]
+
+
+def _corrupt(delete: bool, kept: list[str]) -> tuple[Action, list[str]]:
+    if kept:
+        return Action.KEEP, ["corrupt", *kept]
+    if delete:
+        return Action.DELETE, ["corrupt, and corrupt checkpoints are to be deleted"]
+    return Action.KEEP, ["corrupt: kept for inspection until deleted with corrupt=True"]
 
 
 def _human(delta: timedelta) -> str:

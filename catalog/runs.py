@@ -4,11 +4,14 @@ Internal to the catalog: every function runs inside a session opened by ``Catalo
 owns the transaction. Run-row locks matter on PostgreSQL only (SQLite serialises writers with
 ``BEGIN IMMEDIATE``):
 
-- ``lock="share"`` (``FOR SHARE``) is what claims take: many gc processes hold it together.
+- ``lock="share"`` (``FOR SHARE``) is what claims and the fenced save-path calls
+  (``begin_checkpoint``, ``mark_committed``) take: many gcs and savers hold it together, and
+  the epoch they check cannot change before they commit.
 - ``lock="update"`` (``FOR NO KEY UPDATE``) is what changes that can move a row *into* the
-  newest ``num_to_keep`` take (a retention change, marking a committed row missing); it waits
-  for claims in flight, so a claim never decides on a policy or row set that is changing. It
-  does not conflict with the key-share lock that inserting a checkpoint takes on its run.
+  newest ``num_to_keep`` or move the epoch take (a retention change, marking a committed row
+  missing or corrupt, the sync repair, registering an attempt); it waits for claims and fenced
+  calls in flight, so neither decides on a policy, row set or epoch that is changing. It does
+  not conflict with the key-share lock that inserting a checkpoint takes on its run.
 """
 
 from __future__ import annotations

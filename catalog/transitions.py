@@ -1,24 +1,25 @@
-"""The checkpoint state machine on the save path: begin, commit, fail, pin, sync repairs.
+"""The checkpoint state machine on the save path: begin, commit, fail, pin.
 
-Internal to the catalog: each function runs inside a write session opened by ``Catalog``.
+Internal to the catalog: each function runs inside a write session opened by ``Catalog``, which
+has already applied the attempt fence (``catalog.attempts``) where the call is fenced. Repairs
+from what storage holds (sync, the resume probe, corruption) are in ``catalog.repairs``.
 
 Every transition is one guarded ``UPDATE ... WHERE state = <expected> [AND save_id = <mine>]
 RETURNING``: the database, not Python, decides who wins, so two processes can never both move
 the same row. When the guard matches nothing the row is re-read to say precisely why
-(not found, already done by this same attempt, or taken over by someone else).
+(not found, already done by this same save, or taken over by someone else).
 
 ::
 
     (none) --begin--> pending --commit--> committed --claim--> deleting --mark_deleted--> deleted
                       pending --fail----> failed
-    failed | deleted | pending(older attempt) --begin (re-arm, new save id)--> pending
+    failed | deleted | stale | corrupt | pending(older save) --begin (re-arm, new save)--> pending
 """
 
 from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import ColumnElement, select, update
@@ -38,11 +39,10 @@ _BEGIN_RETRIES = 5
 PENDING = CheckpointState.PENDING
 COMMITTED = CheckpointState.COMMITTED
 DELETING = CheckpointState.DELETING
-DELETED = CheckpointState.DELETED
 FAILED = CheckpointState.FAILED
 
-# Columns describing one attempt's result; re-arming clears them so nothing of the previous
-# attempt survives into the new one.
+# Columns describing one save's result; re-arming clears them so nothing of the previous save
+# survives into the new one.
 _CLEARED_ON_REARM: dict[str, Any] = {
     "bytes": None,
     "file_count": None,
@@ -55,18 +55,16 @@ _CLEARED_ON_REARM: dict[str, Any] = {
 }
 
 
-class SyncOutcome(StrEnum):
-    """What ``upsert_committed`` did with a checkpoint found complete on storage."""
-
-    INSERTED = "inserted"  # no row existed
-    PROMOTED = "promoted"  # pending, failed or deleted row made committed
-    UPDATED = "updated"  # committed row whose recorded facts differed from storage
-    UNCHANGED = "unchanged"  # committed row already matching storage
-    SKIPPED = "skipped"  # row is being deleted by gc; left to it
-
-
 def new_save_id() -> str:
     return uuid.uuid4().hex
+
+
+def committed_by(session: Session, run_id: int, step: int, save_id: str) -> Checkpoint | None:
+    """The row if it is already committed by ``save_id`` (a retried or probed commit)."""
+    row = load(session, run_id, step)
+    if row is not None and row.state == COMMITTED and row.save_id == save_id:
+        return row
+    return None
 
 
 def load(session: Session, run_id: int, step: int) -> Checkpoint | None:
@@ -89,7 +87,7 @@ def guarded_update(
     return list(session.scalars(statement))
 
 
-def _insert(session: Session, row: Checkpoint) -> bool:
+def insert(session: Session, row: Checkpoint) -> bool:
     try:
         # Savepoint: losing the unique (run_id, step) race must not poison the transaction.
         with session.begin_nested():
@@ -100,16 +98,24 @@ def _insert(session: Session, row: Checkpoint) -> bool:
 
 
 def begin(
-    session: Session, url: str, run: Run, step: int, path: str, now: datetime
+    session: Session,
+    url: str,
+    run: Run,
+    step: int,
+    path: str,
+    epoch: int,
+    save_id: str | None,
+    now: datetime,
 ) -> tuple[Checkpoint, str, dict[str, Any] | None]:
-    """Arm ``(run, step)`` as pending under a fresh save id.
+    """Arm ``(run, step)`` as pending for attempt ``epoch`` under ``save_id`` (or a fresh one).
 
     Returns ``(row, "begun" | "rearmed", previous)`` where ``previous`` describes the state and
-    attempt that were re-armed. Raises ``CheckpointExistsError`` for a committed step and
-    ``InvalidTransitionError`` for one being deleted.
+    save that were re-armed (failed, deleted, stale, corrupt, or pending: a crashed save).
+    Raises ``CheckpointExistsError`` for a committed step and ``InvalidTransitionError`` for
+    one being deleted.
     """
     for _ in range(_BEGIN_RETRIES):
-        attempt = new_save_id()
+        save = save_id or new_save_id()
         row = load(session, run.id, step)
         if row is None:
             fresh = Checkpoint(
@@ -117,12 +123,13 @@ def begin(
                 step=step,
                 state=PENDING,
                 path=path,
-                save_id=attempt,
+                save_id=save,
+                epoch=epoch,
                 pinned=False,
                 created_at=now,
                 updated_at=now,
             )
-            if _insert(session, fresh):
+            if insert(session, fresh):
                 return fresh, "begun", None
             continue  # a concurrent begin inserted the row: decide again on what it holds
         if row.state == COMMITTED:
@@ -148,7 +155,8 @@ def begin(
             {
                 **_CLEARED_ON_REARM,
                 "state": PENDING,
-                "save_id": attempt,
+                "save_id": save,
+                "epoch": epoch,
                 "path": path,
                 "created_at": now,
                 "updated_at": now,
@@ -167,10 +175,15 @@ def begin(
 
 
 def _snapshot(row: Checkpoint) -> dict[str, Any]:
-    return {"state": row.state, "save_id": row.save_id, "reason": row.failure_reason}
+    return {
+        "state": row.state,
+        "save_id": row.save_id,
+        "epoch": row.epoch,
+        "reason": row.failure_reason,
+    }
 
 
-def _finish_attempt(
+def _finish_save(
     session: Session,
     url: str,
     run: Run,
@@ -179,25 +192,36 @@ def _finish_attempt(
     target: CheckpointState,
     values: dict[str, Any],
     action: str,
+    epoch: int | None = None,
 ) -> tuple[Checkpoint, bool]:
-    moved = guarded_update(
-        session,
-        [
-            Checkpoint.run_id == run.id,
-            Checkpoint.step == step,
-            Checkpoint.state == PENDING,
-            Checkpoint.save_id == save_id,
-        ],
-        {**values, "state": target},
-    )
+    guard = [
+        Checkpoint.run_id == run.id,
+        Checkpoint.step == step,
+        Checkpoint.state == PENDING,
+        Checkpoint.save_id == save_id,
+    ]
+    if epoch is not None:
+        guard.append(Checkpoint.epoch == epoch)
+    moved = guarded_update(session, guard, {**values, "state": target})
     if moved:
         return moved[0], True
     row = load(session, run.id, step)
     if row is None:
         raise CheckpointNotFoundError(url, run.name, step)
     if row.state == target and row.save_id == save_id:
-        # Already done by this attempt: a retried call, or the marker probe promoted it.
+        # Already done by this save: a retried call, or the marker probe promoted it.
         return row, False
+    if row.state == PENDING and row.save_id == save_id:
+        raise InvalidTransitionError(
+            url,
+            run.name,
+            step,
+            row.state,
+            action,
+            f"save {save_id} was begun by attempt epoch {row.epoch}, not {epoch}, and only "
+            f"that attempt commits it; record a complete checkpoint found on storage with "
+            f"upsert_committed instead",
+        )
     raise StateConflictError(url, run.name, step, row.state, action, save_id, row.save_id)
 
 
@@ -207,20 +231,22 @@ def commit(
     run: Run,
     step: int,
     save_id: str,
+    epoch: int,
     facts: dict[str, Any],
     now: datetime,
 ) -> tuple[Checkpoint, bool]:
-    """pending -> committed for this attempt; ``(row, moved)``; idempotent for the same attempt."""
+    """pending -> committed for this save of attempt ``epoch`` (the one that began it);
+    ``(row, moved)``; idempotent for the same save."""
     values = {**facts, "committed_at": now, "updated_at": now, "failure_reason": None}
-    return _finish_attempt(session, url, run, step, save_id, COMMITTED, values, "commit")
+    return _finish_save(session, url, run, step, save_id, COMMITTED, values, "commit", epoch)
 
 
 def fail(
     session: Session, url: str, run: Run, step: int, save_id: str, reason: str, now: datetime
 ) -> tuple[Checkpoint, bool]:
-    """pending -> failed for this attempt; ``(row, moved)``; idempotent for the same attempt."""
+    """pending -> failed for this save; ``(row, moved)``; idempotent for the same save."""
     values = {"failure_reason": reason, "updated_at": now}
-    return _finish_attempt(session, url, run, step, save_id, FAILED, values, "fail")
+    return _finish_save(session, url, run, step, save_id, FAILED, values, "fail")
 
 
 def set_pinned(
@@ -250,84 +276,3 @@ def set_pinned(
         "pin",
         "only pending or committed checkpoints can be pinned; save the step again first",
     )
-
-
-def upsert_committed(
-    session: Session,
-    run: Run,
-    step: int,
-    facts: dict[str, Any],
-    committed_at: datetime,
-    now: datetime,
-) -> tuple[Checkpoint | None, SyncOutcome]:
-    """Record a checkpoint found complete on storage (``zephon sync``); idempotent.
-
-    Storage is the source of truth: a complete checkpoint is committed whatever its row said,
-    except while gc holds it (``deleting``), since gc may already have removed its marker.
-    Promotion keeps the row's save id, so a still-running writer's ``mark_committed``
-    succeeds as a no-op.
-    """
-    for _ in range(_BEGIN_RETRIES):
-        row = load(session, run.id, step)
-        if row is None:
-            fresh = Checkpoint(
-                run_id=run.id,
-                step=step,
-                state=COMMITTED,
-                save_id="sync-" + new_save_id(),
-                pinned=False,
-                created_at=now,
-                committed_at=committed_at,
-                updated_at=now,
-                **facts,
-            )
-            if _insert(session, fresh):
-                return fresh, SyncOutcome.INSERTED
-            continue
-        if row.state == DELETING:
-            return row, SyncOutcome.SKIPPED
-        if row.state == COMMITTED:
-            differs = {k: v for k, v in facts.items() if getattr(row, k) != v}
-            if not differs:
-                return row, SyncOutcome.UNCHANGED
-            values: dict[str, Any] = {**differs, "updated_at": now}
-            outcome = SyncOutcome.UPDATED
-        else:
-            values = {
-                **facts,
-                "state": COMMITTED,
-                "committed_at": committed_at,
-                "updated_at": now,
-                "failure_reason": None,
-                "claimed_by": None,
-                "claimed_at": None,
-            }
-            outcome = SyncOutcome.PROMOTED
-        moved = guarded_update(
-            session,
-            [
-                Checkpoint.id == row.id,
-                Checkpoint.state == row.state,
-                Checkpoint.save_id == row.save_id,
-            ],
-            values,
-        )
-        if moved:
-            return moved[0], outcome
-    return None, SyncOutcome.SKIPPED
-
-
-def mark_missing(
-    session: Session, run: Run, step: int, reason: str, now: datetime
-) -> Checkpoint | None:
-    """committed -> deleted because storage no longer holds its marker; the moved row or None.
-
-    The caller holds the run's ``update`` lock (see ``catalog.runs``), because removing a
-    committed row can move an older one into the newest ``num_to_keep``.
-    """
-    moved = guarded_update(
-        session,
-        [Checkpoint.run_id == run.id, Checkpoint.step == step, Checkpoint.state == COMMITTED],
-        {"state": DELETED, "failure_reason": reason, "updated_at": now},
-    )
-    return moved[0] if moved else None

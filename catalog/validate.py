@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
 from catalog.errors import InvalidValueError
 from catalog.models import CheckpointState, RunKind, RunStatus
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def run_name(name: str) -> str:
@@ -23,6 +25,52 @@ def run_name(name: str) -> str:
 def step(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidValueError("step", value, "expected an integer >= 0")
+    return value
+
+
+def optional_step(argument: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidValueError(argument, value, "expected a step (an integer >= 0), or None")
+    return value
+
+
+def epoch(value: int, *, minimum: int = 0) -> int:
+    """An attempt's fencing token: an integer >= ``minimum`` (0 means unfenced)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidValueError("epoch", value, f"expected an integer >= {minimum}")
+    return value
+
+
+def token(argument: str, value: str) -> str:
+    """Save and attempt ids: 1-64 characters of ``[A-Za-z0-9_-]`` (a uuid hex fits)."""
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
+        raise InvalidValueError(argument, value, "expected 1-64 characters of [A-Za-z0-9_-]")
+    return value
+
+
+def host(value: str) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= 255:
+        raise InvalidValueError("host", value, "expected a host name of 1-255 characters")
+    return value
+
+
+def pid(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+        raise InvalidValueError("pid", value, "expected a process id (an integer >= 0)")
+    return value
+
+
+def aware(argument: str, value: datetime) -> datetime:
+    if not isinstance(value, datetime) or value.tzinfo is None:
+        raise InvalidValueError(argument, value, "expected a timezone-aware datetime")
+    return value
+
+
+def duration(argument: str, value: timedelta) -> timedelta:
+    if not isinstance(value, timedelta) or value < timedelta(0):
+        raise InvalidValueError(argument, value, "expected a duration >= 0")
     return value
 
 

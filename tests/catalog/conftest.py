@@ -3,6 +3,8 @@ against SQLite (a temporary file) and PostgreSQL (a database of its own per test
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from catalog import Catalog
@@ -15,15 +17,32 @@ def run(catalog: Catalog) -> str:
     return "r"
 
 
-def commit_step(catalog: Catalog, run: str, step: int, **facts) -> None:
-    """Begin and commit one checkpoint with plausible facts."""
-    record = catalog.begin_checkpoint(run, step, f"memory://ckpt/{run}/save-{step}")
+STARTED = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
+
+
+def commit_step(catalog: Catalog, run: str, step: int, *, epoch: int = 0, **facts) -> None:
+    """Begin and commit one checkpoint with plausible facts, as attempt ``epoch``."""
+    record = catalog.begin_checkpoint(run, step, f"memory://ckpt/{run}/save-{step}", epoch=epoch)
     catalog.mark_committed(
         run,
         step,
         record.save_id,
+        epoch=epoch,
         bytes=facts.get("bytes", 1000 + step),
         file_count=facts.get("file_count", 3),
         manifest_checksum=facts.get("manifest_checksum", f"crc-{step}"),
         metadata=facts.get("metadata"),
+    )
+
+
+def register(catalog: Catalog, run: str, epoch: int, resumed_from: int | None = None, **process):
+    """Register attempt ``epoch`` of ``run`` (host ``h<epoch>``, pid ``4000 + epoch``)."""
+    return catalog.register_attempt(
+        run,
+        epoch=epoch,
+        attempt_id=process.get("attempt_id", f"{epoch:032x}"),
+        host=process.get("host", f"h{epoch}"),
+        pid=process.get("pid", 4000 + epoch),
+        started_at=process.get("started_at", STARTED),
+        resumed_from=resumed_from,
     )

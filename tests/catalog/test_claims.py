@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from catalog import InvalidValueError, RunNotFoundError
-from tests.catalog.conftest import commit_step
+from catalog import InvalidValueError, RunNotFoundError, StaleAttemptError
+from tests.catalog.conftest import commit_step, register
 
 
 @pytest.fixture
@@ -104,6 +104,10 @@ def test_an_expired_lease_is_reclaimed_and_the_old_claim_cannot_finish(catalog, 
 def test_claim_arguments_are_checked(catalog, kept2):
     with pytest.raises(InvalidValueError, match="lease"):
         catalog.claim_for_deletion(kept2, [1], lease=timedelta(0))
+    with pytest.raises(InvalidValueError, match="grace"):
+        catalog.claim_for_deletion(kept2, [1], grace=timedelta(seconds=-1))
+    with pytest.raises(InvalidValueError, match="epoch"):
+        catalog.claim_for_deletion(kept2, [1], epoch=-1)
     with pytest.raises(InvalidValueError, match="step"):
         catalog.claim_for_deletion(kept2, [-1])
     with pytest.raises(RunNotFoundError):
@@ -116,6 +120,73 @@ def test_a_run_keeping_everything_yields_no_claims(catalog, run):
         commit_step(catalog, run, step)
     assert catalog.retention_plan(run).to_delete == []
     assert catalog.claim_for_deletion(run, [0, 1, 2]) == []
+
+
+def test_a_jobs_own_claim_with_a_superseded_epoch_is_refused_and_claims_nothing(catalog, kept2):
+    register(catalog, kept2, 1, resumed_from=6)
+    register(catalog, kept2, 2, resumed_from=6, host="h2", pid=77)
+    with pytest.raises(StaleAttemptError, match="host h2, pid 77") as caught:
+        catalog.claim_for_deletion(kept2, [1, 2, 3, 4], epoch=1)
+    assert caught.value.current.epoch == 2
+    assert set(_states(catalog).values()) == {"committed"}
+    assert [c.step for c in catalog.claim_for_deletion(kept2, [1, 2], epoch=2)] == [1, 2]
+
+
+def test_the_current_attempts_resume_point_is_never_claimed(catalog, kept2):
+    register(catalog, kept2, 1, resumed_from=2)  # an old step: 3..6 are abandoned
+    assert _states(catalog) == {1: "committed", 2: "committed"} | dict.fromkeys(
+        (3, 4, 5, 6), "stale"
+    )
+    plan = catalog.retention_plan(kept2, grace=timedelta(0))
+    assert 2 not in plan.to_delete
+    assert "resume point of the current attempt (epoch 1)" in plan.decisions[1].reason
+    won = catalog.claim_for_deletion(kept2, [1, 2, 3, 4, 5, 6], grace=timedelta(0))
+    assert [c.step for c in won] == [3, 4, 5, 6]  # 1 and 2: the only committed rows
+    catalog.update_run(kept2, num_to_keep=1)
+    assert catalog.claim_for_deletion(kept2, [2], grace=timedelta(0)) == []
+    # once the attempt committed a checkpoint of its own, the policy decides about step 2
+    commit_step(catalog, kept2, 7, epoch=1)
+    commit_step(catalog, kept2, 8, epoch=1)
+    won = catalog.claim_for_deletion(kept2, [1, 2, 7], grace=timedelta(0))
+    assert [c.step for c in won] == [1, 2, 7]
+
+
+def test_stale_rows_are_claimed_only_once_the_grace_has_passed(catalog, kept2):
+    start = datetime.now(UTC)
+    register(catalog, kept2, 1, resumed_from=4)  # 5 and 6 are abandoned
+    assert catalog.retention_plan(kept2).to_delete == [1, 2]  # 3 and 4: the 2 newest committed
+    assert [c.step for c in catalog.claim_for_deletion(kept2, [5, 6])] == []
+    later = start + timedelta(hours=25)
+    assert catalog.retention_plan(kept2, now=later).to_delete == [1, 2, 5, 6]
+    won = catalog.claim_for_deletion(kept2, [5, 6], now=later)
+    assert [(c.step, c.state) for c in won] == [(5, "deleting"), (6, "deleting")]
+    assert catalog.events(run=kept2)[0].detail["from"] == "stale"
+    assert catalog.mark_deleted(kept2, 5, won[0].claimed_by)
+    assert catalog.get_checkpoint(kept2, 5).failure_reason.startswith("abandoned: attempt")
+
+
+def test_corrupt_rows_are_kept_until_their_deletion_is_asked_for(catalog, kept2):
+    assert catalog.mark_corrupt(kept2, 6, catalog.get_checkpoint(kept2, 6).save_id, "bad crc")
+    # Corrupt rows do not count: 4 and 5 are now the 2 newest committed.
+    assert catalog.retention_plan(kept2).to_delete == [1, 2, 3]
+    assert [c.step for c in catalog.claim_for_deletion(kept2, [6])] == []
+    assert catalog.retention_plan(kept2, corrupt=True).to_delete == [1, 2, 3, 6]
+    [won] = catalog.claim_for_deletion(kept2, [6], corrupt=True)
+    assert won.step == 6 and won.failure_reason == "bad crc"
+
+
+def test_a_zero_grace_never_expires_a_pending_row_younger_than_the_pending_grace(catalog, kept2):
+    catalog.begin_checkpoint(kept2, 7, "/c/r/7")
+    start = datetime.now(UTC)
+    plan = catalog.retention_plan(kept2, grace=timedelta(0), now=start + timedelta(hours=1))
+    assert plan.to_expire == []
+    plan = catalog.retention_plan(kept2, grace=timedelta(0), now=start + timedelta(hours=25))
+    assert [d.step for d in plan.to_expire] == [7]
+    short = catalog.retention_plan(
+        kept2, pending_grace=timedelta(minutes=30), now=start + timedelta(hours=1)
+    )
+    assert [d.step for d in short.to_expire] == [7]
+    assert catalog.claim_for_deletion(kept2, [7], grace=timedelta(0)) == []  # never claimed
 
 
 @contextlib.contextmanager

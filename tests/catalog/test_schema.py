@@ -7,15 +7,17 @@ import shutil
 from datetime import UTC, datetime
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, insert, text
+from sqlalchemy.exc import IntegrityError
 
 import catalog
 import migrations
 from catalog import Catalog, SchemaOutdatedError, SchemaUnversionedError, schema
 from catalog.engine import Database
-from catalog.models import Base, Checkpoint, Run
+from catalog.models import Base, Checkpoint, CheckpointState, Run
 from catalog.queries import latest_committed
 from tests.catalog import workers
 
@@ -134,8 +136,132 @@ def test_catalog_tables_without_alembic_version_are_refused(catalog_url):
     for attempt in (lambda: Catalog(catalog_url), lambda: catalog.upgrade(catalog_url)):
         with pytest.raises(SchemaUnversionedError) as caught:
             attempt()
-        assert set(caught.value.tables) == {"runs", "checkpoints", "events"}
+        assert set(caught.value.tables) == {"runs", "attempts", "checkpoints", "events"}
         assert "alembic_version" in str(caught.value)
+
+
+INITIAL = "a1bd075f368c"
+
+
+def _migrate(url: str, target: str, how=command.upgrade) -> None:
+    """Run the installed migrations to ``target`` on ``url``, as ``catalog.schema`` does."""
+    db = Database(url)
+    try:
+        with db.immediate_connection("migrate") as connection:
+            config = schema.alembic_config()
+            config.attributes["connection"] = connection
+            how(config, target)
+    finally:
+        db.dispose()
+
+
+_OLD_ROWS = (
+    "INSERT INTO runs (id, name, storage_url, kind, status, num_to_keep, created_at, "
+    "updated_at) VALUES (1, 'old', '/c/old', 'train', 'active', 2, :at, :at)",
+    "INSERT INTO checkpoints (run_id, step, state, path, attempt_id, bytes, pinned, created_at, "
+    "committed_at, updated_at) VALUES (1, 10, 'committed', '/c/old/save-10', 'aaaa', 5, "
+    ":no, :at, :at, :at)",
+    "INSERT INTO checkpoints (run_id, step, state, path, attempt_id, pinned, created_at, "
+    "updated_at) VALUES (1, 20, 'pending', '/c/old/save-20', 'bbbb', :no, :at, :at)",
+    "INSERT INTO checkpoints (run_id, step, state, path, attempt_id, pinned, failure_reason, "
+    "created_at, updated_at) VALUES (1, 15, 'failed', '/c/old/save-15', 'cccc', :no, 'x', "
+    ":at, :at)",
+)
+
+
+def _insert_old_rows(url: str) -> None:
+    engine = create_engine(url)
+    # SQLite stores UtcDateTime as fixed-width naive UTC text; PostgreSQL takes the value.
+    at = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    at_value = "2026-11-30 12:00:00.000000" if engine.dialect.name == "sqlite" else at
+    try:
+        with engine.begin() as connection:
+            for statement in _OLD_ROWS:
+                connection.execute(text(statement), {"at": at_value, "no": False})
+    finally:
+        engine.dispose()
+
+
+def test_a_catalog_at_the_initial_revision_upgrades_keeping_its_rows(catalog_url):
+    _migrate(catalog_url, INITIAL)
+    _insert_old_rows(catalog_url)
+    with pytest.raises(SchemaOutdatedError) as caught:
+        Catalog(catalog_url)
+    assert caught.value.current == INITIAL and caught.value.known
+
+    assert catalog.upgrade(catalog_url) == (INITIAL, catalog.head_revision())
+    assert _diff_against_models(catalog_url) == []
+    with Catalog(catalog_url) as opened:
+        run = opened.get_run("old")
+        assert (run.epoch, run.num_to_keep) == (0, 2)
+        rows = {c.step: c for c in opened.list_checkpoints("old")}
+        assert {s: (c.state, c.save_id, c.epoch) for s, c in rows.items()} == {
+            10: ("committed", "aaaa", 0),
+            15: ("failed", "cccc", 0),
+            20: ("pending", "bbbb", 0),
+        }
+        assert rows[10].committed_at == datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+        assert opened.latest_committed("old").step == 10
+        assert opened.list_attempts("old") == []
+        # The old rows take part in fencing as epoch 0: the first attempt abandons above 10.
+        registration = opened.register_attempt(
+            "old",
+            epoch=1,
+            attempt_id="f" * 32,
+            host="h",
+            pid=1,
+            started_at=datetime.now(UTC),
+            resumed_from=10,
+        )
+        assert registration.abandoned == (15, 20)
+        # The old save of step 20 can no longer be committed.
+        with pytest.raises(catalog.StaleAttemptError):
+            opened.mark_committed("old", 20, "bbbb", bytes=1, file_count=1, manifest_checksum=None)
+        assert [e.action for e in opened.events()][-1] == "schema_upgraded"
+
+
+def test_a_downgrade_to_the_initial_revision_keeps_the_rows_under_their_old_names(catalog_url):
+    with Catalog(catalog_url) as opened:
+        opened.ensure_run("r", "/c")
+        opened.begin_checkpoint("r", 1, "/c/1", save_id="s-1")
+        opened.register_attempt(
+            "r",
+            epoch=1,
+            attempt_id="a" * 32,
+            host="h",
+            pid=1,
+            started_at=datetime.now(UTC),
+            resumed_from=None,
+        )
+    _migrate(catalog_url, INITIAL, how=command.downgrade)
+    engine = create_engine(catalog_url)
+    try:
+        with engine.connect() as connection:
+            row = connection.execute(text("SELECT state, attempt_id FROM checkpoints")).one()
+            assert tuple(row) == ("failed", "s-1")  # stale has no place in the old schema
+    finally:
+        engine.dispose()
+    assert catalog.upgrade(catalog_url) == (INITIAL, catalog.head_revision())
+    assert _diff_against_models(catalog_url) == []
+
+
+@pytest.mark.parametrize("upgraded", [False, True], ids=["created-at-head", "upgraded"])
+def test_the_state_constraint_allows_every_state_and_nothing_else(catalog_url, upgraded):
+    if upgraded:
+        _migrate(catalog_url, INITIAL)
+    catalog.upgrade(catalog_url)
+    with Catalog(catalog_url) as opened:
+        opened.ensure_run("r", "/c")
+        opened.begin_checkpoint("r", 1, "/c/1")
+    engine = create_engine(catalog_url)
+    try:
+        for state in CheckpointState:
+            with engine.begin() as connection:
+                connection.execute(text("UPDATE checkpoints SET state = :s"), {"s": state.value})
+        with pytest.raises(IntegrityError), engine.begin() as connection:
+            connection.execute(text("UPDATE checkpoints SET state = 'bogus'"))
+    finally:
+        engine.dispose()
 
 
 def test_unrelated_tables_do_not_stop_creation(catalog_url):

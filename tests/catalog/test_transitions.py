@@ -180,6 +180,25 @@ def test_pending_after_lists_newer_pending_rows_newest_first(catalog, run):
     assert [c.step for c in catalog.pending_after(run, None)] == [12, 11, 5]
 
 
+def test_rows_after_lists_the_rows_the_resume_probe_checks_newest_first(catalog, run):
+    commit_step(catalog, run, 10)
+    commit_step(catalog, run, 13)
+    failed = catalog.begin_checkpoint(run, 11, "/c/11")
+    catalog.mark_failed(run, 11, failed.save_id, "x")
+    catalog.begin_checkpoint(run, 12, "/c/12")
+    catalog.begin_checkpoint(run, 9, "/c/9")
+    catalog.mark_missing(run, 13)
+    probe = ["pending", "failed", "deleted"]
+    assert [(c.step, c.state) for c in catalog.rows_after(run, 10, states=probe)] == [
+        (13, "deleted"),
+        (12, "pending"),
+        (11, "failed"),
+    ]
+    assert [c.step for c in catalog.rows_after(run, None, states="pending")] == [12, 9]
+    with pytest.raises(InvalidValueError, match="state"):
+        catalog.rows_after(run, None, states=[])
+
+
 def test_list_checkpoints_in_step_order_and_by_state(catalog, run):
     for step in (3, 1, 2):
         commit_step(catalog, run, step)
@@ -208,52 +227,59 @@ def test_pin_and_unpin_are_idempotent_and_audited(catalog, run):
         catalog.pin(run, 99)
 
 
+def _marker(save_id="s1", epoch=0, **facts):
+    """The keyword arguments of upsert_committed for a verified marker of ``save_id``."""
+    return {
+        "save_id": save_id,
+        "epoch": epoch,
+        "bytes": 10,
+        "file_count": 2,
+        "manifest_checksum": "m1",
+        **facts,
+    }
+
+
 def test_upsert_committed_inserts_then_reports_unchanged_then_updates(catalog, run):
-    facts = {"bytes": 10, "file_count": 2, "manifest_checksum": "m1"}
     at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-    record, outcome = catalog.upsert_committed(run, 4, "/c/save-4", committed_at=at, **facts)
+    record, outcome = catalog.upsert_committed(run, 4, "/c/save-4", committed_at=at, **_marker())
     assert outcome is SyncOutcome.INSERTED
     assert (record.state, record.committed_at, record.bytes) == ("committed", at, 10)
-    assert catalog.upsert_committed(run, 4, "/c/save-4", **facts)[1] is SyncOutcome.UNCHANGED
-    changed = {**facts, "manifest_checksum": "m2"}
-    record, outcome = catalog.upsert_committed(run, 4, "/c/save-4", **changed)
+    assert (record.save_id, record.epoch) == ("s1", 0)
+    assert catalog.upsert_committed(run, 4, "/c/save-4", **_marker())[1] is SyncOutcome.UNCHANGED
+    record, outcome = catalog.upsert_committed(
+        run, 4, "/c/save-4", **_marker(manifest_checksum="m2")
+    )
     assert outcome is SyncOutcome.UPDATED and record.manifest_checksum == "m2"
     assert _actions(catalog)[-2:] == ["sync_inserted", "sync_updated"]
 
 
-def test_upsert_committed_promotes_a_pending_row_and_keeps_its_attempt(catalog, run):
+def test_upsert_committed_promotes_a_pending_row_of_the_same_save(catalog, run):
     # A crash between the marker and mark_committed: sync (or the probe) finds the marker.
     begun = catalog.begin_checkpoint(run, 8, "/c/save-8")
-    record, outcome = catalog.upsert_committed(
-        run, 8, "/c/save-8", bytes=5, file_count=1, manifest_checksum="m"
-    )
+    record, outcome = catalog.upsert_committed(run, 8, "/c/save-8", **_marker(begun.save_id))
     assert outcome is SyncOutcome.PROMOTED and record.save_id == begun.save_id
     # The writer, still alive, finishes its own commit without an error.
     catalog.mark_committed(run, 8, begun.save_id, bytes=5, file_count=1, manifest_checksum="m")
     assert catalog.latest_committed(run).step == 8
 
 
-def test_upsert_committed_promotes_failed_and_deleted_rows(catalog, run):
+def test_upsert_committed_promotes_failed_and_deleted_rows_with_the_markers_save(catalog, run):
     failed = catalog.begin_checkpoint(run, 1, "/c/1")
     catalog.mark_failed(run, 1, failed.save_id, "x")
     commit_step(catalog, run, 2)
     catalog.mark_missing(run, 2)
     for step in (1, 2):
-        record, outcome = catalog.upsert_committed(
-            run, step, f"/c/{step}", bytes=1, file_count=1, manifest_checksum=None
-        )
+        record, outcome = catalog.upsert_committed(run, step, f"/c/{step}", **_marker("found"))
         assert outcome is SyncOutcome.PROMOTED
-        assert (record.state, record.failure_reason) == ("committed", None)
+        assert (record.state, record.failure_reason, record.save_id) == ("committed", None, "found")
 
 
 def test_upsert_committed_leaves_rows_being_deleted_to_gc(catalog):
     catalog.ensure_run("r", "/c", num_to_keep=1)
     commit_step(catalog, "r", 1)
     commit_step(catalog, "r", 2)
-    catalog.claim_for_deletion("r", [1])
-    record, outcome = catalog.upsert_committed(
-        "r", 1, "/c/1", bytes=1, file_count=1, manifest_checksum=None
-    )
+    [claimed] = catalog.claim_for_deletion("r", [1])
+    record, outcome = catalog.upsert_committed("r", 1, "/c/1", **_marker(claimed.save_id))
     assert outcome is SyncOutcome.SKIPPED and record.state == "deleting"
 
 
