@@ -10,19 +10,28 @@ from storage.errors import (
     CommitConflictError,
     CorruptCheckpointError,
     InvalidNameError,
+    StaleAttemptError,
     StorageError,
     WriteAbortedError,
 )
 from storage.layout import MARKER_NAME, validate_run, validate_step
+from storage.lineage import AttemptRecord, Fence, Lineage
 from storage.location import Location, mask_url, open_location
-from storage.manifest import FileEntry, Manifest
+from storage.manifest import FileEntry, Manifest, validate_save_id
+from storage.reader import CheckpointReader
 from storage.scan import StepListing
-from storage.store import CheckpointReader, CheckpointStore, Orphan
+from storage.store import CheckpointStore, Orphan, new_save_id
 from storage.verify import FileProblem, VerifyReport
 from storage.writer import CheckpointWriter
 
 __all__ = [
     "MARKER_NAME",
+    "AttemptRecord",
+    "Fence",
+    "Lineage",
+    "StaleAttemptError",
+    "new_save_id",
+    "validate_save_id",
     "BackendUnavailableError",
     "CheckpointNotFoundError",
     "CheckpointReader",

@@ -5,20 +5,35 @@ in their APIs (``x-amz-checksum-crc32c``, GCS ``crc32c``), so a manifest can be 
 what the store reports without recomputing.
 
 google-crc32c's Python API takes only ``bytes`` and holds the GIL. Where its wheel ships the C
-library (``libcrc32c``), it is called through ctypes instead: no copy of the caller's buffer, and
-the GIL is released, so files written on several threads are checksummed in parallel.
+library (``libcrc32c``), it is called through ctypes instead: no copy of the caller's buffer
+(read-only ones included), and the GIL is released, so files written or read on several threads
+are checksummed in parallel.
+
+``crc32c_combine`` gives the CRC of a concatenation from the CRCs of its parts, so a block
+whose CRC is already known (e.g. a tensor checksummed once for its own record) can be appended
+to a running file CRC without reading its bytes again (``Crc32c.extend``).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import ctypes
+import functools
 import glob
 import os
 
 import google_crc32c
 
-__all__ = ["Crc32c", "crc32c_of", "encode_crc32c", "NATIVE"]
+__all__ = [
+    "NATIVE",
+    "Crc32c",
+    "crc32c_combine",
+    "crc32c_extend",
+    "crc32c_of",
+    "decode_crc32c",
+    "encode_crc32c",
+]
 
 # Fallback path: each slice is copied once into bytes, which bounds peak memory for views of
 # large tensors.
@@ -45,17 +60,47 @@ _NATIVE = _load_native()
 NATIVE = _NATIVE is not None
 
 
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (stable layout since 3.3): the address of any buffer, read-only
+    ones included, which ``ctypes.from_buffer`` refuses (it needs a writable buffer)."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),  # owned by the export; PyBuffer_Release drops it
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("strides", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("suboffsets", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+_PYBUF_SIMPLE = 0  # a contiguous buffer of bytes; anything else raises BufferError
+
+
 def _extend(crc: int, data: bytes | bytearray | memoryview) -> int:
     if _NATIVE is not None:
         if isinstance(data, bytes):
             return _NATIVE.crc32c_extend(crc, data, len(data))
-        view = memoryview(data).cast("B")
-        if view.readonly:
-            return _extend_copying(crc, view)
-        if not view.nbytes:
-            return crc
-        pointer = (ctypes.c_char * view.nbytes).from_buffer(view)
-        return _NATIVE.crc32c_extend(crc, pointer, view.nbytes)
+        buffer = _PyBuffer()
+        _get_buffer(data, ctypes.byref(buffer), _PYBUF_SIMPLE)
+        try:
+            if not buffer.len:
+                return crc
+            # ctypes.CDLL releases the GIL for the call; the export keeps the memory alive.
+            return _NATIVE.crc32c_extend(crc, buffer.buf, buffer.len)
+        finally:
+            _release_buffer(ctypes.byref(buffer))
     if isinstance(data, bytes):
         return google_crc32c.extend(crc, data)
     return _extend_copying(crc, memoryview(data).cast("B"))
@@ -67,8 +112,104 @@ def _extend_copying(crc: int, view: memoryview) -> int:
     return crc
 
 
+def crc32c_extend(crc: int, data: bytes | bytearray | memoryview) -> int:
+    """The CRC32C of (the data ``crc`` was computed over) followed by ``data``; ``crc=0``
+    starts a new one. ``data`` must be C-contiguous; it is never copied on the native path."""
+    return _extend(crc, data)
+
+
+# -- combining ------------------------------------------------------------------------------------
+#
+# CRC32C is a polynomial remainder over GF(2), kept bit-reflected: bit 31 of a value is the
+# coefficient of x^0. Appending n zero bits to a message multiplies its remainder by x^n mod P,
+# and the pre- and post-inversion of the standard CRC cancel out between the two parts, so
+#     crc(A || B) = crc(A) * x^(8 * len(B)) mod P  xor  crc(B)
+# (the same derivation as zlib's crc32_combine). x^n is built from the powers x^(2^k), which
+# are computed once; a combine then costs one multiplication per set bit of 8 * len(B).
+
+_POLY = 0x82F63B78  # Castagnoli's polynomial, reflected
+_X0 = 1 << 31  # the polynomial 1 (x^0), reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) mod P, both reflected."""
+    product = 0
+    bit = _X0
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers_of_x() -> tuple[int, ...]:
+    # x^(2^k) for k = 0..66 covers 8 * length for any length below 2^64. P is not irreducible
+    # (it has the factor x + 1), so the powers do not cycle with period 32 as zlib's table does
+    # for CRC-32: every one is computed.
+    power = _X0 >> 1  # x^1
+    table = [power]
+    for _ in range(66):
+        power = _multmodp(power, power)
+        table.append(power)
+    return tuple(table)
+
+
+_X_POW_2K = _powers_of_x()
+
+
+@functools.lru_cache(maxsize=1024)
+def _shift_for(length: int) -> int:
+    """x^(8 * length) mod P: the factor that moves a CRC past ``length`` zero bytes. Cached
+    because a checkpoint repeats the same few tensor sizes many times."""
+    result = _X0
+    bits = 8 * length
+    k = 0
+    while bits:
+        if bits & 1:
+            result = _multmodp(_X_POW_2K[k], result)
+        bits >>= 1
+        k += 1
+    return result
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC32C of A || B, from the CRC32C of A, that of B, and B's length in bytes.
+
+    Costs O(log len_b) operations on 32-bit values, whatever the sizes: used to append a block
+    whose CRC is already known without reading it again.
+    """
+    if len_b < 0:
+        raise ValueError(f"len_b must be >= 0, got {len_b}")
+    if not 0 <= crc_a <= 0xFFFFFFFF or not 0 <= crc_b <= 0xFFFFFFFF:
+        raise ValueError(f"CRC values must be 32-bit unsigned, got {crc_a:#x} and {crc_b:#x}")
+    if len_b == 0:
+        return crc_a
+    return _multmodp(_shift_for(len_b), crc_a) ^ crc_b
+
+
+# -- encoding -------------------------------------------------------------------------------------
+
+
 def encode_crc32c(value: int) -> str:
+    """``value`` as stored: base64 of its 4 big-endian bytes (8 characters)."""
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+def decode_crc32c(text: str) -> int:
+    """The value ``encode_crc32c`` encoded; ``ValueError`` for anything that is not exactly
+    such an 8-character base64 string."""
+    if not isinstance(text, str) or len(text) != 8:
+        raise ValueError(f"a CRC32C is 8 base64 characters, got {text!r}")
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        raise ValueError(f"a CRC32C is 8 base64 characters, got {text!r}") from None
+    value = int.from_bytes(raw, "big")
+    if len(raw) != 4 or encode_crc32c(value) != text:
+        raise ValueError(f"{text!r} is not the base64 of a 4-byte CRC32C")
+    return value
 
 
 class Crc32c:
@@ -81,8 +222,16 @@ class Crc32c:
         self.size = 0
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed ``data`` (C-contiguous) through the checksum."""
         self.value = _extend(self.value, data)
         self.size += memoryview(data).nbytes
+
+    def extend(self, crc: int, length: int) -> None:
+        """Append a block of ``length`` bytes whose CRC32C ``crc`` the caller already knows,
+        without its bytes (``crc32c_combine``). A wrong ``crc`` goes into the total unnoticed:
+        pass only a CRC computed over exactly the bytes written."""
+        self.value = crc32c_combine(self.value, crc, length)
+        self.size += length
 
     def encoded(self) -> str:
         return encode_crc32c(self.value)

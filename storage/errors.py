@@ -54,3 +54,16 @@ class CorruptCheckpointError(StorageError):
 
 class WriteAbortedError(StorageError):
     """A writer was used after it was committed or aborted, or a write into it failed."""
+
+
+class StaleAttemptError(StorageError):
+    """A newer attempt (job start) of the run took over: this process must stop saving.
+
+    ``epoch`` is the caller's fencing token; ``current`` describes the attempt that holds the
+    run now (an ``AttemptRecord``), when it could be read.
+    """
+
+    def __init__(self, message: str, *, epoch: int, current: object | None = None, **where):
+        super().__init__(message, **where)
+        self.epoch = epoch
+        self.current = current

@@ -11,6 +11,8 @@ import re
 from storage.errors import InvalidNameError
 
 __all__ = [
+    "ATTEMPTS_DIR",
+    "CORRUPT_PREFIX",
     "MARKER_NAME",
     "STEP_PREFIX",
     "validate_run",
@@ -21,6 +23,10 @@ __all__ = [
 ]
 
 MARKER_NAME = "_COMMIT"
+#: ``save-<step>/_CORRUPT.<save_id>``: that save failed verification (reason and its manifest)
+CORRUPT_PREFIX = "_CORRUPT."
+#: ``<run>/_attempts/<epoch>.json``: one create-only record per attempt (job start) of a run
+ATTEMPTS_DIR = "_attempts"
 STEP_PREFIX = "save-"
 _RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _STEP_DIR = re.compile(r"save-(0|[1-9][0-9]*)")
@@ -35,10 +41,11 @@ def validate_run(run: str | None) -> str | None:
         raise InvalidNameError(
             f"run name must be a string, got {type(run).__name__} {run!r}", run=None
         )
-    if not _RUN_NAME.fullmatch(run) or run in {".", ".."} or _STEP_DIR.fullmatch(run):
+    if not _RUN_NAME.fullmatch(run) or run in {".", "..", ATTEMPTS_DIR} or _STEP_DIR.fullmatch(run):
         raise InvalidNameError(
             f"invalid run name {run!r}: use 1-128 characters from A-Z a-z 0-9 . _ - "
-            "(not '.', '..' or a step directory name like 'save-5'), e.g. 'llama-7b.lr3e-4'",
+            f"(not '.', '..', {ATTEMPTS_DIR!r} or a step directory name like 'save-5'), e.g. "
+            "'llama-7b.lr3e-4'",
             run=run if len(run) <= 200 else run[:200] + "...",
         )
     return run
@@ -55,10 +62,16 @@ def validate_step(step: int) -> int:
 
 def validate_file_name(name: str) -> str:
     """A file's path relative to its checkpoint directory: ``a/b.bin``, no ``..``, no marker."""
-    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name:
+    if (
+        not isinstance(name, str)
+        or not name
+        or name.startswith("/")
+        or "\\" in name
+        or any(ord(c) < 32 for c in name)
+    ):
         raise InvalidNameError(
             f"invalid checkpoint file name {name!r}: use a relative path such as "
-            "'model/shard-0.bin' (no leading '/', no backslashes)",
+            "'model/shard-0.bin' (no leading '/', no backslashes, no control characters)",
             path=str(name),
         )
     parts = name.split("/")

@@ -3,25 +3,54 @@
 Plain frozen dataclasses serialised as JSON. The marker is written last and exclusively, so a
 manifest that exists and parses *is* the statement "this checkpoint is complete"; verification
 then checks each listed file against its size and CRC32C.
+
+A manifest is input like any other: ``from_json`` validates every field (file names, sizes,
+counts, checksums, the payload directory, the fencing token) so that every consumer (reader,
+verify, load, gc) refuses a hostile or damaged one the same way, as ``CorruptCheckpointError``.
+
+Format 2 (this version) records the fencing token of the attempt that wrote the checkpoint
+(``epoch``, ``attempt_id``) and the per-save payload directory (``payload``, the ``save_id``):
+files live at ``save-<step>/<payload>/<name>``. Format 1 (before fencing) is read as epoch 0
+with its files directly in ``save-<step>/``.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from storage.checksum import crc32c_of
-from storage.errors import CorruptCheckpointError
+from storage.errors import CorruptCheckpointError, InvalidNameError
+from storage.layout import validate_file_name
 
-__all__ = ["FORMAT_VERSION", "FileEntry", "Manifest"]
+__all__ = ["FORMAT_VERSION", "FileEntry", "Manifest", "SAVE_ID", "validate_save_id"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: a save id (and payload directory name): what one ``begin`` of a step is called
+SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: no single file of a checkpoint is larger than this (1 PiB); anything above is damage
+MAX_FILE_SIZE = 1 << 50
+#: no checkpoint lists more files than this; anything above is damage or hostility
+MAX_FILES = 1_000_000
+
+
+def validate_save_id(save_id: str) -> str:
+    """A save id is 1-64 characters of ``[A-Za-z0-9_-]`` (it names a directory)."""
+    if not isinstance(save_id, str) or not SAVE_ID.fullmatch(save_id):
+        raise InvalidNameError(
+            f"invalid save id {save_id!r}: use 1-64 characters of A-Z a-z 0-9 _ -",
+            path=str(save_id)[:80],
+        )
+    return save_id
 
 
 @dataclass(frozen=True, slots=True)
 class FileEntry:
-    """One payload file: its path relative to the checkpoint directory, size and CRC32C."""
+    """One payload file: its path relative to the payload directory, size and CRC32C."""
 
     name: str
     size: int
@@ -33,12 +62,20 @@ class FileEntry:
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """Everything the commit marker records about one checkpoint."""
+    """Everything the commit marker records about one checkpoint.
+
+    ``save_id`` names this one save of the step (its payload directory, ``payload``);
+    ``epoch`` and ``attempt_id`` name the attempt (job start) that wrote it: the fencing token
+    readers compare with the run's lineage and the catalog's row.
+    """
 
     run: str | None
     step: int
     save_id: str
     files: tuple[FileEntry, ...]
+    epoch: int = 0
+    attempt_id: str = ""
+    payload: str = ""
     writer: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
@@ -65,6 +102,9 @@ class Manifest:
             "run": self.run,
             "step": self.step,
             "save_id": self.save_id,
+            "epoch": self.epoch,
+            "attempt_id": self.attempt_id,
+            "payload": self.payload,
             "total_bytes": self.total_bytes,
             "file_count": self.file_count,
             "files": [entry.to_dict() for entry in self.files],
@@ -77,47 +117,121 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> Manifest:
-        """Parse a marker's bytes; ``where`` (the marker's URL) goes into every error."""
-        problem = None
+        """Parse and validate a marker's bytes; ``where`` (the marker's URL) goes into every
+        error. Anything malformed raises ``CorruptCheckpointError`` naming the problem."""
         try:
             body = json.loads(data.decode("utf-8"))
+            if not isinstance(body, dict):
+                raise ValueError("the marker is not a JSON object")
             version = body["format_version"]
-            if not isinstance(version, int) or version > FORMAT_VERSION:
+            if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+                raise ValueError(f"format_version {version!r} is not a version number")
+            if version > FORMAT_VERSION:
                 raise CorruptCheckpointError(
-                    f"commit marker {where} has format_version {version!r}; this Zephon reads "
+                    f"commit marker {where} has format_version {version}; this Zephon reads "
                     f"versions up to {FORMAT_VERSION}: upgrade Zephon to read it",
                     path=where,
+                    problems=[f"format_version {version} is newer than {FORMAT_VERSION}"],
                 )
-            files = tuple(
-                FileEntry(str(f["name"]), int(f["size"]), str(f["crc32c"])) for f in body["files"]
-            )
-            manifest = cls(
-                run=body["run"],
-                step=int(body["step"]),
-                save_id=str(body["save_id"]),
-                files=files,
-                writer=dict(body.get("writer") or {}),
-                metadata=dict(body.get("metadata") or {}),
-                created_at=str(body.get("created_at", "")),
-                committed_at=str(body.get("committed_at", "")),
-                format_version=version,
-            )
-            if "total_bytes" in body and int(body["total_bytes"]) != manifest.total_bytes:
-                problem = "total_bytes does not match the sum of file sizes"
+            manifest = cls._parse(body, version)
         except CorruptCheckpointError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        if problem is not None:
+            problem = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
             raise CorruptCheckpointError(
-                f"commit marker {where} is not a valid manifest ({problem}); the checkpoint "
-                "cannot be trusted: delete it (`zephon gc` or CheckpointStore.delete) and "
-                "resume from an earlier one",
+                f"commit marker {where} is not a valid manifest ({problem[:300]}); the "
+                "checkpoint cannot be trusted: resume from an earlier one, and remove it with "
+                "`zephon gc --corrupt` once inspected",
                 path=where,
-                problems=[problem],
-            )
+                problems=[problem[:300]],
+            ) from None
         return manifest
+
+    @classmethod
+    def _parse(cls, body: dict[str, Any], version: int) -> Manifest:
+        run = body["run"]
+        if run is not None and not isinstance(run, str):
+            raise ValueError(f"run {run!r} is not a string")
+        step = _count(body["step"], "step")
+        if version == 1:
+            save_id, epoch, attempt_id, payload = str(body["attempt_id"]), 0, "", ""
+        else:
+            save_id = body["save_id"]
+            epoch = _count(body["epoch"], "epoch")
+            attempt_id = body.get("attempt_id", "")
+            payload = body["payload"]
+            if not isinstance(attempt_id, str) or len(attempt_id) > 64:
+                raise ValueError(f"attempt_id {attempt_id!r} is not an attempt id")
+            if payload != save_id:
+                raise ValueError(f"payload directory {payload!r} is not the save id {save_id!r}")
+        if not isinstance(save_id, str) or not SAVE_ID.fullmatch(save_id):
+            raise ValueError(f"save id {save_id!r} is not 1-64 characters of [A-Za-z0-9_-]")
+        raw_files = body["files"]
+        if not isinstance(raw_files, list) or len(raw_files) > MAX_FILES:
+            raise ValueError("files is not a list of at most 1,000,000 entries")
+        files = tuple(_entry(f) for f in raw_files)
+        names = [f.name for f in files]
+        if len(set(names)) != len(names):
+            raise ValueError("a file name is listed twice")
+        if "file_count" in body and _count(body["file_count"], "file_count") != len(files):
+            raise ValueError("file_count does not match the files listed")
+        total = sum(f.size for f in files)
+        if "total_bytes" in body and _count(body["total_bytes"], "total_bytes") != total:
+            raise ValueError("total_bytes does not match the sum of file sizes")
+        return cls(
+            run=run,
+            step=step,
+            save_id=save_id,
+            files=files,
+            epoch=epoch,
+            attempt_id=attempt_id,
+            payload=payload,
+            writer=_mapping(body.get("writer"), "writer"),
+            metadata=_mapping(body.get("metadata"), "metadata"),
+            created_at=str(body.get("created_at", "")),
+            committed_at=str(body.get("committed_at", "")),
+            format_version=version,
+        )
 
     def checksum(self) -> str:
         """CRC32C of the serialised manifest: identifies this exact commit in the catalog."""
         return crc32c_of(self.to_json())
+
+
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} {value!r} is not a non-negative integer")
+    return value
+
+
+def _mapping(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return dict(value)
+
+
+def _entry(raw: Any) -> FileEntry:
+    if not isinstance(raw, dict):
+        raise ValueError(f"file entry {str(raw)[:60]!r} is not an object")
+    name = raw["name"]
+    try:
+        validate_file_name(name)
+    except InvalidNameError:
+        raise ValueError(
+            f"file name {str(name)[:80]!r} is not a plain relative path (no '..', no leading "
+            "'/', no backslashes or control characters)"
+        ) from None
+    size = _count(raw["size"], f"size of {name[:80]!r}")
+    if size > MAX_FILE_SIZE:
+        raise ValueError(f"size of {name[:80]!r} is {size} bytes, beyond any real checkpoint")
+    crc = raw["crc32c"]
+    if not isinstance(crc, str) or len(crc) != 8:
+        raise ValueError(f"crc32c of {name[:80]!r} is not a base64 CRC32C")
+    try:
+        if len(base64.b64decode(crc, validate=True)) != 4:
+            raise ValueError(f"crc32c of {name[:80]!r} is not a base64 CRC32C")
+    except binascii.Error:
+        raise ValueError(f"crc32c of {name[:80]!r} is not a base64 CRC32C") from None
+    return FileEntry(name, size, crc)

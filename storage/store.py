@@ -8,6 +8,7 @@ credentials masked.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
@@ -15,7 +16,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 from storage.backend import (
     backend_errors,
@@ -25,115 +26,93 @@ from storage.backend import (
     remove_empty_dirs,
     remove_files,
 )
-from storage.commit import fsync_dir
-from storage.errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
-from storage.layout import MARKER_NAME, step_dirname, validate_run, validate_step
+from storage.checksum import crc32c_of
+from storage.commit import fsync_dir, marker_protocol_for
+from storage.errors import (
+    CheckpointNotFoundError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    StaleAttemptError,
+)
+from storage.layout import (
+    CORRUPT_PREFIX,
+    MARKER_NAME,
+    step_dirname,
+    validate_run,
+    validate_step,
+)
+from storage.lineage import (
+    AttemptRecord,
+    Fence,
+    Lineage,
+    claim_attempt,
+    newer_epochs,
+    read_lineage,
+    read_records,
+)
 from storage.location import Location, open_location
-from storage.manifest import Manifest
+from storage.manifest import Manifest, validate_save_id
+from storage.reader import CheckpointReader
 from storage.scan import StepListing, scan_steps
 from storage.verify import VerifyReport, verify_checkpoint
 from storage.writer import CheckpointWriter
 
-__all__ = ["CheckpointStore", "CheckpointReader", "Orphan"]
+__all__ = ["CheckpointStore", "Orphan", "new_save_id"]
 
-_ALL = object()
+#: how often ``begin`` supersedes a marker that keeps reappearing before it gives up
+_SUPERSEDE_TRIES = 5
+
+
+def new_save_id(fence: Fence | None = None) -> str:
+    """A fresh save id: ``e<epoch>-<16 hex>`` (the epoch shows in the payload directory)."""
+    return f"e{fence.epoch if fence is not None else 0}-{uuid.uuid4().hex[:16]}"
+
+
+def _describe(manifest: Manifest) -> str:
+    writer = manifest.writer
+    return (
+        f" (by {writer.get('host', '?')} pid {writer.get('pid', '?')} at "
+        f"{manifest.committed_at}, epoch {manifest.epoch}, save {manifest.save_id})"
+    )
+
+
+def _stale(
+    store: CheckpointStore,
+    run: str | None,
+    epoch: int,
+    current: AttemptRecord | None,
+    *,
+    unfenced: bool = False,
+) -> StaleAttemptError:
+    url = store.location.display(store.run_path(run))
+    who = current.describe() if current is not None else "a newer attempt"
+    if unfenced:
+        message = (
+            f"run {run or '(inference)'} at {url} is fenced: its current attempt is {who}; an "
+            "unfenced writer cannot save into it: save through the run's current attempt "
+            "(CheckpointManager registers one on start)"
+        )
+    else:
+        message = (
+            f"run {run or '(inference)'} at {url}: attempt epoch {epoch} is no longer current: "
+            f"attempt {who} took over; this process is a stale attempt (a preempted job still "
+            "running?): stop saving"
+        )
+    return StaleAttemptError(message, epoch=epoch, current=current, url=url, run=run)
 
 
 @dataclass(frozen=True, slots=True)
 class Orphan:
-    """An uncommitted step directory old enough for gc to remove."""
+    """A leftover old enough for gc to remove: one save's payload directory (``save_id``), or
+    the loose files of an uncommitted step directory (``save_id`` None)."""
 
     run: str | None
     step: int
+    save_id: str | None
     path: str
     url: str
     newest_mtime: float | None
     age_s: float
-
-
-class CheckpointReader:
-    """Read access to one committed checkpoint, by the names its manifest lists."""
-
-    def __init__(self, store: CheckpointStore, manifest: Manifest) -> None:
-        self._store = store
-        self.manifest = manifest
-        self.path = store.checkpoint_path(manifest.run, manifest.step)
-        self.url = store.location.display(self.path)
-
-    @property
-    def names(self) -> list[str]:
-        return [entry.name for entry in self.manifest.files]
-
-    def _target(self, name: str) -> str:
-        if self.manifest.file(name) is None:
-            raise CheckpointNotFoundError(
-                f"{name!r} is not a file of checkpoint {self.url} (it has {len(self.names)} "
-                f"files, e.g. {', '.join(self.names[:3]) or 'none'})",
-                url=self.url,
-                run=self.manifest.run,
-                step=self.manifest.step,
-                path=name,
-            )
-        return f"{self.path}/{name}"
-
-    def open(self, name: str) -> BinaryIO:
-        target = self._target(name)
-        location = self._store.location
-        with backend_errors(location, f"opening {name} of {self.url}"):
-            try:
-                return location.fs.open(target, "rb")
-            except FileNotFoundError:
-                raise self._missing(name) from None
-
-    def read_bytes(self, name: str) -> bytes:
-        target = self._target(name)
-        location = self._store.location
-        with backend_errors(location, f"reading {name} of {self.url}"):
-            try:
-                return location.fs.cat_file(target)
-            except FileNotFoundError:
-                raise self._missing(name) from None
-
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of one file, in one ranged request; fewer bytes than asked
-        for means the file is shorter than that (the caller decides if that is damage)."""
-        target = self._target(name)
-        location = self._store.location
-        with backend_errors(location, f"reading {name} of {self.url}"):
-            try:
-                return location.fs.cat_file(target, start=start, end=end)
-            except FileNotFoundError:
-                raise self._missing(name) from None
-
-    def local_path(self, name: str) -> str | None:
-        """The file's path on a local (POSIX) file system, for callers that read it in place
-        (e.g. straight into tensor memory); None on object stores."""
-        target = self._target(name)
-        return target if self._store.location.is_local else None
-
-    def missing(self, name: str) -> CorruptCheckpointError:
-        """The error for a listed file that is not on storage."""
-        return self._missing(name)
-
-    def get_file(self, name: str, local_path: str | os.PathLike) -> None:
-        target = self._target(name)
-        location = self._store.location
-        with backend_errors(location, f"downloading {name} of {self.url}"):
-            try:
-                location.fs.get_file(target, os.fspath(local_path))
-            except FileNotFoundError:
-                raise self._missing(name) from None
-
-    def _missing(self, name: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{name} of committed checkpoint {self.url} is missing from storage; the checkpoint "
-            "is damaged: run `zephon verify` and resume from an earlier checkpoint",
-            url=self.url,
-            run=self.manifest.run,
-            step=self.manifest.step,
-            path=name,
-            problems=[f"{name}: missing"],
-        )
 
 
 class CheckpointStore:
@@ -188,6 +167,51 @@ class CheckpointStore:
     def _marker(self, run: str | None, step: int) -> str:
         return f"{self.checkpoint_path(run, step)}/{MARKER_NAME}"
 
+    # -- attempts and fencing ------------------------------------------------------------------
+
+    def lineage(self, run: str | None) -> Lineage:
+        """The run's lineage from its newest attempt record: one listing and one read."""
+        return read_lineage(self.location, self.run_path(run))
+
+    def attempts(self, run: str | None) -> list[AttemptRecord]:
+        """Every attempt record of the run, oldest first."""
+        return read_records(self.location, self.run_path(run))
+
+    def claim_attempt(
+        self,
+        run: str | None,
+        *,
+        after: Lineage,
+        resumed_from: int | None,
+        min_epoch: int = 1,
+        attempt_id: str | None = None,
+    ) -> Fence:
+        """Register a new attempt of ``run`` that resumes from ``resumed_from`` (None: from
+        nothing), as the epoch after ``after`` (the lineage the resume point was chosen under;
+        at least ``min_epoch``). Returns the attempt's ``Fence``, to pass to every ``begin``.
+
+        Raises ``StaleAttemptError`` if another attempt registered after ``after``: choose the
+        resume point again on the new lineage and retry.
+        """
+        validate_run(run)
+        record = claim_attempt(
+            self.location,
+            self.run_path(run),
+            run,
+            after=after,
+            resumed_from=resumed_from,
+            min_epoch=min_epoch,
+            attempt_id=attempt_id,
+        )
+        return Fence(record)
+
+    def check_fence(self, run: str | None, fence: Fence) -> None:
+        """Raise ``StaleAttemptError`` naming the current attempt if one newer than ``fence``
+        registered (one listing of the run's attempt records)."""
+        newer = newer_epochs(self.location, self.run_path(run), fence.epoch)
+        if newer is not None:
+            raise _stale(self, run, fence.epoch, newer)
+
     # -- writing -------------------------------------------------------------------------------
 
     def begin(
@@ -195,44 +219,161 @@ class CheckpointStore:
         run: str | None,
         step: int,
         *,
+        fence: Fence | None = None,
         metadata: Mapping[str, Any] | None = None,
         save_id: str | None = None,
     ) -> CheckpointWriter:
-        """Start writing checkpoint ``(run, step)``; returns the primary writer.
+        """Start a save of checkpoint ``(run, step)``; returns the primary writer.
 
-        Refuses a committed step (``CommitConflictError``); removes an uncommitted leftover of
-        an earlier attempt first. Call on one process only; other processes ``attach``.
+        Its files go to a payload directory of its own (``save-<step>/<save_id>/``), so nothing
+        of another save is removed or overwritten. A marker already at the step is judged:
+
+        - a complete checkpoint of the current history: ``CommitConflictError`` (a committed
+          step is never overwritten; also when this same attempt committed it);
+        - a marker of a newer epoch than ``fence``: ``StaleAttemptError``;
+        - a checkpoint of an abandoned history (an older epoch above the fence's resume point,
+          an unregistered epoch), a damaged marker or a condemned save: superseded. Its marker
+          is removed (a damaged one kept as a ``_CORRUPT`` record) and the step is free again.
+
+        ``fence`` is the writer's attempt (``claim_attempt``); without one the writer is
+        unfenced (epoch 0), which a run that ever had a fenced attempt refuses
+        (``StaleAttemptError``). Call on one process only; other processes ``attach``.
         """
         validate_run(run)
         validate_step(step)
-        if self.is_committed(run, step):
+        if fence is not None:
+            self.check_fence(run, fence)  # a stale attempt learns it before writing anything
+            lineage = fence.lineage
+        else:
+            lineage = self.lineage(run)
+            if lineage:
+                raise _stale(self, run, 0, lineage.current, unfenced=True)
+        for _ in range(_SUPERSEDE_TRIES):
+            if not self._settle_existing(run, step, fence, lineage):
+                break
+        else:
             raise CommitConflictError(
-                f"{self.checkpoint_url(run, step)} is already committed"
-                f"{self._describe_commit(run, step)}; a committed step is never overwritten: "
-                "save under a new step, or delete that checkpoint first",
+                f"{self.checkpoint_url(run, step)} kept getting new markers while this save "
+                "began; check for several jobs saving this run",
                 url=self.checkpoint_url(run, step),
                 run=run,
                 step=step,
             )
-        path = self.checkpoint_path(run, step)
+        save_id = validate_save_id(save_id) if save_id is not None else new_save_id(fence)
+        writer = CheckpointWriter(
+            self, run, step, save_id, primary=True, fence=fence, metadata=metadata
+        )
         location = self.location
         with backend_errors(location, f"preparing {self.checkpoint_url(run, step)}"):
-            leftover = list_files(location, path)
-            if leftover:
+            leftover = list_files(location, writer.payload_path)
+            if leftover:  # an earlier try with this very save id: it is ours to replace
                 remove_files(location, [f.path for f in leftover])
-                remove_empty_dirs(location, path)
             if location.is_local:
-                self._make_local_dirs(path)
-        return CheckpointWriter(
-            self, run, step, save_id or uuid.uuid4().hex, primary=True, metadata=metadata
-        )
+                self._make_local_dirs(writer.payload_path)
+        return writer
 
-    def attach(self, run: str | None, step: int, *, save_id: str) -> CheckpointWriter:
-        """A secondary writer into a checkpoint another process began (e.g. another rank):
-        it writes files and reports entries, but never removes leftovers or commits."""
+    def supersede(self, run: str | None, step: int, fence: Fence) -> None:
+        """For a commit that found a marker at its step: supersede it if it is not part of
+        ``fence``'s history (a stale attempt's marker that slipped in, a damaged one), so the
+        commit can be tried again. Raises like ``begin`` for a valid checkpoint
+        (``CommitConflictError``) or a newer attempt (``StaleAttemptError``)."""
+        self.check_fence(run, fence)
+        self._settle_existing(run, step, fence, fence.lineage)
+
+    def _settle_existing(
+        self, run: str | None, step: int, fence: Fence | None, lineage: Lineage
+    ) -> bool:
+        """Judge the marker at ``(run, step)`` for a new save; True if it was superseded (look
+        again: another one may have appeared), False if the step is free."""
+        marker = self._marker(run, step)
+        url = self.checkpoint_url(run, step)
+        location = self.location
+        with backend_errors(location, f"checking {url}"):
+            try:
+                data = read_small(location, marker)
+            except FileNotFoundError:
+                return False
+        try:
+            manifest = self._parse_marker(run, step, data)
+        except CorruptCheckpointError as exc:
+            self._supersede(run, step, None, data, f"damaged marker: {exc.problems[:1]}")
+            return True
+        epoch = fence.epoch if fence is not None else 0
+        if manifest.epoch > epoch:
+            current = newer_epochs(location, self.run_path(run), epoch)
+            raise _stale(self, run, epoch, current)
+        why_not = lineage.why_not(manifest.epoch, step)
+        condemned = self.is_condemned(run, step, manifest.save_id)
+        if why_not is None and not condemned:
+            raise CommitConflictError(
+                f"{url} is already committed{_describe(manifest)}; a committed step is never "
+                "overwritten: save under a new step, or delete that checkpoint first",
+                url=url,
+                run=run,
+                step=step,
+            )
+        self._supersede(run, step, manifest, data, why_not or "condemned")
+        return True
+
+    def _supersede(
+        self, run: str | None, step: int, manifest: Manifest | None, data: bytes, why: str
+    ) -> None:
+        """Remove a marker that is not part of the current history so the step can be saved.
+
+        A damaged or condemned checkpoint keeps its payload and a ``_CORRUPT`` record (holding
+        its marker's bytes) for inspection until ``zephon gc --corrupt``; a checkpoint of an
+        abandoned history is garbage and goes with its payload directory.
+        """
+        location = self.location
+        step_path = self.checkpoint_path(run, step)
+        with backend_errors(location, f"superseding {self.checkpoint_url(run, step)}"):
+            keep = manifest is None or why == "condemned"
+            if keep:
+                key = manifest.save_id if manifest is not None else f"marker-{crc32c_of(data)}"
+                self._write_record(run, step, key, why, data)
+            remove_files(location, [self._marker(run, step)])
+            if location.is_local:
+                fsync_dir(step_path)
+            if not keep and manifest is not None and manifest.payload:
+                payload = f"{step_path}/{manifest.payload}"
+                remove_files(location, [f.path for f in list_files(location, payload)])
+                remove_empty_dirs(location, payload)
+
+    def condemn(self, run: str | None, step: int, manifest: Manifest, reason: str) -> None:
+        """Record that the save ``manifest`` describes failed verification: a
+        ``_CORRUPT.<save_id>`` record (reason and marker) beside it. From then on no reader
+        takes it as latest; it stays for inspection until ``zephon gc --corrupt``. Idempotent;
+        nothing is deleted."""
+        self._write_record(run, step, manifest.save_id, reason, manifest.to_json())
+
+    def _write_record(self, run: str | None, step: int, key: str, why: str, data: bytes) -> None:
+        record = json.dumps(
+            {"reason": why, "at": time.time(), "marker": data.decode("utf-8", "replace")},
+            sort_keys=True,
+        ).encode("utf-8")
+        path = f"{self.checkpoint_path(run, step)}/{CORRUPT_PREFIX}{key}"
+        location = self.location
+        with backend_errors(location, f"condemning {self.checkpoint_url(run, step)}"):
+            if location.is_local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                marker_protocol_for(location).create(location.fs, path, record)
+
+    def is_condemned(self, run: str | None, step: int, save_id: str) -> bool:
+        """Whether a ``_CORRUPT`` record condemns save ``save_id`` of the step (one request)."""
+        path = f"{self.checkpoint_path(run, step)}/{CORRUPT_PREFIX}{save_id}"
+        with backend_errors(self.location, f"checking {self.checkpoint_url(run, step)}"):
+            return file_exists(self.location, path)
+
+    def attach(
+        self, run: str | None, step: int, *, save_id: str, fence: Fence | None = None
+    ) -> CheckpointWriter:
+        """A secondary writer into a save another process began (e.g. another rank): it
+        writes files into the same payload directory and reports entries, but never removes
+        anything of others or commits."""
         validate_run(run)
         validate_step(step)
-        return CheckpointWriter(self, run, step, save_id, primary=False)
+        return CheckpointWriter(self, run, step, save_id, primary=False, fence=fence)
 
     def _make_local_dirs(self, path: str) -> None:
         # Make the new directory entries durable up to the first one that already existed, so a
@@ -252,35 +393,67 @@ class CheckpointStore:
     # -- reading -------------------------------------------------------------------------------
 
     def is_committed(self, run: str | None, step: int) -> bool:
-        """Whether the step's marker exists: one request (or stat)."""
+        """Whether the step's marker exists: one request (or stat). Says nothing about its
+        lineage or verification: use ``latest`` to find the checkpoint to resume from."""
         marker = self._marker(run, step)
         location = self.location
         with backend_errors(location, f"checking {self.checkpoint_url(run, step)}"):
             return file_exists(location, marker)
 
-    def list_steps(self, run: str | None) -> list[StepListing]:
+    def list_steps(self, run: str | None, *, detail: bool = False) -> list[StepListing]:
         """Every step directory of a run, committed or not, from one listing."""
-        return scan_steps(self.location, self.run_path(run))
+        return scan_steps(self.location, self.run_path(run), detail=detail)
 
     def committed_steps(self, run: str | None) -> list[int]:
         """The steps of ``run`` whose marker exists, ascending, from one listing."""
         return [s.step for s in self.list_steps(run) if s.committed]
 
-    def latest_step(self, run: str | None) -> int | None:
-        """The newest step whose marker exists and parses; None if the run has none.
+    def judge(self, lineage: Lineage, manifest: Manifest, *, condemned: bool = False) -> str | None:
+        """Why the checkpoint ``manifest`` describes is not one to resume from (abandoned or
+        unregistered lineage, condemned), or None if it is. The storage half of the one rule
+        every reader shares."""
+        if condemned:
+            return f"save {manifest.save_id} failed verification (a {CORRUPT_PREFIX} record)"
+        return lineage.why_not(manifest.epoch, manifest.step)
 
-        A marker that does not parse is skipped (it is not a complete checkpoint) and the next
-        older one is tried.
-        """
-        for step in reversed(self.committed_steps(run)):
-            try:
-                self.read_manifest(run, step)
-            except CorruptCheckpointError:
+    def latest(self, run: str | None, *, lineage: Lineage | None = None) -> Manifest | None:
+        """The manifest of the newest checkpoint to resume from, by storage alone: its marker
+        parses, its save is not condemned, and its epoch and step belong to the current
+        lineage. One listing of the steps, one of the attempt records, and one GET per marker
+        looked at (newest first); None if the run has none."""
+        lineage = lineage if lineage is not None else self.lineage(run)
+        for listing in reversed(self.list_steps(run)):
+            if not listing.committed:
                 continue
-            except CheckpointNotFoundError:
-                continue  # deleted since the listing
-            return step
+            try:
+                manifest = self.read_manifest(run, listing.step)
+            except (CorruptCheckpointError, CheckpointNotFoundError):
+                continue  # damaged, or deleted since the listing
+            if self.judge(lineage, manifest, condemned=manifest.save_id in listing.condemned):
+                continue
+            return manifest
         return None
+
+    def latest_step(self, run: str | None) -> int | None:
+        """The step of ``latest(run)``, or None."""
+        manifest = self.latest(run)
+        return manifest.step if manifest is not None else None
+
+    def complete(self, run: str | None, *, lineage: Lineage | None = None) -> list[Manifest]:
+        """Every checkpoint of ``run`` that ``latest`` could answer, ascending by step (what
+        retention without a catalog counts). Reads the markers in parallel."""
+        lineage = lineage if lineage is not None else self.lineage(run)
+        listings = [s for s in self.list_steps(run) if s.committed]
+
+        def read(listing: StepListing) -> Manifest | None:
+            try:
+                manifest = self.read_manifest(run, listing.step)
+            except (CorruptCheckpointError, CheckpointNotFoundError):
+                return None
+            condemned = manifest.save_id in listing.condemned
+            return None if self.judge(lineage, manifest, condemned=condemned) else manifest
+
+        return [m for m in self._executor().map(read, listings) if m is not None]
 
     def read_manifest(self, run: str | None, step: int) -> Manifest:
         """The manifest of a committed checkpoint; ``CheckpointNotFoundError`` if there is no
@@ -299,7 +472,11 @@ class CheckpointStore:
                     run=run,
                     step=step,
                 ) from None
-        manifest = Manifest.from_json(data, where=location.display(marker))
+        return self._parse_marker(run, step, data)
+
+    def _parse_marker(self, run: str | None, step: int, data: bytes) -> Manifest:
+        url = self.checkpoint_url(run, step)
+        manifest = Manifest.from_json(data, where=self.location.display(self._marker(run, step)))
         if manifest.run != run or manifest.step != step:
             raise CorruptCheckpointError(
                 f"marker of {url} describes run {manifest.run!r} step {manifest.step}; it was "
@@ -311,16 +488,18 @@ class CheckpointStore:
             )
         return manifest
 
-    def reader(self, run: str | None, step: int) -> CheckpointReader:
-        return CheckpointReader(self, self.read_manifest(run, step))
+    def reader(self, run: str | None, step: int, *, verify: bool = True) -> CheckpointReader:
+        """Read access to the committed checkpoint ``(run, step)``; ``verify`` checks every
+        whole-file read against the manifest."""
+        return CheckpointReader(self, self.read_manifest(run, step), verify=verify)
 
     def verify(self, run: str | None, step: int, *, deep: bool = False) -> VerifyReport:
         """Check every listed file: exists with its size (shallow), and its CRC32C (deep)."""
-        manifest = self.read_manifest(run, step)
+        reader = self.reader(run, step)
         return verify_checkpoint(
             self.location,
-            self.checkpoint_path(run, step),
-            manifest,
+            reader.path,
+            reader.manifest,
             url=self.checkpoint_url(run, step),
             deep=deep,
             executor_factory=self._executor,
@@ -412,7 +591,10 @@ class CheckpointStore:
         runs: Iterable[str | None] | None = None,
         now: float | None = None,
     ) -> list[Orphan]:
-        """Uncommitted step directories whose newest object is older than ``older_than_s``.
+        """Leftovers whose newest object is older than ``older_than_s``: every payload
+        directory of an uncommitted step (and its loose files), and payload directories of a
+        committed step that its marker does not name (a superseded or stale attempt's save).
+        Condemned saves are not orphans: they are kept for inspection (``condemned``).
 
         ``runs`` limits the search (``None`` in it means the inference layout); by default every
         run under the root and the inference layout are searched.
@@ -420,38 +602,85 @@ class CheckpointStore:
         now = time.time() if now is None else now
         targets: list[str | None] = list(runs) if runs is not None else [*self.runs(), None]
         found = []
+
+        def add(run: str | None, step: int, save_id: str | None, path: str, mtime) -> None:
+            age = now - mtime if mtime is not None else float("inf")
+            if age >= older_than_s:
+                found.append(
+                    Orphan(run, step, save_id, path, self.location.display(path), mtime, age)
+                )
+
         for run in targets:
-            for listing in scan_steps(self.location, self.run_path(run), with_ages=True):
+            for listing in self.list_steps(run, detail=True):
+                saves = {k: v for k, v in listing.saves.items() if k not in listing.condemned}
                 if listing.committed:
-                    continue
-                newest = listing.newest_mtime
-                age = now - newest if newest is not None else float("inf")
-                if age >= older_than_s:
-                    found.append(
-                        Orphan(
-                            run,
-                            listing.step,
-                            listing.path,
-                            self.location.display(listing.path),
-                            newest,
-                            age,
-                        )
-                    )
+                    if len(listing.saves) < 2:
+                        continue  # the one payload directory is the marker's
+                    try:
+                        keep = self.read_manifest(run, listing.step).payload
+                    except (CorruptCheckpointError, CheckpointNotFoundError):
+                        continue  # judged by whoever reads the marker, not by age
+                    saves.pop(keep, None)
+                elif listing.loose or not listing.saves:
+                    add(run, listing.step, None, listing.path, listing.newest_mtime)
+                for save_id, mtime in saves.items():
+                    add(run, listing.step, save_id, f"{listing.path}/{save_id}", mtime)
         return found
+
+    def remove_orphan(self, orphan: Orphan) -> None:
+        """Delete one leftover found by ``orphans``: a payload directory, or the loose files of
+        an uncommitted step (never a marker, a record or another save's directory)."""
+        location = self.location
+        with backend_errors(location, f"removing {orphan.url}"):
+            if orphan.save_id is not None:
+                remove_files(location, [f.path for f in list_files(location, orphan.path)])
+                remove_empty_dirs(location, orphan.path)
+            else:
+                step_path = orphan.path
+                loose = [
+                    f.path
+                    for f in list_files(location, step_path)
+                    if "/" not in f.path[len(step_path) + 1 :]
+                    and f.path.rsplit("/", 1)[-1] != MARKER_NAME
+                    and not f.path.rsplit("/", 1)[-1].startswith(CORRUPT_PREFIX)
+                ]
+                remove_files(location, loose)
+            if location.is_local:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.checkpoint_path(orphan.run, orphan.step))
+
+    def condemned(self, run: str | None) -> list[tuple[int, str]]:
+        """``(step, save_id)`` of every save a ``_CORRUPT`` record condemns (for
+        ``zephon gc --corrupt``)."""
+        return [(s.step, save) for s in self.list_steps(run) for save in sorted(s.condemned)]
+
+    def remove_condemned(self, run: str | None, step: int, save_id: str) -> None:
+        """Delete a condemned save: its marker if it is still the step's, its payload
+        directory, then its ``_CORRUPT`` record (last, so a crash leaves it findable)."""
+        step_path = self.checkpoint_path(run, step)
+        location = self.location
+        with backend_errors(location, f"removing condemned {self.checkpoint_url(run, step)}"):
+            try:
+                if self.read_manifest(run, step).save_id == save_id:
+                    remove_files(location, [self._marker(run, step)])
+            except (CorruptCheckpointError, CheckpointNotFoundError):
+                pass
+            payload = f"{step_path}/{save_id}"
+            remove_files(location, [f.path for f in list_files(location, payload)])
+            remove_empty_dirs(location, payload)
+            remove_files(location, [f"{step_path}/{CORRUPT_PREFIX}{save_id}"])
+            if location.is_local:
+                with contextlib.suppress(OSError):
+                    os.rmdir(step_path)
 
     # -- internals -----------------------------------------------------------------------------
 
     def _describe_commit(self, run: str | None, step: int) -> str:
-        """ " by host/pid at time" for messages about an existing commit, if readable."""
+        """ " (by host pid at time, epoch, save)" for messages about an existing commit."""
         try:
-            manifest = self.read_manifest(run, step)
+            return _describe(self.read_manifest(run, step))
         except Exception:
             return ""
-        writer = manifest.writer
-        return (
-            f" (by {writer.get('host', '?')} pid {writer.get('pid', '?')} at "
-            f"{manifest.committed_at}, save {manifest.save_id[:8]})"
-        )
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:

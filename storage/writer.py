@@ -34,10 +34,11 @@ from storage.errors import (
     WriteAbortedError,
 )
 from storage.layout import MARKER_NAME, validate_file_name
-from storage.manifest import FileEntry, Manifest
+from storage.manifest import FileEntry, Manifest, validate_save_id
 from storage.writeback import WRITEBACK_EVERY, start_writeback
 
 if TYPE_CHECKING:
+    from storage.lineage import Fence
     from storage.store import CheckpointStore
 
 __all__ = ["CheckpointWriter", "Payload"]
@@ -46,6 +47,8 @@ __all__ = ["CheckpointWriter", "Payload"]
 Payload = bytes | bytearray | memoryview | str | os.PathLike | BinaryIO
 
 _CHUNK = 8 << 20
+#: how often a commit supersedes a stale marker that appeared at its step before giving up
+_COMMIT_TRIES = 5
 
 
 def _now() -> str:
@@ -53,26 +56,56 @@ def _now() -> str:
 
 
 class _RecordingFile:
-    """A write-only file that feeds every byte to a running CRC32C on its way out; on local
-    disk it also starts the writeback of what it wrote every few MiB, so the fsync at the end
-    finds little left to do."""
+    """A write-only file that records the size and CRC32C of every byte on its way out; on
+    local disk it also starts the writeback of what it wrote every few MiB, so the fsync at the
+    end finds little left to do."""
 
     def __init__(self, handle: IO[bytes], local: bool) -> None:
         self._handle = handle
         self._local = local
         self.crc = Crc32c()
+        self._written = 0
         self._flushed_to = 0
 
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        self.crc.update(data)
-        self._handle.write(data)
-        if self._local and self.crc.size - self._flushed_to >= WRITEBACK_EVERY:
-            self._handle.flush()
-            start_writeback(
-                self._handle.fileno(), self._flushed_to, self.crc.size - self._flushed_to
-            )
-            self._flushed_to = self.crc.size
-        return memoryview(data).nbytes
+    def write(self, data: bytes | bytearray | memoryview, crc: int | None = None) -> int:
+        """Write ``data`` (any C-contiguous buffer, e.g. a whole tensor's byte view, in one
+        call) and add it to the file's size and CRC32C; returns its length in bytes.
+
+        ``crc``, if given, must be the CRC32C of exactly ``data`` (e.g. from
+        ``storage.checksum.crc32c_extend(0, data)``, computed once by a caller that records it
+        anyway): it is combined into the file's CRC instead of reading the bytes a second time.
+        It is trusted, not checked: a wrong value makes the manifest disagree with the file.
+
+        On local disk the bytes go out in ``WRITEBACK_EVERY`` pieces and each piece's writeback
+        starts as soon as it is written, so copying into the page cache and writing to disk
+        overlap; without ``crc`` each piece is checksummed right before it is copied.
+        """
+        view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        size = view.nbytes
+        if not self._local:
+            if crc is None:
+                self.crc.update(view)
+            else:
+                self.crc.extend(crc, size)
+            self._handle.write(view)
+            return size
+        for start in range(0, size, WRITEBACK_EVERY):
+            piece = view[start : start + WRITEBACK_EVERY]
+            if crc is None:
+                self.crc.update(piece)
+            self._handle.write(piece)
+            self._written += piece.nbytes
+            if self._written - self._flushed_to >= WRITEBACK_EVERY:
+                self._handle.flush()
+                start_writeback(
+                    self._handle.fileno(), self._flushed_to, self._written - self._flushed_to
+                )
+                self._flushed_to = self._written
+        if crc is not None:
+            self.crc.extend(crc, size)
+        return size
 
     def finish(self) -> None:
         if self._local:
@@ -86,7 +119,12 @@ class _RecordingFile:
 
 
 class CheckpointWriter:
-    """Writes files into ``<root>/<run>/save-<step>/`` and commits them.
+    """Writes one save of ``<root>/<run>/save-<step>/`` and commits it.
+
+    Files go to the save's own payload directory, ``save-<step>/<save_id>/``: no other save
+    (another attempt's, or an earlier try of this step) ever writes a file this save's manifest
+    lists, so a late write by a stale attempt is garbage at worst, never corruption. A fenced
+    writer carries its attempt's ``Fence``; the commit re-checks it just before the marker.
 
     Thread-safe: files may be written from many threads at once. Not process-safe by itself:
     other processes write through their own ``attach``-ed writer and hand over their entries.
@@ -100,20 +138,25 @@ class CheckpointWriter:
         save_id: str,
         *,
         primary: bool,
+        fence: Fence | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self._store = store
         self.run = run
         self.step = step
-        self.save_id = save_id
+        self.save_id = validate_save_id(save_id)
         self.primary = primary
+        self.fence = fence
+        #: the step directory (``save-<step>``) and its URL, as messages and DCP name it
         self.path = store.checkpoint_path(run, step)
         self.url = store.location.display(self.path)
+        #: where this save's files go
+        self.payload_path = f"{self.path}/{self.save_id}"
         self._metadata = dict(metadata or {})
         self._entries: dict[str, FileEntry] = {}
         self._own: set[str] = set()  # names this writer wrote itself (not add_entries)
         self._lock = threading.Lock()
-        self._dirs: set[str] = {self.path}
+        self._dirs: set[str] = {self.payload_path, self.path}
         self._state = "open"
         self._created_at = _now()
         #: the committed manifest, once ``commit`` succeeded
@@ -234,11 +277,18 @@ class CheckpointWriter:
             for directory in sorted(self._dirs, key=len, reverse=True):
                 fsync_dir(directory)
         self._check_payload_present(entries)
+        if self.fence is not None:
+            # Narrows the window in which a stale attempt can still publish a marker; readers
+            # ignore one that slips through (its epoch is not in the current lineage).
+            self._store.check_fence(self.run, self.fence)
         manifest = Manifest(
             run=self.run,
             step=self.step,
             save_id=self.save_id,
             files=tuple(entries),
+            epoch=self.fence.epoch if self.fence is not None else 0,
+            attempt_id=self.fence.attempt_id if self.fence is not None else "",
+            payload=self.save_id,
             writer={"host": socket.gethostname(), "pid": os.getpid()},
             metadata={**self._metadata, **dict(metadata or {})},
             created_at=self._created_at,
@@ -246,39 +296,56 @@ class CheckpointWriter:
         )
         marker = f"{self.path}/{MARKER_NAME}"
         protocol = marker_protocol_for(location)
-        try:
-            with backend_errors(location, f"committing {self.url}"):
-                protocol.create(location.fs, marker, manifest.to_json())
-        except FileExistsError:
+        for _ in range(_COMMIT_TRIES):
+            try:
+                with backend_errors(location, f"committing {self.url}"):
+                    protocol.create(location.fs, marker, manifest.to_json())
+                break
+            except FileExistsError:
+                # Someone created the marker while this save was written. A stale attempt's
+                # marker (its epoch is not in this fence's lineage) or a damaged one is
+                # superseded and the commit tried again; anything else is a real conflict.
+                self._state = "lost"
+                if self.fence is None:
+                    holder = self._store._describe_commit(self.run, self.step)
+                    raise CommitConflictError(
+                        f"{self.url} is already committed{holder}; a committed step is never "
+                        "overwritten: save under a new step, or delete that checkpoint first",
+                        url=self.url,
+                        run=self.run,
+                        step=self.step,
+                    ) from None
+                self._store.supersede(self.run, self.step, self.fence)  # or raises
+                self._state = "open"
+        else:
             self._state = "lost"
-            holder = self._store._describe_commit(self.run, self.step)
             raise CommitConflictError(
-                f"{self.url} is already committed{holder}; a committed step is never "
-                "overwritten: save under a new step, or delete that checkpoint first",
+                f"{self.url} kept getting new markers while this save committed; check for "
+                "several jobs saving this run",
                 url=self.url,
                 run=self.run,
                 step=self.step,
-            ) from None
+            )
         self._state = "committed"
         self.manifest = manifest
         return manifest
 
     def abort(self) -> None:
-        """Remove what was written. The primary removes the whole uncommitted step directory;
-        a secondary, or a primary that lost a commit race, removes only its own files."""
+        """Remove what was written. The primary removes its save's payload directory (never
+        another save's files, never a marker); a secondary removes only its own files."""
         if self._state == "committed":
             return
         location = self._store.location
         with backend_errors(location, f"aborting {self.url}"):
-            if self.primary and not self._store.is_committed(self.run, self.step):
-                remove_files(location, [f.path for f in list_files(location, self.path)])
-                remove_empty_dirs(location, self.path)
+            if self.primary:
+                remove_files(location, [f.path for f in list_files(location, self.payload_path)])
+                remove_empty_dirs(location, self.payload_path)
+                if location.is_local:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(self.path)  # only if nothing else is in the step directory
             else:
-                keep = set()
-                with contextlib.suppress(Exception):
-                    keep = {e.name for e in self._store.read_manifest(self.run, self.step).files}
                 with self._lock:
-                    own = [f"{self.path}/{n}" for n in self._own if n not in keep]
+                    own = [f"{self.payload_path}/{n}" for n in self._own]
                 remove_files(location, own)
         self._state = "aborted"
 
@@ -319,12 +386,12 @@ class CheckpointWriter:
                     path=name,
                 )
             self._own.add(name)
-        target = f"{self.path}/{name}"
+        target = f"{self.payload_path}/{name}"
         if self._store.location.is_local:
             parent = os.path.dirname(target)
             os.makedirs(parent, exist_ok=True)
             with self._lock:
-                while parent.startswith(self.path) and parent not in self._dirs:
+                while parent.startswith(self.payload_path) and parent not in self._dirs:
                     self._dirs.add(parent)
                     parent = os.path.dirname(parent)
         return target
@@ -387,8 +454,8 @@ class CheckpointWriter:
     def _check_payload_present(self, entries: list[FileEntry]) -> None:
         location = self._store.location
         with backend_errors(location, f"listing {self.url} before commit"):
-            listed = {f.path: f.size for f in list_files(location, self.path)}
-        prefix = f"{self.path}/"
+            listed = {f.path: f.size for f in list_files(location, self.payload_path)}
+        prefix = f"{self.payload_path}/"
         problems = []
         for entry in entries:
             size = listed.get(prefix + entry.name)

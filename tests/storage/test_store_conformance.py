@@ -66,7 +66,8 @@ def test_round_trip_records_every_file_with_size_and_crc32c(store, tmp_path):
     assert manifest.total_bytes == sum(len(d) for d in expected.values())
     assert manifest.writer == {"host": socket.gethostname(), "pid": os.getpid()}
     assert manifest.metadata == {"loss": 1.5, "extra": True}
-    assert len(manifest.save_id) == 32 and manifest.created_at <= manifest.committed_at
+    assert manifest.save_id.startswith("e0-") and manifest.payload == manifest.save_id
+    assert manifest.epoch == 0 and manifest.created_at <= manifest.committed_at
 
     reread = store.read_manifest("run-a", 10)
     assert reread == manifest
@@ -83,8 +84,9 @@ def test_marker_holds_the_documented_json_fields(store):
     save(store, "r", 1, {"a": b"xyz"}, note="hi")
     marker = f"{store.checkpoint_path('r', 1)}/_COMMIT"
     body = json.loads(raw_fs(store).cat_file(marker))
-    assert body["format_version"] == 1
+    assert body["format_version"] == 2
     assert body["run"] == "r" and body["step"] == 1
+    assert body["epoch"] == 0 and body["payload"] == body["save_id"]
     assert body["files"] == [{"name": "a", "size": 3, "crc32c": crc32c_of(b"xyz")}]
     assert body["total_bytes"] == 3 and body["file_count"] == 1
     assert set(body["writer"]) == {"host", "pid"}
@@ -196,14 +198,22 @@ def test_an_exception_inside_the_writer_block_aborts(store):
     assert store.list_steps("r") == []
 
 
-def test_begin_removes_an_uncommitted_leftover_first(store):
+def test_a_crashed_save_never_shares_files_with_the_next_save_of_the_step(store):
     crashed = store.begin("r", 9)
     crashed.write_many({"old-a": b"a", "nested/old-b": b"b"})
-    # the crashed attempt never commits or aborts
+    # the crashed save never commits or aborts; the next one writes a directory of its own
     manifest = save(store, "r", 9, {"new": b"n"})
     assert [f.name for f in manifest.files] == ["new"]
     listed = sorted(f.path.rsplit("save-9/", 1)[1] for f in _files(store, "r", 9))
-    assert listed == ["_COMMIT", "new"]
+    assert listed == sorted(
+        ["_COMMIT", f"{manifest.save_id}/new", f"{crashed.save_id}/old-a"]
+        + [f"{crashed.save_id}/nested/old-b"]
+    )
+    # gc finds the crashed save's directory as a leftover, never the committed one
+    assert [o.save_id for o in store.orphans(0, runs=["r"])] == [crashed.save_id]
+    store.remove_orphan(store.orphans(0, runs=["r"])[0])
+    assert store.orphans(0, runs=["r"]) == []
+    assert store.verify("r", 9, deep=True).ok
 
 
 def test_parallel_writes_record_every_file(store):
@@ -236,7 +246,7 @@ def test_conflicting_entries_for_one_name_are_refused(store):
 def test_commit_refuses_when_a_written_file_vanished(store):
     writer = store.begin("r", 5)
     writer.write_many({"kept": b"k", "gone": b"g"})
-    raw_fs(store).rm_file(f"{writer.path}/gone")
+    raw_fs(store).rm_file(f"{writer.payload_path}/gone")
     with pytest.raises(WriteAbortedError, match=r"gone: missing"):
         writer.commit()
     assert store.committed_steps("r") == []
@@ -246,7 +256,7 @@ def test_verify_finds_a_flipped_byte_a_truncated_and_a_missing_file_by_name(stor
     files = {"flipped": b"abcdefgh", "truncated": b"0123456789", "missing": b"m", "fine": b"ok"}
     save(store, "r", 1, files)
     assert store.verify("r", 1).ok and store.verify("r", 1, deep=True).ok
-    base = store.checkpoint_path("r", 1)
+    base = store.reader("r", 1).path
     fs = raw_fs(store)
     fs.pipe_file(f"{base}/flipped", b"abcdefgX")
     fs.pipe_file(f"{base}/truncated", b"01234")
@@ -272,7 +282,7 @@ def test_verify_finds_a_flipped_byte_a_truncated_and_a_missing_file_by_name(stor
 
 def test_reading_a_missing_file_of_a_committed_checkpoint_is_corruption(store):
     save(store, "r", 1, {"a": b"1"})
-    raw_fs(store).rm_file(f"{store.checkpoint_path('r', 1)}/a")
+    raw_fs(store).rm_file(f"{store.reader('r', 1).path}/a")
     with pytest.raises(CorruptCheckpointError, match="a of committed checkpoint .* is missing"):
         store.reader("r", 1).read_bytes("a")
     with pytest.raises(CheckpointNotFoundError, match="'b' is not a file of checkpoint"):
@@ -376,7 +386,7 @@ def test_large_files_upload_in_parts_and_verify(store, backend):
     assert report.ok and report.bytes_checked == 2 * len(data)
     if backend.name == "s3":  # a multipart upload's ETag is "<md5 of part md5s>-<parts>"
         for name in ("big.bin", "big-streamed.bin"):
-            info = store.location.fs.info(f"{store.checkpoint_path('r', 1)}/{name}", refresh=True)
+            info = store.location.fs.info(f"{store.reader('r', 1).path}/{name}", refresh=True)
             assert info["ETag"].strip('"').endswith("-3"), (name, info["ETag"])
     assert store.reader("r", 1).read_bytes("big.bin") == data
 

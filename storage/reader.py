@@ -1,0 +1,137 @@
+"""``CheckpointReader``: read access to one committed checkpoint, by the names its manifest
+lists, with every whole-file read checked against the manifest's size and CRC32C."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, BinaryIO
+
+from storage.backend import backend_errors
+from storage.checksum import Crc32c
+from storage.errors import CheckpointNotFoundError, CorruptCheckpointError
+from storage.manifest import FileEntry, Manifest
+
+if TYPE_CHECKING:
+    from storage.store import CheckpointStore
+
+__all__ = ["CheckpointReader"]
+
+
+class CheckpointReader:
+    """Read access to one committed checkpoint, by the names its manifest lists."""
+
+    def __init__(self, store: CheckpointStore, manifest: Manifest, *, verify: bool = True) -> None:
+        self._store = store
+        self.manifest = manifest
+        #: whether ``read_bytes`` compares every file's CRC32C with the manifest
+        self.verify = verify
+        step_path = store.checkpoint_path(manifest.run, manifest.step)
+        self.url = store.location.display(step_path)
+        #: the directory holding the files (``save-<step>/<save_id>``; format 1: the step's)
+        self.path = f"{step_path}/{manifest.payload}" if manifest.payload else step_path
+
+    @property
+    def names(self) -> list[str]:
+        return [entry.name for entry in self.manifest.files]
+
+    def _target(self, name: str) -> str:
+        return f"{self.path}/{self._entry(name).name}"
+
+    def _entry(self, name: str) -> FileEntry:
+        entry = self.manifest.file(name)
+        if entry is None:
+            raise CheckpointNotFoundError(
+                f"{name!r} is not a file of checkpoint {self.url} (it has {len(self.names)} "
+                f"files, e.g. {', '.join(self.names[:3]) or 'none'})",
+                url=self.url,
+                run=self.manifest.run,
+                step=self.manifest.step,
+                path=name,
+            )
+        return entry
+
+    def open(self, name: str) -> BinaryIO:
+        target = self._target(name)
+        location = self._store.location
+        with backend_errors(location, f"opening {name} of {self.url}"):
+            try:
+                return location.fs.open(target, "rb")
+            except FileNotFoundError:
+                raise self._missing(name) from None
+
+    def read_bytes(self, name: str) -> bytes:
+        """One whole file; with ``verify`` (the default) its size and CRC32C are checked
+        against the manifest as it is read, and a mismatch raises ``CorruptCheckpointError``."""
+        target = self._target(name)
+        location = self._store.location
+        with backend_errors(location, f"reading {name} of {self.url}"):
+            try:
+                data = location.fs.cat_file(target)
+            except FileNotFoundError:
+                raise self._missing(name) from None
+        if self.verify:
+            self.check(name, data)
+        return data
+
+    def check(self, name: str, data: bytes | bytearray | memoryview) -> None:
+        """Raise ``CorruptCheckpointError`` unless ``data`` is the whole of file ``name`` as
+        the manifest describes it (size and CRC32C)."""
+        entry = self._entry(name)
+        running = Crc32c()
+        running.update(data)
+        if running.size != entry.size or running.encoded() != entry.crc32c:
+            detail = (
+                f"{running.size} bytes, the manifest says {entry.size}"
+                if running.size != entry.size
+                else f"crc32c {running.encoded()}, the manifest says {entry.crc32c}"
+            )
+            raise CorruptCheckpointError(
+                f"{name} of checkpoint {self.url} does not match its manifest ({detail}); the "
+                "checkpoint is damaged: resume from an earlier checkpoint",
+                url=self.url,
+                run=self.manifest.run,
+                step=self.manifest.step,
+                path=name,
+                problems=[f"{name}: {detail}"],
+            )
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of one file, in one ranged request; fewer bytes than asked
+        for means the file is shorter than that (the caller decides if that is damage)."""
+        target = self._target(name)
+        location = self._store.location
+        with backend_errors(location, f"reading {name} of {self.url}"):
+            try:
+                return location.fs.cat_file(target, start=start, end=end)
+            except FileNotFoundError:
+                raise self._missing(name) from None
+
+    def local_path(self, name: str) -> str | None:
+        """The file's path on a local (POSIX) file system, for callers that read it in place
+        (e.g. straight into tensor memory); None on object stores."""
+        target = self._target(name)
+        return target if self._store.location.is_local else None
+
+    def missing(self, name: str) -> CorruptCheckpointError:
+        """The error for a listed file that is not on storage."""
+        return self._missing(name)
+
+    def get_file(self, name: str, local_path: str | os.PathLike) -> None:
+        target = self._target(name)
+        location = self._store.location
+        with backend_errors(location, f"downloading {name} of {self.url}"):
+            try:
+                location.fs.get_file(target, os.fspath(local_path))
+            except FileNotFoundError:
+                raise self._missing(name) from None
+
+    def _missing(self, name: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{name} of committed checkpoint {self.url} is missing from storage; the checkpoint "
+            "is damaged: run `zephon verify` and resume from an earlier checkpoint",
+            url=self.url,
+            run=self.manifest.run,
+            step=self.manifest.step,
+            path=name,
+            problems=[f"{name}: missing"],
+        )
