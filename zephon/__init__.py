@@ -11,7 +11,7 @@ from typing import Any
 
 from catalog.errors import CatalogError
 from storage.errors import StorageError
-from zephon.errors import ConfigError, ZephonError
+from zephon.errors import ConfigError, StaleAttemptError, ZephonError
 
 __version__ = "0.1.0"
 
@@ -39,7 +39,15 @@ _LAZY = {
     "AggregationTimeoutError": "zephon.pipeline",
 }
 
-__all__ = ["CatalogError", "ConfigError", "StorageError", "ZephonError", "__version__", *_LAZY]
+__all__ = [
+    "CatalogError",
+    "ConfigError",
+    "StaleAttemptError",
+    "StorageError",
+    "ZephonError",
+    "__version__",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

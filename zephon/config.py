@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 PERIOD_WORDS = ("last_step", "disable")
+ON_CORRUPT = ("fallback", "fail")
 
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
@@ -57,8 +58,11 @@ class CheckpointingConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     #: return from save() once state is staged in host memory; write in the background
     async_save: bool = False
-    #: shallow-verify (sizes) a checkpoint before loading it
+    #: check every byte loaded against its CRC32C, while reading (no second pass)
     verify_on_load: bool = True
+    #: a checkpoint that fails verification on load: "fallback" quarantines it and loads the
+    #: next complete one; "fail" raises
+    on_corrupt: str = "fallback"
     prefix: str = "trainer.checkpointing"
 
     def __post_init__(self) -> None:
@@ -92,6 +96,8 @@ class CheckpointingConfig:
                 f"{p}.storage_options", self.storage_options, "use a mapping of fsspec options"
             )
         self.storage_options = dict(self.storage_options)
+        if self.on_corrupt not in ON_CORRUPT:
+            raise _fail(f"{p}.on_corrupt", self.on_corrupt, 'use "fallback" or "fail"')
         for key in ("async_save", "verify_on_load"):
             if not isinstance(getattr(self, key), bool):
                 raise _fail(f"{p}.{key}", getattr(self, key), "use true or false")
@@ -165,6 +171,7 @@ _CHECKPOINTING_KEYS = {
     "storage_options",
     "async_save",
     "verify_on_load",
+    "on_corrupt",
 }
 # model_stage_factory holds the product's other model settings too; only these are ours
 _MODEL_STAGE_KEYS = {"checkpoint_only_trainable_parameters", "source_checkpoint"}

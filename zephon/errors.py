@@ -9,3 +9,16 @@ class ZephonError(Exception):
 
 class ConfigError(ZephonError, ValueError):
     """An invalid configuration value; the message names the key, the value and what is allowed."""
+
+
+class StaleAttemptError(ZephonError):
+    """A newer attempt (job start) of the run took over; this process must stop saving.
+
+    Raised by every fenced step of the save path (catalog transitions, storage begin and the
+    re-check before the marker, retention). ``current`` describes the attempt that holds the
+    run now, when known.
+    """
+
+    def __init__(self, message: str, *, current: object | None = None) -> None:
+        super().__init__(message)
+        self.current = current

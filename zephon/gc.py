@@ -1,9 +1,12 @@
 """Retention and garbage collection: apply each run's policy, finish interrupted deletes,
-settle stale pending rows, and remove orphaned uncommitted directories.
+settle pending rows whose writer died, delete abandoned (stale) checkpoints after the grace,
+corrupt ones on request, and leftovers of saves that never committed.
 
 Safe to run in several processes at once and beside saving jobs: deletions go through the
-catalog's claims (a row is deleted by exactly one claimant), stale pending rows are settled
-with guarded transitions, and a crash at any point is finished by the next run.
+catalog's claims (a row is deleted by exactly one claimant, and a job's own retention is fenced
+by its epoch in the claim's transaction), pending rows are settled with guarded transitions
+only after ``pending_grace`` (never ``grace``: ``--grace 0`` beside a live job is safe), and a
+crash at any point is finished by the next run. Every step is judged by ``zephon.reconcile``.
 """
 
 from __future__ import annotations
@@ -18,14 +21,19 @@ from catalog import (
     DEFAULT_LEASE,
     Catalog,
     CatalogError,
+    ResumePoint,
     StateConflictError,
     plan_retention,
 )
-from storage import CheckpointNotFoundError, CheckpointStore, CorruptCheckpointError, StorageError
-from zephon.latest import record_commit
+from storage import CheckpointStore, Fence, StorageError
+from zephon.attempts import fenced, mirror_lineage
 from zephon.locations import RunLocation, run_location
+from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
 
 __all__ = ["GcReport", "collect_garbage", "gc_run", "retain_without_catalog"]
+
+#: rows whose files an orphan sweep never touches: a save in progress, the history, gc's own
+_LIVE = frozenset({"pending", "committed", "deleting"})
 
 
 @dataclass
@@ -48,12 +56,23 @@ class GcReport:
         }
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GcPolicy:
+    """How long things live: ``grace`` for leftovers and abandoned checkpoints,
+    ``pending_grace`` for a save to commit, ``lease`` for a deletion claim; ``corrupt``
+    also deletes checkpoints that failed verification (kept for inspection otherwise)."""
+
+    grace: dt.timedelta = DEFAULT_GRACE
+    pending_grace: dt.timedelta = DEFAULT_GRACE
+    lease: dt.timedelta = DEFAULT_LEASE
+    corrupt: bool = False
+
+
 def collect_garbage(
     catalog: Catalog,
     *,
     runs: Iterable[str] | None = None,
-    grace: dt.timedelta = DEFAULT_GRACE,
-    lease: dt.timedelta = DEFAULT_LEASE,
+    policy: GcPolicy = GcPolicy(),
     dry_run: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] = lambda _: None,
@@ -66,14 +85,12 @@ def collect_garbage(
     if runs is None:
         records = [summary.run for summary in catalog.list_runs()]
     else:
-        records = []
-        for name in runs:
-            records.append(catalog.get_run(name))
+        records = [catalog.get_run(name) for name in runs]
     for record in records:
         progress(record.name)
         try:
             location = run_location(record, storage_options)
-            gc_run(catalog, location, grace=grace, lease=lease, dry_run=dry_run, report=report)
+            gc_run(catalog, location, policy=policy, dry_run=dry_run, report=report)
         except (CatalogError, StorageError) as exc:
             report.problems.append(f"run {record.name}: {exc}")
     return report
@@ -83,31 +100,46 @@ def gc_run(
     catalog: Catalog,
     location: RunLocation,
     *,
-    grace: dt.timedelta = DEFAULT_GRACE,
-    lease: dt.timedelta = DEFAULT_LEASE,
+    policy: GcPolicy = GcPolicy(),
     dry_run: bool = False,
     orphans: bool = True,
     report: GcReport | None = None,
+    epoch: int | None = None,
 ) -> GcReport:
-    """Apply one run's retention policy: settle stale pending rows, delete what the policy no
-    longer keeps (and what a crashed gc left half-deleted), then remove orphaned directories.
+    """Apply one run's retention: settle expired pending rows, delete what the policy no
+    longer keeps (stale, and corrupt with ``policy.corrupt``; and what a crashed gc left),
+    then remove leftovers.
 
-    The checkpoint manager calls this on the main process after each save.
+    The checkpoint manager calls this on the main process after each save with its attempt's
+    ``epoch``: its claims are then refused (``zephon.StaleAttemptError``) once a newer attempt
+    registered, so a stale attempt's retention never runs.
     """
     report = report or GcReport(dry_run=dry_run)
     name, store, storage_run = location.name, location.store, location.storage_run
-    plan = catalog.retention_plan(name, grace=grace)
-
+    lineage = store.lineage(storage_run)
+    if not dry_run:
+        mirror_lineage(catalog, location, lineage)
+    plan = catalog.retention_plan(
+        name, grace=policy.grace, pending_grace=policy.pending_grace, corrupt=policy.corrupt
+    )
     for decision in plan.to_expire:
-        _settle_stale_pending(catalog, location, decision, dry_run, report)
+        _settle_expired(catalog, location, lineage, decision, dry_run, report)
 
-    stuck = [row.step for row in catalog.expired_claims(run=name, lease=lease)]
+    stuck = [row.step for row in catalog.expired_claims(run=name, lease=policy.lease)]
     candidates = sorted(set(plan.to_delete) | set(stuck))
     if dry_run:
         for step in candidates:
             report.deleted.append({"run": name, "step": step, "files": None})
     elif candidates:
-        claimed = catalog.claim_for_deletion(name, candidates, lease=lease)
+        with fenced():
+            claimed = catalog.claim_for_deletion(
+                name,
+                candidates,
+                epoch=epoch,
+                corrupt=policy.corrupt,
+                grace=policy.grace,
+                lease=policy.lease,
+            )
         # One batched delete for all claimed checkpoints: every marker first, then payloads.
         removed = store.delete_many(storage_run, [row.step for row in claimed])
         for row in claimed:
@@ -115,79 +147,124 @@ def gc_run(
             report.deleted.append({"run": name, "step": row.step, "files": removed[row.step]})
 
     if orphans:
-        _remove_orphans(catalog, location, grace, dry_run, report)
+        _remove_leftovers(catalog, location, policy, dry_run, report)
     return report
 
 
-def _settle_stale_pending(catalog, location: RunLocation, decision, dry_run, report) -> None:
-    """A pending row older than the grace period: its writer most likely crashed. If the marker
-    exists the checkpoint is complete (crash after commit) and is promoted; otherwise failed."""
-    store, storage_run = location.store, location.storage_run
-    try:
-        manifest = store.read_manifest(storage_run, decision.step)
-    except (CheckpointNotFoundError, CorruptCheckpointError):
-        manifest = None
-    outcome = "committed" if manifest is not None else "failed"
+def _settle_expired(catalog, location: RunLocation, lineage, decision, dry_run, report) -> None:
+    """A pending row older than ``pending_grace``: its writer most likely died. A complete
+    marker of its save is history (a crash after the marker) and is promoted; no marker means
+    the save never finished and the row fails; anything else follows the one rule."""
+    row = catalog.get_checkpoint(location.name, decision.step)
+    if row.state != "pending" or row.save_id != decision.save_id:
+        return  # moved on since the plan
+    seen = examine(location, lineage, decision.step, row)
+    verdict = seen.judgement.verdict
+    outcome = {
+        Verdict.HISTORY: "committed",
+        Verdict.REPAIR: "committed",
+        Verdict.CORRUPT: "corrupt",
+    }.get(verdict, "failed")
     report.settled.append({"run": location.name, "step": decision.step, "to": outcome})
     if dry_run:
         return
     try:
-        if manifest is not None:
-            row = catalog.get_checkpoint(location.name, decision.step)
-            if row.save_id == decision.save_id:
-                record_commit(catalog, location.name, row, manifest)
+        if verdict is Verdict.HISTORY and seen.manifest is not None:
+            record_history(catalog, location, seen.manifest)
+        elif verdict is Verdict.REPAIR:
+            repair(catalog, location, seen)
+        elif verdict is Verdict.CORRUPT and seen.manifest is not None:
+            quarantine(
+                catalog, location, decision.step, seen.judgement.reason, manifest=seen.manifest
+            )
         else:
             catalog.mark_failed(
                 location.name,
                 decision.step,
                 decision.save_id,
-                "no commit marker after the grace period: the writer did not finish",
+                f"no usable commit marker after the pending grace ({seen.judgement.reason}): "
+                "the writer did not finish",
             )
     except StateConflictError:
         report.settled.pop()  # the writer or another gc moved it first
 
 
-def _remove_orphans(catalog, location: RunLocation, grace, dry_run, report) -> None:
+def _remove_leftovers(catalog, location: RunLocation, policy: GcPolicy, dry_run, report) -> None:
+    """Payload directories of saves that never committed (or were superseded) and loose files
+    of uncommitted steps, older than the grace; with ``policy.corrupt`` also condemned saves.
+
+    Storage is listed before the catalog is read: a save writes its row before its first file,
+    so a directory the listing saw has a row this read sees, and a live save is never taken
+    for a leftover however small the grace."""
     store, storage_run, name = location.store, location.storage_run, location.name
+    leftovers = store.orphans(policy.grace.total_seconds(), runs=[storage_run])
+    condemned = store.condemned(storage_run) if policy.corrupt else []
     rows = {row.step: row for row in catalog.list_checkpoints(name)}
-    for orphan in store.orphans(grace.total_seconds(), runs=[storage_run]):
+    for orphan in leftovers:
         row = rows.get(orphan.step)
-        if row is not None and row.state in {"pending", "committed", "deleting"}:
-            # pending: a writer within its grace period (or settled above next time);
-            # committed without a marker: sync's business; deleting: the claim finishes it.
-            continue
+        if row is not None and row.state in _LIVE:
+            if orphan.save_id is None or orphan.save_id == row.save_id:
+                continue  # the row's own save: in progress, history, or gc's own delete
+            if row.state == "pending" and orphan.save_id is None:
+                continue
         report.orphans.append({"run": name, "step": orphan.step, "url": orphan.url})
         if not dry_run:
-            store.delete(storage_run, orphan.step)
+            store.remove_orphan(orphan)
             catalog.record_event(
                 "orphan_removed", run=name, step=orphan.step, detail={"url": orphan.url}
+            )
+    for step, save_id in condemned:
+        row = rows.get(step)
+        if row is not None and row.save_id == save_id and row.state != "deleted":
+            continue  # its row is claimed and deleted by the retention pass
+        url = location.checkpoint_url(step)
+        report.deleted.append({"run": name, "step": step, "files": None, "condemned": save_id})
+        if not dry_run:
+            store.remove_condemned(storage_run, step, save_id)
+            catalog.record_event(
+                "condemned_removed", run=name, step=step, detail={"url": url, "save": save_id}
             )
 
 
 @dataclass(frozen=True, slots=True)
 class _StorageRow:
-    """A committed step seen on storage, in the shape retention planning reads."""
+    """A complete checkpoint seen on storage, in the shape retention planning reads."""
 
     step: int
+    save_id: str
     state: str = "committed"
     pinned: bool = False
     created_at: dt.datetime = dt.datetime.fromtimestamp(0, dt.UTC)
-    save_id: str = ""
+    updated_at: dt.datetime = dt.datetime.fromtimestamp(0, dt.UTC)
 
 
 def retain_without_catalog(
     store: CheckpointStore,
     storage_run: str | None,
+    fence: Fence,
     num_to_keep: int | None,
     keep_every_steps: int | None = None,
 ) -> list[int]:
-    """Retention for a job running without a catalog: keep the ``num_to_keep`` newest committed
-    steps (and milestones), delete the others. Returns the deleted steps. Pins live in the
-    catalog, so none apply here."""
-    rows = [_StorageRow(step) for step in store.committed_steps(storage_run)]
-    plan = plan_retention(
-        rows, num_to_keep, keep_every_steps, dt.datetime.now(dt.UTC), DEFAULT_GRACE
-    )
-    for step in plan.to_delete:
-        store.delete(storage_run, step)
+    """Retention for a job running without a catalog: keep the ``num_to_keep`` newest
+    checkpoints of the current history (and milestones, and the attempt's resume point until
+    it committed one of its own), delete the others. Fenced: a stale attempt's retention is
+    refused before it plans and again right before it deletes. Returns the deleted steps.
+    Pins live in the catalog, so none apply here."""
+    with fenced():
+        store.check_fence(storage_run, fence)
+        manifests = store.complete(storage_run, lineage=fence.lineage)
+        resumed = fence.record.resumed_from
+        if any(m.epoch == fence.epoch and m.step > (resumed or 0) for m in manifests):
+            resumed = None  # the attempt stands on a checkpoint of its own now
+        plan = plan_retention(
+            [_StorageRow(m.step, m.save_id) for m in manifests],
+            num_to_keep,
+            keep_every_steps,
+            dt.datetime.now(dt.UTC),
+            DEFAULT_GRACE,
+            resume_point=ResumePoint(resumed, fence.epoch) if resumed is not None else None,
+        )
+        if plan.to_delete:
+            store.check_fence(storage_run, fence)
+            store.delete_many(storage_run, plan.to_delete)
     return plan.to_delete

@@ -1,14 +1,24 @@
-"""Finding the latest complete checkpoint of a run: one catalog query, repaired by probing the
-markers of newer pending rows, or a storage scan when there is no catalog."""
+"""Finding the latest complete checkpoint of a run: with a catalog, one indexed query plus a
+probe of the few rows above it; without one, a storage scan. Both judge every step by the one
+rule of ``zephon.reconcile``: a checkpoint of an abandoned history, an unregistered attempt or
+a condemned save is never latest, whatever its marker says."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from catalog import Catalog, CheckpointRecord, RunNotFoundError, StateConflictError
-from storage import CheckpointNotFoundError, CheckpointStore, CorruptCheckpointError, Manifest
+from catalog import Catalog, RunNotFoundError
+from storage import Lineage, Manifest
+from zephon.attempts import mirror_lineage
+from zephon.locations import RunLocation
+from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
 
-__all__ = ["LatestCheckpoint", "find_latest", "record_commit"]
+__all__ = ["LatestCheckpoint", "find_latest"]
+
+#: rows whose marker the probe above the newest committed one looks at
+_PROBED_STATES = ("pending", "failed", "deleted")
+#: committed rows find_latest may set aside (missing, corrupt, stale) before it gives up
+_MAX_SET_ASIDE = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,89 +29,107 @@ class LatestCheckpoint:
     url: str
     manifest: Manifest
     source: str  # "catalog" or "storage"
-    #: steps whose pending rows were promoted because their marker existed
+    #: steps whose rows were promoted or repaired because their marker was complete
     promoted: tuple[int, ...] = field(default=())
     #: steps whose committed rows lost their marker and were marked deleted
     missing: tuple[int, ...] = field(default=())
-
-
-def record_commit(catalog: Catalog, name: str, row: CheckpointRecord, manifest: Manifest) -> None:
-    """``pending -> committed`` with the facts of the manifest found on storage."""
-    catalog.mark_committed(
-        name,
-        row.step,
-        row.save_id,
-        bytes=manifest.total_bytes,
-        file_count=manifest.file_count,
-        manifest_checksum=manifest.checksum(),
-        metadata=manifest.metadata or None,
-    )
+    #: steps set aside on the way: (step, why) for corrupt or abandoned ones
+    set_aside: tuple[tuple[int, str], ...] = field(default=())
 
 
 def find_latest(
-    store: CheckpointStore,
-    storage_run: str | None,
+    location: RunLocation,
     *,
     catalog: Catalog | None = None,
-    name: str | None = None,
+    lineage: Lineage | None = None,
 ) -> LatestCheckpoint | None:
-    """The latest complete checkpoint of a run, or None if it has none.
+    """The latest complete checkpoint of the run, or None if it has none.
 
-    With a catalog: the newest committed row (one indexed query); pending rows newer than it
-    are probed for their marker (one request each) and promoted when it exists, so a crash
-    between the marker and the catalog update is repaired here; a committed row whose marker
-    has disappeared is marked deleted and the next one is tried. A run unknown to the catalog
-    falls back to the storage scan. Without a catalog: the storage scan (one listing).
+    ``lineage`` is the run's lineage if the caller already read it (one listing and one GET
+    otherwise). With a catalog: the newest committed row (one indexed query), after probing
+    the rows above it (pending, failed, deleted: normally none or one) for a complete marker
+    of the current history, which is promoted (a crash between marker and catalog update) or,
+    for a failed or deleted row, verified deeply and then promoted. A committed row whose
+    marker is gone is marked deleted, a corrupt one quarantined, an abandoned one staled, and
+    the next one tried. A run unknown to the catalog falls back to the storage scan.
     """
+    store, storage_run = location.store, location.storage_run
+    lineage = lineage if lineage is not None else store.lineage(storage_run)
     if catalog is not None:
-        name = name or storage_run
-        if name is None:
-            raise ValueError("find_latest needs the catalog run name of an inference run")
         try:
-            return _from_catalog(store, storage_run, catalog, name)
+            return _from_catalog(location, catalog, lineage)
         except RunNotFoundError:
             pass
-    step = store.latest_step(storage_run)
-    if step is None:
+    manifest = store.latest(storage_run, lineage=lineage)
+    if manifest is None:
         return None
     return LatestCheckpoint(
-        step,
-        store.checkpoint_url(storage_run, step),
-        store.read_manifest(storage_run, step),
-        "storage",
+        manifest.step, location.checkpoint_url(manifest.step), manifest, "storage"
     )
 
 
 def _from_catalog(
-    store: CheckpointStore, storage_run: str | None, catalog: Catalog, name: str
+    location: RunLocation, catalog: Catalog, lineage: Lineage
 ) -> LatestCheckpoint | None:
+    name = location.name
+    mirror_lineage(catalog, location, lineage)
     promoted: list[int] = []
     missing: list[int] = []
+    set_aside: list[tuple[int, str]] = []
 
     def found(step: int, manifest: Manifest) -> LatestCheckpoint:
-        url = store.checkpoint_url(storage_run, step)
-        return LatestCheckpoint(step, url, manifest, "catalog", tuple(promoted), tuple(missing))
+        return LatestCheckpoint(
+            step,
+            location.checkpoint_url(step),
+            manifest,
+            "catalog",
+            tuple(promoted),
+            tuple(missing),
+            tuple(set_aside),
+        )
 
-    while True:
+    while len(missing) + len(set_aside) <= _MAX_SET_ASIDE:
         newest = catalog.latest_committed(name)
-        for row in catalog.pending_after(name, newest.step if newest else None):
-            try:
-                manifest = store.read_manifest(storage_run, row.step)
-            except (CheckpointNotFoundError, CorruptCheckpointError):
-                continue  # still being written, or crashed: gc decides after the grace period
-            try:
-                record_commit(catalog, name, row, manifest)
-            except StateConflictError:
-                continue  # another process moved the row first; re-read below
-            promoted.append(row.step)
-            return found(row.step, manifest)
+        above = newest.step if newest is not None else None
+        for row in catalog.rows_after(name, above, states=_PROBED_STATES):
+            seen = examine(location, lineage, row.step, row)
+            verdict = seen.judgement.verdict
+            if verdict is Verdict.HISTORY and seen.manifest is not None:
+                if record_history(catalog, location, seen.manifest).value != "stale":
+                    promoted.append(row.step)
+                    return found(row.step, seen.manifest)
+            elif verdict is Verdict.REPAIR and repair(catalog, location, seen):
+                promoted.append(row.step)
+                assert seen.manifest is not None
+                return found(row.step, seen.manifest)
+            elif verdict is Verdict.CORRUPT and seen.manifest is not None:
+                # (a damaged marker above a pending row may be a live save's to supersede)
+                quarantine(
+                    catalog, location, row.step, seen.judgement.reason, manifest=seen.manifest
+                )
         if newest is None:
             return None
-        try:
-            manifest = store.read_manifest(storage_run, newest.step)
-        except CheckpointNotFoundError:
-            # Deleted behind the catalog's back: record it and try the next newest.
+        seen = examine(location, lineage, newest.step, newest)
+        verdict = seen.judgement.verdict
+        if verdict is Verdict.HISTORY and seen.manifest is not None:
+            return found(newest.step, seen.manifest)
+        if verdict is Verdict.REPAIR and repair(catalog, location, seen):
+            assert seen.manifest is not None
+            return found(newest.step, seen.manifest)
+        if verdict is Verdict.MISSING:
             catalog.mark_missing(name, newest.step)
             missing.append(newest.step)
             continue
-        return found(newest.step, manifest)
+        set_aside.append((newest.step, seen.judgement.reason))
+        if verdict is Verdict.CORRUPT:
+            quarantine(
+                catalog,
+                location,
+                newest.step,
+                seen.judgement.reason,
+                manifest=seen.manifest,
+                save_id=newest.save_id,
+            )
+        else:
+            catalog.mark_stale(name, newest.step, newest.save_id, seen.judgement.reason)
+    raise RuntimeError(f"run {name}: {_MAX_SET_ASIDE} checkpoints set aside; run `zephon sync`")

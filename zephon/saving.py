@@ -1,65 +1,166 @@
-"""The save path shared by the checkpoint manager and tools: a catalog row goes
-``pending -> committed`` around the storage writer's commit.
+"""The one save path: a catalog row goes ``pending -> committed | failed`` around one fenced
+storage save. The checkpoint manager, the tools and anything that saves later use ``Save``.
 
-Order matters for crash safety: the pending row exists before any byte is written (so gc and
-the latest-probe know an attempt is under way), and the row is committed only after the marker
-exists (a crash in between is repaired by ``find_latest``'s marker probe or by gc).
+Order matters for crash safety and for fencing:
+
+1. the catalog row is armed ``pending`` (a fenced transaction: a stale attempt is refused here,
+   before writing anything), so gc and the resume probe know a save is under way;
+2. storage ``begin`` (fenced again) gives the save a payload directory of its own;
+3. files are written, then ``writer.commit()`` re-checks the fence and creates the marker;
+4. the row is committed (fenced: a stale attempt's late marker is never recorded as history).
+
+A crash between 3 and 4 is repaired by ``find_latest``'s probe or by gc (the marker and the
+pending row name the same save). Every way out of the block that is not a commit marks the row
+failed and removes the save's own files, never another save's.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Mapping
 from typing import Any
 
-from catalog import Catalog
-from storage import CheckpointWriter
-from zephon.locations import RunLocation
+from catalog import Catalog, InvalidTransitionError
+from storage import CheckpointWriter, Manifest, new_save_id
+from zephon.attempts import Attempt, fenced
 
-__all__ = ["saving"]
+__all__ = ["Save", "manifest_facts"]
+
+#: how long a save waits for a gc that is deleting the step it wants (a stale checkpoint there)
+_DELETING_WAIT_S = 30.0
 
 
-@contextlib.contextmanager
-def saving(
-    location: RunLocation,
-    step: int,
-    *,
-    catalog: Catalog | None = None,
-    metadata: Mapping[str, Any] | None = None,
-) -> Iterator[CheckpointWriter]:
-    """Begin checkpoint ``step``; the block writes files and calls ``writer.commit()``.
+def manifest_facts(manifest: Manifest) -> dict[str, Any]:
+    """The catalog's facts about a committed checkpoint, from its manifest: the one place
+    that turns a manifest into row values (save path, resume probe, gc and sync use it)."""
+    return {
+        "bytes": manifest.total_bytes,
+        "file_count": manifest.file_count,
+        "manifest_checksum": manifest.checksum(),
+        "metadata": manifest.metadata or None,
+    }
 
-    After a clean block the catalog row is committed with the manifest's facts. If the block
-    raises, or returns without committing, the written files are removed and the row is marked
-    failed. Call on the one process that commits (rank 0); other ranks ``attach``.
+
+class Save:
+    """One save of ``step`` by ``attempt``; make it with ``Save.begin`` on the one process
+    that commits (rank 0), write through ``writer``, call ``writer.commit()``, then
+    ``committed()``. Or use it as a context manager: a clean block that committed records the
+    commit, anything else fails the save.
     """
-    store, storage_run, name = location.store, location.storage_run, location.name
-    row = None
-    if catalog is not None:
-        row = catalog.begin_checkpoint(name, step, location.checkpoint_url(step))
-    writer = store.begin(storage_run, step, metadata=metadata, save_id=row.save_id if row else None)
-    try:
-        yield writer
-        if writer.manifest is None:
+
+    def __init__(
+        self,
+        attempt: Attempt,
+        step: int,
+        writer: CheckpointWriter,
+        catalog: Catalog | None,
+    ) -> None:
+        self.attempt = attempt
+        self.step = step
+        self.writer = writer
+        self.catalog = catalog
+        self._settled = False
+
+    @property
+    def save_id(self) -> str:
+        return self.writer.save_id
+
+    @classmethod
+    def begin(
+        cls,
+        attempt: Attempt,
+        step: int,
+        *,
+        catalog: Catalog | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Save:
+        """Arm the row and begin the storage save. Raises ``zephon.StaleAttemptError`` when
+        ``attempt`` is no longer current; a failed storage begin leaves the row failed."""
+        location = attempt.location
+        save_id = new_save_id(attempt.fence)
+        with fenced():
+            if catalog is not None:
+                _arm(catalog, location.name, step, location.checkpoint_url(step), attempt, save_id)
+            try:
+                writer = location.store.begin(
+                    location.storage_run,
+                    step,
+                    fence=attempt.fence,
+                    save_id=save_id,
+                    metadata=metadata,
+                )
+            except BaseException as exc:
+                if catalog is not None:
+                    with contextlib.suppress(Exception):
+                        catalog.mark_failed(location.name, step, save_id, _reason(exc))
+                raise
+        return cls(attempt, step, writer, catalog)
+
+    def committed(self) -> Manifest:
+        """Record the commit in the catalog, after ``writer.commit()`` created the marker."""
+        manifest = self.writer.manifest
+        if manifest is None:
             raise RuntimeError(
-                f"checkpoint {writer.url} was not committed inside the saving() block; call "
+                f"checkpoint {self.writer.url} was not committed: call writer.commit() once "
+                "every file is written"
+            )
+        self._settled = True
+        if self.catalog is not None:
+            with fenced():
+                self.catalog.mark_committed(
+                    self.attempt.location.name,
+                    self.step,
+                    self.save_id,
+                    epoch=self.attempt.epoch,
+                    **manifest_facts(manifest),
+                )
+        return manifest
+
+    def failed(self, exc: BaseException) -> None:
+        """The save did not complete: remove its own files, mark its row failed. Never
+        raises (it runs while another error is on its way out)."""
+        if self._settled:
+            return
+        self._settled = True
+        with contextlib.suppress(Exception):
+            self.writer.abort()
+        if self.catalog is not None:
+            with contextlib.suppress(Exception):
+                self.catalog.mark_failed(
+                    self.attempt.location.name, self.step, self.save_id, _reason(exc)
+                )
+
+    def __enter__(self) -> CheckpointWriter:
+        return self.writer
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            self.failed(exc)
+            return
+        if self.writer.manifest is None:
+            error = RuntimeError(
+                f"checkpoint {self.writer.url} was not committed inside the block; call "
                 "writer.commit() once every file is written"
             )
-    except BaseException as exc:
-        with contextlib.suppress(Exception):
-            writer.abort()
-        if catalog is not None and row is not None:
-            with contextlib.suppress(Exception):
-                catalog.mark_failed(name, step, row.save_id, f"{type(exc).__name__}: {exc}")
-        raise
-    if catalog is not None and row is not None:
-        manifest = writer.manifest
-        catalog.mark_committed(
-            name,
-            step,
-            row.save_id,
-            bytes=manifest.total_bytes,
-            file_count=manifest.file_count,
-            manifest_checksum=manifest.checksum(),
-            metadata=manifest.metadata or None,
-        )
+            self.failed(error)
+            raise error
+        self.committed()
+
+
+def _arm(catalog: Catalog, name: str, step: int, url: str, attempt: Attempt, save_id: str) -> None:
+    """``begin_checkpoint``, waiting a little for a gc that is deleting a stale checkpoint of
+    this step (its claim excludes the re-arm until the marker is gone)."""
+    deadline = time.monotonic() + _DELETING_WAIT_S
+    while True:
+        try:
+            catalog.begin_checkpoint(name, step, url, epoch=attempt.epoch, save_id=save_id)
+            return
+        except InvalidTransitionError as exc:
+            if getattr(exc, "state", None) != "deleting" or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]

@@ -3,14 +3,15 @@ rebuilt or repaired from storage (the source of truth) at any time."""
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from catalog import Catalog, CatalogError, RunKind, SyncOutcome
-from storage import CheckpointStore, CorruptCheckpointError, StorageError
-from zephon.locations import inference_run_name
+from storage import CheckpointStore, StorageError
+from zephon.attempts import mirror_lineage
+from zephon.locations import RunLocation, inference_run_name
+from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
 
 __all__ = ["SyncReport", "sync_storage"]
 
@@ -36,13 +37,6 @@ class SyncReport:
         }
 
 
-def _parse_time(text: str) -> dt.datetime | None:
-    try:
-        return dt.datetime.fromisoformat(text)
-    except (TypeError, ValueError):
-        return None
-
-
 def sync_storage(
     catalog: Catalog,
     url: str,
@@ -51,8 +45,11 @@ def sync_storage(
     inference_name: str | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> SyncReport:
-    """Import every run and committed checkpoint under ``url``; mark catalog rows whose marker
-    is gone. Idempotent. Reads one listing per run and each marker not yet indexed.
+    """Import every run, attempt and checkpoint under ``url``, judged by the one rule of
+    ``zephon.reconcile``: history is recorded (a row that says failed or deleted is repaired
+    after a deep verification), an abandoned or unregistered marker is never promoted (its row
+    is staled), a condemned or damaged one is recorded corrupt; rows whose marker is gone are
+    marked deleted. Idempotent. Reads one listing per run and every marker.
 
     Problems with one run (a name registered elsewhere, an unreadable marker) are reported and
     the others still synced.
@@ -72,6 +69,16 @@ def sync_storage(
     return report
 
 
+def _indexed(row, listing, lineage) -> bool:
+    """Whether the catalog already records this committed step as storage holds it, without
+    reading its marker: its only payload directory is the committed row's save (or, format 1,
+    it has none), not condemned, and the row's epoch and step are in the lineage."""
+    if row is None or row.state != "committed" or row.save_id in listing.condemned:
+        return False
+    only_save = set(listing.saves) == {row.save_id} or (not listing.saves and row.epoch == 0)
+    return only_save and lineage.admits(row.epoch, row.step)
+
+
 def _sync_run(
     catalog: Catalog,
     store: CheckpointStore,
@@ -81,34 +88,47 @@ def _sync_run(
     kind: str,
     report: SyncReport,
 ) -> None:
-    steps = store.list_steps(storage_run)
-    committed_on_storage = {s.step for s in steps if s.committed}
+    steps = store.list_steps(storage_run, detail=True)
     if not steps:
         return
     catalog.ensure_run(name, root, kind=kind)
     report.runs.append(name)
+    location = RunLocation(name, store, storage_run)
+    lineage = store.lineage(storage_run)
+    mirror_lineage(catalog, location, lineage)
     rows = {row.step: row for row in catalog.list_checkpoints(name)}
-    for step in sorted(committed_on_storage):
-        row = rows.get(step)
-        if row is not None and row.state == "committed":
+    committed_on_storage = {s.step for s in steps if s.committed}
+    for listing in steps:
+        if not listing.committed:
+            continue
+        row = rows.get(listing.step)
+        if _indexed(row, listing, lineage):
             report.count(SyncOutcome.UNCHANGED.value)
             continue
-        try:
-            manifest = store.read_manifest(storage_run, step)
-        except CorruptCheckpointError as exc:
-            report.problems.append(f"run {name} step {step}: {exc}")
-            continue
-        _, outcome = catalog.upsert_committed(
-            name,
-            step,
-            store.checkpoint_url(storage_run, step),
-            bytes=manifest.total_bytes,
-            file_count=manifest.file_count,
-            manifest_checksum=manifest.checksum(),
-            metadata=manifest.metadata or None,
-            committed_at=_parse_time(manifest.committed_at),
-        )
-        report.count(outcome.value)
+        seen = examine(location, lineage, listing.step, row, condemned=listing.condemned)
+        verdict = seen.judgement.verdict
+        if verdict is Verdict.HISTORY and seen.manifest is not None:
+            if row is not None and row.state == "committed":
+                report.count(SyncOutcome.UNCHANGED.value)
+                continue
+            report.count(record_history(catalog, location, seen.manifest).value)
+        elif verdict is Verdict.REPAIR:
+            report.count("repaired" if repair(catalog, location, seen) else "corrupt")
+        elif verdict is Verdict.CORRUPT:
+            if seen.manifest is not None:
+                quarantine(
+                    catalog, location, listing.step, seen.judgement.reason, manifest=seen.manifest
+                )
+            report.count("corrupt")
+            report.problems.append(f"run {name} step {listing.step}: {seen.judgement.reason}")
+        elif verdict is Verdict.STALE:
+            marker = seen.manifest
+            same = row is not None and marker is not None and row.save_id == marker.save_id
+            if same and row.state in ("pending", "committed", "failed"):
+                catalog.mark_stale(name, listing.step, row.save_id, seen.judgement.reason)
+            report.count("stale")
+        else:
+            report.count(verdict.value)
     for step, row in rows.items():
         missing = row.state == "committed" and step not in committed_on_storage
         if missing and catalog.mark_missing(name, step):

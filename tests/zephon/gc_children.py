@@ -15,8 +15,9 @@ import sys
 import time
 
 from catalog import Catalog
+from tests.zephon.saves import start
 from zephon.locations import run_location
-from zephon.saving import saving
+from zephon.saving import Save
 
 
 def commit(args: dict) -> int:
@@ -25,8 +26,9 @@ def commit(args: dict) -> int:
     keep = args["num_to_keep"]
     deadline = time.monotonic() + args["seconds"]
     step = args.get("first_step", 0)
+    attempt = start(location, catalog, resumed_from=step - 1 if step else None)
     while time.monotonic() < deadline:
-        with saving(location, step, catalog=catalog) as writer:
+        with Save.begin(attempt, step, catalog=catalog) as writer:
             writer.write_many({f"part-{i}.bin": bytes([i]) * 512 for i in range(5)})
             time.sleep(args.get("pending_s", 0.05))  # a pending row gc must leave alone
             writer.commit()

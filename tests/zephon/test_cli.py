@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from catalog import Catalog
-from tests.zephon.test_composition import crash_after_marker, make_run, save_step
+from tests.zephon.saves import crash_after_marker, save_step, start
+from tests.zephon.test_composition import make_run
 from zephon.cli import main
 
 
@@ -29,8 +30,9 @@ def cli(catalog_url, capsys):
 @pytest.fixture
 def populated(catalog, local_backend):
     location = make_run(catalog, local_backend, num_to_keep=2)
+    attempt = start(location, catalog)
     for step in (10, 20, 30):
-        save_step(location, step, catalog)
+        save_step(attempt, step, catalog)
     return location
 
 
@@ -51,7 +53,7 @@ def test_checkpoints_lists_steps_and_filters_states(cli, populated):
 
 
 def test_latest_prints_the_url_and_repairs_a_crash(cli, catalog, populated):
-    crash_after_marker(populated, catalog, 40)
+    crash_after_marker(start(populated, catalog, resumed_from=30), catalog, 40)
     code, out, _ = cli("latest", "r")
     assert code == 0 and out.strip() == populated.checkpoint_url(40)
     code, out, _ = cli("latest", "r", "--json")
@@ -72,7 +74,7 @@ def test_latest_and_verify_work_without_a_catalog(cli, populated, local_backend)
 
 
 def test_verify_names_every_bad_file_and_exits_3(cli, populated):
-    path = populated.store.checkpoint_path("r", 20)
+    path = populated.store.reader("r", 20).path
     with open(f"{path}/w.bin", "r+b") as handle:
         handle.write(b"Z")
     os.remove(f"{path}/state.json")
@@ -101,7 +103,7 @@ def test_sync_indexes_a_storage_url(cli, local_backend, catalog):
     store = local_backend.open_store()
     from zephon.locations import RunLocation
 
-    save_step(RunLocation("imported", store, "imported"), 5)
+    save_step(start(RunLocation("imported", store, "imported")), 5)
     code, out, _ = cli("sync", local_backend.url, "--json")
     assert code == 0 and json.loads(out)["runs"] == ["imported"]
     assert catalog.latest_committed("imported").step == 5

@@ -9,10 +9,11 @@ import pytest
 
 from catalog import Catalog
 from storage.backend import list_files
-from zephon.gc import collect_garbage, gc_run, retain_without_catalog
+from tests.zephon.saves import crash_after_marker, crash_before_marker, save_step, start
+from zephon.gc import GcPolicy, collect_garbage, gc_run, retain_without_catalog
 from zephon.latest import find_latest
 from zephon.locations import RunLocation, run_location
-from zephon.saving import saving
+from zephon.saving import Save
 from zephon.sync import sync_storage
 
 
@@ -29,36 +30,16 @@ def make_run(catalog: Catalog, backend, name="r", **policy) -> RunLocation:
     return run_location(record, backend.storage_options)
 
 
-def save_step(location, step, catalog=None, files=None):
-    with saving(location, step, catalog=catalog) as writer:
-        writer.write_many(files or {"state.json": b'{"step": %d}' % step, "w.bin": b"x" * 64})
-        writer.commit()
-
-
-def crash_after_marker(location, catalog, step):
-    """A save that dies between writing the marker and updating the catalog."""
-    row = catalog.begin_checkpoint(location.name, step, location.checkpoint_url(step))
-    writer = location.store.begin(location.storage_run, step, save_id=row.save_id)
-    writer.write_bytes("w.bin", b"y")
-    writer.commit()
-
-
-def crash_before_marker(location, catalog, step):
-    catalog.begin_checkpoint(location.name, step, location.checkpoint_url(step))
-    writer = location.store.begin(location.storage_run, step)
-    writer.write_bytes("w.bin", b"partial")
-
-
 # -- the save path and latest --------------------------------------------------------------
 
 
 def test_saving_commits_the_row_with_the_manifest_facts(catalog, store_backend):
     location = make_run(catalog, store_backend)
-    save_step(location, 10, catalog)
+    save_step(start(location, catalog), 10, catalog)
     row = catalog.get_checkpoint("r", 10)
     manifest = location.store.read_manifest("r", 10)
     assert row.state == "committed"
-    assert row.save_id == manifest.save_id
+    assert (row.save_id, row.epoch) == (manifest.save_id, manifest.epoch) and row.epoch == 1
     assert (row.bytes, row.file_count) == (manifest.total_bytes, 2)
     assert row.manifest_checksum == manifest.checksum()
     assert row.path == location.checkpoint_url(10)
@@ -67,7 +48,7 @@ def test_saving_commits_the_row_with_the_manifest_facts(catalog, store_backend):
 def test_a_failed_save_leaves_a_failed_row_and_no_files(catalog, local_backend):
     location = make_run(catalog, local_backend)
     failing = pytest.raises(RuntimeError, match="disk on fire")
-    with failing, saving(location, 5, catalog=catalog) as writer:
+    with failing, Save.begin(start(location, catalog), 5, catalog=catalog) as writer:
         writer.write_bytes("a", b"1")
         raise RuntimeError("disk on fire")
     assert catalog.get_checkpoint("r", 5).state == "failed"
@@ -77,27 +58,29 @@ def test_a_failed_save_leaves_a_failed_row_and_no_files(catalog, local_backend):
 
 def test_forgetting_to_commit_is_an_error_not_a_silent_pending(catalog, local_backend):
     location = make_run(catalog, local_backend)
-    forgot = pytest.raises(RuntimeError, match="was not committed inside the saving")
-    with forgot, saving(location, 5, catalog=catalog) as writer:
+    forgot = pytest.raises(RuntimeError, match="was not committed inside the block")
+    with forgot, Save.begin(start(location, catalog), 5, catalog=catalog) as writer:
         writer.write_bytes("a", b"1")
     assert catalog.get_checkpoint("r", 5).state == "failed"
 
 
 def test_latest_is_the_newest_committed_row(catalog, store_backend):
     location = make_run(catalog, store_backend)
+    attempt = start(location, catalog)
     for step in (1, 5, 3):
-        save_step(location, step, catalog)
-    latest = find_latest(location.store, "r", catalog=catalog)
+        save_step(attempt, step, catalog)
+    latest = find_latest(location, catalog=catalog)
     assert (latest.step, latest.source, latest.url) == (5, "catalog", location.checkpoint_url(5))
 
 
 def test_a_crash_between_marker_and_catalog_is_repaired_by_the_probe(catalog, store_backend):
     location = make_run(catalog, store_backend)
-    save_step(location, 1, catalog)
-    crash_after_marker(location, catalog, 2)
-    crash_before_marker(location, catalog, 3)
+    attempt = start(location, catalog)
+    save_step(attempt, 1, catalog)
+    crash_after_marker(attempt, catalog, 2)
+    crash_before_marker(attempt, catalog, 3)
     assert catalog.latest_committed("r").step == 1
-    latest = find_latest(location.store, "r", catalog=catalog)
+    latest = find_latest(location, catalog=catalog)
     assert (latest.step, latest.promoted) == (2, (2,))
     assert catalog.get_checkpoint("r", 2).state == "committed"
     assert catalog.get_checkpoint("r", 3).state == "pending"  # its writer may still be alive
@@ -105,10 +88,11 @@ def test_a_crash_between_marker_and_catalog_is_repaired_by_the_probe(catalog, st
 
 def test_a_committed_row_whose_marker_vanished_is_marked_and_skipped(catalog, local_backend):
     location = make_run(catalog, local_backend)
-    save_step(location, 1, catalog)
-    save_step(location, 2, catalog)
+    attempt = start(location, catalog)
+    save_step(attempt, 1, catalog)
+    save_step(attempt, 2, catalog)
     location.store.delete("r", 2)  # behind the catalog's back
-    latest = find_latest(location.store, "r", catalog=catalog)
+    latest = find_latest(location, catalog=catalog)
     assert (latest.step, latest.missing) == (1, (2,))
     assert catalog.get_checkpoint("r", 2).state == "deleted"
 
@@ -116,17 +100,18 @@ def test_a_committed_row_whose_marker_vanished_is_marked_and_skipped(catalog, lo
 def test_without_a_catalog_the_storage_scan_answers(local_backend):
     store = local_backend.open_store()
     location = RunLocation("r", store, "r")
+    attempt = start(location)
     for step in (2, 7):
-        save_step(location, step)
-    latest = find_latest(store, "r")
+        save_step(attempt, step)
+    latest = find_latest(location)
     assert (latest.step, latest.source) == (7, "storage")
-    assert find_latest(store, "other") is None
+    assert find_latest(RunLocation("other", store, "other")) is None
 
 
 def test_a_run_unknown_to_the_catalog_falls_back_to_storage(sqlite_catalog, local_backend):
     store = local_backend.open_store()
-    save_step(RunLocation("r", store, "r"), 4)
-    latest = find_latest(store, "r", catalog=sqlite_catalog)
+    save_step(start(RunLocation("r", store, "r")), 4)
+    latest = find_latest(RunLocation("r", store, "r"), catalog=sqlite_catalog)
     assert (latest.step, latest.source) == (4, "storage")
 
 
@@ -136,11 +121,11 @@ def test_a_run_unknown_to_the_catalog_falls_back_to_storage(sqlite_catalog, loca
 def test_sync_rebuilds_the_catalog_from_storage_and_is_idempotent(catalog, store_backend):
     store = store_backend.open_store()
     for run, steps in (("alpha", (1, 2)), ("beta", (10,))):
+        attempt = start(RunLocation(run, store, run))
         for step in steps:
-            save_step(RunLocation(run, store, run), step)
-    save_step(RunLocation("x", store, None), 3)  # inference layout at the root
-    leftover = store.begin("alpha", 99)
-    leftover.write_bytes("a", b"uncommitted")
+            save_step(attempt, step)
+    save_step(start(RunLocation("x", store, None)), 3)  # inference layout at the root
+    crash_before_marker(attempt, None, 99)
 
     report = sync_storage(catalog, store_backend.url, store_backend.storage_options)
     assert sorted(report.runs) == ["alpha", "beta", "ckpt"]
@@ -162,8 +147,8 @@ def test_sync_rebuilds_the_catalog_from_storage_and_is_idempotent(catalog, store
 
 def test_sync_reports_a_run_registered_elsewhere_and_continues(catalog, local_backend, tmp_path):
     store = local_backend.open_store()
-    save_step(RunLocation("a", store, "a"), 1)
-    save_step(RunLocation("b", store, "b"), 1)
+    save_step(start(RunLocation("a", store, "a")), 1)
+    save_step(start(RunLocation("b", store, "b")), 1)
     catalog.ensure_run("a", str(tmp_path / "elsewhere"))
     report = sync_storage(catalog, local_backend.url)
     assert report.runs == ["b"]
@@ -175,8 +160,9 @@ def test_sync_reports_a_run_registered_elsewhere_and_continues(catalog, local_ba
 
 def test_gc_keeps_the_newest_n_milestones_and_pins(catalog, store_backend):
     location = make_run(catalog, store_backend, num_to_keep=2, keep_every_steps=4)
+    attempt = start(location, catalog)
     for step in range(1, 10):
-        save_step(location, step, catalog)
+        save_step(attempt, step, catalog)
     catalog.pin("r", 3)
     report = collect_garbage(catalog, storage_options=store_backend.storage_options)
     assert sorted(d["step"] for d in report.deleted) == [1, 2, 5, 6, 7]
@@ -191,8 +177,9 @@ def test_gc_keeps_the_newest_n_milestones_and_pins(catalog, store_backend):
 
 def test_gc_dry_run_changes_nothing(catalog, local_backend):
     location = make_run(catalog, local_backend, num_to_keep=1)
+    attempt = start(location, catalog)
     for step in range(3):
-        save_step(location, step, catalog)
+        save_step(attempt, step, catalog)
     report = collect_garbage(catalog, dry_run=True)
     assert [d["step"] for d in report.deleted] == [0, 1]
     assert location.store.committed_steps("r") == [0, 1, 2]
@@ -201,9 +188,10 @@ def test_gc_dry_run_changes_nothing(catalog, local_backend):
 
 def test_gc_never_deletes_the_newest_or_a_young_pending(catalog, local_backend):
     location = make_run(catalog, local_backend, num_to_keep=1)
-    save_step(location, 1, catalog)
-    crash_before_marker(location, catalog, 2)
-    collect_garbage(catalog, grace=dt.timedelta(hours=1))
+    attempt = start(location, catalog)
+    save_step(attempt, 1, catalog)
+    crash_before_marker(attempt, catalog, 2)
+    collect_garbage(catalog, policy=GcPolicy(grace=dt.timedelta(0)))
     assert catalog.get_checkpoint("r", 1).state == "committed"
     assert catalog.get_checkpoint("r", 2).state == "pending"
     assert [s.step for s in location.store.list_steps("r")] == [1, 2]
@@ -211,13 +199,16 @@ def test_gc_never_deletes_the_newest_or_a_young_pending(catalog, local_backend):
 
 def test_gc_settles_stale_pending_rows_and_removes_their_orphans(catalog, local_backend):
     location = make_run(catalog, local_backend)
-    save_step(location, 1, catalog)
-    crash_after_marker(location, catalog, 2)  # complete, catalog never told
-    crash_before_marker(location, catalog, 3)  # torn
-    leftover = location.store.begin("r", 4)  # an orphan the catalog never heard of
+    attempt = start(location, catalog)
+    save_step(attempt, 1, catalog)
+    crash_after_marker(attempt, catalog, 2)  # complete, catalog never told
+    crash_before_marker(attempt, catalog, 3)  # torn
+    # an orphan the catalog never heard of: a save whose row was lost
+    leftover = location.store.begin("r", 4, fence=attempt.fence)
     leftover.write_bytes("x", b"1")
     time.sleep(0.05)
-    report = collect_garbage(catalog, grace=dt.timedelta(seconds=0.01))
+    short = dt.timedelta(seconds=0.01)
+    report = collect_garbage(catalog, policy=GcPolicy(grace=short, pending_grace=short))
     assert {(s["step"], s["to"]) for s in report.settled} == {(2, "committed"), (3, "failed")}
     assert sorted(o["step"] for o in report.orphans) == [3, 4]
     assert catalog.get_checkpoint("r", 2).state == "committed"
@@ -228,8 +219,9 @@ def test_gc_settles_stale_pending_rows_and_removes_their_orphans(catalog, local_
 
 def test_gc_finishes_a_delete_a_crashed_gc_left(catalog, store_backend):
     location = make_run(catalog, store_backend, num_to_keep=1)
+    attempt = start(location, catalog)
     for step in range(3):
-        save_step(location, step, catalog)
+        save_step(attempt, step, catalog)
     # a gc that claimed steps 0 and 1, removed step 0's marker, and died
     claimed = catalog.claim_for_deletion("r", [0, 1])
     assert [r.step for r in claimed] == [0, 1]
@@ -238,7 +230,7 @@ def test_gc_finishes_a_delete_a_crashed_gc_left(catalog, store_backend):
     report = gc_run(catalog, location)
     assert report.deleted == []
     assert {r.state for r in catalog.list_checkpoints("r") if r.step < 2} == {"deleting"}
-    report = gc_run(catalog, location, lease=dt.timedelta(microseconds=1))
+    report = gc_run(catalog, location, policy=GcPolicy(lease=dt.timedelta(microseconds=1)))
     assert sorted(d["step"] for d in report.deleted) == [0, 1]
     assert [s.step for s in location.store.list_steps("r")] == [2]
     assert [r.state for r in catalog.list_checkpoints("r")] == ["deleted", "deleted", "committed"]
@@ -247,10 +239,12 @@ def test_gc_finishes_a_delete_a_crashed_gc_left(catalog, store_backend):
 def test_retention_without_a_catalog_keeps_the_newest_n(local_backend):
     store = local_backend.open_store()
     location = RunLocation("r", store, "r")
+    attempt = start(location)
     for step in range(6):
-        save_step(location, step)
-    assert retain_without_catalog(store, "r", num_to_keep=2, keep_every_steps=3) == [1, 2]
+        save_step(attempt, step)
+    fence = attempt.fence
+    assert retain_without_catalog(store, "r", fence, num_to_keep=2, keep_every_steps=3) == [1, 2]
     assert store.committed_steps("r") == [0, 3, 4, 5]
-    assert retain_without_catalog(store, "r", num_to_keep=1) == [0, 3, 4]
+    assert retain_without_catalog(store, "r", fence, num_to_keep=1) == [0, 3, 4]
     assert store.committed_steps("r") == [5]
-    assert retain_without_catalog(store, "r", num_to_keep=None) == []
+    assert retain_without_catalog(store, "r", fence, num_to_keep=None) == []

@@ -16,7 +16,8 @@ import pytest
 
 from catalog import Catalog
 from storage.backend import list_files
-from tests.zephon.test_composition import make_run, save_step
+from tests.zephon.saves import save_step, start
+from tests.zephon.test_composition import make_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZEPHON = os.path.join(os.path.dirname(sys.executable), "zephon")
@@ -118,8 +119,9 @@ def test_a_gc_killed_at_random_points_is_finished_by_the_next(catalog_url, s3_ba
     keep = 2
     with Catalog(catalog_url) as catalog:
         location = make_run(catalog, s3_backend, num_to_keep=keep)
+        attempt = start(location, catalog)
         for step in range(24):
-            save_step(location, step, catalog)
+            save_step(attempt, step, catalog)
     options = s3_backend.storage_options
     rng = random.Random(7)
     for _ in range(5):

@@ -240,15 +240,39 @@ def test_load_names_missing_and_unexpected_keys(config):
         manager.load_latest({"model": build()[0], "other": Counter()})
 
 
-def test_a_checkpoint_failing_verification_is_refused_naming_the_file(config):
+def flip_a_byte(store, step: int) -> str:
+    """Flip one byte in the middle of a shard of checkpoint ``step``; returns the shard."""
+    reader = store.reader("r", step)
+    shard = next(n for n in reader.names if n.endswith(".distcp"))
+    path = os.path.join(reader.path, shard)
+    with open(path, "r+b") as handle:
+        handle.seek(os.path.getsize(path) // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    return shard
+
+
+def test_with_on_corrupt_fail_a_damaged_checkpoint_is_refused_naming_the_file(config):
     with manager_for(config) as manager:
         train(manager, *build(), Counter(), 1, 3)
-        reader = manager.store.reader("r", 3)
-        shard = next(n for n in reader.names if n.endswith(".distcp"))
-        with open(os.path.join(reader.path, shard), "ab") as handle:
-            handle.write(b"x")
+        shard = flip_a_byte(manager.store, 3)
+    config.on_corrupt = "fail"
     with manager_for(config) as manager, pytest.raises(CorruptCheckpointError, match=shard):
         manager.load_latest(state_of(*build(), Counter()))
+
+
+def test_a_damaged_checkpoint_is_quarantined_and_the_previous_one_loaded(config, caplog):
+    with manager_for(config) as manager:
+        model, optimizer, scheduler = build()
+        train(manager, model, optimizer, scheduler, Counter(), 1, 6)
+        flip_a_byte(manager.store, 6)
+    with manager_for(config) as manager:
+        resume = manager.load_latest(state_of(*build(), Counter()))
+        assert resume.step == 3
+        assert manager.catalog.get_checkpoint("r", 6).state == "corrupt"
+        assert manager.store.condemned("r") == [(6, manager.store.read_manifest("r", 6).save_id)]
+    assert any("save-6 failed verification" in r.getMessage() for r in caplog.records)
 
 
 def test_non_tensor_state_is_json_and_nothing_is_pickled(config):

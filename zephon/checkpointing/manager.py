@@ -18,8 +18,15 @@ from typing import Any
 import torch
 
 from catalog import Catalog
-from storage import CheckpointStore, CheckpointWriter, FileEntry
+from storage import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    CheckpointWriter,
+    CorruptCheckpointError,
+    FileEntry,
+)
 from zephon import dcp as zdcp
+from zephon.attempts import Attempt, fenced, register_resuming
 from zephon.checkpointing.collectives import Collectives
 from zephon.checkpointing.files import (
     DCP_SUBDIR,
@@ -36,8 +43,10 @@ from zephon.checkpointing.source import load_frozen_from_source
 from zephon.config import CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError, ZephonError
 from zephon.gc import gc_run, retain_without_catalog
-from zephon.latest import find_latest
+from zephon.latest import LatestCheckpoint, find_latest
 from zephon.locations import RunLocation, inference_run_name
+from zephon.reconcile import quarantine
+from zephon.saving import Save
 from zephon.state_tree import join_state, split_state, tensor_keys
 
 __all__ = ["CheckpointManager", "Resume", "ALREADY_COMPLETE"]
@@ -116,6 +125,8 @@ class CheckpointManager:
         self.location = RunLocation(self.name, self.store, self.run)
         self.coll = Collectives()
         self.catalog: Catalog | None = None
+        #: rank 0: this job's attempt, registered by ``load_latest`` (or the first save)
+        self.attempt: Attempt | None = None
 
         def open_catalog_on_main() -> None:
             if config.resolved_catalog_url:
@@ -183,10 +194,11 @@ class CheckpointManager:
         # Doubles as the barrier before the save.
         self.coll.agree(problem, f"prepare the state of step {step}")
         layout, tensors, shared, mine = prepared
-        row, primary = None, None
+        save, primary = None, None
         if self.coll.is_main:
             try:
-                row, primary = self._begin(step)
+                save = Save.begin(self._current_attempt(), step, catalog=self.catalog)
+                primary = save.writer
             except Exception as exc:
                 problem = exc
         try:
@@ -209,14 +221,14 @@ class CheckpointManager:
                     process_group=self.coll.io_group,
                     stager=self._stager(),
                 )
-                self._start_background(step, future, storage_writer, writer, row)
+                self._start_background(step, future, writer, save)
                 self.coll.barrier()
                 return
             zdcp.save(tensors, storage_writer, process_group=self.coll.io_group)
         except BaseException as exc:
-            self._failed(writer, row, step, exc)
+            self._failed(writer, save, exc)
             raise
-        self._committed(step, storage_writer, row)
+        self._committed(save)
         self.coll.barrier()
 
     def _prepare(self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None):
@@ -240,24 +252,17 @@ class CheckpointManager:
             mine["rank_state"] = rank_skeleton
         return layout, tensors, shared, mine
 
-    def _begin(self, step: int):
-        """Rank 0: arm the catalog row, then begin the storage checkpoint (removing an
-        uncommitted leftover). A failed begin leaves the row failed, not pending."""
-        row = None
-        if self.catalog is not None:
-            row = self.catalog.begin_checkpoint(
-                self.name, step, self.store.checkpoint_url(self.run, step)
-            )
-        try:
-            primary = self.store.begin(
-                self.run, step, save_id=row.save_id if row is not None else None
-            )
-        except Exception as exc:
-            if row is not None:
-                with contextlib.suppress(Exception):
-                    self.catalog.mark_failed(self.name, step, row.save_id, str(exc))
-            raise
-        return row, primary
+    def _current_attempt(self) -> Attempt:
+        """Rank 0: this job's attempt. A job that saves without ``load_latest`` registers one
+        that continues the run's latest checkpoint (it never abandons history implicitly)."""
+        if self.attempt is None:
+
+            def continue_latest(lineage):
+                latest = find_latest(self.location, catalog=self.catalog, lineage=lineage)
+                return (latest.step if latest is not None else None), None
+
+            self.attempt, _ = register_resuming(self.location, self.catalog, continue_latest)
+        return self.attempt
 
     def _write_json(
         self,
@@ -293,59 +298,53 @@ class CheckpointManager:
         if self.coll.is_main:
             writer.add_entries(FileEntry(**e) for e in gathered or [])
 
-    def _committed(self, step: int, storage_writer, row) -> None:
+    def _committed(self, save: Save | None) -> None:
         """Rank 0, after the marker: the catalog row, then retention."""
         if not self.coll.is_main:
             return
-        manifest = storage_writer.manifest
-        if self.catalog is not None and row is not None:
-            self.catalog.mark_committed(
-                self.name,
-                step,
-                row.save_id,
-                bytes=manifest.total_bytes,
-                file_count=manifest.file_count,
-                manifest_checksum=manifest.checksum(),
-                metadata={"step": step, "kind": self.kind},
-            )
+        assert save is not None
+        save.committed()
         self.apply_retention()
 
-    def _failed(self, writer: CheckpointWriter, row, step: int, exc: BaseException) -> None:
+    def _failed(self, writer: CheckpointWriter, save: Save | None, exc: BaseException) -> None:
         if not self.coll.is_main:
             return
-        with contextlib.suppress(Exception):
-            writer.abort()
-        if self.catalog is not None and row is not None:
+        if save is not None:
+            save.failed(exc)
+        else:
             with contextlib.suppress(Exception):
-                self.catalog.mark_failed(
-                    self.name, step, row.save_id, f"{type(exc).__name__}: {exc}"
-                )
+                writer.abort()
 
     def apply_retention(self) -> list[int]:
         """Rank 0: delete the checkpoints ``num_to_keep`` no longer keeps (seed 002: after
         each save, the main process deletes the oldest). Returns the deleted steps."""
         if not self.coll.is_main:
             return []
+        attempt = self._current_attempt()
         if self.catalog is not None:
-            report = gc_run(self.catalog, self.location, orphans=False)
+            report = gc_run(self.catalog, self.location, orphans=False, epoch=attempt.epoch)
             return [d["step"] for d in report.deleted]
         if self.config.num_to_keep is None and self.config.keep_every_steps is None:
             return []
         return retain_without_catalog(
-            self.store, self.run, self.config.num_to_keep, self.config.keep_every_steps
+            self.store,
+            self.run,
+            attempt.fence,
+            self.config.num_to_keep,
+            self.config.keep_every_steps,
         )
 
     # -- background saves ---------------------------------------------------------------------
 
-    def _start_background(self, step, future: Future, storage_writer, writer, row) -> None:
+    def _start_background(self, step, future: Future, writer, save: Save | None) -> None:
         done: Future = Future()
 
         def finish(upload: Future) -> None:
             try:
                 upload.result()
-                self._committed(step, storage_writer, row)
+                self._committed(save)
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next call
-                self._failed(writer, row, step, exc)
+                self._failed(writer, save, exc)
                 done.set_exception(exc)
                 return
             done.set_result(step)
@@ -381,43 +380,102 @@ class CheckpointManager:
         checkpoint (an inference job's data position makes it skip what it processed). Raised
         ``total_steps``: continue to the new last step. Finished: log "Training is already
         complete, nothing to do" (or "Inference ...") and return ``finished=True``.
+
+        Registers this job's attempt (its fencing token), resuming from the step found: from
+        then on an older attempt still running cannot save, mark or delete anything of the run.
+        Every byte loaded is checked against its CRC32C (``verify_on_load``); a checkpoint that
+        fails (or vanished meanwhile) is quarantined, one log line says so, and the next
+        complete one is loaded, unless ``on_corrupt`` is ``"fail"``.
         """
         self.wait()
+        while True:
+            # One process asks the catalog and reads the small JSON; the others get the answer.
+            answer = self.coll.from_main(self._resume_point_on_main, "find the latest checkpoint")
+            if answer is None:
+                return Resume(step=None, next_step=1)
+            found, meta = answer
+            step = found["step"]
+            saved_total = meta.get("total_steps")
+            if self.total_steps is not None and step >= self.total_steps:
+                log.info(ALREADY_COMPLETE[self.kind])
+                return Resume(
+                    step=step,
+                    next_step=step + 1,
+                    finished=True,
+                    url=found["url"],
+                    saved_total_steps=saved_total,
+                )
+            problem: Exception | None = None
+            try:
+                values, rank_state = self._load(step, meta, state, allow_partial_load)
+            except Exception as exc:
+                problem = exc
+            damaged = self._damage_on_any_rank(problem)
+            if damaged is None:
+                if problem is not None:
+                    raise problem
+                return Resume(
+                    step=step,
+                    next_step=step + 1,
+                    url=found["url"],
+                    values=values,
+                    rank_state=rank_state,
+                    saved_total_steps=saved_total,
+                )
+            if self.config.on_corrupt == "fail":
+                if problem is not None:
+                    raise problem
+                raise ZephonError(f"checkpoint {found['url']} could not be loaded: {damaged}")
+            if self.coll.is_main:
+                self._set_aside(step, damaged)
 
-        def latest_on_main() -> tuple[dict[str, Any], dict[str, Any]] | None:
-            latest = find_latest(self.store, self.run, catalog=self.catalog, name=self.name)
+    def _resume_point_on_main(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """Rank 0: find the latest complete checkpoint and register this job's attempt as
+        resuming from it; a checkpoint whose JSON fails verification is set aside and the next
+        one taken."""
+        while True:
+
+            def choose(lineage) -> tuple[int | None, LatestCheckpoint | None]:
+                latest = find_latest(self.location, catalog=self.catalog, lineage=lineage)
+                return (latest.step if latest is not None else None), latest
+
+            self.attempt, latest = register_resuming(self.location, self.catalog, choose)
             if latest is None:
                 return None
-            return {"step": latest.step, "url": latest.url}, self._read_meta(latest.step)
+            try:
+                meta = self._read_meta(latest.step)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                self._set_aside(latest.step, str(exc))
+                continue
+            return {"step": latest.step, "url": latest.url}, meta
 
-        # One process asks the catalog and reads the small JSON; the others get the answer.
-        answer = self.coll.from_main(latest_on_main, "find the latest checkpoint")
-        if answer is None:
-            return Resume(step=None, next_step=1)
-        found, meta = answer
-        step = found["step"]
-        saved_total = meta.get("total_steps")
-        if self.total_steps is not None and step >= self.total_steps:
-            log.info(ALREADY_COMPLETE[self.kind])
-            return Resume(
-                step=step,
-                next_step=step + 1,
-                finished=True,
-                url=found["url"],
-                saved_total_steps=saved_total,
-            )
-        values, rank_state = self._load(step, meta, state, allow_partial_load)
-        return Resume(
-            step=step,
-            next_step=step + 1,
-            url=found["url"],
-            values=values,
-            rank_state=rank_state,
-            saved_total_steps=saved_total,
+    def _damage_on_any_rank(self, problem: Exception | None) -> str | None:
+        """Collective: what made the load fail, if on any rank it was damage (a checksum or
+        size mismatch, a file gone); None if every rank loaded or failed for another reason."""
+        mine = None
+        if isinstance(problem, CorruptCheckpointError | CheckpointNotFoundError):
+            mine = f"{type(problem).__name__}: {problem}"
+        reports = self.coll.all_gather(mine)
+        return next((r for r in reports if r is not None), None)
+
+    def _set_aside(self, step: int, why: str) -> None:
+        """Rank 0: quarantine a checkpoint that failed to load and say so in one line."""
+        url = self.store.checkpoint_url(self.run, step)
+        try:
+            manifest = self.store.read_manifest(self.run, step)
+        except (CorruptCheckpointError, CheckpointNotFoundError):
+            manifest = None
+        with contextlib.suppress(Exception):
+            quarantine(self.catalog, self.location, step, why[:2000], manifest=manifest)
+        log.warning(
+            "zephon: checkpoint %s failed verification or vanished (%s); it is quarantined and "
+            "the next complete checkpoint is loaded",
+            url,
+            why.splitlines()[0][:300],
         )
 
     def _read_meta(self, step: int) -> dict[str, Any]:
-        reader = self.store.reader(self.run, step)
+        reader = self.store.reader(self.run, step, verify=self.config.verify_on_load)
         meta = decode_json(reader.read_bytes(META_FILE), f"{reader.url}/{META_FILE}")
         if meta.get("format_version", 0) > META_VERSION:
             raise ZephonError(f"{reader.url} was written by a newer Zephon; upgrade to load it")
@@ -476,7 +534,7 @@ class CheckpointManager:
         if layout.trainable_only:
             self._load_source(layout)
         url = self.store.checkpoint_url(self.run, step)
-        checkpoint = self.store.reader(self.run, step)
+        checkpoint = self.store.reader(self.run, step, verify=self.config.verify_on_load)
         # The same world size gets every rank its own state back; another one (an elastic
         # resume) gets every rank rank 0's, and no RNG or rank_state.
         same_world = meta.get("world_size") == self.coll.world_size
@@ -524,7 +582,9 @@ class CheckpointManager:
         """Wait for background work and mark the run finished in the catalog."""
         self.wait()
         if self.catalog is not None:
-            self.catalog.update_run(self.name, status="finished")
+            epoch = self.attempt.epoch if self.attempt is not None else None
+            with fenced():
+                self.catalog.update_run(self.name, status="finished", epoch=epoch)
 
     def close(self) -> None:
         """Wait for background work, then release the catalog and the process group."""

@@ -106,7 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace",
         type=c.parse_duration,
         default=c.parse_duration("24h"),
-        help="leave pending and uncommitted work younger than this alone (default 24h)",
+        help="leave leftovers of unfinished saves and abandoned (stale) checkpoints younger "
+        "than this alone (default 24h); a save in progress is protected whatever it says",
+    )
+    p.add_argument(
+        "--pending-grace",
+        type=c.parse_duration,
+        default=c.parse_duration("24h"),
+        help="a save that has not committed after this long is settled as failed "
+        "(default 24h); keep it above the longest save",
+    )
+    p.add_argument(
+        "--corrupt",
+        action="store_true",
+        help="also delete checkpoints that failed verification (kept for inspection otherwise)",
     )
     p.add_argument(
         "--lease",

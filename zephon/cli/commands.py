@@ -17,9 +17,14 @@ from catalog import Catalog
 from storage import CheckpointStore
 from zephon.cli.render import console, human_bytes, print_json, print_table
 from zephon.errors import ConfigError
-from zephon.gc import collect_garbage
+from zephon.gc import GcPolicy, collect_garbage
 from zephon.latest import find_latest
-from zephon.locations import resolve_catalog_url, run_location, storage_options_from_env
+from zephon.locations import (
+    RunLocation,
+    resolve_catalog_url,
+    run_location,
+    storage_options_from_env,
+)
 from zephon.sync import sync_storage
 
 T = TypeVar("T")
@@ -103,11 +108,12 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         return EXIT_OK
     print_table(
         f"checkpoints of run {args.run}",
-        ["step", "state", "size", "files", "pinned", "committed at", "path"],
+        ["step", "state", "epoch", "size", "files", "pinned", "committed at", "path"],
         [
             (
                 r.step,
                 r.state,
+                r.epoch,
                 human_bytes(r.bytes),
                 r.file_count,
                 "yes" if r.pinned else "",
@@ -121,18 +127,18 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def located(args: argparse.Namespace) -> Iterator[tuple[CheckpointStore, str | None, Any, str]]:
-    """``(store, storage run, catalog or None, catalog name)`` of ``args.run``, found through
-    the catalog, or by scanning ``--save-dir`` without one; the catalog is closed after."""
+def located(args: argparse.Namespace) -> Iterator[tuple[RunLocation, Any]]:
+    """``(location, catalog or None)`` of ``args.run``, found through the catalog, or by
+    scanning ``--save-dir`` without one; the catalog is closed after."""
     options = storage_options_from_env(args.storage_options)
     if args.save_dir:
-        yield CheckpointStore(args.save_dir, options), args.run, None, args.run
+        store = CheckpointStore(args.save_dir, options)
+        yield RunLocation(args.run or "inference", store, args.run), None
         return
     if not args.run:
         raise ConfigError("name a RUN (from `zephon runs`), or give --save-dir to scan storage")
     with open_catalog(args) as cat:
-        location = run_location(cat.get_run(args.run), options)
-        yield location.store, location.storage_run, cat, location.name
+        yield run_location(cat.get_run(args.run), options), cat
 
 
 def choose_checkpoint(
@@ -140,14 +146,14 @@ def choose_checkpoint(
 ) -> tuple[CheckpointStore, str | None, int] | None:
     """The checkpoint ``args`` name: ``--step``, else the run's latest complete one (None, with
     a message, when it has none)."""
-    with located(args) as (store, storage_run, cat, name):
+    with located(args) as (location, cat):
         if args.step is not None:
-            return store, storage_run, args.step
-        latest = find_latest(store, storage_run, catalog=cat, name=name)
+            return location.store, location.storage_run, args.step
+        latest = find_latest(location, catalog=cat)
     if latest is None:
         console.print(f"no complete checkpoint to {action} for run {args.run or '(inference)'}")
         return None
-    return store, storage_run, latest.step
+    return location.store, location.storage_run, latest.step
 
 
 def with_progress(label: str, work: Callable[[Callable[[str], None]], T]) -> T:
@@ -158,8 +164,8 @@ def with_progress(label: str, work: Callable[[Callable[[str], None]], T]) -> T:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
-    with located(args) as (store, storage_run, cat, name):
-        latest = find_latest(store, storage_run, catalog=cat, name=name)
+    with located(args) as (location, cat):
+        latest = find_latest(location, catalog=cat)
     if latest is None:
         if args.json:
             print_json(None)
@@ -226,8 +232,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
             lambda report_run: collect_garbage(
                 cat,
                 runs=args.run or None,
-                grace=args.grace,
-                lease=args.lease,
+                policy=GcPolicy(
+                    grace=args.grace,
+                    pending_grace=args.pending_grace,
+                    lease=args.lease,
+                    corrupt=args.corrupt,
+                ),
                 dry_run=args.dry_run,
                 storage_options=options,
                 progress=report_run,
@@ -241,7 +251,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             console.print(f"{verb} {item['run']} step {item['step']}")
         for item in report.settled:
             console.print(
-                f"settled stale pending {item['run']} step {item['step']} -> {item['to']}"
+                f"settled unfinished save {item['run']} step {item['step']} -> {item['to']}"
             )
         for item in report.orphans:
             console.print(f"{'would remove' if args.dry_run else 'removed'} orphan {item['url']}")
@@ -249,7 +259,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             console.print(f"problem: {problem}")
         console.print(
             f"gc{' (dry run)' if args.dry_run else ''}: {len(report.deleted)} checkpoint(s), "
-            f"{len(report.orphans)} orphan(s), {len(report.settled)} stale pending, "
+            f"{len(report.orphans)} orphan(s), {len(report.settled)} unfinished save(s) settled, "
             f"{len(report.problems)} problem(s)"
         )
     return EXIT_PROBLEMS if report.problems else EXIT_OK

@@ -1,0 +1,39 @@
+"""The examples in docs/ and README.md that are not the pipeline's, run as printed: each
+``python`` block followed by an output block must print exactly that output."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_EXAMPLE = re.compile(r"```python\n(?P<code>.*?)```\n\nprints\n\n```\n(?P<out>.*?)```", re.S)
+
+
+def examples(page: str) -> list[tuple[str, str]]:
+    with open(os.path.join(REPO, page)) as handle:
+        text = handle.read()
+    return [(m.group("code"), m.group("out")) for m in _EXAMPLE.finditer(text)]
+
+
+@pytest.mark.parametrize("page", ["docs/fencing.md"])
+def test_every_printed_example_prints_what_the_page_says(page, tmp_path):
+    found = examples(page)
+    assert found, f"{page} has no example with printed output"
+    for code, expected in found:
+        script = tmp_path / "example.py"
+        script.write_text(code)
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": REPO},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == expected
