@@ -8,14 +8,11 @@ credentials masked.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
-import time
 import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from storage.backend import (
@@ -26,14 +23,13 @@ from storage.backend import (
     remove_empty_dirs,
     remove_files,
 )
-from storage.checksum import crc32c_of
-from storage.commit import fsync_dir, marker_protocol_for
+from storage.commit import fsync_dir
 from storage.errors import (
     CheckpointNotFoundError,
     CommitConflictError,
     CorruptCheckpointError,
-    StaleAttemptError,
 )
+from storage.existing import condemn, describe, is_condemned, settle_existing, stale_error
 from storage.layout import (
     CORRUPT_PREFIX,
     MARKER_NAME,
@@ -41,6 +37,7 @@ from storage.layout import (
     validate_run,
     validate_step,
 )
+from storage.leftovers import Orphan, condemned_saves, find_orphans, remove_condemned, remove_orphan
 from storage.lineage import (
     AttemptRecord,
     Fence,
@@ -66,53 +63,6 @@ _SUPERSEDE_TRIES = 5
 def new_save_id(fence: Fence | None = None) -> str:
     """A fresh save id: ``e<epoch>-<16 hex>`` (the epoch shows in the payload directory)."""
     return f"e{fence.epoch if fence is not None else 0}-{uuid.uuid4().hex[:16]}"
-
-
-def _describe(manifest: Manifest) -> str:
-    writer = manifest.writer
-    return (
-        f" (by {writer.get('host', '?')} pid {writer.get('pid', '?')} at "
-        f"{manifest.committed_at}, epoch {manifest.epoch}, save {manifest.save_id})"
-    )
-
-
-def _stale(
-    store: CheckpointStore,
-    run: str | None,
-    epoch: int,
-    current: AttemptRecord | None,
-    *,
-    unfenced: bool = False,
-) -> StaleAttemptError:
-    url = store.location.display(store.run_path(run))
-    who = current.describe() if current is not None else "a newer attempt"
-    if unfenced:
-        message = (
-            f"run {run or '(inference)'} at {url} is fenced: its current attempt is {who}; an "
-            "unfenced writer cannot save into it: save through the run's current attempt "
-            "(CheckpointManager registers one on start)"
-        )
-    else:
-        message = (
-            f"run {run or '(inference)'} at {url}: attempt epoch {epoch} is no longer current: "
-            f"attempt {who} took over; this process is a stale attempt (a preempted job still "
-            "running?): stop saving"
-        )
-    return StaleAttemptError(message, epoch=epoch, current=current, url=url, run=run)
-
-
-@dataclass(frozen=True, slots=True)
-class Orphan:
-    """A leftover old enough for gc to remove: one save's payload directory (``save_id``), or
-    the loose files of an uncommitted step directory (``save_id`` None)."""
-
-    run: str | None
-    step: int
-    save_id: str | None
-    path: str
-    url: str
-    newest_mtime: float | None
-    age_s: float
 
 
 class CheckpointStore:
@@ -164,7 +114,8 @@ class CheckpointStore:
         """The checkpoint directory's full URL (credentials masked), as printed to users."""
         return self.location.display(self.checkpoint_path(run, step))
 
-    def _marker(self, run: str | None, step: int) -> str:
+    def marker_path(self, run: str | None, step: int) -> str:
+        """The path of the step's commit marker."""
         return f"{self.checkpoint_path(run, step)}/{MARKER_NAME}"
 
     # -- attempts and fencing ------------------------------------------------------------------
@@ -210,7 +161,7 @@ class CheckpointStore:
         registered (one listing of the run's attempt records)."""
         newer = newer_epochs(self.location, self.run_path(run), fence.epoch)
         if newer is not None:
-            raise _stale(self, run, fence.epoch, newer)
+            raise stale_error(self, run, fence.epoch, newer)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -222,6 +173,7 @@ class CheckpointStore:
         fence: Fence | None = None,
         metadata: Mapping[str, Any] | None = None,
         save_id: str | None = None,
+        recheck: bool = True,
     ) -> CheckpointWriter:
         """Start a save of checkpoint ``(run, step)``; returns the primary writer.
 
@@ -237,19 +189,23 @@ class CheckpointStore:
 
         ``fence`` is the writer's attempt (``claim_attempt``); without one the writer is
         unfenced (epoch 0), which a run that ever had a fenced attempt refuses
-        (``StaleAttemptError``). Call on one process only; other processes ``attach``.
+        (``StaleAttemptError``). ``recheck=False`` skips the fence check here (one listing) for
+        a caller that has just checked the epoch elsewhere (a catalog transaction); the check
+        before the marker is never skipped. Call on one process only; other processes
+        ``attach``.
         """
         validate_run(run)
         validate_step(step)
         if fence is not None:
-            self.check_fence(run, fence)  # a stale attempt learns it before writing anything
+            if recheck:
+                self.check_fence(run, fence)  # a stale attempt learns it before writing
             lineage = fence.lineage
         else:
             lineage = self.lineage(run)
             if lineage:
-                raise _stale(self, run, 0, lineage.current, unfenced=True)
+                raise stale_error(self, run, 0, lineage.current, unfenced=True)
         for _ in range(_SUPERSEDE_TRIES):
-            if not self._settle_existing(run, step, fence, lineage):
+            if not settle_existing(self, run, step, fence, lineage):
                 break
         else:
             raise CommitConflictError(
@@ -278,92 +234,18 @@ class CheckpointStore:
         commit can be tried again. Raises like ``begin`` for a valid checkpoint
         (``CommitConflictError``) or a newer attempt (``StaleAttemptError``)."""
         self.check_fence(run, fence)
-        self._settle_existing(run, step, fence, fence.lineage)
-
-    def _settle_existing(
-        self, run: str | None, step: int, fence: Fence | None, lineage: Lineage
-    ) -> bool:
-        """Judge the marker at ``(run, step)`` for a new save; True if it was superseded (look
-        again: another one may have appeared), False if the step is free."""
-        marker = self._marker(run, step)
-        url = self.checkpoint_url(run, step)
-        location = self.location
-        with backend_errors(location, f"checking {url}"):
-            try:
-                data = read_small(location, marker)
-            except FileNotFoundError:
-                return False
-        try:
-            manifest = self._parse_marker(run, step, data)
-        except CorruptCheckpointError as exc:
-            self._supersede(run, step, None, data, f"damaged marker: {exc.problems[:1]}")
-            return True
-        epoch = fence.epoch if fence is not None else 0
-        if manifest.epoch > epoch:
-            current = newer_epochs(location, self.run_path(run), epoch)
-            raise _stale(self, run, epoch, current)
-        why_not = lineage.why_not(manifest.epoch, step)
-        condemned = self.is_condemned(run, step, manifest.save_id)
-        if why_not is None and not condemned:
-            raise CommitConflictError(
-                f"{url} is already committed{_describe(manifest)}; a committed step is never "
-                "overwritten: save under a new step, or delete that checkpoint first",
-                url=url,
-                run=run,
-                step=step,
-            )
-        self._supersede(run, step, manifest, data, why_not or "condemned")
-        return True
-
-    def _supersede(
-        self, run: str | None, step: int, manifest: Manifest | None, data: bytes, why: str
-    ) -> None:
-        """Remove a marker that is not part of the current history so the step can be saved.
-
-        A damaged or condemned checkpoint keeps its payload and a ``_CORRUPT`` record (holding
-        its marker's bytes) for inspection until ``zephon gc --corrupt``; a checkpoint of an
-        abandoned history is garbage and goes with its payload directory.
-        """
-        location = self.location
-        step_path = self.checkpoint_path(run, step)
-        with backend_errors(location, f"superseding {self.checkpoint_url(run, step)}"):
-            keep = manifest is None or why == "condemned"
-            if keep:
-                key = manifest.save_id if manifest is not None else f"marker-{crc32c_of(data)}"
-                self._write_record(run, step, key, why, data)
-            remove_files(location, [self._marker(run, step)])
-            if location.is_local:
-                fsync_dir(step_path)
-            if not keep and manifest is not None and manifest.payload:
-                payload = f"{step_path}/{manifest.payload}"
-                remove_files(location, [f.path for f in list_files(location, payload)])
-                remove_empty_dirs(location, payload)
+        settle_existing(self, run, step, fence, fence.lineage)
 
     def condemn(self, run: str | None, step: int, manifest: Manifest, reason: str) -> None:
         """Record that the save ``manifest`` describes failed verification: a
         ``_CORRUPT.<save_id>`` record (reason and marker) beside it. From then on no reader
         takes it as latest; it stays for inspection until ``zephon gc --corrupt``. Idempotent;
         nothing is deleted."""
-        self._write_record(run, step, manifest.save_id, reason, manifest.to_json())
-
-    def _write_record(self, run: str | None, step: int, key: str, why: str, data: bytes) -> None:
-        record = json.dumps(
-            {"reason": why, "at": time.time(), "marker": data.decode("utf-8", "replace")},
-            sort_keys=True,
-        ).encode("utf-8")
-        path = f"{self.checkpoint_path(run, step)}/{CORRUPT_PREFIX}{key}"
-        location = self.location
-        with backend_errors(location, f"condemning {self.checkpoint_url(run, step)}"):
-            if location.is_local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                marker_protocol_for(location).create(location.fs, path, record)
+        condemn(self, run, step, manifest, reason)
 
     def is_condemned(self, run: str | None, step: int, save_id: str) -> bool:
         """Whether a ``_CORRUPT`` record condemns save ``save_id`` of the step (one request)."""
-        path = f"{self.checkpoint_path(run, step)}/{CORRUPT_PREFIX}{save_id}"
-        with backend_errors(self.location, f"checking {self.checkpoint_url(run, step)}"):
-            return file_exists(self.location, path)
+        return is_condemned(self, run, step, save_id)
 
     def attach(
         self, run: str | None, step: int, *, save_id: str, fence: Fence | None = None
@@ -395,7 +277,7 @@ class CheckpointStore:
     def is_committed(self, run: str | None, step: int) -> bool:
         """Whether the step's marker exists: one request (or stat). Says nothing about its
         lineage or verification: use ``latest`` to find the checkpoint to resume from."""
-        marker = self._marker(run, step)
+        marker = self.marker_path(run, step)
         location = self.location
         with backend_errors(location, f"checking {self.checkpoint_url(run, step)}"):
             return file_exists(location, marker)
@@ -458,7 +340,7 @@ class CheckpointStore:
     def read_manifest(self, run: str | None, step: int) -> Manifest:
         """The manifest of a committed checkpoint; ``CheckpointNotFoundError`` if there is no
         marker, ``CorruptCheckpointError`` if it does not parse or names another checkpoint."""
-        marker = self._marker(run, step)
+        marker = self.marker_path(run, step)
         url = self.checkpoint_url(run, step)
         location = self.location
         with backend_errors(location, f"reading the marker of {url}"):
@@ -472,11 +354,14 @@ class CheckpointStore:
                     run=run,
                     step=step,
                 ) from None
-        return self._parse_marker(run, step, data)
+        return self.parse_marker(run, step, data)
 
-    def _parse_marker(self, run: str | None, step: int, data: bytes) -> Manifest:
+    def parse_marker(self, run: str | None, step: int, data: bytes) -> Manifest:
+        """Validate a marker's bytes as the manifest of ``(run, step)``."""
         url = self.checkpoint_url(run, step)
-        manifest = Manifest.from_json(data, where=self.location.display(self._marker(run, step)))
+        manifest = Manifest.from_json(
+            data, where=self.location.display(self.marker_path(run, step))
+        )
         if manifest.run != run or manifest.step != step:
             raise CorruptCheckpointError(
                 f"marker of {url} describes run {manifest.run!r} step {manifest.step}; it was "
@@ -531,7 +416,7 @@ class CheckpointStore:
             else f"{len(steps)} checkpoints of {self.location.display(self.run_path(run))}"
         )
         with backend_errors(location, f"deleting {where}"):
-            remove_files(location, [self._marker(run, step) for step in steps])
+            remove_files(location, [self.marker_path(run, step) for step in steps])
             if location.is_local:
                 for step in steps:  # the markers' removal is durable before any payload goes
                     fsync_dir(self.checkpoint_path(run, step))
@@ -591,94 +476,31 @@ class CheckpointStore:
         runs: Iterable[str | None] | None = None,
         now: float | None = None,
     ) -> list[Orphan]:
-        """Leftovers whose newest object is older than ``older_than_s``: every payload
-        directory of an uncommitted step (and its loose files), and payload directories of a
-        committed step that its marker does not name (a superseded or stale attempt's save).
-        Condemned saves are not orphans: they are kept for inspection (``condemned``).
-
-        ``runs`` limits the search (``None`` in it means the inference layout); by default every
-        run under the root and the inference layout are searched.
-        """
-        now = time.time() if now is None else now
-        targets: list[str | None] = list(runs) if runs is not None else [*self.runs(), None]
-        found = []
-
-        def add(run: str | None, step: int, save_id: str | None, path: str, mtime) -> None:
-            age = now - mtime if mtime is not None else float("inf")
-            if age >= older_than_s:
-                found.append(
-                    Orphan(run, step, save_id, path, self.location.display(path), mtime, age)
-                )
-
-        for run in targets:
-            for listing in self.list_steps(run, detail=True):
-                saves = {k: v for k, v in listing.saves.items() if k not in listing.condemned}
-                if listing.committed:
-                    if len(listing.saves) < 2:
-                        continue  # the one payload directory is the marker's
-                    try:
-                        keep = self.read_manifest(run, listing.step).payload
-                    except (CorruptCheckpointError, CheckpointNotFoundError):
-                        continue  # judged by whoever reads the marker, not by age
-                    saves.pop(keep, None)
-                elif listing.loose or not listing.saves:
-                    add(run, listing.step, None, listing.path, listing.newest_mtime)
-                for save_id, mtime in saves.items():
-                    add(run, listing.step, save_id, f"{listing.path}/{save_id}", mtime)
-        return found
+        """Leftovers older than ``older_than_s`` (``storage.leftovers.find_orphans``): payload
+        directories of uncommitted steps and their loose files, and payload directories of
+        committed steps that the marker does not name. ``runs`` limits the search (``None`` in
+        it means the inference layout); by default every run and the inference layout."""
+        return find_orphans(self, older_than_s, runs=runs, now=now)
 
     def remove_orphan(self, orphan: Orphan) -> None:
-        """Delete one leftover found by ``orphans``: a payload directory, or the loose files of
-        an uncommitted step (never a marker, a record or another save's directory)."""
-        location = self.location
-        with backend_errors(location, f"removing {orphan.url}"):
-            if orphan.save_id is not None:
-                remove_files(location, [f.path for f in list_files(location, orphan.path)])
-                remove_empty_dirs(location, orphan.path)
-            else:
-                step_path = orphan.path
-                loose = [
-                    f.path
-                    for f in list_files(location, step_path)
-                    if "/" not in f.path[len(step_path) + 1 :]
-                    and f.path.rsplit("/", 1)[-1] != MARKER_NAME
-                    and not f.path.rsplit("/", 1)[-1].startswith(CORRUPT_PREFIX)
-                ]
-                remove_files(location, loose)
-            if location.is_local:
-                with contextlib.suppress(OSError):
-                    os.rmdir(self.checkpoint_path(orphan.run, orphan.step))
+        """Delete one leftover found by ``orphans``."""
+        remove_orphan(self, orphan)
 
     def condemned(self, run: str | None) -> list[tuple[int, str]]:
-        """``(step, save_id)`` of every save a ``_CORRUPT`` record condemns (for
-        ``zephon gc --corrupt``)."""
-        return [(s.step, save) for s in self.list_steps(run) for save in sorted(s.condemned)]
+        """``(step, save_id)`` of every save a ``_CORRUPT`` record condemns."""
+        return condemned_saves(self, run)
 
     def remove_condemned(self, run: str | None, step: int, save_id: str) -> None:
-        """Delete a condemned save: its marker if it is still the step's, its payload
-        directory, then its ``_CORRUPT`` record (last, so a crash leaves it findable)."""
-        step_path = self.checkpoint_path(run, step)
-        location = self.location
-        with backend_errors(location, f"removing condemned {self.checkpoint_url(run, step)}"):
-            try:
-                if self.read_manifest(run, step).save_id == save_id:
-                    remove_files(location, [self._marker(run, step)])
-            except (CorruptCheckpointError, CheckpointNotFoundError):
-                pass
-            payload = f"{step_path}/{save_id}"
-            remove_files(location, [f.path for f in list_files(location, payload)])
-            remove_empty_dirs(location, payload)
-            remove_files(location, [f"{step_path}/{CORRUPT_PREFIX}{save_id}"])
-            if location.is_local:
-                with contextlib.suppress(OSError):
-                    os.rmdir(step_path)
+        """Delete a condemned save (``zephon gc --corrupt``): its marker if it is still the
+        step's, its payload directory, then its record."""
+        remove_condemned(self, run, step, save_id)
 
     # -- internals -----------------------------------------------------------------------------
 
     def _describe_commit(self, run: str | None, step: int) -> str:
         """ " (by host pid at time, epoch, save)" for messages about an existing commit."""
         try:
-            return _describe(self.read_manifest(run, step))
+            return describe(self.read_manifest(run, step))
         except Exception:
             return ""
 

@@ -1,0 +1,125 @@
+"""Leftovers for gc: payload directories of saves that never committed (or were superseded),
+loose files of uncommitted steps, and condemned saves kept for inspection."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from storage.backend import backend_errors, list_files, remove_empty_dirs, remove_files
+from storage.errors import CheckpointNotFoundError, CorruptCheckpointError
+from storage.layout import CORRUPT_PREFIX, MARKER_NAME
+
+if TYPE_CHECKING:
+    from storage.store import CheckpointStore
+
+__all__ = ["Orphan", "condemned_saves", "find_orphans", "remove_condemned", "remove_orphan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """A leftover old enough for gc to remove: one save's payload directory (``save_id``), or
+    the loose files of an uncommitted step directory (``save_id`` None)."""
+
+    run: str | None
+    step: int
+    save_id: str | None
+    path: str
+    url: str
+    newest_mtime: float | None
+    age_s: float
+
+
+def find_orphans(
+    store: CheckpointStore,
+    older_than_s: float,
+    *,
+    runs: Iterable[str | None] | None = None,
+    now: float | None = None,
+) -> list[Orphan]:
+    """Leftovers whose newest object is older than ``older_than_s``: every payload
+    directory of an uncommitted step (and its loose files), and payload directories of a
+    committed step that its marker does not name (a superseded or stale attempt's save).
+    Condemned saves are not orphans: they are kept for inspection (``condemned``).
+
+    ``runs`` limits the search (``None`` in it means the inference layout); by default every
+    run under the root and the inference layout are searched.
+    """
+    now = time.time() if now is None else now
+    targets: list[str | None] = list(runs) if runs is not None else [*store.runs(), None]
+    found = []
+
+    def add(run: str | None, step: int, save_id: str | None, path: str, mtime) -> None:
+        age = now - mtime if mtime is not None else float("inf")
+        if age >= older_than_s:
+            found.append(Orphan(run, step, save_id, path, store.location.display(path), mtime, age))
+
+    for run in targets:
+        for listing in store.list_steps(run, detail=True):
+            saves = {k: v for k, v in listing.saves.items() if k not in listing.condemned}
+            if listing.committed:
+                if len(listing.saves) < 2:
+                    continue  # the one payload directory is the marker's
+                try:
+                    keep = store.read_manifest(run, listing.step).payload
+                except (CorruptCheckpointError, CheckpointNotFoundError):
+                    continue  # judged by whoever reads the marker, not by age
+                saves.pop(keep, None)
+            elif listing.loose or not listing.saves:
+                add(run, listing.step, None, listing.path, listing.newest_mtime)
+            for save_id, mtime in saves.items():
+                add(run, listing.step, save_id, f"{listing.path}/{save_id}", mtime)
+    return found
+
+
+def remove_orphan(store: CheckpointStore, orphan: Orphan) -> None:
+    """Delete one leftover found by ``orphans``: a payload directory, or the loose files of
+    an uncommitted step (never a marker, a record or another save's directory)."""
+    location = store.location
+    with backend_errors(location, f"removing {orphan.url}"):
+        if orphan.save_id is not None:
+            remove_files(location, [f.path for f in list_files(location, orphan.path)])
+            remove_empty_dirs(location, orphan.path)
+        else:
+            step_path = orphan.path
+            loose = [
+                f.path
+                for f in list_files(location, step_path)
+                if "/" not in f.path[len(step_path) + 1 :]
+                and f.path.rsplit("/", 1)[-1] != MARKER_NAME
+                and not f.path.rsplit("/", 1)[-1].startswith(CORRUPT_PREFIX)
+            ]
+            remove_files(location, loose)
+        if location.is_local:
+            with contextlib.suppress(OSError):
+                os.rmdir(store.checkpoint_path(orphan.run, orphan.step))
+
+
+def condemned_saves(store: CheckpointStore, run: str | None) -> list[tuple[int, str]]:
+    """``(step, save_id)`` of every save a ``_CORRUPT`` record condemns (for
+    ``zephon gc --corrupt``)."""
+    return [(s.step, save) for s in store.list_steps(run) for save in sorted(s.condemned)]
+
+
+def remove_condemned(store: CheckpointStore, run: str | None, step: int, save_id: str) -> None:
+    """Delete a condemned save: its marker if it is still the step's, its payload
+    directory, then its ``_CORRUPT`` record (last, so a crash leaves it findable)."""
+    step_path = store.checkpoint_path(run, step)
+    location = store.location
+    with backend_errors(location, f"removing condemned {store.checkpoint_url(run, step)}"):
+        try:
+            if store.read_manifest(run, step).save_id == save_id:
+                remove_files(location, [store.marker_path(run, step)])
+        except (CorruptCheckpointError, CheckpointNotFoundError):
+            pass
+        payload = f"{step_path}/{save_id}"
+        remove_files(location, [f.path for f in list_files(location, payload)])
+        remove_empty_dirs(location, payload)
+        remove_files(location, [f"{step_path}/{CORRUPT_PREFIX}{save_id}"])
+        if location.is_local:
+            with contextlib.suppress(OSError):
+                os.rmdir(step_path)
