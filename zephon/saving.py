@@ -89,6 +89,8 @@ class Save:
                     fence=attempt.fence,
                     save_id=save_id,
                     metadata=metadata,
+                    # the catalog's fenced begin just checked the epoch in its transaction
+                    recheck=catalog is None,
                 )
             except BaseException as exc:
                 if catalog is not None:
