@@ -13,11 +13,15 @@ total, split over ``--ranks`` gloo processes on the CPU, each holding its own ra
     ``posix_fadvise``) and warm. Goal: ratio >= 1.2.
 (c) async save: how long ``zephon.dcp.async_save`` (with begin and attach) blocks the caller,
     against Zephon's synchronous save. Goal: <= 0.2.
+(d) verification: Zephon's load with ``verify=True`` (the default, used in (b): every slice's
+    CRC32C checked as it arrives) against ``verify=False`` (sizes only), on the same checkpoint,
+    locally cold and warm. Goal: ratio >= 0.95 (checking costs at most ~5%).
 
-Ratios in (a) and (b) are baseline time / Zephon time: above 1 means Zephon is faster. Times are
-medians over ``--repeats``; a ratio is the median of the per-repeat ratios, each from the two
-sides measured back to back (their order alternates per repeat), which keeps the load of a
-shared machine out of it. A timed step starts and ends with a barrier: the slowest rank's time.
+Ratios are baseline time / Zephon time (in (d): unverified / verified): above 1 means the
+second is faster. Times are medians over ``--repeats``; a ratio is the median of the per-repeat
+ratios, each from the two sides measured back to back (their order alternates per repeat),
+which keeps the load of a shared machine out of it. A timed step starts and ends with a
+barrier: the slowest rank's time.
 """
 
 from __future__ import annotations
@@ -131,6 +135,19 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
         dist.barrier()
         return time.perf_counter() - start
 
+    def timed_with_cpu(fn) -> tuple[float, float]:
+        """``timed``, plus the CPU seconds (user + system, all threads) every rank spent in
+        ``fn``, summed: the cost that other tenants of a shared machine do not inflate."""
+        dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        fn()
+        cpu = time.process_time() - cpu
+        dist.barrier()
+        wall = time.perf_counter() - start
+        spent = [0.0] * world
+        dist.all_gather_object(spent, cpu)
+        return wall, sum(spent)
+
     def check_loaded(label: str) -> None:
         for a, b in zip(source_tensors, target_tensors, strict=True):
             if not torch.equal(a, b):
@@ -159,8 +176,8 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
     def zephon_save(step: int) -> None:
         zd.save(state, zephon_writer(step))
 
-    def zephon_load(step: int) -> None:
-        zd.load(target, zd.ZephonStorageReader(store, RUN, step))
+    def zephon_load(step: int, verify: bool = True) -> None:
+        zd.load(target, zd.ZephonStorageReader(store, RUN, step, verify=verify))
 
     records = []
     for i in range(config["repeats"]):
@@ -190,6 +207,18 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
             else:
                 r[f"{name}_load"] = timed(load)
                 check_loaded(f"{name} load")
+
+        # verification: the same checkpoint loaded with and without it, back to back
+        checks = [("unverified", False), ("verified", True)]
+        if i % 2:
+            checks.reverse()
+        for mode in ["load_cold", "load_warm"] if local else ["load"]:
+            for label, verify in checks:
+                if mode == "load_cold" and rank == 0:
+                    evict(store.checkpoint_path(RUN, step))
+                wall, cpu = timed_with_cpu(lambda s=step, v=verify: zephon_load(s, v))
+                r[f"{label}_{mode}"], r[f"{label}_{mode}_cpu"] = wall, cpu
+                check_loaded(f"{label} {mode}")
 
         # async: what the training loop waits for, then the whole background save
         dist.barrier()
@@ -309,7 +338,37 @@ def report(name: str, result: dict, args) -> list[str]:
         f"{args.repeats}; baseline torch {baseline} (thread_count={args.dcp_threads}), "
         f"Zephon thread_count={args.threads}"
     )
-    return [title, table(rows, headers), ""]
+    checks = []
+    for op in loads:
+        plain, checked = median(records, f"unverified_{op}"), median(records, f"verified_{op}")
+        each = [r[f"unverified_{op}"] / r[f"verified_{op}"] for r in records]
+        ratio = statistics.median(each)
+        cpu_plain = median(records, f"unverified_{op}_cpu")
+        cpu_checked = median(records, f"verified_{op}_cpu")
+        cpu_ratio = statistics.median(
+            r[f"unverified_{op}_cpu"] / r[f"verified_{op}_cpu"] for r in records
+        )
+        checks.append(
+            (
+                op.replace("_", " "),
+                f"{plain:.2f}",
+                f"{total_mib / plain:.0f}",
+                f"{checked:.2f}",
+                f"{total_mib / checked:.0f}",
+                f"{ratio:.2f} ({' / '.join(f'{x:.2f}' for x in each)})",
+                f"{cpu_plain:.2f} / {cpu_checked:.2f} = {cpu_ratio:.2f}",
+                ">= 0.95 " + ("ok" if ratio >= 0.95 else "MISSED"),
+            )
+        )
+    check_headers = ("Zephon load", "verify=False s", "MiB/s", "verify=True s", "MiB/s")
+    return [
+        title,
+        table(rows, headers),
+        f"{name}: verification on load (every slice's CRC32C), same checkpoint back to back; "
+        "CPU s: all ranks' CPU time, False / True",
+        table(checks, (*check_headers, "ratio (per repeat)", "CPU s", "goal")),
+        "",
+    ]
 
 
 def main() -> None:
@@ -347,8 +406,9 @@ def main() -> None:
         if args.verbose:
             for record in result["records"]:
                 print(name, json.dumps({k: round(v, 3) for k, v in record.items()}), flush=True)
-        lines += report(name, result, args)
-        print("\n".join(lines[-3:]), flush=True)
+        section = report(name, result, args)
+        lines += section
+        print("\n".join(section), flush=True)
 
 
 if __name__ == "__main__":

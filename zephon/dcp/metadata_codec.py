@@ -5,6 +5,10 @@ the same object graph as JSON: dtypes, layouts and memory formats by name, sizes
 ``storage_data`` as a list keyed by ``MetadataIndex`` fields. Decoding accepts only the names in
 the tables below, builds plain dataclasses, and reports any problem as the storage layer's
 ``CorruptCheckpointError`` naming the file.
+
+Versions: 2 records the CRC32C of every slice (``crc32c``, base64 of the big-endian value, as
+in the storage manifest), so a load can check each item's bytes as they arrive. Version 1 files
+(no per-slice CRC) are still read; their slices have ``crc32c=None``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from storage import CorruptCheckpointError
+from storage.checksum import decode_crc32c
 from zephon.dcp.errors import MetadataEncodingError
 
 __all__ = [
@@ -39,7 +44,9 @@ __all__ = [
 ]
 
 FORMAT = "zephon-dcp-metadata"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: the oldest version still read: 1 (slices without ``crc32c``)
+_OLDEST_VERSION = 1
 
 #: every dtype a shard may hold, by the name torch prints without its ``torch.`` prefix
 _DTYPES: dict[str, torch.dtype] = {
@@ -64,6 +71,9 @@ class ShardSlice:
     ``encoding`` is ``"raw"`` for a tensor chunk (its elements in C order, ``dtype`` and
     ``shape`` given, host byte order recorded in the file header) or ``"bytes"`` for a non-tensor
     item, which holds whatever DCP's planner serialised.
+
+    ``crc32c`` is the CRC32C of those ``length`` bytes, encoded like the storage manifest's
+    (``storage.checksum.encode_crc32c``); None only in checkpoints of format version 1.
     """
 
     file: str
@@ -72,6 +82,7 @@ class ShardSlice:
     encoding: str
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+    crc32c: str | None = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -164,6 +175,14 @@ def _encode_storage_data(storage_data: Any) -> list[dict[str, Any]]:
                 f"storage_data entry {index!r} -> {type(where).__name__} was not written by "
                 "ZephonStorageWriter; Zephon's metadata only records its own shard slices"
             )
+        try:
+            decode_crc32c(where.crc32c)
+        except ValueError:
+            raise MetadataEncodingError(
+                f"storage_data entry {index.fqn!r} has crc32c {where.crc32c!r}; format version "
+                f"{FORMAT_VERSION} needs the encoded CRC32C of every slice "
+                "(storage.checksum.encode_crc32c)"
+            ) from None
         out.append(
             {
                 "fqn": index.fqn,
@@ -175,6 +194,7 @@ def _encode_storage_data(storage_data: Any) -> list[dict[str, Any]]:
                 "encoding": where.encoding,
                 "dtype": where.dtype,
                 "shape": None if where.shape is None else list(where.shape),
+                "crc32c": where.crc32c,
             }
         )
     return out
@@ -253,7 +273,22 @@ def _decode_planner_data(body: dict[str, Any]) -> Any:
     raise ValueError(f"planner_data has unknown kind {kind!r}")
 
 
-def _decode_storage_data(entries: list[dict[str, Any]]) -> dict[MetadataIndex, ShardSlice]:
+def _decode_crc(entry: dict[str, Any], fqn: str, version: int) -> str | None:
+    value = entry.get("crc32c")
+    if version == 1:
+        if value is not None:
+            raise ValueError(f"item {fqn!r} has a crc32c, which format version 1 does not have")
+        return None
+    try:
+        decode_crc32c(value)
+    except ValueError as exc:
+        raise ValueError(f"item {fqn!r} has no valid crc32c: {exc}") from None
+    return value
+
+
+def _decode_storage_data(
+    entries: list[dict[str, Any]], version: int
+) -> dict[MetadataIndex, ShardSlice]:
     out: dict[MetadataIndex, ShardSlice] = {}
     for e in entries:
         offset = e["offset"]
@@ -280,6 +315,7 @@ def _decode_storage_data(entries: list[dict[str, Any]]) -> dict[MetadataIndex, S
             encoding=encoding,
             dtype=e["dtype"],
             shape=None if shape is None else tuple(_ints(shape, f"shape of {index.fqn!r}")),
+            crc32c=_decode_crc(e, index.fqn, version),
         )
     return out
 
@@ -296,21 +332,24 @@ def _decode_storage_meta(body: dict[str, Any] | None) -> StorageMeta | None:
 
 
 def decode_metadata(data: bytes, *, where: str) -> Metadata:
-    """Parse metadata written by ``encode_metadata``. Raises ``CorruptCheckpointError`` naming
-    ``where`` (the file's URL) if it is not such a file, or was written by a newer Zephon or on a
-    host of the other byte order."""
+    """Parse metadata written by ``encode_metadata`` (format version 1 or 2). Raises
+    ``CorruptCheckpointError`` naming ``where`` (the file's URL) if it is not such a file (a
+    version-2 slice without a valid ``crc32c`` included), or was written by a newer Zephon or
+    on a host of the other byte order."""
     try:
         body = json.loads(data.decode("utf-8"))
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise ValueError(f"it is not a {FORMAT} file")
         version = body.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
             raise CorruptCheckpointError(
                 f"DCP metadata {where} has format_version {version!r}; this Zephon reads "
                 f"versions up to {FORMAT_VERSION}: upgrade Zephon to load it",
                 path=where,
                 problems=[f"{where}: format_version {version!r}"],
             )
+        if version < _OLDEST_VERSION:
+            raise ValueError(f"format_version {version} was never written")
         if body.get("byteorder") != sys.byteorder:
             raise ValueError(
                 f"it was written on a {body.get('byteorder')}-endian host and this one is "
@@ -322,7 +361,7 @@ def decode_metadata(data: bytes, *, where: str) -> Metadata:
                 for fqn, item in body["state_dict_metadata"].items()
             },
             planner_data=_decode_planner_data(body["planner_data"]),
-            storage_data=_decode_storage_data(body["storage_data"]),
+            storage_data=_decode_storage_data(body["storage_data"], version),
             storage_meta=_decode_storage_meta(body.get("storage_meta")),
             version=body.get("dcp_version"),
         )

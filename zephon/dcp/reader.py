@@ -4,6 +4,10 @@ Opens the checkpoint through ``CheckpointStore.reader`` (an uncommitted one is r
 that every slice the JSON metadata names lies inside a file the marker lists, then reads only the
 byte ranges the load plan needs: on local disk straight into the destination tensors, on object
 stores as ranged GETs that cover runs of neighbouring items of one file.
+
+With ``verify`` (the default) every slice's bytes are checked against the CRC32C the writer
+recorded for it, as they arrive, so no byte reaches the model unchecked and nothing is read
+twice; see ``ZephonStorageReader``.
 """
 
 from __future__ import annotations
@@ -27,10 +31,15 @@ from torch.futures import Future
 
 from storage import CheckpointReader, CheckpointStore, CorruptCheckpointError, Manifest
 from storage.backend import backend_errors
+from storage.checksum import crc32c_extend, decode_crc32c, encode_crc32c
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_from_name
 from zephon.dcp.writer import METADATA_FILE, shard_prefix
 
 __all__ = ["ZephonStorageReader"]
+
+#: bytes read into the destination at a time while verifying: small enough that the CRC reads
+#: them from the CPU cache the kernel's copy just filled, large enough that syscalls are few
+_VERIFY_CHUNK = 1 << 20
 
 
 @dataclass(slots=True)
@@ -45,6 +54,8 @@ class _Read:
     shape: tuple[int, ...] = ()
     #: (offset, length) per dimension still to cut from the bytes read; None if they are exact
     narrow: tuple[tuple[int, int], ...] | None = None
+    #: the CRC32C the bytes read must have (they are then a whole saved slice); None: unchecked
+    crc: int | None = None
 
 
 @dataclass(slots=True)
@@ -57,9 +68,12 @@ class _Group:
     reads: list[_Read] = field(default_factory=list)
 
 
-def _plan_read(req: ReadItem, where: ShardSlice) -> _Read:
+def _plan_read(req: ReadItem, where: ShardSlice, *, check: bool) -> _Read:
+    """The bytes to read for ``req``. With ``check`` (and a slice that records its CRC32C) the
+    read covers the whole saved slice, so its CRC can be checked, and is cut in memory."""
+    crc = decode_crc32c(where.crc32c) if check and where.crc32c is not None else None
     if where.encoding == "bytes":
-        return _Read(req, where.file, where.offset, where.length, None)
+        return _Read(req, where.file, where.offset, where.length, None, crc=crc)
     dtype = dtype_from_name(where.dtype or "")
     shape = tuple(where.shape or ())
     offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
@@ -71,9 +85,13 @@ def _plan_read(req: ReadItem, where: ShardSlice) -> _Read:
             f"outside the saved chunk of shape {list(shape)}"
         )
     if not shape:
-        return _Read(req, where.file, where.offset, where.length, dtype, shape)
-    # When only the first dimension is cut, the rows needed are one contiguous byte range.
-    if all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:], strict=True)):
+        return _Read(req, where.file, where.offset, where.length, dtype, shape, crc=crc)
+    # When only the first dimension is cut, the rows needed are one contiguous byte range; a
+    # checked read takes that shortcut only when the range is the whole slice.
+    rows_only = all(
+        o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:], strict=True)
+    )
+    if rows_only and (crc is None or lengths[0] == shape[0]):
         row = math.prod(shape[1:]) * dtype.itemsize
         return _Read(
             req,
@@ -82,6 +100,7 @@ def _plan_read(req: ReadItem, where: ShardSlice) -> _Read:
             lengths[0] * row,
             dtype,
             (lengths[0], *shape[1:]),
+            crc=crc,
         )
     return _Read(
         req,
@@ -91,6 +110,7 @@ def _plan_read(req: ReadItem, where: ShardSlice) -> _Read:
         dtype,
         shape,
         tuple(zip(offsets, lengths, strict=True)),
+        crc=crc,
     )
 
 
@@ -126,11 +146,21 @@ def _writable_bytes(tensor: torch.Tensor) -> memoryview:
 class ZephonStorageReader(StorageReader):
     """Reads a committed checkpoint ``(run, step)`` of ``store`` for ``dcp.load``.
 
-    Construct one on every rank. ``verify=True`` checks, before anything is loaded, that every
-    file the marker lists exists with its size (one listing per rank) and raises the storage
-    layer's ``CorruptCheckpointError`` naming the bad files. CRC32C is not re-checked here (that
-    is ``store.verify(deep=True)``/``zephon verify``), but every slice is checked against the
-    manifest's file sizes and a short read is reported naming the file.
+    Construct one on every rank. Every slice the metadata names is checked against the
+    manifest's file sizes, and a missing file or a short read raises the storage layer's
+    ``CorruptCheckpointError`` naming the file, whatever ``verify`` says.
+
+    ``verify=True`` (the default) also checks every slice this rank reads against the CRC32C
+    recorded for it at save time, while its bytes arrive: on local disk each 1 MiB chunk is
+    checksummed right after ``readinto`` put it into the destination (still in the CPU
+    cache), on object stores the slice is checksummed in the response buffer before it is
+    delivered; the checksum runs in the reader threads without the GIL. A mismatch raises
+    ``CorruptCheckpointError`` naming the file and the item. To make that possible a read that
+    needs only some rows of a saved slice (a resharded load) fetches the whole slice and cuts
+    it in memory. Checkpoints of metadata format version 1 have no per-slice CRC: they are
+    deep-verified once (every file's CRC32C against the manifest) before anything is loaded.
+    ``verify=False`` reads only the bytes needed and checks nothing but sizes: damaged bytes
+    then load silently.
 
     A failure to open the checkpoint is kept in ``self.failure``: DCP replaces it with an
     AssertionError on its way through ``dcp.load``, and ``zephon.dcp.load`` raises it instead.
@@ -143,7 +173,7 @@ class ZephonStorageReader(StorageReader):
         step: int,
         *,
         subdir: str = "",
-        verify: bool = False,
+        verify: bool = True,
         thread_count: int | None = None,
         max_request_bytes: int = 32 << 20,
         max_gap_bytes: int = 1 << 20,
@@ -221,11 +251,12 @@ class ZephonStorageReader(StorageReader):
         if self._metadata is not None:
             return self._metadata
         reader = self.store.reader(self.run, self.step)
-        if self.verify:
-            self.store.verify(self.run, self.step).raise_for_problems()
         name = self.metadata_name
         metadata = decode_metadata(reader.read_bytes(name), where=f"{reader.url}/{name}")
         self._check_slices(metadata, reader)
+        if self.verify and any(s.crc32c is None for s in (metadata.storage_data or {}).values()):
+            # The legacy path (format version 1, no per-slice CRC): every file once, up front.
+            self.store.verify(self.run, self.step, deep=True).raise_for_problems()
         self._reader = reader
         self._metadata = metadata
         return metadata
@@ -297,7 +328,7 @@ class ZephonStorageReader(StorageReader):
                     url=self.url,
                     path=self.metadata_name,
                 )
-            reads.append(_plan_read(req, where))
+            reads.append(_plan_read(req, where, check=self.verify))
         groups = _group_reads(reads, self.max_request_bytes, self.max_gap_bytes)
         local = self.store.location.is_local
         run_group: Callable[[_Group, LoadPlanner], None] = (
@@ -332,6 +363,30 @@ class ZephonStorageReader(StorageReader):
         assert self._reader is not None
         return self._reader.missing(name)
 
+    def _mismatch(self, r: _Read, crc: int) -> CorruptCheckpointError:
+        assert r.crc is not None
+        index = r.req.storage_index
+        sharded = index.offset is not None and any(index.offset)
+        chunk = f" (the chunk at {list(index.offset or [])})" if sharded else ""
+        problem = (
+            f"{r.file}: crc32c of {index.fqn} is {encode_crc32c(crc)}, the checkpoint says "
+            f"{encode_crc32c(r.crc)}"
+        )
+        return CorruptCheckpointError(
+            f"{problem}{chunk}: bytes {r.start}..{r.start + r.length} of {r.file} in committed "
+            f"checkpoint {self.url} changed after they were saved, so it cannot be loaded: "
+            "resume from an earlier checkpoint (`zephon verify --deep` lists every damaged file)",
+            url=self.url,
+            run=self.run,
+            step=self.step,
+            path=r.file,
+            problems=[problem],
+        )
+
+    def _check(self, r: _Read, crc: int) -> None:
+        if r.crc is not None and crc != r.crc:
+            raise self._mismatch(r, crc)
+
     def _short(self, name: str, wanted: int, got: int) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"{name} of committed checkpoint {self.url} is shorter than its manifest says "
@@ -364,13 +419,20 @@ class ZephonStorageReader(StorageReader):
                     self._deliver(r, planner, buffer, target)
 
     def _fill(self, handle: BinaryIO, r: _Read, view: memoryview) -> None:
+        """Read ``r``'s bytes into ``view``; when ``r`` is checked, in chunks, each one
+        checksummed while the kernel's copy has left it in the CPU cache."""
         handle.seek(r.start)
         got = 0
+        chunk = _VERIFY_CHUNK if r.crc is not None else len(view)
+        crc = 0
         while got < len(view):
-            n = handle.readinto(view[got:])
+            n = handle.readinto(view[got : got + chunk])
             if not n:
                 raise self._short(r.file, r.start + r.length, r.start + got)
+            if r.crc is not None:
+                crc = crc32c_extend(crc, view[got : got + n])
             got += n
+        self._check(r, crc)
 
     def _read_remote(self, group: _Group, planner: LoadPlanner) -> None:
         assert self._reader is not None
@@ -380,6 +442,8 @@ class ZephonStorageReader(StorageReader):
         view = memoryview(data)
         for r in group.reads:
             piece = view[r.start - group.start : r.start - group.start + r.length]
+            if r.crc is not None:
+                self._check(r, crc32c_extend(0, piece))
             self._deliver(r, planner, piece, self._target(r, planner))
 
     def _target(self, r: _Read, planner: LoadPlanner) -> torch.Tensor | None:

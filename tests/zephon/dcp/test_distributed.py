@@ -32,7 +32,8 @@ class Run:
         return self.backend.open_store()
 
 
-def launch(backend: Backend, world: int) -> list[dict]:
+def launch(backend: Backend, world: int, module: str = "tests.zephon.dcp.worker") -> list[dict]:
+    """Run ``module`` as ``world`` gloo ranks on ``backend``; every rank's RESULT record."""
     port = servers.free_port()
     env = {
         **os.environ,
@@ -43,7 +44,7 @@ def launch(backend: Backend, world: int) -> list[dict]:
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.zephon.dcp.worker", str(r), str(world), str(port)],
+            [sys.executable, "-m", module, str(r), str(world), str(port)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from storage import CorruptCheckpointError
+from storage.checksum import encode_crc32c
 from zephon.dcp import MetadataEncodingError, ShardSlice, decode_metadata, encode_metadata
 from zephon.dcp.metadata_codec import FORMAT_VERSION
 
@@ -48,10 +49,14 @@ def sample() -> Metadata:
     state["optim.param_groups"] = BytesStorageMetadata()
     storage = {
         MetadataIndex("sharded", [3, 0], 1): ShardSlice(
-            "__1_0.distcp", 64, 36, "raw", "float32", (3, 3)
+            "__1_0.distcp", 64, 36, "raw", "float32", (3, 3), crc32c="3q2+7w=="
         ),
-        MetadataIndex("scalar", [], 0): ShardSlice("__0_0.distcp", 0, 8, "raw", "float64", ()),
-        MetadataIndex("optim.param_groups"): ShardSlice("__0_1.distcp", 8, 120, "bytes"),
+        MetadataIndex("scalar", [], 0): ShardSlice(
+            "__0_0.distcp", 0, 8, "raw", "float64", (), crc32c="AAAAAA=="
+        ),
+        MetadataIndex("optim.param_groups"): ShardSlice(
+            "__0_1.distcp", 8, 120, "bytes", crc32c=encode_crc32c(0xFFFFFFFF)
+        ),
     }
     return Metadata(
         state_dict_metadata=state,
@@ -121,6 +126,14 @@ def test_a_pickled_metadata_file_is_refused_without_unpickling(monkeypatch):
         ),
         (lambda b: b["storage_data"][0].update(encoding="zip"), "unknown encoding"),
         (lambda b: b["storage_data"][0].update(length=-1), "negative"),
+        (lambda b: b.update(format_version=0), "never written"),
+        (lambda b: b["storage_data"][0].pop("crc32c"), "no valid crc32c"),
+        (lambda b: b["storage_data"][0].update(crc32c=None), "no valid crc32c"),
+        (lambda b: b["storage_data"][0].update(crc32c=12345), "no valid crc32c"),
+        (lambda b: b["storage_data"][0].update(crc32c="3q2+7w="), "no valid crc32c"),
+        (lambda b: b["storage_data"][0].update(crc32c="3q2+7w==AAAA"), "no valid crc32c"),
+        (lambda b: b["storage_data"][0].update(crc32c="3q2+7!=="), "no valid crc32c"),
+        (lambda b: b["storage_data"][0].update(crc32c="3q2+7x=="), "no valid crc32c"),
     ],
 )
 def test_damaged_metadata_is_refused_naming_the_file(edit, expected):
@@ -129,3 +142,43 @@ def test_damaged_metadata_is_refused_naming_the_file(edit, expected):
     with pytest.raises(CorruptCheckpointError, match=expected) as info:
         decode_metadata(json.dumps(body).encode(), where="s3://b/r/save-1/dcp_metadata.json")
     assert "s3://b/r/save-1/dcp_metadata.json" in str(info.value)
+
+
+def version_1(body: dict) -> dict:
+    """What Zephon's first format wrote: the same body without per-slice checksums."""
+    body["format_version"] = 1
+    for entry in body["storage_data"]:
+        del entry["crc32c"]
+    return body
+
+
+def test_version_1_metadata_still_decodes_with_slices_without_checksums():
+    body = version_1(json.loads(encode_metadata(sample())))
+    decoded = decode_metadata(json.dumps(body).encode(), where="x")
+    assert decoded.state_dict_metadata == sample().state_dict_metadata
+    assert {where.crc32c for where in decoded.storage_data.values()} == {None}
+    assert {i.fqn: (w.file, w.offset, w.length) for i, w in decoded.storage_data.items()} == {
+        i.fqn: (w.file, w.offset, w.length) for i, w in sample().storage_data.items()
+    }
+
+
+def test_a_version_1_slice_claiming_a_checksum_is_refused():
+    body = version_1(json.loads(encode_metadata(sample())))
+    body["storage_data"][0]["crc32c"] = "AAAAAA=="
+    with pytest.raises(CorruptCheckpointError, match="format version 1 does not have"):
+        decode_metadata(json.dumps(body).encode(), where="x")
+
+
+def test_every_slice_records_its_checksum_in_the_current_format():
+    body = json.loads(encode_metadata(sample()))
+    assert FORMAT_VERSION == 2
+    assert [e["crc32c"] for e in body["storage_data"]] == ["3q2+7w==", "AAAAAA==", "/////w=="]
+
+
+def test_a_slice_without_a_checksum_is_refused_at_save_time():
+    metadata = sample()
+    index = next(iter(metadata.storage_data))
+    where = metadata.storage_data[index]
+    metadata.storage_data[index] = ShardSlice(where.file, where.offset, where.length, "bytes")
+    with pytest.raises(MetadataEncodingError, match="crc32c None"):
+        encode_metadata(metadata)

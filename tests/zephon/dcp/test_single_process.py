@@ -3,7 +3,7 @@ round trips of awkward tensors, ranged reads on S3, refusals, error translation.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import pickle
 import threading
@@ -156,7 +156,7 @@ def test_an_uncommitted_checkpoint_is_refused_naming_the_marker(store):
 
 def test_unparseable_metadata_is_refused_naming_the_file(store):
     save(store, {"w": torch.ones(2)})
-    path = f"{store.checkpoint_path('r', 1)}/dcp_metadata.json"
+    path = store.reader("r", 1).local_path("dcp_metadata.json")
     size = os.path.getsize(path)
     with open(path, "wb") as out:
         out.write(b"x" * size)  # same size: only a deep verify would notice
@@ -166,23 +166,23 @@ def test_unparseable_metadata_is_refused_naming_the_file(store):
 
 def test_metadata_naming_an_unlisted_file_is_refused(store):
     save(store, {"w": torch.ones(2)})
-    path = f"{store.checkpoint_path('r', 1)}/dcp_metadata.json"
-    with open(path, "rb") as handle:
-        body = json.load(handle)
-    body["storage_data"][0]["file"] = "__9_9.distcp"
-    with open(path, "w") as out:
-        json.dump(body, out)
+    metadata = zd.decode_metadata(store.reader("r", 1).read_bytes("dcp_metadata.json"), where="x")
+    ((index, where),) = metadata.storage_data.items()
+    metadata.storage_data = {index: dataclasses.replace(where, file="__9_9.distcp")}
+    # committed with a manifest that matches the edited metadata, so only the slice is wrong
+    writer = store.begin("r", 2)
+    writer.write_bytes("dcp_metadata.json", zd.encode_metadata(metadata))
+    writer.commit()
     with pytest.raises(CorruptCheckpointError, match="__9_9.distcp: not listed"):
-        zd.load({"w": torch.zeros(2)}, zd.ZephonStorageReader(store, "r", 1))
+        zd.load({"w": torch.zeros(2)}, zd.ZephonStorageReader(store, "r", 2))
 
 
 def test_a_missing_shard_is_refused_naming_it(store):
     save(store, {"w": torch.ones(2)})
-    os.unlink(f"{store.checkpoint_path('r', 1)}/__0_0.distcp")
-    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp of committed checkpoint"):
-        zd.load({"w": torch.zeros(2)}, zd.ZephonStorageReader(store, "r", 1))
-    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp: missing"):
-        zd.load({"w": torch.zeros(2)}, zd.ZephonStorageReader(store, "r", 1, verify=True))
+    os.unlink(store.reader("r", 1).local_path("__0_0.distcp"))
+    for verify in (True, False):
+        with pytest.raises(CorruptCheckpointError, match="__0_0.distcp of committed checkpoint"):
+            zd.load({"w": torch.zeros(2)}, zd.ZephonStorageReader(store, "r", 1, verify=verify))
 
 
 def test_partial_load_leaves_missing_keys_untouched(store):

@@ -108,8 +108,8 @@ class FailingOpen:
                 handle = real.__enter__()
                 real_write = handle.write
 
-                def write(data):
-                    real_write(bytes(memoryview(data)[:10]))
+                def write(data, crc=None):
+                    real_write(bytes(memoryview(data).cast("B")[:10]))
                     raise OSError(28, "simulated: no space left on device")
 
                 handle.write = write
@@ -262,7 +262,7 @@ def main(rank: int, world: int, port: int) -> None:
         if rank == 0:
             manifest = store.read_manifest(RUN, 5)
             entry = manifest.file(victim)
-            path = f"{store.checkpoint_path(RUN, 5)}/{victim}"
+            path = f"{store.reader(RUN, 5).path}/{victim}"
             data = store.location.fs.cat_file(path)
             store.location.fs.pipe_file(path, data[: entry.size // 2])
         dist.barrier()
