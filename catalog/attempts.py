@@ -85,7 +85,9 @@ def abandonment_reason(epoch: int, resumed_from: int | None) -> str:
 def register(
     session: Session, url: str, run: Run, values: dict[str, Any], now: datetime
 ) -> tuple[Attempt, list[int], bool]:
-    """Make the attempt described by ``values`` the run's current one.
+    """Make the attempt described by ``values`` the run's current one; with a
+    ``resumed_from`` in ``values`` it is decided at once (``decide``), without one it is
+    registered undecided (it fences older attempts and abandons nothing yet).
 
     Returns ``(attempt, abandoned steps ascending, registered)``; ``registered`` is False when
     the same attempt (same epoch and attempt id) was already current: a retried call, which
@@ -101,12 +103,42 @@ def register(
         return existing, [], False
     if epoch <= run.epoch:
         raise StaleAttemptError(url, run.name, epoch, current_record(session, run))
-    attempt = Attempt(run_id=run.id, registered_at=now, **values)
+    decided = "resumed_from" in values
+    attempt = Attempt(
+        run_id=run.id,
+        registered_at=now,
+        decided_at=now if decided else None,
+        **{"resumed_from": None, **values},
+    )
     session.add(attempt)
     run.epoch = epoch
     run.updated_at = now
     session.flush()
-    return attempt, _abandon(session, run, epoch, values["resumed_from"], now), True
+    abandoned = _abandon(session, run, epoch, values["resumed_from"], now) if decided else []
+    return attempt, abandoned, True
+
+
+def decide(
+    session: Session, url: str, run: Run, epoch: int, resumed_from: int | None, now: datetime
+) -> tuple[Attempt, list[int], bool]:
+    """The current attempt ``epoch`` resumes from ``resumed_from``: record it and, in the same
+    transaction, abandon every older attempt's row above it. ``(attempt, abandoned, changed)``;
+    deciding the same again changes nothing. The caller holds the run row's ``update`` lock;
+    a stale ``epoch`` raises ``StaleAttemptError``, another decision ``ValueError``."""
+    check_current(session, url, run, epoch)
+    attempt = current(session, run)
+    assert attempt is not None
+    if attempt.decided_at is not None:
+        if attempt.resumed_from != resumed_from:
+            raise ValueError(
+                f"attempt epoch {epoch} of run {run.name!r} already resumed from "
+                f"{attempt.resumed_from}; a new resume point needs a new attempt"
+            )
+        return attempt, [], False
+    attempt.resumed_from = resumed_from
+    attempt.decided_at = now
+    session.flush()
+    return attempt, _abandon(session, run, epoch, resumed_from, now), True
 
 
 def _abandon(
@@ -138,6 +170,7 @@ def abandoning(session: Session, run_id: int, epoch: int, step: int) -> Attempt 
         .where(
             Attempt.run_id == run_id,
             Attempt.epoch > epoch,
+            Attempt.decided_at.is_not(None),
             or_(Attempt.resumed_from.is_(None), Attempt.resumed_from < step),
         )
         .order_by(Attempt.epoch)
@@ -151,7 +184,7 @@ def resume_point(session: Session, run: Run) -> ResumePoint | None:
     attempt's only footing: until the attempt commits a checkpoint of its own above it (from
     then on the lineage continues from that one, and the policy decides as usual)."""
     attempt = current(session, run)
-    if attempt is None or attempt.resumed_from is None:
+    if attempt is None or attempt.resumed_from is None or attempt.decided_at is None:
         return None
     own_newer = session.scalars(
         select(Checkpoint.id)

@@ -317,7 +317,7 @@ class Catalog:
         host: str,
         pid: int,
         started_at: datetime,
-        resumed_from: int | None,
+        resumed_from: int | None | _Unset = UNSET,
     ) -> AttemptRegistration:
         """Make a new start of a job the run's current attempt, and abandon what it discards.
 
@@ -330,6 +330,11 @@ class Catalog:
         for a fresh start) that is pending, committed or failed to ``stale``. The step
         ``resumed_from`` itself stays. Fenced calls of older epochs are refused from then on.
 
+        Without ``resumed_from`` the attempt is registered *undecided*: it fences older
+        attempts at once and abandons nothing; ``decide_resume`` records its resume point
+        later, once it has chosen under the fence (nothing an older attempt does can then move
+        the ground under that choice).
+
         Calling it again for the current attempt (same epoch and attempt id, a retry) returns
         it with nothing abandoned. ``RunNotFoundError`` without the run.
         """
@@ -340,8 +345,9 @@ class Catalog:
             "host": validate.host(host),
             "pid": validate.pid(pid),
             "started_at": validate.aware("started_at", started_at),
-            "resumed_from": validate.optional_step("resumed_from", resumed_from),
         }
+        if resumed_from is not UNSET:
+            values["resumed_from"] = validate.optional_step("resumed_from", resumed_from)
         with self._db.write(f"register attempt {epoch} of run {run!r}") as session:
             owner = runs.require(session, self.url, run, lock="update")
             row, abandoned, registered = attempts.register(session, self.url, owner, values, _now())
@@ -350,6 +356,30 @@ class Catalog:
                 detail["started_at"] = started_at.isoformat()
                 detail["abandoned"] = abandoned
                 self._event(session, "attempt_registered", run, detail=detail)
+            return AttemptRegistration(AttemptRecord.of(row, run), tuple(abandoned))
+
+    def decide_resume(
+        self, run: str, *, epoch: int, resumed_from: int | None
+    ) -> AttemptRegistration:
+        """The current attempt ``epoch`` (registered undecided) resumes from ``resumed_from``
+        (None: a fresh start). Fenced: ``StaleAttemptError`` unless ``epoch`` is current. In
+        the same transaction every older attempt's pending, committed or failed row above it
+        moves to ``stale``. Deciding the same again is a no-op; a different second decision
+        raises ``InvalidValueError`` (a new resume point needs a new attempt)."""
+        run = validate.run_name(run)
+        epoch = validate.epoch(epoch, minimum=1)
+        resumed_from = validate.optional_step("resumed_from", resumed_from)
+        with self._db.write(f"decide the resume point of run {run!r}") as session:
+            owner = runs.require(session, self.url, run, lock="update")
+            try:
+                row, abandoned, changed = attempts.decide(
+                    session, self.url, owner, epoch, resumed_from, _now()
+                )
+            except ValueError as exc:
+                raise InvalidValueError("resumed_from", resumed_from, str(exc)) from None
+            if changed:
+                detail = {"epoch": epoch, "resumed_from": resumed_from, "abandoned": abandoned}
+                self._event(session, "resume_decided", run, detail=detail)
             return AttemptRegistration(AttemptRecord.of(row, run), tuple(abandoned))
 
     def current_attempt(self, run: str) -> AttemptRecord | None:

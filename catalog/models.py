@@ -152,8 +152,10 @@ class Attempt(Base):
     """One start of a job for a run, mirrored from storage's create-only attempt objects.
 
     ``epoch`` is handed out by storage, monotonic per run, and is the fencing token;
-    ``resumed_from`` is the step the attempt resumed from (None: a fresh start). Rows are only
-    ever inserted, by ``register_attempt``, in the transaction that moves ``runs.epoch``.
+    ``resumed_from`` is the step the attempt resumed from (None: a fresh start), meaningful once
+    ``decided_at`` is set: an attempt is registered first (which fences older ones) and
+    decides where it resumes after, so nothing an older one does can move under its decision.
+    Rows are inserted by ``register_attempt``, in the transaction that moves ``runs.epoch``.
     """
 
     __tablename__ = "attempts"
@@ -171,6 +173,7 @@ class Attempt(Base):
     started_at: Mapped[datetime] = mapped_column(UtcDateTime)
     resumed_from: Mapped[int | None] = mapped_column(BigInteger)
     registered_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    decided_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
 
 class Checkpoint(Base):

@@ -142,7 +142,8 @@ class AttemptRecord(_Record):
 
     ``epoch`` is its fencing token; ``attempt_id`` the uuid hex identifying it; ``host``,
     ``pid`` and ``started_at`` say which process it is; ``resumed_from`` is the step it resumed
-    from (None: a fresh start); ``registered_at`` when the catalog learnt of it.
+    from (None: a fresh start) once ``decided`` (until then it has not chosen yet);
+    ``registered_at`` when the catalog learnt of it.
     """
 
     run: str
@@ -153,6 +154,7 @@ class AttemptRecord(_Record):
     started_at: datetime
     resumed_from: int | None
     registered_at: datetime
+    decided: bool = True
 
     @classmethod
     def of(cls, row: Attempt, run: str) -> AttemptRecord:
@@ -165,6 +167,7 @@ class AttemptRecord(_Record):
             started_at=row.started_at,
             resumed_from=row.resumed_from,
             registered_at=row.registered_at,
+            decided=row.decided_at is not None,
         )
 
     @property

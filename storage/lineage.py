@@ -7,6 +7,11 @@ commit marker (POSIX ``link``, S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=
 attempts racing for one epoch exactly one wins; the newest record is the current attempt, and
 every write of an older one is refused once it re-checks (``StaleAttemptError``).
 
+The claim comes first and fences older attempts; only then does the attempt choose where it
+resumes, and record it, again create-only, as ``<epoch>.resume.json``. Choosing before the claim
+would let an older attempt, still current, delete or supersede the chosen step between the
+choice and the claim. Until it decides, an attempt abandons nothing.
+
 An attempt resumes from some step ``r`` (or from nothing). Checkpoints of older epochs with a
 step above ``r`` belong to a history it abandoned, however complete they are. Each record keeps,
 for every older epoch, the highest step still in the current history (its *cutoff*: the smallest
@@ -20,6 +25,7 @@ older epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -39,17 +45,24 @@ __all__ = [
     "Fence",
     "Lineage",
     "claim_attempt",
+    "decide_resume",
+    "decided",
     "newer_epochs",
     "read_lineage",
     "read_records",
 ]
 
 _RECORD_NAME = re.compile(r"(\d{10,})\.json")
+_DECISION_NAME = re.compile(r"(\d{10,})\.resume\.json")
 _VERSION = 1
 
 
 def record_name(epoch: int) -> str:
     return f"{epoch:010d}.json"
+
+
+def decision_name(epoch: int) -> str:
+    return f"{epoch:010d}.resume.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +71,10 @@ class AttemptRecord:
 
     ``cutoffs`` are ``(up_to_epoch, cutoff)`` pairs in ascending order: a checkpoint of epoch
     ``e`` (older than this one) is in this attempt's history iff its step is at most the cutoff
-    of the first pair with ``up_to_epoch >= e``. A cutoff of -1 means "nothing of that epoch".
+    of the first pair with ``up_to_epoch >= e`` (no pair: no limit). A cutoff of -1 means
+    "nothing of that epoch". ``decided`` is False between the claim and the resume decision:
+    ``resumed_from`` means nothing yet, and the cutoffs are those of the lineage it claimed
+    under.
     """
 
     run: str | None
@@ -69,6 +85,7 @@ class AttemptRecord:
     started_at: str
     resumed_from: int | None
     cutoffs: tuple[tuple[int, int], ...] = ()
+    decided: bool = True
 
     def describe(self) -> str:
         """``epoch 5 (host h1, pid 4242, started 2026-...)`` for messages."""
@@ -81,7 +98,7 @@ class AttemptRecord:
         for up_to, cutoff in self.cutoffs:
             if epoch <= up_to:
                 return cutoff
-        return None  # cannot happen for a record this module built: the last pair is epoch-1
+        return None  # an epoch no decided later attempt has judged yet
 
     def to_json(self) -> bytes:
         body = {
@@ -94,6 +111,7 @@ class AttemptRecord:
             "started_at": self.started_at,
             "resumed_from": self.resumed_from,
             "cutoffs": [list(pair) for pair in self.cutoffs],
+            "decided": self.decided,
         }
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
@@ -112,6 +130,7 @@ class AttemptRecord:
                 started_at=str(body.get("started_at", "")),
                 resumed_from=None if body["resumed_from"] is None else int(body["resumed_from"]),
                 cutoffs=tuple((int(a), int(b)) for a, b in body["cutoffs"]),
+                decided=bool(body.get("decided", True)),
             )
             if record.epoch != epoch:
                 raise ValueError(f"it says epoch {record.epoch}")
@@ -158,26 +177,17 @@ class Lineage:
             )
         return None
 
-    def successor(
+    def claim(
         self,
         run: str | None,
         epoch: int,
-        resumed_from: int | None,
         *,
         attempt_id: str | None = None,
         host: str | None = None,
         pid: int | None = None,
     ) -> AttemptRecord:
-        """The record of a new attempt ``epoch`` that resumes from ``resumed_from``."""
-        limit = -1 if resumed_from is None else resumed_from
-        pairs = [(up_to, min(c, limit)) for up_to, c in (self.current.cutoffs if self else ())]
-        pairs.append((epoch - 1, limit))
-        merged: list[tuple[int, int]] = []
-        for up_to, cutoff in pairs:
-            if merged and merged[-1][1] == cutoff:
-                merged[-1] = (up_to, cutoff)
-            else:
-                merged.append((up_to, cutoff))
+        """The undecided record of a new attempt ``epoch``: it judges older epochs as this
+        lineage does until it decides where it resumes (``decided``)."""
         return AttemptRecord(
             run=run,
             epoch=epoch,
@@ -185,12 +195,35 @@ class Lineage:
             host=host or socket.gethostname(),
             pid=os.getpid() if pid is None else pid,
             started_at=datetime.now(UTC).isoformat(timespec="milliseconds"),
-            resumed_from=resumed_from,
-            cutoffs=tuple(merged),
+            resumed_from=None,
+            cutoffs=self.current.cutoffs if self.current is not None else (),
+            decided=False,
         )
+
+    def successor(self, run: str | None, epoch: int, resumed_from: int | None) -> AttemptRecord:
+        """A new attempt ``epoch`` claimed and decided at once (resuming from
+        ``resumed_from``), as ``decided(claim(...), resumed_from)``."""
+        return decided(self.claim(run, epoch), resumed_from)
 
     def __bool__(self) -> bool:
         return self.current is not None
+
+
+def decided(record: AttemptRecord, resumed_from: int | None) -> AttemptRecord:
+    """``record`` (undecided) once it resumes from ``resumed_from`` (None: from nothing):
+    every older epoch's cutoff is lowered to ``resumed_from``."""
+    limit = -1 if resumed_from is None else resumed_from
+    pairs = [(up_to, min(c, limit)) for up_to, c in record.cutoffs]
+    pairs.append((record.epoch - 1, limit))
+    merged: list[tuple[int, int]] = []
+    for up_to, cutoff in pairs:
+        if merged and merged[-1][1] == cutoff:
+            merged[-1] = (up_to, cutoff)
+        else:
+            merged.append((up_to, cutoff))
+    return dataclasses.replace(
+        record, resumed_from=resumed_from, cutoffs=tuple(merged), decided=True
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,17 +250,20 @@ def attempts_path(location: Location, run_path: str) -> str:
     return f"{run_path}/{ATTEMPTS_DIR}"
 
 
-def _epochs(location: Location, directory: str) -> list[int]:
-    epochs = []
+def _epochs(location: Location, directory: str) -> tuple[list[int], set[int]]:
+    """The epochs claimed (ascending) and those that decided, from one listing."""
+    claimed, decided_epochs = [], set()
     for listed in list_files(location, directory):
-        match = _RECORD_NAME.fullmatch(listed.path.rsplit("/", 1)[-1])
-        if match:
-            epochs.append(int(match.group(1)))
-    return sorted(epochs)
+        name = listed.path.rsplit("/", 1)[-1]
+        if match := _RECORD_NAME.fullmatch(name):
+            claimed.append(int(match.group(1)))
+        elif match := _DECISION_NAME.fullmatch(name):
+            decided_epochs.add(int(match.group(1)))
+    return sorted(claimed), decided_epochs
 
 
-def _read_record(location: Location, directory: str, epoch: int) -> AttemptRecord:
-    path = f"{directory}/{record_name(epoch)}"
+def _read_record(location: Location, directory: str, epoch: int, decided_: bool) -> AttemptRecord:
+    path = f"{directory}/{decision_name(epoch) if decided_ else record_name(epoch)}"
     return AttemptRecord.from_json(
         read_small(location, path), where=location.display(path), epoch=epoch
     )
@@ -237,15 +273,19 @@ def read_lineage(location: Location, run_path: str) -> Lineage:
     """The run's lineage: one listing of its attempt records and one read of the newest."""
     directory = attempts_path(location, run_path)
     with backend_errors(location, f"reading the attempts of {location.display(run_path)}"):
-        epochs = _epochs(location, directory)
-        return Lineage(_read_record(location, directory, epochs[-1]) if epochs else None)
+        claimed, decided_epochs = _epochs(location, directory)
+        if not claimed:
+            return Lineage(None)
+        newest = claimed[-1]
+        return Lineage(_read_record(location, directory, newest, newest in decided_epochs))
 
 
 def read_records(location: Location, run_path: str) -> list[AttemptRecord]:
     """Every attempt record of the run, oldest first (one listing, one read per record)."""
     directory = attempts_path(location, run_path)
     with backend_errors(location, f"reading the attempts of {location.display(run_path)}"):
-        return [_read_record(location, directory, e) for e in _epochs(location, directory)]
+        claimed, decided_epochs = _epochs(location, directory)
+        return [_read_record(location, directory, e, e in decided_epochs) for e in claimed]
 
 
 def newer_epochs(location: Location, run_path: str, epoch: int) -> AttemptRecord | None:
@@ -253,13 +293,13 @@ def newer_epochs(location: Location, run_path: str, epoch: int) -> AttemptRecord
     listing), else None."""
     directory = attempts_path(location, run_path)
     with backend_errors(location, f"checking the attempts of {location.display(run_path)}"):
-        epochs = _epochs(location, directory)
-        if not epochs or epochs[-1] <= epoch:
+        claimed, _ = _epochs(location, directory)
+        if not claimed or claimed[-1] <= epoch:
             return None
         try:
-            return _read_record(location, directory, epochs[-1])
+            return _read_record(location, directory, claimed[-1], False)
         except (CorruptCheckpointError, FileNotFoundError):
-            return AttemptRecord(None, epochs[-1], "?", "?", 0, "?", None)
+            return AttemptRecord(None, claimed[-1], "?", "?", 0, "?", None)
 
 
 def claim_attempt(
@@ -268,18 +308,56 @@ def claim_attempt(
     run: str | None,
     *,
     after: Lineage,
-    resumed_from: int | None,
     min_epoch: int = 1,
     attempt_id: str | None = None,
 ) -> AttemptRecord:
-    """Create the record of a new attempt, the epoch after ``after`` (or ``min_epoch`` if
-    higher), exclusively. ``after`` is the lineage the caller decided ``resumed_from`` under;
-    if another attempt registered since, the create fails and ``StaleAttemptError`` names it:
-    decide again on the new lineage."""
+    """Create the (undecided) record of a new attempt, the epoch after ``after`` (or
+    ``min_epoch`` if higher), exclusively. If another attempt registered since ``after`` was
+    read, the create fails and ``StaleAttemptError`` names it: read the lineage again."""
     epoch = max(after.epoch + 1, min_epoch)
-    record = after.successor(run, epoch, resumed_from, attempt_id=attempt_id)
+    record = after.claim(run, epoch, attempt_id=attempt_id)
+    _create(location, run_path, run, record_name(epoch), record, epoch)
+    return record
+
+
+def decide_resume(
+    location: Location, run_path: str, record: AttemptRecord, resumed_from: int | None
+) -> AttemptRecord:
+    """Record where the attempt ``record`` resumes (create-only ``<epoch>.resume.json``) and
+    return its decided record. Refused with ``StaleAttemptError`` if a newer attempt claimed
+    the run meanwhile; deciding the same again returns the existing decision."""
+    newer = newer_epochs(location, run_path, record.epoch)
+    if newer is not None:
+        raise StaleAttemptError(
+            f"attempt epoch {record.epoch} of {location.display(run_path)} is no longer "
+            f"current: {newer.describe()} took over before it chose where to resume; stop",
+            epoch=record.epoch,
+            current=newer,
+            url=location.display(run_path),
+            run=record.run,
+        )
+    final = decided(record, resumed_from)
+    name = decision_name(record.epoch)
+    try:
+        _create(location, run_path, record.run, name, final, record.epoch)
+    except StaleAttemptError:
+        existing = _read_record(location, attempts_path(location, run_path), record.epoch, True)
+        if existing.resumed_from != resumed_from:
+            raise
+        return existing
+    return final
+
+
+def _create(
+    location: Location,
+    run_path: str,
+    run: str | None,
+    name: str,
+    record: AttemptRecord,
+    epoch: int,
+) -> None:
     directory = attempts_path(location, run_path)
-    path = f"{directory}/{record_name(epoch)}"
+    path = f"{directory}/{name}"
     with backend_errors(location, f"registering attempt {epoch} of {location.display(run_path)}"):
         if location.is_local:
             os.makedirs(directory, exist_ok=True)
@@ -296,4 +374,3 @@ def claim_attempt(
                 url=location.display(run_path),
                 run=run,
             ) from None
-    return record

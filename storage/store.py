@@ -43,6 +43,7 @@ from storage.lineage import (
     Fence,
     Lineage,
     claim_attempt,
+    decide_resume,
     newer_epochs,
     read_lineage,
     read_records,
@@ -133,16 +134,15 @@ class CheckpointStore:
         run: str | None,
         *,
         after: Lineage,
-        resumed_from: int | None,
         min_epoch: int = 1,
         attempt_id: str | None = None,
     ) -> Fence:
-        """Register a new attempt of ``run`` that resumes from ``resumed_from`` (None: from
-        nothing), as the epoch after ``after`` (the lineage the resume point was chosen under;
-        at least ``min_epoch``). Returns the attempt's ``Fence``, to pass to every ``begin``.
+        """Claim the next epoch of ``run`` (after the lineage ``after``, at least
+        ``min_epoch``): from now on every older attempt is fenced out. The attempt then chooses
+        where it resumes and records it with ``decide_resume`` before it saves.
 
-        Raises ``StaleAttemptError`` if another attempt registered after ``after``: choose the
-        resume point again on the new lineage and retry.
+        Raises ``StaleAttemptError`` if another attempt claimed after ``after`` was read: read
+        the lineage again and retry.
         """
         validate_run(run)
         record = claim_attempt(
@@ -150,11 +150,17 @@ class CheckpointStore:
             self.run_path(run),
             run,
             after=after,
-            resumed_from=resumed_from,
             min_epoch=min_epoch,
             attempt_id=attempt_id,
         )
         return Fence(record)
+
+    def decide_resume(self, run: str | None, fence: Fence, resumed_from: int | None) -> Fence:
+        """Record that the attempt ``fence`` resumes from ``resumed_from`` (None: from
+        nothing): older epochs' checkpoints above it leave the history. Returns the fence to
+        save with. ``StaleAttemptError`` if a newer attempt claimed the run meanwhile."""
+        validate_run(run)
+        return Fence(decide_resume(self.location, self.run_path(run), fence.record, resumed_from))
 
     def check_fence(self, run: str | None, fence: Fence) -> None:
         """Raise ``StaleAttemptError`` naming the current attempt if one newer than ``fence``
@@ -197,6 +203,11 @@ class CheckpointStore:
         validate_run(run)
         validate_step(step)
         if fence is not None:
+            if not fence.record.decided:
+                raise ValueError(
+                    f"attempt epoch {fence.epoch} of run {run!r} has not decided where it "
+                    "resumes: call decide_resume before saving"
+                )
             if recheck:
                 self.check_fence(run, fence)  # a stale attempt learns it before writing
             lineage = fence.lineage

@@ -1,11 +1,12 @@
 """Attempts: one start of a job that writes a run's checkpoints, with its fencing token.
 
-An attempt is registered once it knows where it resumes from (``register``): storage hands out
-the epoch (a create-only attempt record, so two starts never share one), then the catalog, if
-there is one, records it and in the same transaction abandons every older epoch's checkpoint
-above the resume point. From then on every write of an older attempt is refused where it lands:
-the catalog's guarded transitions and claims, storage's ``begin`` and the re-check just before
-the marker.
+An attempt is registered in two steps. ``claim``: storage hands out the epoch (a create-only
+attempt record, so two starts never share one) and the catalog, if there is one, records it;
+from then on every write of an older attempt is refused where it lands (the catalog's guarded
+transitions and claims, storage's ``begin`` and the re-check just before the marker). Then the
+attempt chooses where it resumes, on ground nobody else can move, and ``decide`` records it:
+on storage, then in the catalog, which abandons every older epoch's checkpoint above it in the
+same transaction.
 
 ``fenced`` turns the storage and catalog layers' ``StaleAttemptError`` into the one
 ``zephon.StaleAttemptError`` users catch.
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TypeVar
 
 import catalog as catalog_layer
 import storage
@@ -26,7 +28,18 @@ from storage import AttemptRecord, Fence, Lineage
 from zephon.errors import StaleAttemptError
 from zephon.locations import RunLocation
 
-__all__ = ["Attempt", "fenced", "mirror_lineage", "register"]
+__all__ = [
+    "Attempt",
+    "as_zephon_error",
+    "claim",
+    "decide",
+    "fenced",
+    "mirror_lineage",
+    "register",
+    "register_resuming",
+]
+
+T = TypeVar("T")
 
 log = logging.getLogger("zephon")
 
@@ -54,13 +67,23 @@ class Attempt:
         return self.fence.record
 
 
+def as_zephon_error(exc: BaseException) -> BaseException:
+    """The ``zephon.StaleAttemptError`` for a stale attempt refused by either layer; any other
+    exception unchanged."""
+    if isinstance(exc, storage.StaleAttemptError | catalog_layer.StaleAttemptError):
+        translated = StaleAttemptError(str(exc), current=exc.current)
+        translated.__cause__ = exc
+        return translated
+    return exc
+
+
 @contextlib.contextmanager
 def fenced() -> Iterator[None]:
     """Raise ``zephon.StaleAttemptError`` for a stale attempt refused by either layer."""
     try:
         yield
     except (storage.StaleAttemptError, catalog_layer.StaleAttemptError) as exc:
-        raise StaleAttemptError(str(exc), current=exc.current) from exc
+        raise as_zephon_error(exc) from exc
 
 
 def _started(record: AttemptRecord) -> datetime:
@@ -71,6 +94,8 @@ def _started(record: AttemptRecord) -> datetime:
 
 
 def _register_in_catalog(catalog: Catalog, name: str, record: AttemptRecord) -> None:
+    """Mirror a storage attempt record: registered, and decided if it is."""
+    given = {"resumed_from": record.resumed_from} if record.decided else {}
     catalog.register_attempt(
         name,
         epoch=record.epoch,
@@ -78,8 +103,42 @@ def _register_in_catalog(catalog: Catalog, name: str, record: AttemptRecord) -> 
         host=record.host,
         pid=record.pid,
         started_at=_started(record),
-        resumed_from=record.resumed_from,
+        **given,
     )
+
+
+def claim(location: RunLocation, catalog: Catalog | None, lineage: Lineage) -> Fence:
+    """Claim the run's next epoch on storage and in the catalog: from here on every older
+    attempt is fenced out, and nothing is abandoned yet (the attempt has not decided)."""
+    store, storage_run, name = location.store, location.storage_run, location.name
+    with fenced():
+        floor = 1
+        if catalog is not None:
+            mirror_lineage(catalog, location, lineage)
+            current = catalog.current_attempt(name)
+            floor = current.epoch + 1 if current is not None else 1
+        fence = store.claim_attempt(storage_run, after=lineage, min_epoch=floor)
+        if catalog is not None:
+            _register_in_catalog(catalog, name, fence.record)
+    return fence
+
+
+def decide(
+    location: RunLocation, catalog: Catalog | None, fence: Fence, resumed_from: int | None
+) -> Attempt:
+    """Record where the claimed attempt resumes, on storage then in the catalog (which
+    abandons the older history above it in the same transaction)."""
+    with fenced():
+        fence = location.store.decide_resume(location.storage_run, fence, resumed_from)
+        if catalog is not None:
+            catalog.decide_resume(location.name, epoch=fence.epoch, resumed_from=resumed_from)
+    log.info(
+        "zephon: run %s: attempt %s registered, resuming from %s",
+        location.name,
+        fence.record.describe(),
+        "nothing" if resumed_from is None else f"step {resumed_from}",
+    )
+    return Attempt(location, fence)
 
 
 def register(
@@ -89,61 +148,57 @@ def register(
     lineage: Lineage,
     resumed_from: int | None,
 ) -> Attempt:
-    """Register a new attempt of the run that resumes from ``resumed_from`` (None: from
-    nothing), decided under ``lineage``. Raises ``zephon.StaleAttemptError`` when another
-    start registered since ``lineage`` was read: the caller decides again."""
-    store, storage_run, name = location.store, location.storage_run, location.name
-    with fenced():
-        floor = 1
-        if catalog is not None:
-            mirror_lineage(catalog, location, lineage)
-            current = catalog.current_attempt(name)
-            floor = current.epoch + 1 if current is not None else 1
-        fence = store.claim_attempt(
-            storage_run, after=lineage, resumed_from=resumed_from, min_epoch=floor
-        )
-        if catalog is not None:
-            _register_in_catalog(catalog, name, fence.record)
-    log.info(
-        "zephon: run %s: attempt %s registered, resuming from %s",
-        name,
-        fence.record.describe(),
-        "nothing" if resumed_from is None else f"step {resumed_from}",
-    )
-    return Attempt(location, fence)
+    """Register a new attempt that resumes from a step the caller already knows (None: from
+    nothing), claimed after ``lineage``: ``claim`` then ``decide``. Raises
+    ``zephon.StaleAttemptError`` when another start claimed since ``lineage`` was read."""
+    return decide(location, catalog, claim(location, catalog, lineage), resumed_from)
 
 
 def register_resuming(
     location: RunLocation,
     catalog: Catalog | None,
-    choose: callable,
-) -> tuple[Attempt, object]:
-    """Register an attempt whose resume point ``choose(lineage)`` decides (it returns
-    ``(step or None, anything)``); decided again if another start registered meanwhile.
-    Returns the attempt and what ``choose`` returned with the step."""
+    choose: Callable[[Lineage], tuple[int | None, T]],
+) -> tuple[Attempt, T]:
+    """Register an attempt that chooses where it resumes *after* it fenced the older ones:
+    claim the epoch, then ``choose(lineage)`` (the lineage with this attempt current and
+    undecided) returns ``(step or None, anything)``, then decide. An older attempt therefore
+    cannot commit, delete or retain anything between the choice and its record. Claimed
+    again if another start took the epoch first. Returns the attempt and what ``choose``
+    returned with the step."""
     last: StaleAttemptError | None = None
     for _ in range(_REGISTER_TRIES):
-        lineage = location.store.lineage(location.storage_run)
-        step, found = choose(lineage)
         try:
-            return register(location, catalog, lineage=lineage, resumed_from=step), found
+            fence = claim(location, catalog, location.store.lineage(location.storage_run))
         except StaleAttemptError as exc:
             last = exc
+            continue
+        step, found = choose(fence.lineage)
+        return decide(location, catalog, fence, step), found
     assert last is not None
     raise last
 
 
 def mirror_lineage(catalog: Catalog, location: RunLocation, lineage: Lineage) -> None:
     """Register in the catalog the attempts storage knows and it does not (attempts that ran
-    without this catalog), oldest first, so its rows are abandoned as storage's lineage says.
-    Costs nothing when the catalog is up to date (the usual case)."""
+    without this catalog, or a decision it missed), oldest first, so its rows are abandoned as
+    storage's lineage says. Costs nothing when the catalog is up to date (the usual case)."""
     if not lineage:
         return
     current = catalog.current_attempt(location.name)
     known = current.epoch if current is not None else 0
-    if lineage.epoch <= known:
+    missed_decision = (
+        current is not None
+        and lineage.epoch == known
+        and lineage.current.decided
+        and not current.decided
+    )
+    if lineage.epoch <= known and not missed_decision:
         return
     for record in location.store.attempts(location.storage_run):
-        if record.epoch > known:
-            with contextlib.suppress(catalog_layer.StaleAttemptError):
+        with contextlib.suppress(catalog_layer.StaleAttemptError):
+            if record.epoch > known:
                 _register_in_catalog(catalog, location.name, record)
+            elif record.epoch == known and record.decided and not current.decided:
+                catalog.decide_resume(
+                    location.name, epoch=record.epoch, resumed_from=record.resumed_from
+                )

@@ -27,6 +27,7 @@ from catalog import (
 )
 from storage import CheckpointStore, Fence, StorageError
 from zephon.attempts import fenced, mirror_lineage
+from zephon.errors import StaleAttemptError
 from zephon.locations import RunLocation, run_location
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
 
@@ -116,6 +117,8 @@ def gc_run(
     """
     report = report or GcReport(dry_run=dry_run)
     name, store, storage_run = location.name, location.store, location.storage_run
+    if epoch is not None:
+        _check_current(catalog, name, epoch)  # also when there is nothing to claim
     lineage = store.lineage(storage_run)
     if not dry_run:
         mirror_lineage(catalog, location, lineage)
@@ -149,6 +152,16 @@ def gc_run(
     if orphans:
         _remove_leftovers(catalog, location, policy, dry_run, report)
     return report
+
+
+def _check_current(catalog: Catalog, name: str, epoch: int) -> None:
+    current = catalog.current_attempt(name)
+    if current is not None and current.epoch != epoch:
+        raise StaleAttemptError(
+            f"run {name!r}: attempt epoch {epoch} is no longer current: {current.describe()} "
+            "took over; this process is a stale attempt: its retention does not run",
+            current=current,
+        )
 
 
 def _settle_expired(catalog, location: RunLocation, lineage, decision, dry_run, report) -> None:

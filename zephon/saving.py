@@ -23,7 +23,7 @@ from typing import Any
 
 from catalog import Catalog, InvalidTransitionError
 from storage import CheckpointWriter, Manifest, new_save_id
-from zephon.attempts import Attempt, fenced
+from zephon.attempts import Attempt, as_zephon_error, fenced
 
 __all__ = ["Save", "manifest_facts"]
 
@@ -44,9 +44,10 @@ def manifest_facts(manifest: Manifest) -> dict[str, Any]:
 
 class Save:
     """One save of ``step`` by ``attempt``; make it with ``Save.begin`` on the one process
-    that commits (rank 0), write through ``writer``, call ``writer.commit()``, then
-    ``committed()``. Or use it as a context manager: a clean block that committed records the
-    commit, anything else fails the save.
+    that commits (rank 0), write through ``writer``, call ``commit()`` (or ``writer.commit()``)
+    and then ``committed()``. Or use it as a context manager: a clean block that committed
+    records the commit, anything else fails the save. A stale attempt's refusal is always
+    ``zephon.StaleAttemptError``.
     """
 
     def __init__(
@@ -99,6 +100,12 @@ class Save:
                 raise
         return cls(attempt, step, writer, catalog)
 
+    def commit(self, metadata: Mapping[str, Any] | None = None) -> Manifest:
+        """``writer.commit()`` (the fence re-check, then the marker), a stale attempt's refusal
+        raised as ``zephon.StaleAttemptError``. Then call ``committed()``."""
+        with fenced():
+            return self.writer.commit(metadata)
+
     def committed(self) -> Manifest:
         """Record the commit in the catalog, after ``writer.commit()`` created the marker."""
         manifest = self.writer.manifest
@@ -139,6 +146,9 @@ class Save:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None:
             self.failed(exc)
+            translated = as_zephon_error(exc)
+            if translated is not exc:  # writer.commit() inside the block met a newer attempt
+                raise translated
             return
         if self.writer.manifest is None:
             error = RuntimeError(

@@ -63,6 +63,7 @@ def upgrade() -> None:
         sa.Column("started_at", TIMESTAMP, nullable=False),
         sa.Column("resumed_from", sa.BigInteger(), nullable=True),
         sa.Column("registered_at", TIMESTAMP, nullable=False),
+        sa.Column("decided_at", TIMESTAMP, nullable=True),
         sa.CheckConstraint("epoch >= 1", name=op.f("ck_attempts_epoch")),
         sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_attempts_run_id_runs")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_attempts")),

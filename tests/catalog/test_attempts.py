@@ -366,3 +366,70 @@ def test_attempt_records_are_json_ready(catalog, run):
     assert values["resumed_from"] == 3 and values["epoch"] == 1
     later = STARTED + timedelta(hours=1)
     assert register(catalog, run, 2, started_at=later).attempt.started_at == later
+
+
+# -- registered first, decided after -------------------------------------------------------
+
+
+def register_undecided(catalog, run, epoch):
+    return catalog.register_attempt(
+        run,
+        epoch=epoch,
+        attempt_id=f"{epoch:032x}",
+        host=f"h{epoch}",
+        pid=4000 + epoch,
+        started_at=STARTED,
+    )
+
+
+def test_an_undecided_attempt_fences_older_ones_but_abandons_nothing(catalog, run):
+    register(catalog, run, 1)
+    for step in (10, 20, 30):
+        commit_step(catalog, run, step, epoch=1)
+    registration = register_undecided(catalog, run, 2)
+    assert registration.abandoned == () and not registration.attempt.decided
+    assert set(_states(catalog).values()) == {"committed"}
+    with pytest.raises(StaleAttemptError, match="attempt epoch 2"):
+        commit_step(catalog, run, 40, epoch=1)
+    # nothing is protected or abandoned until the attempt knows where it resumes
+    assert catalog.retention_plan(run).decisions[0].reason.count("resume point") == 0
+
+
+def test_deciding_the_resume_point_abandons_the_older_history_above_it(catalog, run):
+    register(catalog, run, 1)
+    for step in (10, 20, 30):
+        commit_step(catalog, run, step, epoch=1)
+    register_undecided(catalog, run, 2)
+    decided = catalog.decide_resume(run, epoch=2, resumed_from=20)
+    assert decided.abandoned == (30,) and decided.attempt.decided
+    assert decided.attempt.resumed_from == 20
+    assert _states(catalog) == {10: "committed", 20: "committed", 30: "stale"}
+    assert catalog.events(run=run)[0].action == "resume_decided"
+    # the same decision again changes nothing; another one needs a new attempt
+    assert catalog.decide_resume(run, epoch=2, resumed_from=20).abandoned == ()
+    with pytest.raises(InvalidValueError, match="a new resume point needs a new attempt"):
+        catalog.decide_resume(run, epoch=2, resumed_from=10)
+
+
+def test_only_the_current_attempt_may_decide(catalog, run):
+    register_undecided(catalog, run, 1)
+    register_undecided(catalog, run, 2)
+    with pytest.raises(StaleAttemptError, match="attempt epoch 1 is no longer current"):
+        catalog.decide_resume(run, epoch=1, resumed_from=None)
+
+
+def test_an_undecided_attempt_is_not_part_of_the_lineage_rule(catalog, run):
+    register(catalog, run, 1)
+    register_undecided(catalog, run, 2)
+    # a complete marker of epoch 1 at step 50 is still history while epoch 2 has not decided
+    _, outcome = catalog.upsert_committed(
+        run,
+        50,
+        "memory://ckpt/r/save-50",
+        save_id="e1-abc",
+        epoch=1,
+        bytes=1,
+        file_count=1,
+        manifest_checksum="c",
+    )
+    assert outcome.value == "inserted"

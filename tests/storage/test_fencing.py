@@ -27,8 +27,10 @@ def store(backend):
 
 
 def start(store: CheckpointStore, run: str, resumed_from: int | None):
-    """A new attempt of ``run`` that resumes from ``resumed_from``, as a job start does it."""
-    return store.claim_attempt(run, after=store.lineage(run), resumed_from=resumed_from)
+    """A new attempt of ``run`` that resumes from ``resumed_from``, as a job start does it:
+    claim the epoch, then decide."""
+    fence = store.claim_attempt(run, after=store.lineage(run))
+    return store.decide_resume(run, fence, resumed_from)
 
 
 def save(store, run, step, fence, files=None):
@@ -48,15 +50,33 @@ def test_attempts_get_increasing_epochs_and_the_newest_is_current(store):
 
 def test_two_starts_claiming_the_same_epoch_have_one_winner(store, backend):
     seen = store.lineage("r")
-    store.claim_attempt("r", after=seen, resumed_from=None)
+    store.claim_attempt("r", after=seen)
     if not backend.enforces_exclusive_create:
         # The GCS emulator ignores preconditions: check the record's upload (the only write so
         # far) carried one.
         assert len(backend.create_only_requests()) == 1
         return
     with pytest.raises(StaleAttemptError, match=r"epoch 1 .* registered by another start"):
-        store.claim_attempt("r", after=seen, resumed_from=None)
+        store.claim_attempt("r", after=seen)
     assert store.lineage("r").epoch == 1
+
+
+def test_an_attempt_abandons_nothing_until_it_decides_where_it_resumes(store):
+    old = start(store, "r", None)
+    for step in (40, 50):
+        save(store, "r", step, old)
+    claimed = store.claim_attempt("r", after=store.lineage("r"))
+    assert store.latest("r").step == 50  # nothing abandoned yet, but `old` is fenced
+    with pytest.raises(StaleAttemptError):
+        store.begin("r", 60, fence=old)
+    with pytest.raises(ValueError, match="has not decided where it resumes"):
+        store.begin("r", 60, fence=claimed)
+    new = store.decide_resume("r", claimed, 40)
+    assert store.latest("r").step == 40 and new.record.decided
+    assert store.decide_resume("r", claimed, 40).record == new.record  # idempotent
+    store.claim_attempt("r", after=store.lineage("r"))
+    with pytest.raises(StaleAttemptError, match="took over before it chose where to resume"):
+        store.decide_resume("r", claimed, 40)
 
 
 def test_a_stale_attempt_cannot_commit_once_a_newer_one_registered(store):
@@ -70,7 +90,7 @@ def test_a_stale_attempt_cannot_commit_once_a_newer_one_registered(store):
     message = str(caught.value)
     assert f"attempt epoch {old.epoch} is no longer current" in message
     assert f"epoch {new.epoch} (host {new.record.host}, pid {new.record.pid}" in message
-    assert caught.value.current == new.record
+    assert caught.value.current.epoch == new.epoch
     assert not store.is_committed("r", 20)
     with pytest.raises(StaleAttemptError):
         store.begin("r", 30, fence=old)

@@ -111,7 +111,9 @@ def test_a_resumed_inference_job_skips_the_data_it_already_processed(tmp_path):
     summary = Ranks(replace(spec, tag="b"), world).wait()
     resumed_from = summary["resumed_from"]
     assert resumed_from in (32, 48)
-    assert sorted(os.listdir(tmp_path / "infer")) == ["save-128"]  # num_to_keep: 1
+    # num_to_keep: 1; the attempt records of both starts beside it
+    assert sorted(os.listdir(tmp_path / "infer")) == ["_attempts", "save-128"]
+    assert len(os.listdir(tmp_path / "infer" / "_attempts")) == 2
     every = []
     for rank in range(world):
         before = outputs(spec, "a", rank)

@@ -26,7 +26,7 @@ from storage import (
     FileEntry,
 )
 from zephon import dcp as zdcp
-from zephon.attempts import Attempt, fenced, register_resuming
+from zephon.attempts import Attempt, as_zephon_error, fenced, register_resuming
 from zephon.checkpointing.collectives import Collectives
 from zephon.checkpointing.files import (
     DCP_SUBDIR,
@@ -227,6 +227,9 @@ class CheckpointManager:
             zdcp.save(tensors, storage_writer, process_group=self.coll.io_group)
         except BaseException as exc:
             self._failed(writer, save, exc)
+            translated = as_zephon_error(exc)
+            if translated is not exc:  # the commit met a newer attempt
+                raise translated from exc
             raise
         self._committed(save)
         self.coll.barrier()
@@ -345,7 +348,7 @@ class CheckpointManager:
                 self._committed(save)
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next call
                 self._failed(writer, save, exc)
-                done.set_exception(exc)
+                done.set_exception(as_zephon_error(exc))
                 return
             done.set_result(step)
 
