@@ -17,6 +17,11 @@ total, split over ``--ranks`` gloo processes on the CPU, each holding its own ra
     CRC32C checked as it arrives) against ``verify=False`` (sizes only), on the same checkpoint,
     locally cold and warm. Goal: ratio >= 0.95 (checking costs at most ~5%).
 
+(e) fencing: Zephon's save of a fenced run (an attempt claimed and decided: ``begin`` and the
+    commit each re-check that no newer attempt claimed the run, as a save without a catalog
+    does) against the same save of an unfenced run, back to back; and the fence checks' own
+    time (the median of many) as a share of a save. Goal: <= 2% of a save.
+
 Ratios are baseline time / Zephon time (in (d): unverified / verified): above 1 means the
 second is faster. Times are medians over ``--repeats``; a ratio is the median of the per-repeat
 ratios, each from the two sides measured back to back (their order alternates per repeat),
@@ -42,6 +47,7 @@ import warnings
 from _common import REPO, servers, table
 
 RUN = "bench"
+FENCED_RUN = "bench-fenced"
 
 
 # -- worker (one rank) ---------------------------------------------------------------------------
@@ -168,13 +174,29 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
         reader = FileSystemReader(dcp_dir(i)) if local else FsspecReader(dcp_dir(i), **options)
         dcp.load(target, storage_reader=reader)
 
-    def zephon_writer(step: int) -> zd.ZephonStorageWriter:
-        primary = store.begin(RUN, step) if rank == 0 else None
-        writer = zd.attach_ranks(store, RUN, step, primary)
+    fence = None
+    if rank == 0:  # one attempt of the fenced run, as a job start registers it
+        claimed = store.claim_attempt(FENCED_RUN, after=store.lineage(FENCED_RUN))
+        fence = store.decide_resume(FENCED_RUN, claimed, None)
+
+    def zephon_writer(step: int, run: str = RUN) -> zd.ZephonStorageWriter:
+        primary = None
+        if rank == 0:
+            primary = store.begin(run, step, fence=fence if run == FENCED_RUN else None)
+        writer = zd.attach_ranks(store, run, step, primary)
         return zd.ZephonStorageWriter(writer, thread_count=config["threads"])
 
-    def zephon_save(step: int) -> None:
-        zd.save(state, zephon_writer(step))
+    def zephon_save(step: int, run: str = RUN) -> None:
+        zd.save(state, zephon_writer(step, run))
+
+    def fence_check_seconds() -> float:
+        """Both of a save's fence checks (begin and before the marker), median of many."""
+        samples = []
+        for _ in range(30):
+            start = time.perf_counter()
+            store.check_fence(FENCED_RUN, fence)
+            samples.append(time.perf_counter() - start)
+        return 2 * statistics.median(samples)
 
     def zephon_load(step: int, verify: bool = True) -> None:
         zd.load(target, zd.ZephonStorageReader(store, RUN, step, verify=verify))
@@ -219,6 +241,18 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
                 wall, cpu = timed_with_cpu(lambda s=step, v=verify: zephon_load(s, v))
                 r[f"{label}_{mode}"], r[f"{label}_{mode}_cpu"] = wall, cpu
                 check_loaded(f"{label} {mode}")
+
+        # fencing: the same save, of a fenced and of an unfenced run, back to back
+        fencing = [("unfenced_save", RUN), ("fenced_save", FENCED_RUN)]
+        if i % 2:
+            fencing.reverse()
+        for label, run in fencing:
+            r[label] = timed(lambda s=step, run=run: zephon_save(s + 100, run))
+        if rank == 0:
+            r["fence_checks"] = fence_check_seconds()
+            store.delete(RUN, step + 100)
+            store.delete(FENCED_RUN, step + 100)
+        dist.barrier()
 
         # async: what the training loop waits for, then the whole background save
         dist.barrier()
@@ -361,12 +395,29 @@ def report(name: str, result: dict, args) -> list[str]:
             )
         )
     check_headers = ("Zephon load", "verify=False s", "MiB/s", "verify=True s", "MiB/s")
+    unfenced, fenced = median(records, "unfenced_save"), median(records, "fenced_save")
+    extra = statistics.median(r["fenced_save"] / r["unfenced_save"] - 1 for r in records)
+    checks_s = median(records, "fence_checks")
+    share = statistics.median(r["fence_checks"] / r["unfenced_save"] for r in records)
+    fencing = [
+        (
+            "save",
+            f"{unfenced:.2f}",
+            f"{fenced:.2f}",
+            f"{100 * extra:+.1f}%",
+            f"{1000 * checks_s:.1f} ms = {100 * share:.2f}%",
+            "<= 2% " + ("ok" if share <= 0.02 else "MISSED"),
+        )
+    ]
+    fence_headers = ("Zephon", "unfenced s", "fenced s", "end to end", "fence checks", "goal")
     return [
         title,
         table(rows, headers),
         f"{name}: verification on load (every slice's CRC32C), same checkpoint back to back; "
         "CPU s: all ranks' CPU time, False / True",
         table(checks, (*check_headers, "ratio (per repeat)", "CPU s", "goal")),
+        f"{name}: fencing on save (the run's attempt re-checked at begin and before the marker)",
+        table(fencing, fence_headers),
         "",
     ]
 

@@ -433,3 +433,15 @@ def test_an_undecided_attempt_is_not_part_of_the_lineage_rule(catalog, run):
         manifest_checksum="c",
     )
     assert outcome.value == "inserted"
+
+
+def test_mark_stale_moves_only_that_saves_live_rows(catalog, run):
+    commit_step(catalog, run, 10)
+    row = catalog.get_checkpoint(run, 10)
+    assert not catalog.mark_stale(run, 10, "another-save", "abandoned by storage's lineage")
+    assert catalog.mark_stale(run, 10, row.save_id, "abandoned by storage's lineage")
+    stale = catalog.get_checkpoint(run, 10)
+    assert (stale.state, stale.failure_reason) == ("stale", "abandoned by storage's lineage")
+    assert catalog.latest_committed(run) is None
+    assert not catalog.mark_stale(run, 10, row.save_id, "again")  # already stale
+    assert catalog.events(run=run)[0].action == "marked_stale"
