@@ -19,7 +19,6 @@ from storage.backend import (
     backend_errors,
     file_exists,
     list_files,
-    read_small,
     remove_empty_dirs,
     remove_files,
 )
@@ -85,14 +84,10 @@ def settle_existing(
 ) -> bool:
     """Judge the marker at ``(run, step)`` for a new save; True if it was superseded (look
     again: another one may have appeared), False if the step is free."""
-    marker = store.marker_path(run, step)
     url = store.checkpoint_url(run, step)
-    location = store.location
-    with backend_errors(location, f"checking {url}"):
-        try:
-            data = read_small(location, marker)
-        except FileNotFoundError:
-            return False
+    data = store.marker_bytes(run, step)
+    if data is None:
+        return False
     try:
         manifest = store.parse_marker(run, step, data)
     except CorruptCheckpointError as exc:
@@ -100,7 +95,7 @@ def settle_existing(
         return True
     epoch = fence.epoch if fence is not None else 0
     if manifest.epoch > epoch:
-        current = newer_epochs(location, store.run_path(run), epoch)
+        current = newer_epochs(store.location, store.run_path(run), epoch)
         raise stale_error(store, run, epoch, current)
     why_not = lineage.why_not(manifest.epoch, step)
     condemned = is_condemned(store, run, step, manifest.save_id)

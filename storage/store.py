@@ -348,23 +348,28 @@ class CheckpointStore:
 
         return [m for m in self._executor().map(read, listings) if m is not None]
 
+    def marker_bytes(self, run: str | None, step: int) -> bytes | None:
+        """The raw bytes of the step's marker (one GET), or None if there is none."""
+        location = self.location
+        with backend_errors(location, f"reading the marker of {self.checkpoint_url(run, step)}"):
+            try:
+                return read_small(location, self.marker_path(run, step))
+            except FileNotFoundError:
+                return None
+
     def read_manifest(self, run: str | None, step: int) -> Manifest:
         """The manifest of a committed checkpoint; ``CheckpointNotFoundError`` if there is no
         marker, ``CorruptCheckpointError`` if it does not parse or names another checkpoint."""
-        marker = self.marker_path(run, step)
-        url = self.checkpoint_url(run, step)
-        location = self.location
-        with backend_errors(location, f"reading the marker of {url}"):
-            try:
-                data = read_small(location, marker)
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(
-                    f"{url} is not a committed checkpoint (no {MARKER_NAME} marker); list the "
-                    f"run's checkpoints with `zephon checkpoints {run or '<run>'}`",
-                    url=url,
-                    run=run,
-                    step=step,
-                ) from None
+        data = self.marker_bytes(run, step)
+        if data is None:
+            url = self.checkpoint_url(run, step)
+            raise CheckpointNotFoundError(
+                f"{url} is not a committed checkpoint (no {MARKER_NAME} marker); list the "
+                f"run's checkpoints with `zephon checkpoints {run or '<run>'}`",
+                url=url,
+                run=run,
+                step=step,
+            )
         return self.parse_marker(run, step, data)
 
     def parse_marker(self, run: str | None, step: int, data: bytes) -> Manifest:

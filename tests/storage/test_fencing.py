@@ -149,6 +149,9 @@ def test_a_marker_of_a_newer_epoch_makes_begin_stale(store):
     save(store, "r", 5, new)
     with pytest.raises(StaleAttemptError, match="no longer current"):
         store.begin("r", 5, fence=old)
+    # also when the up-front check is skipped: the marker's own epoch says so
+    with pytest.raises(StaleAttemptError, match="no longer current"):
+        store.begin("r", 5, fence=old, recheck=False)
 
 
 def test_an_unfenced_writer_is_refused_on_a_fenced_run(store):
