@@ -113,7 +113,8 @@ def test_a_resumed_inference_job_skips_the_data_it_already_processed(tmp_path):
     assert resumed_from in (32, 48)
     # num_to_keep: 1; the attempt records of both starts beside it
     assert sorted(os.listdir(tmp_path / "infer")) == ["_attempts", "save-128"]
-    assert len(os.listdir(tmp_path / "infer" / "_attempts")) == 2
+    records = sorted(os.listdir(tmp_path / "infer" / "_attempts"))  # claim + decision of each
+    assert records == [f"{e:010d}{kind}" for e in (1, 2) for kind in (".json", ".resume.json")]
     every = []
     for rank in range(world):
         before = outputs(spec, "a", rank)
@@ -162,4 +163,5 @@ def test_a_failure_on_one_rank_raises_on_every_rank_instead_of_hanging(tmp_path)
     for outcome in outcomes:  # DCP's planning carries rank 1's mismatch to every rank
         assert outcome["load"].startswith("StateDictMismatchError")
         assert "model/weight (checkpoint [3, 3], here [4, 3])" in outcome["load"]
-    assert sorted(os.listdir(tmp_path / "ckpt" / "r")) == ["save-2"]
+    # nothing of the failed save of step 1 is left; the attempt records stay beside save-2
+    assert sorted(os.listdir(tmp_path / "ckpt" / "r")) == ["_attempts", "save-2"]
