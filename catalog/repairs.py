@@ -21,7 +21,7 @@ from sqlalchemy import and_, or_
 from sqlalchemy.orm import Session
 
 from catalog import attempts
-from catalog.models import Attempt, Checkpoint, CheckpointState, Run
+from catalog.models import Checkpoint, CheckpointState, Run
 from catalog.transitions import guarded_update, insert, load
 
 _RETRIES = 5
@@ -62,8 +62,10 @@ def upsert_committed(
 
     Defence in depth comes first: a marker whose attempt is not registered yet (epoch above
     ``runs.epoch``), or whose ``(epoch, step)`` a newer attempt abandoned, is never promoted
-    (``STALE``); in the second case a row still holding that save in pending, committed or
-    failed is moved to ``stale``. Otherwise, by the row's state:
+    (``STALE``); a row still holding that save in pending, committed or failed is moved to
+    ``stale``, and where there is no row at all a ``stale`` one is inserted, so that gc finds
+    the marker and deletes it after the grace through the claim protocol. Otherwise, by the
+    row's state:
 
     ====================  ==========================================================
     no row                inserted committed with the marker's save and epoch
@@ -76,12 +78,16 @@ def upsert_committed(
     deleting              skipped: gc may already have removed the marker
     ====================  ==========================================================
     """
+    marker = {**facts, "save_id": save_id, "epoch": epoch}
     if epoch > run.epoch:
-        return load(session, run.id, step), SyncOutcome.STALE, False
+        reason = f"epoch {epoch} was never registered (the run's is {run.epoch})"
+        # A row that exists is not this marker's to judge (an unregistered epoch cannot have
+        # begun it): only a missing row is recorded.
+        return _stale_marker(session, run, step, marker, reason, committed_at, now, live=False)
     abandoner = attempts.abandoning(session, run.id, epoch, step)
     if abandoner is not None:
-        return _stale_marker(session, run, step, save_id, abandoner, now)
-    marker = {**facts, "save_id": save_id, "epoch": epoch}
+        reason = attempts.abandonment_reason(abandoner.epoch, abandoner.resumed_from)
+        return _stale_marker(session, run, step, marker, reason, committed_at, now)
     for _ in range(_RETRIES):
         row = load(session, run.id, step)
         if row is None:
@@ -140,15 +146,35 @@ def _stale_marker(
     session: Session,
     run: Run,
     step: int,
-    save_id: str,
-    abandoner: Attempt,
+    marker: dict[str, Any],
+    reason: str,
+    committed_at: datetime,
     now: datetime,
+    *,
+    live: bool = True,
 ) -> tuple[Checkpoint | None, SyncOutcome, bool]:
-    """The marker belongs to an abandoned lineage: make sure its row is not live either."""
-    reason = attempts.abandonment_reason(abandoner.epoch, abandoner.resumed_from)
+    """The marker belongs to an abandoned lineage or an unregistered attempt: make sure it has
+    a row (``stale``) for gc to claim, and, with ``live``, that a live row of that save is
+    staled too."""
+    save_id = marker["save_id"]
     for _ in range(_RETRIES):
         row = load(session, run.id, step)
-        if row is None or row.save_id != save_id or row.state not in attempts.ABANDONABLE:
+        if row is None:
+            fresh = Checkpoint(
+                run_id=run.id,
+                step=step,
+                state=STALE,
+                pinned=False,
+                failure_reason=reason,
+                created_at=now,
+                committed_at=committed_at,
+                updated_at=now,
+                **marker,
+            )
+            if insert(session, fresh):
+                return fresh, SyncOutcome.STALE, True
+            continue
+        if not live or row.save_id != save_id or row.state not in attempts.ABANDONABLE:
             return row, SyncOutcome.STALE, False
         moved = guarded_update(
             session,

@@ -30,6 +30,7 @@ from zephon.attempts import fenced, mirror_lineage
 from zephon.errors import StaleAttemptError
 from zephon.locations import RunLocation, run_location
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
+from zephon.sync import SyncReport, reconcile_run
 
 __all__ = ["GcReport", "collect_garbage", "gc_run", "retain_without_catalog"]
 
@@ -120,7 +121,11 @@ def gc_run(
     if epoch is not None:
         _check_current(catalog, name, epoch)  # also when there is nothing to claim
     lineage = store.lineage(storage_run)
-    if not dry_run:
+    if not dry_run and orphans:
+        # Markers the catalog never heard of get rows (an abandoned one a stale row, deleted
+        # below once past the grace); rows whose marker is gone are marked deleted.
+        reconcile_run(catalog, location, SyncReport(location.store.url), pending=False)
+    elif not dry_run:
         mirror_lineage(catalog, location, lineage)
     plan = catalog.retention_plan(
         name, grace=policy.grace, pending_grace=policy.pending_grace, corrupt=policy.corrupt

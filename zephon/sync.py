@@ -88,20 +88,35 @@ def _sync_run(
     kind: str,
     report: SyncReport,
 ) -> None:
-    steps = store.list_steps(storage_run, detail=True)
-    if not steps:
+    if not store.list_steps(storage_run):
         return
     catalog.ensure_run(name, root, kind=kind)
     report.runs.append(name)
-    location = RunLocation(name, store, storage_run)
+    reconcile_run(catalog, RunLocation(name, store, storage_run), report)
+
+
+def reconcile_run(
+    catalog: Catalog, location: RunLocation, report: SyncReport, *, pending: bool = True
+) -> None:
+    """Make one catalog run say what its storage says, step by step, by the one rule: what
+    ``sync`` does for each run, and gc for the runs it collects (so a marker the catalog never
+    heard of, e.g. an attempt's that ran without it, gets a row: history is recorded, an
+    abandoned one is recorded ``stale`` and deleted after the grace). ``pending=False`` leaves
+    pending rows to their writer (gc settles them only after the pending grace)."""
+    store, storage_run, name = location.store, location.storage_run, location.name
     lineage = store.lineage(storage_run)
     mirror_lineage(catalog, location, lineage)
+    # Rows before the listing: a row committed before the listing has its marker in it (the
+    # marker comes first), so "committed but no marker" is never a save that just finished.
     rows = {row.step: row for row in catalog.list_checkpoints(name)}
+    steps = store.list_steps(storage_run, detail=True)
     committed_on_storage = {s.step for s in steps if s.committed}
     for listing in steps:
         if not listing.committed:
             continue
         row = rows.get(listing.step)
+        if not pending and row is not None and row.state == "pending":
+            continue
         if _indexed(row, listing, lineage):
             report.count(SyncOutcome.UNCHANGED.value)
             continue
@@ -126,6 +141,8 @@ def _sync_run(
             same = row is not None and marker is not None and row.save_id == marker.save_id
             if same and row.state in ("pending", "committed", "failed"):
                 catalog.mark_stale(name, listing.step, row.save_id, seen.judgement.reason)
+            elif row is None and marker is not None:
+                record_history(catalog, location, marker)  # the catalog records it stale
             report.count("stale")
         else:
             report.count(verdict.value)

@@ -112,11 +112,14 @@ def test_a_stale_row_is_skipped_even_for_a_marker_of_the_current_lineage(catalog
     assert (outcome, record.state) == (SyncOutcome.SKIPPED, "stale")
 
 
-def test_a_marker_of_an_abandoned_lineage_is_not_inserted(catalog, fenced):
+def test_a_marker_of_an_abandoned_lineage_is_recorded_stale_never_committed(catalog, fenced):
     register(catalog, fenced, 2, resumed_from=10)
     record, outcome = _upsert(catalog, 20, "old-lineage", epoch=1)
-    assert (record, outcome) == (None, SyncOutcome.STALE)
-    assert catalog.list_checkpoints(fenced) == []
+    assert outcome is SyncOutcome.STALE
+    assert (record.state, record.save_id, record.epoch) == ("stale", "old-lineage", 1)
+    assert record.failure_reason == "abandoned: attempt epoch 2 resumed from step 10"
+    assert [(c.step, c.state) for c in catalog.list_checkpoints(fenced)] == [(20, "stale")]
+    assert catalog.latest_committed(fenced) is None
     # At or below the point the newer attempt resumed from, the history is shared.
     assert _upsert(catalog, 10, "shared", epoch=1)[1] is SyncOutcome.INSERTED
 
@@ -140,7 +143,8 @@ def test_a_marker_of_an_unregistered_attempt_is_not_promoted(catalog, fenced):
     begun = catalog.begin_checkpoint(fenced, 5, "/c/5", epoch=1)
     record, outcome = _upsert(catalog, 5, begun.save_id, epoch=3)
     assert (outcome, record.state) == (SyncOutcome.STALE, "pending")
-    assert _upsert(catalog, 6, "from-the-future", epoch=3) == (None, SyncOutcome.STALE)
+    record, outcome = _upsert(catalog, 6, "from-the-future", epoch=3)
+    assert (outcome, record.state) == (SyncOutcome.STALE, "stale")  # recorded for gc
 
 
 def test_the_resume_probe_repairs_a_crash_between_marker_and_catalog(catalog, fenced):

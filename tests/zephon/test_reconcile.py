@@ -144,7 +144,7 @@ def test_sync_never_promotes_an_abandoned_marker(catalog, local_backend, tmp_pat
     with Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}") as rebuilt:
         report = sync_storage(rebuilt, local_backend.url)
         states = {r.step: r.state for r in rebuilt.list_checkpoints("r")}
-        assert states == {10: "committed", 15: "committed"}, report.outcomes
+        assert states == {10: "committed", 15: "committed", 20: "stale", 30: "stale"}
         assert report.outcomes.get("stale") == 2
         assert rebuilt.current_attempt("r").epoch == 2
         assert find_latest(location, catalog=rebuilt).step == 15
@@ -192,3 +192,22 @@ def test_a_failed_row_whose_marker_fails_verification_is_quarantined(catalog, lo
     assert find_latest(location, catalog=catalog).step == 10
     assert catalog.get_checkpoint("r", 20).state == "corrupt"
     assert location.store.condemned("r") == [(20, manifest.save_id)]
+
+
+def test_gc_records_a_marker_the_catalog_never_heard_of_and_deletes_it_when_abandoned(
+    catalog, local_backend
+):
+    location = make_run(catalog, local_backend)
+    save_step(start(location, catalog), 10, catalog)
+    offline = start(location, None, resumed_from=10)  # a start that never reached the catalog
+    save_step(offline, 20)
+    start(location, catalog, resumed_from=10)  # the next start resumes from 10 again
+    assert [r.step for r in catalog.list_checkpoints("r")] == [10]
+    gc_run(catalog, location)  # the default grace keeps it, but it now has a row
+    row = catalog.get_checkpoint("r", 20)
+    assert (row.state, row.epoch) == ("stale", offline.epoch)
+    assert location.store.committed_steps("r") == [10, 20]
+    report = gc_run(catalog, location, policy=GcPolicy(grace=dt.timedelta(0)))
+    assert [d["step"] for d in report.deleted] == [20]
+    assert location.store.committed_steps("r") == [10]
+    assert find_latest(location, catalog=catalog).step == 10
