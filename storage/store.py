@@ -11,7 +11,7 @@ import contextlib
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -309,20 +309,35 @@ class CheckpointStore:
             return f"save {manifest.save_id} failed verification (a {CORRUPT_PREFIX} record)"
         return lineage.why_not(manifest.epoch, manifest.step)
 
-    def latest(self, run: str | None, *, lineage: Lineage | None = None) -> Manifest | None:
+    def latest(
+        self,
+        run: str | None,
+        *,
+        lineage: Lineage | None = None,
+        on_corrupt: Callable[[int, str], None] | None = None,
+    ) -> Manifest | None:
         """The manifest of the newest checkpoint to resume from, by storage alone: its marker
         parses, its save is not condemned, and its epoch and step belong to the current
         lineage. One listing of the steps, one of the attempt records, and one GET per marker
-        looked at (newest first); None if the run has none."""
+        looked at (newest first); None if the run has none. ``on_corrupt(step, why)`` is told
+        of every damaged or condemned marker passed over (it may raise to stop there)."""
         lineage = lineage if lineage is not None else self.lineage(run)
         for listing in reversed(self.list_steps(run)):
             if not listing.committed:
                 continue
             try:
                 manifest = self.read_manifest(run, listing.step)
-            except (CorruptCheckpointError, CheckpointNotFoundError):
-                continue  # damaged, or deleted since the listing
-            if self.judge(lineage, manifest, condemned=manifest.save_id in listing.condemned):
+            except CheckpointNotFoundError:
+                continue  # deleted since the listing
+            except CorruptCheckpointError as exc:
+                if on_corrupt is not None:
+                    on_corrupt(listing.step, str(exc))
+                continue
+            condemned = manifest.save_id in listing.condemned
+            why_not = self.judge(lineage, manifest, condemned=condemned)
+            if why_not is not None:
+                if condemned and on_corrupt is not None:
+                    on_corrupt(listing.step, why_not)
                 continue
             return manifest
         return None

@@ -40,8 +40,14 @@ def _fail(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{key} = {value!r} is invalid: {allowed}")
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+#: the largest step, period or milestone a catalog column holds (BIGINT)
+MAX_STEP = 2**63 - 1
+#: the largest num_to_keep a catalog column holds (INTEGER)
+MAX_KEEP = 2**31 - 1
+
+
+def _positive_int(value: Any, most: int = MAX_STEP) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,12 +82,16 @@ class CheckpointingConfig:
         period = self.period_steps
         if not (_positive_int(period) or period in PERIOD_WORDS):
             raise _fail(
-                f"{p}.period_steps", period, 'use an integer >= 1, "last_step" or "disable"'
+                f"{p}.period_steps",
+                period,
+                f'use an integer from 1 to {MAX_STEP}, "last_step" or "disable"',
             )
-        for key in ("num_to_keep", "keep_every_steps"):
+        for key, most in (("num_to_keep", MAX_KEEP), ("keep_every_steps", MAX_STEP)):
             value = getattr(self, key)
-            if value is not None and not _positive_int(value):
-                raise _fail(f"{p}.{key}", value, "use an integer >= 1, or null to keep all")
+            if value is not None and not _positive_int(value, most):
+                raise _fail(
+                    f"{p}.{key}", value, f"use an integer from 1 to {most}, or null to keep all"
+                )
         if self.catalog_url is not None and (
             not isinstance(self.catalog_url, str) or "://" not in self.catalog_url
         ):
@@ -209,7 +219,7 @@ def load_job_config(source: str | os.PathLike | Mapping[str, Any]) -> JobConfig:
         raise ConfigError("trainer.checkpointing.save_dir is required: where checkpoints go")
     total = trainer.get("total_steps")
     if total is not None and not _positive_int(total):
-        raise _fail("trainer.total_steps", total, "use an integer >= 1")
+        raise _fail("trainer.total_steps", total, f"use an integer from 1 to {MAX_STEP}")
     name = run.get("name")
     if name is not None:
         from storage import InvalidNameError, validate_run

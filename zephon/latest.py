@@ -5,6 +5,7 @@ a condemned save is never latest, whatever its marker says."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from catalog import Catalog, RunNotFoundError
@@ -42,6 +43,7 @@ def find_latest(
     *,
     catalog: Catalog | None = None,
     lineage: Lineage | None = None,
+    on_corrupt: Callable[[int, str], None] | None = None,
 ) -> LatestCheckpoint | None:
     """The latest complete checkpoint of the run, or None if it has none.
 
@@ -52,15 +54,17 @@ def find_latest(
     for a failed or deleted row, verified deeply and then promoted. A committed row whose
     marker is gone is marked deleted, a corrupt one quarantined, an abandoned one staled, and
     the next one tried. A run unknown to the catalog falls back to the storage scan.
+    ``on_corrupt(step, why)`` is told of every checkpoint found damaged on the way, before it
+    is quarantined (it may raise to stop there).
     """
     store, storage_run = location.store, location.storage_run
     lineage = lineage if lineage is not None else store.lineage(storage_run)
     if catalog is not None:
         try:
-            return _from_catalog(location, catalog, lineage)
+            return _from_catalog(location, catalog, lineage, on_corrupt or _ignore)
         except RunNotFoundError:
             pass
-    manifest = store.latest(storage_run, lineage=lineage)
+    manifest = store.latest(storage_run, lineage=lineage, on_corrupt=on_corrupt)
     if manifest is None:
         return None
     return LatestCheckpoint(
@@ -68,8 +72,15 @@ def find_latest(
     )
 
 
+def _ignore(step: int, why: str) -> None:
+    pass
+
+
 def _from_catalog(
-    location: RunLocation, catalog: Catalog, lineage: Lineage
+    location: RunLocation,
+    catalog: Catalog,
+    lineage: Lineage,
+    on_corrupt: Callable[[int, str], None],
 ) -> LatestCheckpoint | None:
     name = location.name
     mirror_lineage(catalog, location, lineage)
@@ -104,6 +115,7 @@ def _from_catalog(
                 return found(row.step, seen.manifest)
             elif verdict is Verdict.CORRUPT and seen.manifest is not None:
                 # (a damaged marker above a pending row may be a live save's to supersede)
+                on_corrupt(row.step, seen.judgement.reason)
                 quarantine(
                     catalog, location, row.step, seen.judgement.reason, manifest=seen.manifest
                 )
@@ -122,6 +134,7 @@ def _from_catalog(
             continue
         set_aside.append((newest.step, seen.judgement.reason))
         if verdict is Verdict.CORRUPT:
+            on_corrupt(newest.step, seen.judgement.reason)
             quarantine(
                 catalog,
                 location,

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from storage import CorruptCheckpointError
+from zephon.dtypes import dtype_from_name, dtype_name
 from zephon.errors import ZephonError
 
 __all__ = ["StateEncodingError", "join_state", "split_state", "tensor_keys"]
@@ -57,7 +59,7 @@ def _encode(value: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor])
     if isinstance(value, float):
         return value if math.isfinite(value) else {FLOAT: repr(value)}
     if isinstance(value, torch.dtype):
-        return {DTYPE: str(value).removeprefix("torch.")}
+        return {DTYPE: dtype_name(value)}
     if isinstance(value, tuple | torch.Size):
         return {TUPLE: [_encode(v, (*path, str(i)), tensors) for i, v in enumerate(value)]}
     if isinstance(value, list):
@@ -106,7 +108,14 @@ def join_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if tag == FLOAT:
             return float(inner)
         if tag == DTYPE:
-            return getattr(torch, inner)
+            try:
+                return dtype_from_name(inner)
+            except ValueError as exc:
+                raise CorruptCheckpointError(
+                    f"the checkpoint's state names {exc}; it was not written by Zephon or is "
+                    "damaged: resume from an earlier checkpoint",
+                    problems=[str(exc)],
+                ) from None
     return {k: join_state(v, tensors) for k, v in skeleton.items()}
 
 

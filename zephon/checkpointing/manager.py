@@ -24,6 +24,8 @@ from storage import (
     CheckpointWriter,
     CorruptCheckpointError,
     FileEntry,
+    InvalidNameError,
+    validate_run,
 )
 from zephon import dcp as zdcp
 from zephon.attempts import Attempt, as_zephon_error, fenced, register_resuming
@@ -40,7 +42,7 @@ from zephon.checkpointing.files import (
 )
 from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
 from zephon.checkpointing.source import load_frozen_from_source
-from zephon.config import CheckpointingConfig, ModelStageConfig
+from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError, ZephonError
 from zephon.gc import gc_run, retain_without_catalog
 from zephon.latest import LatestCheckpoint, find_latest
@@ -105,13 +107,24 @@ class CheckpointManager:
             raise ConfigError(f"kind = {kind!r} is invalid: use 'train' or 'inference'")
         if kind == "train" and run_name is None:
             raise ConfigError("a training job needs run_name (run.name in the job config)")
+        if run_name is not None:
+            try:
+                validate_run(run_name)
+            except InvalidNameError as exc:
+                raise ConfigError(f"run_name: {exc}") from None
         if kind == "inference" and run_name is not None:
             raise ConfigError(
                 "an inference job has no run name (it saves to <save_dir>/save-<step>); pass "
                 "catalog_name to name it in the catalog"
             )
-        if total_steps is not None and (isinstance(total_steps, bool) or total_steps < 1):
-            raise ConfigError(f"total_steps = {total_steps!r} is invalid: use an integer >= 1")
+        if total_steps is not None and (
+            isinstance(total_steps, bool)
+            or not isinstance(total_steps, int)
+            or not 1 <= total_steps <= MAX_STEP
+        ):
+            raise ConfigError(
+                f"total_steps = {total_steps!r} is invalid: use an integer from 1 to {MAX_STEP}"
+            )
         self.config = config
         self.kind = kind
         self.total_steps = total_steps
@@ -261,7 +274,12 @@ class CheckpointManager:
         if self.attempt is None:
 
             def continue_latest(lineage):
-                latest = find_latest(self.location, catalog=self.catalog, lineage=lineage)
+                latest = find_latest(
+                    self.location,
+                    catalog=self.catalog,
+                    lineage=lineage,
+                    on_corrupt=self._on_damaged,
+                )
                 return (latest.step if latest is not None else None), None
 
             self.attempt, _ = register_resuming(self.location, self.catalog, continue_latest)
@@ -439,7 +457,12 @@ class CheckpointManager:
         while True:
 
             def choose(lineage) -> tuple[int | None, LatestCheckpoint | None]:
-                latest = find_latest(self.location, catalog=self.catalog, lineage=lineage)
+                latest = find_latest(
+                    self.location,
+                    catalog=self.catalog,
+                    lineage=lineage,
+                    on_corrupt=self._on_damaged,
+                )
                 return (latest.step if latest is not None else None), latest
 
             self.attempt, latest = register_resuming(self.location, self.catalog, choose)
@@ -460,6 +483,26 @@ class CheckpointManager:
             mine = f"{type(problem).__name__}: {problem}"
         reports = self.coll.all_gather(mine)
         return next((r for r in reports if r is not None), None)
+
+    def _on_damaged(self, step: int, why: str) -> None:
+        """Rank 0: ``find_latest`` passed over a damaged checkpoint (it quarantines it): say so
+        in one line, or stop there with ``on_corrupt: fail``."""
+        url = self.store.checkpoint_url(self.run, step)
+        if self.config.on_corrupt == "fail":
+            raise CorruptCheckpointError(
+                f"checkpoint {url} is damaged ({why.splitlines()[0][:300]}); it is not loaded and "
+                "no older one is taken (on_corrupt: fail): inspect it, or set on_corrupt: "
+                "fallback",
+                url=url,
+                run=self.run,
+                step=step,
+                problems=[why[:300]],
+            )
+        log.warning(
+            "zephon: checkpoint %s is damaged (%s); it is quarantined and an older one is taken",
+            url,
+            why.splitlines()[0][:300],
+        )
 
     def _set_aside(self, step: int, why: str) -> None:
         """Rank 0: quarantine a checkpoint that failed to load and say so in one line."""

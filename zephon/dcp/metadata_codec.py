@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from storage import CorruptCheckpointError
 from storage.checksum import decode_crc32c
+from zephon import dtypes
 from zephon.dcp.errors import MetadataEncodingError
 
 __all__ = [
@@ -48,12 +49,6 @@ FORMAT_VERSION = 2
 #: the oldest version still read: 1 (slices without ``crc32c``)
 _OLDEST_VERSION = 1
 
-#: every dtype a shard may hold, by the name torch prints without its ``torch.`` prefix
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (getattr(torch, n, None) for n in dir(torch))
-    if isinstance(d, torch.dtype)
-}
 _LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
 _MEMORY_FORMATS = {
     "contiguous_format": torch.contiguous_format,
@@ -86,17 +81,13 @@ class ShardSlice:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if _DTYPES.get(name) is not dtype:
-        raise MetadataEncodingError(f"dtype {dtype} has no stable name; it cannot be saved")
-    return name
-
-
-def dtype_from_name(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown dtype {name!r}") from None
+        return dtypes.dtype_name(dtype)
+    except ValueError as exc:
+        raise MetadataEncodingError(str(exc)) from None
+
+
+dtype_from_name = dtypes.dtype_from_name
 
 
 def _name_in(table: dict[str, Any], value: Any, what: str) -> str:
