@@ -12,6 +12,7 @@ from storage.errors import (
     InvalidNameError,
     StaleAttemptError,
     StorageError,
+    StorageOptionsRefusedError,
     WriteAbortedError,
 )
 from storage.layout import MARKER_NAME, validate_run, validate_step
@@ -33,6 +34,7 @@ __all__ = [
     "new_save_id",
     "validate_save_id",
     "BackendUnavailableError",
+    "StorageOptionsRefusedError",
     "CheckpointNotFoundError",
     "CheckpointReader",
     "CheckpointStore",

@@ -11,8 +11,9 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from storage.errors import BackendUnavailableError, StorageError
+from storage.errors import BackendUnavailableError, StorageError, StorageOptionsRefusedError
 from storage.location import Location
+from storage.redact import redact
 
 __all__ = [
     "ListedFile",
@@ -31,6 +32,20 @@ _PASSTHROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirec
 #: backends whose listings filter by key prefix on the server, and whose uploads can be chunked
 SERVER_SIDE_PREFIX = frozenset({"s3", "s3a", "gs", "gcs"})
 _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "requests", "urllib3")
+#: libraries whose own code raising a TypeError or AttributeError means unusable options
+_BACKEND_MODULES = (*_NETWORK_MODULES, "s3fs", "gcsfs", "adlfs", "fsspec.implementations")
+
+
+def _raised_in_backend(exc: BaseException) -> bool:
+    """Whether the exception was raised inside a backend library (s3fs, gcsfs, fsspec's
+    implementations, botocore, ...): a TypeError or AttributeError there means the backend was
+    given options it cannot use (s3fs builds its session lazily, on the first request)."""
+    tb = exc.__traceback__
+    module = ""
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "") or ""
+        tb = tb.tb_next
+    return module.startswith(_BACKEND_MODULES)
 
 
 def _is_backend_failure(exc: BaseException) -> bool:
@@ -39,7 +54,9 @@ def _is_backend_failure(exc: BaseException) -> bool:
     if isinstance(exc, OSError | ConnectionError | TimeoutError):
         return True
     module = type(exc).__module__ or ""
-    return module.startswith(_NETWORK_MODULES)
+    if module.startswith(_NETWORK_MODULES):
+        return True
+    return isinstance(exc, TypeError | AttributeError | KeyError) and _raised_in_backend(exc)
 
 
 @contextlib.contextmanager
@@ -47,23 +64,26 @@ def backend_errors(location: Location, action: str) -> Iterator[None]:
     """Turn a backend's transport, permission and disk errors into ``BackendUnavailableError``.
 
     ``action`` says what was being done ("listing run r1", "writing save-5/x.bin"); file-level
-    not-found and exists errors pass through for the caller to interpret.
+    not-found and exists errors pass through for the caller to interpret. The backend's text is
+    redacted: botocore, aiohttp and fsspec echo URLs, bucket names and request parameters,
+    which may carry the credentials of the URL or storage_options.
     """
     try:
         yield
     except Exception as exc:
         if not _is_backend_failure(exc):
             raise
+        what = f"{action} failed on {location.url}: {type(exc).__name__}: "
+        what += redact(exc, location.secrets)
+        if isinstance(exc, TypeError | AttributeError | KeyError):
+            raise StorageOptionsRefusedError(what, url=location.url) from exc
         if isinstance(exc, PermissionError):
             fix = "check the credentials and permissions in storage_options"
         elif isinstance(exc, OSError) and exc.errno in {errno.ENOSPC, errno.EDQUOT}:
             fix = "free space or use another save_dir"
         else:
             fix = "check that the endpoint is reachable and storage_options are right"
-        raise BackendUnavailableError(
-            f"{action} failed on {location.url}: {type(exc).__name__}: {exc}; {fix}",
-            url=location.url,
-        ) from exc
+        raise BackendUnavailableError(f"{what}; {fix}", url=location.url) from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,16 @@
 """The storage layer's exceptions: one root, a subclass per thing a caller can act on.
 
 Every message names the object (URL with credentials masked, run, step, file) and the fix.
-Backend exceptions are translated once, where the storage layer calls fsspec.
+Backend exceptions are translated once, where the storage layer calls fsspec. Messages, URLs
+and problems are redacted on construction as well, so a message that quotes a path or a
+backend's text never carries a credential, whoever built it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from storage.redact import mask_url, redact
 
 
 class StorageError(Exception):
@@ -21,11 +25,11 @@ class StorageError(Exception):
         step: int | None = None,
         path: str | None = None,
     ) -> None:
-        super().__init__(message)
-        self.url = url
+        super().__init__(redact(message))
+        self.url = None if url is None else mask_url(url)
         self.run = run
         self.step = step
-        self.path = path
+        self.path = path  # a file name inside a checkpoint, kept verbatim for callers
 
 
 class InvalidNameError(StorageError, ValueError):
@@ -34,6 +38,18 @@ class InvalidNameError(StorageError, ValueError):
 
 class BackendUnavailableError(StorageError):
     """The storage backend cannot be used: its package is missing, or it does not answer."""
+
+
+class StorageOptionsRefusedError(BackendUnavailableError):
+    """The backend library refused the options it was given (an unknown keyword, a value of
+    the wrong type); ``what`` says what was being done, without the advice, so that a caller
+    that knows where the options came from (a flag, a variable) can name it in its own fix."""
+
+    ADVICE = "the backend refused it or its storage options: check the URL and fix"
+
+    def __init__(self, what: str, *, url: str | None = None) -> None:
+        super().__init__(f"{what}; {self.ADVICE} the storage options", url=url)
+        self.what = redact(what)
 
 
 class CheckpointNotFoundError(StorageError, FileNotFoundError):
@@ -49,7 +65,7 @@ class CorruptCheckpointError(StorageError):
 
     def __init__(self, message: str, *, problems: Sequence[str] = (), **where) -> None:
         super().__init__(message, **where)
-        self.problems = list(problems)
+        self.problems = [redact(problem) for problem in problems]
 
 
 class WriteAbortedError(StorageError):

@@ -11,6 +11,7 @@ import re
 from storage.errors import InvalidNameError
 
 __all__ = [
+    "MAX_STEP",
     "ATTEMPTS_DIR",
     "CORRUPT_PREFIX",
     "MARKER_NAME",
@@ -30,6 +31,8 @@ ATTEMPTS_DIR = "_attempts"
 STEP_PREFIX = "save-"
 _RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _STEP_DIR = re.compile(r"save-(0|[1-9][0-9]*)")
+#: the largest step: what a catalog's BIGINT column holds
+MAX_STEP = 2**63 - 1
 _RESERVED_PREFIXES = (MARKER_NAME,)
 
 
@@ -52,10 +55,11 @@ def validate_run(run: str | None) -> str | None:
 
 
 def validate_step(step: int) -> int:
-    """Return ``step`` if it is a non-negative int (bools refused), else raise."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    """Return ``step`` if it is an int from 0 to ``MAX_STEP`` (bools refused), else raise."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        shown = repr(step) if len(repr(step)) <= 40 else repr(step)[:40] + "..."
         raise InvalidNameError(
-            f"invalid step {step!r}: a step is a non-negative integer such as 0 or 1500"
+            f"invalid step {shown}: a step is an integer from 0 to {MAX_STEP}, such as 0 or 1500"
         )
     return step
 
@@ -95,6 +99,10 @@ def step_dirname(step: int) -> str:
 
 
 def parse_step_dirname(name: str) -> int | None:
-    """The step of a ``save-<step>`` directory name, or None for anything else."""
+    """The step of a ``save-<step>`` directory name, or None for anything else (a number
+    beyond ``MAX_STEP`` included: no save can have written it)."""
     match = _STEP_DIR.fullmatch(name)
-    return int(match.group(1)) if match else None
+    if not match or len(match.group(1)) > 19:
+        return None
+    step = int(match.group(1))
+    return step if step <= MAX_STEP else None

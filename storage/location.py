@@ -8,14 +8,14 @@ for object stores, ``/abs/path`` for local disk). Paths are ``str``, never ``pat
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, urlsplit
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
-from storage.errors import BackendUnavailableError, InvalidNameError
+from storage.errors import BackendUnavailableError, InvalidNameError, StorageOptionsRefusedError
+from storage.redact import is_secret_name, mask_url, option_secrets, redact, secrets_in
 
 __all__ = ["Location", "open_location", "mask_url", "protocol_of"]
 
@@ -36,25 +36,15 @@ _PROTOCOL_PACKAGES = {
     "oci": "ocifs",
     "oss": "ossfs",
 }
-_SECRET_QUERY_KEYS = re.compile(r"(key|secret|token|password|signature|credential)", re.I)
-
-
-def mask_url(url: str) -> str:
-    """The URL with any password or secret-bearing query value replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{host}" if ":" in userinfo else f"{user}@{host}"
-    query = parts.query
-    if query:
-        pairs = [(k, "***" if _SECRET_QUERY_KEYS.search(k) else v) for k, v in parse_qsl(query)]
-        query = urlencode(pairs, safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+#: object stores whose fsspec backends read no credentials from the URL (a "user:pw@" there
+#: becomes part of the bucket name, a "?secret=" part of the key, so both are refused), with
+#: the storage options that take them instead
+_NO_URL_CREDENTIALS = {
+    "s3": "key, secret and token",
+    "s3a": "key, secret and token",
+    "gs": "token (a credentials file, or its parsed JSON)",
+    "gcs": "token (a credentials file, or its parsed JSON)",
+}
 
 
 def protocol_of(url: str) -> str:
@@ -64,7 +54,7 @@ def protocol_of(url: str) -> str:
     return url.split("://", 1)[0].lower()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Location:
     """A filesystem and a root directory in it, resolved once from a URL."""
 
@@ -72,6 +62,12 @@ class Location:
     root: str
     protocol: str
     url: str  # as the user gave it, credentials masked: the form used in every message
+    #: credential values from the URL and storage_options, scrubbed from backend error texts
+    secrets: frozenset[str] = field(default=frozenset(), compare=False)
+
+    def __repr__(self) -> str:
+        # Never the filesystem: its attributes (and some backends' reprs) hold the credentials.
+        return f"Location({self.url!r}, protocol={self.protocol!r})"
 
     @property
     def is_local(self) -> bool:
@@ -92,11 +88,37 @@ class Location:
         """A full, credential-free URL for a path of this filesystem, for messages."""
         if self.is_local:
             return path
-        return (
-            f"{self.protocol}://{path.lstrip('/')}"
-            if self.protocol != "memory"
-            else (f"memory://{path}")
-        )
+        if "://" in path:  # HTTP keeps whole URLs as paths
+            return mask_url(path)
+        if self.protocol == "memory":
+            return f"memory://{path}"
+        return mask_url(f"{self.protocol}://{path.lstrip('/')}")
+
+
+def _refuse_url_credentials(url: str, protocol: str, masked: str) -> None:
+    """Object-store URLs carry no credentials: say where they go instead of sending them on
+    as part of a bucket or key name (and into every listing error and catalog row)."""
+    if protocol not in _NO_URL_CREDENTIALS:
+        return
+    authority = url.split("://", 1)[-1].split("?", 1)[0].split("#", 1)[0]
+    try:
+        query = urlsplit(url).query
+    except ValueError:
+        query = ""
+    secret_names = [n for n, _ in parse_qsl(query, keep_blank_values=True) if is_secret_name(n)]
+    # masked != url also catches a password whose "/" ends the authority early: K:a/b@bucket
+    if "@" not in authority.split("/", 1)[0] and masked == url:
+        return
+    if secret_names:
+        where = f"?{secret_names[0]}="
+    else:
+        where = "a user:password@ part" if ":" in authority.split("@", 1)[0] else "a user@ part"
+    raise InvalidNameError(
+        f"{masked} carries credentials in the URL ({where}), which {protocol}:// does not "
+        f"read; remove them from the URL and pass them in storage_options as "
+        f"{_NO_URL_CREDENTIALS[protocol]}, or use the backend's environment variables",
+        url=masked,
+    )
 
 
 def open_location(url: str, storage_options: dict | None = None) -> Location:
@@ -118,6 +140,8 @@ def open_location(url: str, storage_options: dict | None = None) -> Location:
         )
     masked = mask_url(url)
     protocol = protocol_of(url)
+    _refuse_url_credentials(url, protocol, masked)
+    secrets = secrets_in(url) | option_secrets(storage_options)
     try:
         fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except ImportError as exc:
@@ -126,12 +150,20 @@ def open_location(url: str, storage_options: dict | None = None) -> Location:
             f"cannot open {masked}: the {protocol}:// backend needs {package}; "
             f"install it with `pip install {package}`"
             if protocol in _PROTOCOL_PACKAGES
-            else f"cannot open {masked}: {exc}",
+            else f"cannot open {masked}: {redact(exc, secrets)}",
             url=masked,
         ) from exc
     except ValueError as exc:
         raise InvalidNameError(
-            f"cannot open {masked}: {exc}; check the URL's protocol", url=masked
+            f"cannot open {masked}: {redact(exc, secrets)}; check the URL's protocol", url=masked
+        ) from exc
+    except Exception as exc:  # fsspec backends fail in many ways on a URL they cannot open
+        what = f"cannot open {masked}: {type(exc).__name__}: {redact(exc, secrets)}"
+        if isinstance(exc, TypeError | AttributeError | KeyError):  # options it cannot take
+            raise StorageOptionsRefusedError(what, url=masked) from exc
+        raise BackendUnavailableError(
+            f"{what}; check the URL and storage_options, and that the endpoint is reachable",
+            url=masked,
         ) from exc
     fs_protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if fs_protocol in {"file", "local"}:
@@ -142,4 +174,4 @@ def open_location(url: str, storage_options: dict | None = None) -> Location:
             f"{masked} names no bucket or directory; use e.g. s3://bucket/checkpoints",
             url=masked,
         )
-    return Location(fs=fs, root=root, protocol=fs_protocol, url=masked)
+    return Location(fs=fs, root=root, protocol=fs_protocol, url=masked, secrets=secrets)

@@ -25,7 +25,7 @@ from typing import Any
 
 from storage.checksum import crc32c_of
 from storage.errors import CorruptCheckpointError, InvalidNameError
-from storage.layout import validate_file_name
+from storage.layout import MAX_STEP, validate_file_name
 
 __all__ = ["FORMAT_VERSION", "FileEntry", "Manifest", "SAVE_ID", "validate_save_id"]
 
@@ -199,8 +199,8 @@ class Manifest:
 
 
 def _count(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} {value!r} is not a non-negative integer")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+        raise ValueError(f"{what} {str(value)[:40]!r} is not an integer from 0 to {MAX_STEP}")
     return value
 
 
@@ -223,9 +223,11 @@ def _entry(raw: Any) -> FileEntry:
             f"file name {str(name)[:80]!r} is not a plain relative path (no '..', no leading "
             "'/', no backslashes or control characters)"
         ) from None
-    size = _count(raw["size"], f"size of {name[:80]!r}")
-    if size > MAX_FILE_SIZE:
-        raise ValueError(f"size of {name[:80]!r} is {size} bytes, beyond any real checkpoint")
+    size = raw["size"]
+    if isinstance(size, int) and not isinstance(size, bool) and size > MAX_FILE_SIZE:
+        shown = str(size) if size <= MAX_STEP else f"{str(size)[:20]}... ({len(str(size))} digits)"
+        raise ValueError(f"size of {name[:80]!r} is {shown} bytes, beyond any real checkpoint")
+    size = _count(size, f"size of {name[:80]!r}")
     crc = raw["crc32c"]
     if not isinstance(crc, str) or len(crc) != 8:
         raise ValueError(f"crc32c of {name[:80]!r} is not a base64 CRC32C")

@@ -12,6 +12,7 @@ from storage.checksum import Crc32c
 from storage.errors import CorruptCheckpointError
 from storage.location import Location
 from storage.manifest import Manifest
+from storage.redact import redact
 
 __all__ = ["FileProblem", "VerifyReport", "verify_checkpoint"]
 
@@ -103,7 +104,8 @@ def verify_checkpoint(
         try:
             size, crc = future.result()
         except Exception as exc:  # a file that cannot be read is a finding, not a crash
-            report.problems.append(FileProblem(name, "unreadable", f"unreadable: {exc}"))
+            detail = f"unreadable: {redact(str(exc), location.secrets)}"
+            report.problems.append(FileProblem(name, "unreadable", detail))
             continue
         report.bytes_checked += size
         if crc != entry.crc32c or size != entry.size:
