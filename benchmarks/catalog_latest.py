@@ -3,11 +3,18 @@
     python benchmarks/catalog_latest.py                 # 1,000 runs x 1,000 checkpoints
     python benchmarks/catalog_latest.py --quick         # 100 x 100, a few seconds
     python benchmarks/catalog_latest.py --runs 200 --per-run 5000 --lookups 5000
+    python benchmarks/catalog_latest.py --sections events --events 10000000
 
 For each backend: create a catalog (Alembic, as ``Catalog(url)`` does), bulk-load
 ``runs x per_run`` checkpoint rows (executemany on SQLite, COPY on PostgreSQL), ANALYZE, then time
 ``Catalog.latest_committed(run)`` for random runs: p50/p99 over ``--lookups`` calls, after a
 warm-up. Goal (issue 3): p50 <= 5 ms with 1M rows.
+
+The ``events`` section adds ``--events`` audit events (default 10M) beside the 1M checkpoint
+rows, bulk-loaded in SQL (a recursive CTE on SQLite, ``generate_series`` on PostgreSQL) with
+the two events indexes built afterwards, as a restore would; it times ``latest_committed``
+again, then ``Catalog.prune_events`` deleting the older half of the log, with the time of each
+batch (each batch is one transaction, so the longest one is what other writers may wait).
 
 PostgreSQL: ``ZEPHON_TEST_POSTGRES_URL`` or postgresql+psycopg://postgres@127.0.0.1:5432/test
 names the server; the benchmark works in a throwaway database ``zephon_bench_<random>`` that
@@ -39,6 +46,7 @@ from sqlalchemy.engine import make_url
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common
 
 from catalog import Catalog  # noqa: E402
+from catalog.catalog import PRUNE_BATCH  # noqa: E402
 from catalog.models import Run  # noqa: E402
 
 POSTGRES_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -161,6 +169,16 @@ def _load_postgres(url: str, run_ids: list[int], per_run: int) -> None:
         connection.commit()
         connection.autocommit = True
         connection.execute("ANALYZE")
+        _checkpoint(connection)
+
+
+def _checkpoint(connection) -> None:
+    """Flush the load to disk now, so that the checkpointer's writes do not land in the timed
+    lookups (superuser or pg_checkpoint only; skipped otherwise)."""
+    import psycopg
+
+    with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
+        connection.execute("CHECKPOINT")
 
 
 def populate(url: str, runs: int, per_run: int) -> list[str]:
@@ -368,11 +386,164 @@ def section_gc_requests(args: argparse.Namespace, results: list[Row]) -> list[Ro
     ]
 
 
-SECTIONS: list[Callable[[argparse.Namespace, list[Row]], list[Row]]] = [
-    section_catalog_latest,
-    section_storage_scan,
-    section_gc_requests,
-]
+# -- events at scale ---------------------------------------------------------------------------
+
+_EVENTS_FROM = datetime(2025, 1, 1, tzinfo=UTC)
+_EVENT_INDEXES = {
+    "ix_events_at": "CREATE INDEX ix_events_at ON events (at)",
+    "ix_events_run_name_at": "CREATE INDEX ix_events_run_name_at ON events (run_name, at)",
+}
+
+
+def _event_span(until: datetime) -> timedelta:
+    return until - _EVENTS_FROM
+
+
+def _load_events_sqlite(url: str, count: int, runs: int, until: datetime) -> dict[str, float]:
+    """``count`` events evenly spread from 2025-01-01 to ``until``, in one INSERT ... SELECT."""
+    import sqlite3
+
+    timings = {}
+    connection = sqlite3.connect(make_url(url).database, isolation_level=None)
+    try:
+        for name in _EVENT_INDEXES:
+            connection.execute(f"DROP INDEX {name}")
+        start = time.perf_counter()
+        connection.execute("BEGIN IMMEDIATE")
+        # The text form UtcDateTime stores: 'YYYY-MM-DD HH:MM:SS.ffffff' (strftime's %f has
+        # milliseconds, so three zeros complete the fixed width).
+        connection.execute(
+            "WITH RECURSIVE seq(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM seq WHERE i < ?) "
+            "INSERT INTO events (at, actor, action, run_name, step, detail) "
+            "SELECT strftime('%Y-%m-%d %H:%M:%f', ? + i * ?) || '000', 'bench@host:1', "
+            "CASE i % 4 WHEN 0 THEN 'begun' WHEN 1 THEN 'committed' WHEN 2 THEN 'claimed' "
+            "ELSE 'deleted' END, printf('run-%05d', i % ?), i / ?, "
+            '\'{"save_id": "bench", "epoch": 0}\' FROM seq',
+            (
+                count - 1,
+                _julian(_EVENTS_FROM),
+                _event_span(until).total_seconds() / 86400 / count,
+                runs,
+                runs,
+            ),
+        )
+        connection.execute("COMMIT")
+        timings["insert"] = time.perf_counter() - start
+        for name, ddl in _EVENT_INDEXES.items():
+            start = time.perf_counter()
+            connection.execute(ddl)
+            timings[name] = time.perf_counter() - start
+        connection.execute("ANALYZE")
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        connection.close()
+    return timings
+
+
+def _julian(moment: datetime) -> float:
+    return moment.timestamp() / 86400 + 2440587.5
+
+
+def _load_events_postgres(url: str, count: int, runs: int, until: datetime) -> dict[str, float]:
+    import psycopg
+
+    timings = {}
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        for name in _EVENT_INDEXES:
+            connection.execute(f"DROP INDEX {name}")
+        start = time.perf_counter()
+        connection.execute(
+            "INSERT INTO events (at, actor, action, run_name, step, detail) "
+            "SELECT %s::timestamptz + i * %s::interval, 'bench@host:1', "
+            "(ARRAY['begun', 'committed', 'claimed', 'deleted'])[mod(i, 4) + 1], "
+            "'run-' || lpad(mod(i, %s)::text, 5, '0'), i / %s, "
+            '\'{"save_id": "bench", "epoch": 0}\'::jsonb '
+            "FROM generate_series(0, %s - 1) AS i",
+            (_EVENTS_FROM, _event_span(until) / count, runs, runs, count),
+        )
+        timings["insert"] = time.perf_counter() - start
+        for name, ddl in _EVENT_INDEXES.items():
+            start = time.perf_counter()
+            connection.execute(ddl)
+            timings[name] = time.perf_counter() - start
+        # Sets the visibility map too, as autovacuum would have on a table that grew slowly.
+        connection.execute("VACUUM ANALYZE events")
+        _checkpoint(connection)
+    return timings
+
+
+def _time_prune(url: str, older_than: timedelta, now: datetime) -> tuple[int, float, list[float]]:
+    """``prune_events`` from a fresh ``Catalog``: (deleted, seconds, milliseconds per batch)."""
+    from sqlalchemy import event
+
+    with Catalog(url) as catalog:
+        commits: list[float] = []
+        event.listen(catalog._db.engine, "commit", lambda _c: commits.append(time.perf_counter()))
+        start = time.perf_counter()
+        deleted = catalog.prune_events(older_than=older_than, now=now)
+        seconds = time.perf_counter() - start
+    marks = [start, *commits]
+    return deleted, seconds, [(b - a) * 1000 for a, b in zip(marks, marks[1:], strict=False)]
+
+
+def section_events(args: argparse.Namespace, results: list[Row]) -> list[Row]:
+    """``latest_committed`` with ``--events`` events beside the checkpoints, then pruning."""
+    rows = []
+    size = f"{args.runs * args.per_run:,} checkpoints + {args.events:,} events"
+    for backend in args.backends:
+        with BACKENDS[backend]() as url:
+            names = populate(url, args.runs, args.per_run)
+            expected = max(s for s in range(args.per_run) if _state(s, args.per_run) == "committed")
+            # The same database just before the events arrive: the baseline of the ratio,
+            # measured minutes rather than sections apart on a shared machine.
+            before = time_latest(url, names, args.lookups, args.seed, expected)
+            now = datetime.now(UTC)
+            loader = _load_events_sqlite if backend == "sqlite" else _load_events_postgres
+            print(f"  {backend}: loading {args.events:,} events ...", file=sys.stderr)
+            load = loader(url, args.events, args.runs, now)
+            samples = time_latest(url, names, args.lookups, args.seed + 1, expected)
+            p50, p99 = percentile(samples, 0.50), percentile(samples, 0.99)
+            b50, b99 = percentile(before, 0.50), percentile(before, 0.99)
+            figures = {
+                "without events p50/p99": f"{b50:.3f}/{b99:.3f} ms",
+                "ratio p50": f"{p50 / b50:.2f}x",
+                "mean": f"{statistics.fmean(samples):.3f} ms",
+                "event insert": f"{load['insert']:.1f} s",
+                "ix_events_at build": f"{load['ix_events_at']:.1f} s",
+                "ix_events_run_name_at build": f"{load['ix_events_run_name_at']:.1f} s",
+            }
+            rows.append(Row("latest_committed with events", backend, size, p50, p99, figures))
+            print(f"  {backend}: latest p50 {p50:.3f} ms, p99 {p99:.3f} ms", file=sys.stderr)
+
+            # The older half of the log: everything before the middle of its time span.
+            older_than = _event_span(now) / 2
+            deleted, seconds, batches = _time_prune(url, older_than, now)
+        rows.append(
+            Row(
+                "prune_events (older half)",
+                backend,
+                f"{args.events:,} events, {deleted:,} deleted",
+                percentile(batches, 0.50),
+                percentile(batches, 0.99),
+                {
+                    "total": f"{seconds:.1f} s",
+                    "rate": f"{deleted / seconds:,.0f} events/s",
+                    "batches": f"{len(batches):,} of up to {PRUNE_BATCH:,} events",
+                    "longest batch": f"{max(batches):.1f} ms",
+                },
+            )
+        )
+        print(f"  {backend}: pruned {deleted:,} in {seconds:.1f} s", file=sys.stderr)
+    return rows
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, list[Row]], list[Row]]] = {
+    "latest": section_catalog_latest,
+    "events": section_events,
+    "scan": section_storage_scan,
+    "gc": section_gc_requests,
+}
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -420,23 +591,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--gc-checkpoints", type=int, default=100)
     parser.add_argument("--gc-files", type=int, default=100)
+    parser.add_argument(
+        "--events", type=int, default=10_000_000, help="audit events of the events section"
+    )
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help="comma-separated subset of: " + ", ".join(SECTIONS),
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.per_run, args.lookups = 100, 100, 500
         args.scan_steps, args.gc_checkpoints, args.gc_files = 500, 10, 10
+        args.events = 100_000
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown_sections = sorted(set(args.sections) - set(SECTIONS))
+    if unknown_sections:
+        parser.error(f"unknown section(s) {', '.join(unknown_sections)}")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = sorted(set(args.backends) - set(BACKENDS))
     if unknown:
         parser.error(f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
-    if args.per_run < 2 or args.runs < 1 or args.lookups < 1:
-        parser.error("--runs and --lookups must be >= 1, --per-run >= 2")
+    if args.per_run < 2 or args.runs < 1 or args.lookups < 1 or args.events < 2:
+        parser.error("--runs and --lookups must be >= 1, --per-run and --events >= 2")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results: list[Row] = []
-    for section in SECTIONS:
+    for name in args.sections:
+        section = SECTIONS[name]
         print(f"running {section.__name__} ...", file=sys.stderr)
         results.extend(section(args, results))
     print(format_table(results))

@@ -24,6 +24,7 @@ from catalog.errors import (
     RunConflictError,
     RunExistsError,
     RunNotFoundError,
+    SchemaDriftError,
     SchemaError,
     SchemaOutdatedError,
     SchemaUnversionedError,
@@ -54,7 +55,14 @@ def upgrade(url: str) -> tuple[str | None, str]:
 
 
 def current_revision(url: str) -> str | None:
-    """The schema revision of the catalog at ``url`` (``zephon db current``)."""
+    """The verified schema revision of the catalog at ``url`` (``zephon db current``).
+
+    ``None`` for a database without a catalog yet; the revision when the tables are that
+    revision's (at head also checked with Alembic's ``compare_metadata``). Raises the
+    ``SchemaError`` that explains anything else: ``SchemaDriftError``,
+    ``SchemaUnversionedError``, ``SchemaOutdatedError(known=False)``. A returned revision
+    other than ``head_revision()`` is therefore one that ``upgrade`` migrates.
+    """
     with Catalog(url, check_schema=False) as catalog:
         return catalog.current_revision()
 
@@ -93,6 +101,7 @@ __all__ = [
     "RunRecord",
     "RunStatus",
     "RunSummary",
+    "SchemaDriftError",
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaUnversionedError",

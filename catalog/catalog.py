@@ -28,7 +28,17 @@ from typing import Any, Self
 from sqlalchemy import select
 from sqlalchemy.engine import URL
 
-from catalog import attempts, claims, queries, repairs, runs, schema, transitions, validate
+from catalog import (
+    attempts,
+    audit,
+    claims,
+    queries,
+    repairs,
+    runs,
+    schema,
+    transitions,
+    validate,
+)
 from catalog.audit import default_actor, record_event
 from catalog.engine import Database
 from catalog.errors import CheckpointNotFoundError, InvalidValueError
@@ -48,6 +58,9 @@ from catalog.runs import UNSET, _Unset
 __all__ = ["DEFAULT_GRACE", "MISSING_MARKER_REASON", "Catalog"]
 
 MISSING_MARKER_REASON = "commit marker missing on storage"
+#: events deleted per transaction by ``prune_events``: about 45 ms on PostgreSQL and 0.25 s on
+#: SQLite (its write lock) in a 10M-event log, so savers wait at most that long for a batch
+PRUNE_BATCH = 10_000
 
 OptionalInt = int | None | _Unset
 
@@ -60,15 +73,21 @@ class Catalog:
     """The catalog of runs and checkpoints in one SQLite or PostgreSQL database.
 
     ``Catalog(url)`` connects, creates an empty database at the schema head, and refuses a
-    database whose schema differs from this code's (``SchemaOutdatedError`` naming
-    ``zephon db upgrade``). ``check_schema=False`` skips that, for ``upgrade()`` and
-    ``current_revision()`` (the ``zephon db`` commands). ``actor`` overrides the
+    database it cannot use with the ``SchemaError`` that says why (``catalog.schema``): a
+    revision behind (``SchemaOutdatedError`` naming ``zephon db upgrade``) or unknown, tables
+    that differ from the recorded revision (``SchemaDriftError``), tables without a recorded
+    revision (``SchemaUnversionedError``). The check costs two small queries.
+    ``check_schema=False`` skips it, for ``upgrade()`` and ``current_revision()`` (the
+    ``zephon db`` commands), which make their own. ``actor`` overrides the
     ``user@host:pid`` recorded in events.
     """
 
     def __init__(
         self, url: str | URL, *, actor: str | None = None, check_schema: bool = True
     ) -> None:
+        if actor is not None:
+            # The claim token is "<actor>/<12 hex>" in a 255-character column.
+            validate.text("actor", actor, maximum=242)
         self._db = Database(url)
         self._actor = actor
         if check_schema:
@@ -113,7 +132,8 @@ class Catalog:
         return schema.upgrade_schema(self._db)
 
     def current_revision(self) -> str | None:
-        """The database's schema revision (``zephon db current``); None if never created."""
+        """The verified schema revision (``zephon db current``): None if no catalog was
+        created yet; raises the ``SchemaError`` explaining a schema this code cannot use."""
         return schema.current_revision(self._db)
 
     @staticmethod
@@ -141,20 +161,56 @@ class Catalog:
         detail: dict[str, Any] | None = None,
     ) -> None:
         """Append an event for something done outside the catalog (e.g. gc removed an orphan)."""
-        if not action or len(action) > 32:
-            raise InvalidValueError("event action", action, "expected 1-32 characters")
+        validate.text("event action", action, maximum=32)
+        if run is not None:
+            validate.run_name(run)
+        validate.optional_step("step", step)
+        validate.json_document("detail", detail)
         with self._db.write(f"record event {action}") as session:
             self._event(session, action, run, step, detail)
 
     def events(self, *, run: str | None = None, limit: int = 100) -> list[EventRecord]:
         """The newest ``limit`` events, newest first, optionally of one run."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidValueError("limit", limit, "expected an integer >= 1")
+        validate.limit(limit)
         statement = select(Event).order_by(Event.at.desc(), Event.id.desc()).limit(limit)
         if run is not None:
             statement = statement.where(Event.run_name == validate.run_name(run))
         with self._db.read("list events") as session:
             return [EventRecord.of(row) for row in session.scalars(statement)]
+
+    def prune_events(
+        self,
+        *,
+        older_than: timedelta,
+        now: datetime | None = None,
+        batch_size: int = PRUNE_BATCH,
+    ) -> int:
+        """Delete the events older than ``now - older_than``; returns how many were deleted.
+
+        Deletes in batches of ``batch_size`` (oldest first), each its own transaction, so a
+        huge log never becomes one giant transaction and other writers (jobs saving, gc) get
+        the database between batches. The last batch's transaction records one
+        ``events_pruned`` event (detail: ``before``, the cut-off; ``deleted``; ``batches``), so
+        the log says when it was pruned, and that event is newer than the cut-off it names.
+        A crash part-way leaves the batches done deleted and no ``events_pruned`` event;
+        calling again finishes the job. For ``zephon gc``; any process may call it at any time.
+        """
+        validate.duration("older_than", older_than)
+        validate.integer("batch_size", batch_size, minimum=1, maximum=1_000_000)
+        cutoff = (validate.aware("now", now) if now is not None else _now()) - older_than
+        deleted, batches = 0, 0
+        while True:
+            with self._db.write("prune events") as session:
+                count = audit.delete_before(session, cutoff, batch_size)
+                deleted, batches = deleted + count, batches + 1
+                if count < batch_size:
+                    detail = {
+                        "before": cutoff.isoformat(),
+                        "deleted": deleted,
+                        "batches": batches,
+                    }
+                    self._event(session, "events_pruned", detail=detail)
+                    return deleted
 
     # -- runs --------------------------------------------------------------------------------
 
@@ -299,8 +355,8 @@ class Catalog:
             "storage_url": lambda v: validate.storage_url("storage_url", v),
             "kind": validate.kind,
             "status": validate.status,
-            "total_steps": lambda v: validate.optional_count("total_steps", v),
-            "config": _check_config,
+            "total_steps": validate.total_steps,
+            "config": lambda v: validate.json_document("config", v),
         }
         checked = {k: checks[k](v) if k in checks else v for k, v in values.items()}
         validate_policy(checked.get("num_to_keep"), checked.get("keep_every_steps"))
@@ -456,6 +512,7 @@ class Catalog:
         attempt that began a save commits it), ``CheckpointNotFoundError`` without a row.
         """
         run, step = validate.run_name(run), validate.step(step)
+        save_id = validate.token("save_id", save_id)
         epoch = validate.epoch(epoch)
         facts = _facts(bytes, file_count, manifest_checksum, metadata)
         with self._db.write(f"commit run {run!r} step {step}") as session:
@@ -487,6 +544,8 @@ class Catalog:
         has no marker and is removed by gc as an orphan.
         """
         run, step = validate.run_name(run), validate.step(step)
+        save_id = validate.token("save_id", save_id)
+        reason = validate.reason("reason", reason, empty=True)
         with self._db.write(f"fail run {run!r} step {step}") as session:
             owner = runs.require(session, self.url, run)
             row, moved = transitions.fail(session, self.url, owner, step, save_id, reason, _now())
@@ -641,6 +700,7 @@ class Catalog:
         payload, if any, has no marker and is removed by gc as an orphan.
         """
         run, step = validate.run_name(run), validate.step(step)
+        reason = validate.reason("reason", reason)
         with self._db.write(f"mark run {run!r} step {step} missing") as session:
             owner = runs.require(session, self.url, run, lock="update")
             row = repairs.mark_missing(session, owner, step, reason, _now())
@@ -660,8 +720,8 @@ class Catalog:
         Holds the run row's update lock, as ``mark_missing`` does.
         """
         run, step = validate.run_name(run), validate.step(step)
-        if not isinstance(reason, str) or not reason:
-            raise InvalidValueError("reason", reason, "expected a non-empty string")
+        save_id = validate.token("save_id", save_id)
+        reason = validate.reason("reason", reason)
         with self._db.write(f"mark run {run!r} step {step} corrupt") as session:
             owner = runs.require(session, self.url, run, lock="update")
             row = repairs.mark_corrupt(session, owner, step, save_id, reason, _now())
@@ -677,8 +737,8 @@ class Catalog:
         applying the lineage rule may find it. True if the row moved (pending, committed or
         failed rows of that save); False otherwise."""
         run, step = validate.run_name(run), validate.step(step)
-        if not isinstance(reason, str) or not reason:
-            raise InvalidValueError("reason", reason, "expected a non-empty string")
+        save_id = validate.token("save_id", save_id)
+        reason = validate.reason("reason", reason)
         with self._db.write(f"mark run {run!r} step {step} stale") as session:
             owner = runs.require(session, self.url, run, lock="update")
             row = repairs.mark_stale(session, owner, step, save_id, reason[:2000], _now())
@@ -756,8 +816,7 @@ class Catalog:
         if epoch is not None:
             epoch = validate.epoch(epoch)
         validate.duration("grace", grace)
-        if lease <= timedelta(0):
-            raise InvalidValueError("lease", lease, "expected a duration > 0")
+        validate.positive_duration("lease", lease)
         token = f"{self._actor or default_actor()}/{transitions.new_save_id()[:12]}"
         now = validate.aware("now", now) if now is not None else _now()
         with self._db.write(f"claim checkpoints of run {run!r} for deletion") as session:
@@ -778,6 +837,7 @@ class Catalog:
         expired (the other gc finishes it; deleting twice from storage is harmless).
         """
         run, step = validate.run_name(run), validate.step(step)
+        claim_token = validate.text("claim_token", claim_token, maximum=255)
         with self._db.write(f"mark run {run!r} step {step} deleted") as session:
             owner = runs.require(session, self.url, run)
             row = claims.finish(session, owner, step, claim_token, _now())
@@ -794,11 +854,14 @@ class Catalog:
     ) -> list[CheckpointRecord]:
         """``deleting`` rows whose lease is older than ``lease`` (a gc died mid-delete), of one
         run or all; pass their steps to ``claim_for_deletion`` to finish them."""
-        cutoff = (now or _now()) - lease
+        if run is not None:
+            run = validate.run_name(run)
+        validate.positive_duration("lease", lease)
+        cutoff = (validate.aware("now", now) if now is not None else _now()) - lease
         with self._db.read("list expired deletion claims") as session:
             run_id = None
             if run is not None:
-                run_id = runs.require(session, self.url, validate.run_name(run)).id
+                run_id = runs.require(session, self.url, run).id
             return [
                 CheckpointRecord.of(row, name)
                 for row, name in claims.expired_claims(session, run_id, cutoff)
@@ -811,28 +874,17 @@ def _facts(
     manifest_checksum: str | None,
     metadata: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    validate.optional_count("bytes", bytes)
-    validate.optional_count("file_count", file_count)
-    if manifest_checksum is not None and (
-        not isinstance(manifest_checksum, str) or len(manifest_checksum) > 128
-    ):
-        raise InvalidValueError(
-            "manifest_checksum", manifest_checksum, "expected a string of at most 128 characters"
-        )
-    if metadata is not None and not isinstance(metadata, dict):
-        raise InvalidValueError("metadata", metadata, "expected a JSON object (dict) or None")
+    validate.byte_count(bytes)
+    validate.file_count(file_count)
+    if manifest_checksum is not None:
+        validate.text("manifest_checksum", manifest_checksum, maximum=128)
+    validate.json_document("metadata", metadata)
     return {
         "bytes": bytes,
         "file_count": file_count,
         "manifest_checksum": manifest_checksum,
         "meta": metadata,
     }
-
-
-def _check_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
-    if config is not None and not isinstance(config, dict):
-        raise InvalidValueError("config", config, "expected a JSON object (dict) or None")
-    return config
 
 
 def _run_detail(values: dict[str, Any]) -> dict[str, Any]:

@@ -73,21 +73,79 @@ def parse_url(url: str | URL) -> URL:
     return parsed
 
 
+# Catalog URLs and driver texts carry a password as the URL's password, as a query parameter
+# (?password=, ?sslpassword=) or as a libpq keyword (password=...). The catalog cannot use the
+# storage layer's redaction (the layers do not import each other), so it masks these forms.
+_SECRET_PARAM = r"[\w.\-]*(?:passw|pwd|secret|token|key|credential|auth)[\w.\-]*"
+_QUERY_SECRET = re.compile(
+    rf"(?P<lead>[?&;])(?P<name>{_SECRET_PARAM})=(?P<value>[^&;#\s'\"]*)", re.I
+)
+_KEYWORD_SECRET = re.compile(
+    rf"(?<![\w.\-])(?P<name>{_SECRET_PARAM})(?P<sep>\s*=\s*)(?P<value>'(?:[^'\\]|\\.)*'|[^\s'\"&]+)",
+    re.I,
+)
+_USERINFO = re.compile(r"(?P<user>//[^/@:\s'\"]*):[^\s'\"]*@")
+_URL_IN_TEXT = re.compile(r"(?<![\w+.\-])[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+_MASK = "***"
+
+
+def _mask_query(text: str) -> str:
+    return _QUERY_SECRET.sub(
+        lambda m: m[0] if m["value"] in ("", _MASK) else f"{m['lead']}{m['name']}={_MASK}", text
+    )
+
+
 def mask_url(url: str | URL) -> str:
-    """The URL as text with any password replaced by ``***``; safe for messages and logs."""
+    """The URL as text with any password (user:password@, ?password=...) replaced by ``***``;
+    safe for messages and logs."""
+    try:
+        rendered = make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        # Unparseable, so mask a "user:password@" part textually.
+        rendered = _USERINFO.sub(lambda m: f"{m['user']}:{_MASK}@", str(url))
+    return _mask_query(rendered)
+
+
+def url_secrets(url: str | URL) -> frozenset[str]:
+    """The password and secret query values of a catalog URL, to scrub from driver texts."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
-        # Unparseable, so mask a "user:password@" part textually.
-        return re.sub(r"//([^/@:]*):[^/@]*@", r"//\1:***@", str(url))
-    return parsed.render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return frozenset()
+    values = [parsed.password] + [
+        value
+        for name, value in parsed.query.items()
+        if re.fullmatch(_SECRET_PARAM, name, re.I) and isinstance(value, str)
+    ]
+    return frozenset(str(v) for v in values if v)
+
+
+def redact_text(text: str, secrets: frozenset[str] = frozenset()) -> str:
+    """A driver's message with the known ``secrets``, URL passwords and ``password=...``
+    keywords masked (libpq quotes parts of the connection string in some errors)."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        if len(secret) >= 4:  # shorter ones would garble words; the patterns below catch them
+            text = text.replace(secret, _MASK)
+    text = _URL_IN_TEXT.sub(lambda m: mask_url(m[0]), text)
+    return _KEYWORD_SECRET.sub(
+        lambda m: m[0] if m["value"] in (_MASK, f"'{_MASK}'") else f"{m['name']}{m['sep']}{_MASK}",
+        text,
+    )
 
 
 def _sqlite_engine(url: URL) -> Engine:
     if url.database and not url.database.startswith("file:"):
         directory = os.path.dirname(os.path.abspath(url.database))
         # The default catalog lives in the user's data directory, which may not exist yet.
-        os.makedirs(directory, exist_ok=True)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise CatalogUnavailableError(
+                mask_url(url),
+                f"cannot create the directory {directory} ({reason})",
+                "point the URL (--catalog or ZEPHON_CATALOG_URL) at a directory you can write",
+            ) from exc
     engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
 
     @event.listens_for(engine, "connect")
@@ -146,22 +204,27 @@ def make_engine(url: str | URL) -> Engine:
         ) from exc
 
 
-def driver_reason(exc: DBAPIError) -> str:
-    """The first line of the driver's message: enough for a one-line CLI error."""
+def driver_reason(exc: DBAPIError, secrets: frozenset[str] = frozenset()) -> str:
+    """The first line of the driver's message, credentials masked: enough for a one-line CLI
+    error."""
     original = exc.orig if exc.orig is not None else exc
     lines = [line.strip() for line in str(original).splitlines() if line.strip()]
-    return lines[0] if lines else type(original).__name__
+    return redact_text(lines[0], secrets) if lines else type(original).__name__
 
 
 @contextlib.contextmanager
-def translate_errors(url: str, action: str) -> Iterator[None]:
-    """Turn SQLAlchemy errors raised inside the block into catalog errors naming ``url``."""
+def translate_errors(
+    url: str, action: str, secrets: frozenset[str] = frozenset()
+) -> Iterator[None]:
+    """Turn SQLAlchemy errors raised inside the block into catalog errors naming ``url``
+    (masked here too, whatever the caller passed)."""
+    url = mask_url(url)
     try:
         yield
     except (OperationalError, InterfaceError) as exc:
-        raise CatalogUnavailableError(url, driver_reason(exc)) from exc
+        raise CatalogUnavailableError(url, driver_reason(exc, secrets)) from exc
     except DBAPIError as exc:
-        raise CatalogDatabaseError(url, action, driver_reason(exc)) from exc
+        raise CatalogDatabaseError(url, action, driver_reason(exc, secrets)) from exc
 
 
 class Database:
@@ -170,6 +233,7 @@ class Database:
     def __init__(self, url: str | URL) -> None:
         self.engine = make_engine(url)
         self.url = mask_url(self.engine.url)
+        self._secrets = url_secrets(self.engine.url)
         self.dialect = self.engine.dialect.name
         self._reader = sessionmaker(self.engine, expire_on_commit=False)
         self._writer = sessionmaker(
@@ -183,19 +247,19 @@ class Database:
     @contextlib.contextmanager
     def read(self, action: str) -> Iterator[Session]:
         """A session for queries; ``action`` names the operation in error messages."""
-        with translate_errors(self.url, action), self._reader.begin() as session:
+        with translate_errors(self.url, action, self._secrets), self._reader.begin() as session:
             yield session
 
     @contextlib.contextmanager
     def write(self, action: str) -> Iterator[Session]:
         """A session for changes, committed on success (``BEGIN IMMEDIATE`` on SQLite)."""
-        with translate_errors(self.url, action), self._writer.begin() as session:
+        with translate_errors(self.url, action, self._secrets), self._writer.begin() as session:
             yield session
 
     @contextlib.contextmanager
     def immediate_connection(self, action: str) -> Iterator[Any]:
         """A Core connection inside one write transaction (schema creation and upgrade)."""
-        with translate_errors(self.url, action), self.engine.connect() as connection:
+        with translate_errors(self.url, action, self._secrets), self.engine.connect() as connection:
             connection.execution_options(**{_IMMEDIATE: True})
             with connection.begin():
                 yield connection

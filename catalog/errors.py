@@ -7,6 +7,7 @@ read the attributes, never the message text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # records import models; errors stay importable on their own
@@ -28,19 +29,36 @@ class InvalidValueError(CatalogError, ValueError):
         self.argument = argument
         self.value = value
         self.allowed = allowed
-        super().__init__(f"invalid {argument} {value!r}: {allowed}")
+        super().__init__(f"invalid {argument} {_shown(value)}: {allowed}")
+
+
+_SHOWN = 120
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, shortened: a hostile megabyte-long name still gives a one-line error."""
+    try:
+        text = repr(value)
+    except Exception:  # a value whose __repr__ fails must not hide the real error
+        text = f"<{type(value).__name__}>"
+    if len(text) <= _SHOWN:
+        return text
+    size = f"{len(value):,} characters" if isinstance(value, str) else f"{len(text):,} in repr"
+    return f"{text[:_SHOWN]}... ({size})"
 
 
 class CatalogUnavailableError(CatalogError):
     """The catalog database cannot be reached or answered with a connection-level failure."""
 
-    def __init__(self, url: str, reason: str) -> None:
+    DEFAULT_FIX = (
+        "check that the database server is running and the URL (--catalog or "
+        "ZEPHON_CATALOG_URL) is right"
+    )
+
+    def __init__(self, url: str, reason: str, fix: str | None = None) -> None:
         self.url = url
         self.reason = reason
-        super().__init__(
-            f"catalog {url} is unavailable: {reason}; check that the database server is "
-            f"running and the URL (--catalog or ZEPHON_CATALOG_URL) is right"
-        )
+        super().__init__(f"catalog {url} is unavailable: {reason}; {fix or self.DEFAULT_FIX}")
 
 
 class CatalogDatabaseError(CatalogError):
@@ -96,17 +114,119 @@ class SchemaOutdatedError(SchemaError):
 
 
 class SchemaUnversionedError(SchemaError):
-    """Catalog tables exist but no ``alembic_version`` table says which revision they are."""
+    """Catalog tables exist but no revision is recorded: no ``alembic_version`` table, or one
+    without a row.
 
-    def __init__(self, url: str, tables: list[str]) -> None:
+    ``tables`` are the catalog tables found, ``version_table`` whether ``alembic_version``
+    exists. ``matches`` is the revision whose tables and columns they equal exactly (None if
+    none does); then ``fix_sql`` holds the statements that record it. Otherwise ``closest`` is
+    the nearest revision and ``differences`` what differs from it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        tables: list[str],
+        *,
+        version_table: bool = False,
+        head: str | None = None,
+        matches: str | None = None,
+        closest: str | None = None,
+        differences: Sequence[str] = (),
+    ) -> None:
         self.tables = tables
-        super().__init__(
-            url,
-            f"catalog {url} has tables {', '.join(tables)} but no alembic_version table, so "
-            f"its schema revision is unknown; point --catalog at an empty database, or drop "
-            f"these tables and run `zephon db upgrade --catalog {url}` followed by "
-            f"`zephon sync` to rebuild the index from storage",
+        self.version_table = version_table
+        self.head = head
+        self.matches = matches
+        self.closest = closest
+        self.differences = tuple(differences)
+        self.fix_sql = stamp_sql(matches, create_table=not version_table) if matches else ()
+        if version_table:
+            where = "its alembic_version table has no row"
+        else:
+            where = "no alembic_version table"
+        message = (
+            f"catalog {url} has tables {', '.join(tables)} but {where}, so its schema revision "
+            f"is not recorded; "
         )
+        if matches is not None:
+            message += f"they match revision {matches} exactly: record it with the SQL "
+            message += f"`{'; '.join(self.fix_sql)}`"
+            if head is not None and matches != head:
+                message += f", then run `zephon db upgrade --catalog {url}`"
+        else:
+            if closest is not None:
+                message += f"they match no revision of this Zephon (closest {closest}: "
+                message += f"{', '.join(self.differences)}); "
+            message += _rebuild(url)
+        super().__init__(url, message)
+
+
+def stamp_sql(revision: str, *, create_table: bool = False) -> tuple[str, ...]:
+    """SQL recording ``revision`` as the schema revision (valid on SQLite and PostgreSQL)."""
+    insert = f"INSERT INTO alembic_version (version_num) VALUES ('{revision}')"
+    if not create_table:
+        return (insert,)
+    create = (
+        "CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL, "
+        "CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num))"
+    )
+    return (create, insert)
+
+
+def _rebuild(url: str) -> str:
+    return (
+        f"zephon db upgrade cannot repair this: restore the database from a backup, or point "
+        f"--catalog at a new, empty database (created at first use) and re-index the "
+        f"checkpoints with `zephon sync <storage URL>` (the old {url} can then be dropped)"
+    )
+
+
+class SchemaDriftError(SchemaError):
+    """The tables differ from the revision the database records: a column or table dropped by
+    hand, a lost index, a column added by hand.
+
+    ``revision`` is the recorded revision, ``head`` this code's, ``differences`` one line per
+    difference (``missing column checkpoints.bytes``). ``fix_sql`` holds statements that
+    repair it when that is possible without lost data (recreating an index, dropping an
+    unexpected column), or, when the tables equal another revision exactly (``matches``), the
+    statement that records that one; it is empty when only a backup can help.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        revision: str,
+        head: str,
+        differences: Sequence[str],
+        *,
+        repair_sql: Sequence[str] = (),
+        matches: str | None = None,
+    ) -> None:
+        self.revision = revision
+        self.head = head
+        self.differences = tuple(differences)
+        self.matches = None if repair_sql else matches
+        if repair_sql:
+            self.fix_sql = tuple(repair_sql)
+        elif matches is not None:
+            self.fix_sql = (f"UPDATE alembic_version SET version_num = '{matches}'",)
+        else:
+            self.fix_sql = ()
+        message = (
+            f"catalog {url} records schema revision {revision} but its tables differ from it: "
+            f"{', '.join(self.differences)}; "
+        )
+        if repair_sql:
+            message += f"repair it with the SQL `{'; '.join(self.fix_sql)}`, then retry"
+        elif self.matches is not None:
+            message += f"they match revision {matches} exactly: record that with the SQL "
+            message += f"`{self.fix_sql[0]}`"
+            if matches != head:
+                message += f", then run `zephon db upgrade --catalog {url}`"
+        else:
+            message += _rebuild(url)
+        super().__init__(url, message)
 
 
 class RunNotFoundError(CatalogError):

@@ -224,7 +224,12 @@ class Event(Base):
     """
 
     __tablename__ = "events"
-    __table_args__ = (Index("ix_events_run_name_at", "run_name", "at"),)
+    __table_args__ = (
+        Index("ix_events_run_name_at", "run_name", "at"),
+        # Retention (``prune_events``) deletes the oldest events in batches, a range scan of
+        # this index; the newest-first listing of all events reads it backwards.
+        Index("ix_events_at", "at"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     at: Mapped[datetime] = mapped_column(UtcDateTime)

@@ -36,7 +36,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Protocol
 
-from catalog.errors import InvalidValueError
+from catalog import validate
 from catalog.models import CheckpointState
 
 
@@ -121,12 +121,10 @@ class RetentionPlan:
 
 
 def validate_policy(num_to_keep: int | None, keep_every_steps: int | None) -> None:
-    """Raise ``InvalidValueError`` unless both values are ``None`` or integers >= 1."""
-    for name, value in (("num_to_keep", num_to_keep), ("keep_every_steps", keep_every_steps)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise InvalidValueError(name, value, "expected an integer >= 1, or null")
+    """Raise ``InvalidValueError`` unless both values are ``None`` or integers from 1 to what
+    their columns hold (``num_to_keep`` an INTEGER, ``keep_every_steps`` a BIGINT)."""
+    validate.num_to_keep(num_to_keep)
+    validate.keep_every_steps(keep_every_steps)
 
 
 def _keep_reasons(
@@ -163,11 +161,9 @@ def plan_retention(
     take to commit; ``corrupt`` deletes ``corrupt`` rows; ``resume_point`` is kept whatever.
     """
     validate_policy(num_to_keep, keep_every_steps)
-    for name, value in (("grace", grace), ("pending_grace", pending_grace)):
-        if value < timedelta(0):
-            raise InvalidValueError(name, value, "expected a duration >= 0")
-    if now.tzinfo is None:
-        raise InvalidValueError("now", now, "expected a timezone-aware datetime")
+    validate.duration("grace", grace)
+    validate.duration("pending_grace", pending_grace)
+    validate.aware("now", now)
 
     rows = list(checkpoints)
 

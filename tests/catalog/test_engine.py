@@ -76,6 +76,17 @@ def test_wrong_postgres_password_never_appears_in_the_error(postgres_url):
     assert "***" in str(caught.value)
 
 
+@pytest.mark.parametrize("path", ["/proc/nope/c.db", "{file}/c.db"])
+def test_a_sqlite_directory_that_cannot_be_created_is_unavailable_not_an_oserror(path, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    url = "sqlite:///" + path.format(file=blocker)
+    with pytest.raises(CatalogUnavailableError, match="cannot create the directory") as caught:
+        Catalog(url)
+    assert "\n" not in str(caught.value)
+    assert "at a directory you can write" in str(caught.value)
+
+
 @pytest.mark.parametrize(
     "url",
     ["sqlite://", "sqlite:///:memory:", "mysql://x/y", "not a url", "postgresql+asyncpg://h/d"],

@@ -120,7 +120,7 @@ def test_a_database_behind_the_code_is_refused_until_upgraded(catalog_url, tmp_p
 
         assert schema.upgrade_schema(db, newer) == (catalog.head_revision(), "feedc0ffee01")
         schema.ensure_schema(db, script_location=newer)
-        assert schema.current_revision(db) == "feedc0ffee01"
+        assert schema.current_revision(db, newer) == "feedc0ffee01"
     finally:
         db.dispose()
     # ...and the old release now meets a revision it has never heard of.
