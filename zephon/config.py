@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from storage.layout import MAX_STEP
+from storage.redact import redact
 from zephon.errors import ConfigError
 
 __all__ = [
@@ -37,11 +39,9 @@ ON_CORRUPT = ("fallback", "fail")
 
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"{key} = {value!r} is invalid: {allowed}")
+    return ConfigError(f"{key} = {redact(repr(value))} is invalid: {allowed}")
 
 
-#: the largest step, period or milestone a catalog column holds (BIGINT)
-MAX_STEP = 2**63 - 1
 #: the largest num_to_keep a catalog column holds (INTEGER)
 MAX_KEEP = 2**31 - 1
 
@@ -50,7 +50,23 @@ def _positive_int(value: Any, most: int = MAX_STEP) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most
 
 
-@dataclass(kw_only=True, slots=True)
+def _masked_repr(config: Any, urls: tuple[str, ...]) -> str:
+    """The dataclass repr with credentials masked: configs get logged and printed whole, and
+    their URLs may carry passwords and their storage_options keys, secrets and tokens."""
+    from storage.redact import mask_url, redact_options
+
+    shown = []
+    for item in fields(config):
+        value = getattr(config, item.name)
+        if item.name == "storage_options":
+            value = redact_options(value)
+        elif item.name in urls and isinstance(value, str):
+            value = mask_url(value)
+        shown.append(f"{item.name}={value!r}")
+    return f"{type(config).__name__}({', '.join(shown)})"
+
+
+@dataclass(kw_only=True, slots=True, repr=False)
 class CheckpointingConfig:
     """``trainer.checkpointing``: where and how often a job saves, and how many it keeps."""
 
@@ -125,8 +141,11 @@ class CheckpointingConfig:
             return is_last
         return is_last or step % int(self.period_steps) == 0
 
+    def __repr__(self) -> str:
+        return _masked_repr(self, ("save_dir", "catalog_url"))
 
-@dataclass(kw_only=True, slots=True)
+
+@dataclass(kw_only=True, slots=True, repr=False)
 class ModelStageConfig:
     """``model_stage_factory``: checkpoint only trainable parameters, frozen ones from a source."""
 
@@ -155,6 +174,9 @@ class ModelStageConfig:
                 f"{self.prefix}.source_checkpoint is not set: a resumed job needs the frozen "
                 "parameters from somewhere; point source_checkpoint at the base model"
             )
+
+    def __repr__(self) -> str:
+        return _masked_repr(self, ("source_checkpoint",))
 
 
 @dataclass(kw_only=True, slots=True)

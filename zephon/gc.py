@@ -32,7 +32,17 @@ from zephon.locations import RunLocation, run_location
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
 from zephon.sync import SyncReport, reconcile_run
 
-__all__ = ["GcReport", "collect_garbage", "gc_run", "retain_without_catalog"]
+__all__ = [
+    "DEFAULT_EVENTS_AGE",
+    "GcPolicy",
+    "GcReport",
+    "collect_garbage",
+    "gc_run",
+    "retain_without_catalog",
+]
+
+#: how long the audit log keeps an event before a full gc pass prunes it
+DEFAULT_EVENTS_AGE = dt.timedelta(days=90)
 
 #: rows whose files an orphan sweep never touches: a save in progress, the history, gc's own
 _LIVE = frozenset({"pending", "committed", "deleting"})
@@ -47,6 +57,8 @@ class GcReport:
     settled: list[dict[str, Any]] = field(default_factory=list)
     orphans: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: audit events older than ``GcPolicy.events_age`` deleted (None: not pruned this pass)
+    events_pruned: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,6 +67,7 @@ class GcReport:
             "settled": self.settled,
             "orphans": self.orphans,
             "problems": self.problems,
+            "events_pruned": self.events_pruned,
         }
 
 
@@ -62,12 +75,15 @@ class GcReport:
 class GcPolicy:
     """How long things live: ``grace`` for leftovers and abandoned checkpoints,
     ``pending_grace`` for a save to commit, ``lease`` for a deletion claim; ``corrupt``
-    also deletes checkpoints that failed verification (kept for inspection otherwise)."""
+    also deletes checkpoints that failed verification (kept for inspection otherwise);
+    ``events_age``: audit events older than this are pruned by a full gc pass (None keeps
+    them all)."""
 
     grace: dt.timedelta = DEFAULT_GRACE
     pending_grace: dt.timedelta = DEFAULT_GRACE
     lease: dt.timedelta = DEFAULT_LEASE
     corrupt: bool = False
+    events_age: dt.timedelta | None = DEFAULT_EVENTS_AGE
 
 
 def collect_garbage(
@@ -95,6 +111,11 @@ def collect_garbage(
             gc_run(catalog, location, policy=policy, dry_run=dry_run, report=report)
         except (CatalogError, StorageError) as exc:
             report.problems.append(f"run {record.name}: {exc}")
+    if runs is None and policy.events_age is not None and not dry_run:
+        try:
+            report.events_pruned = catalog.prune_events(older_than=policy.events_age)
+        except CatalogError as exc:
+            report.problems.append(f"pruning events: {exc}")
     return report
 
 

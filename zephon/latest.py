@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from catalog import Catalog, RunNotFoundError
 from storage import Lineage, Manifest
 from zephon.attempts import mirror_lineage
+from zephon.errors import ZephonError
 from zephon.locations import RunLocation
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
 
@@ -145,4 +146,7 @@ def _from_catalog(
             )
         else:
             catalog.mark_stale(name, newest.step, newest.save_id, seen.judgement.reason)
-    raise RuntimeError(f"run {name}: {_MAX_SET_ASIDE} checkpoints set aside; run `zephon sync`")
+    raise ZephonError(
+        f"run {name}: {_MAX_SET_ASIDE} checkpoints were set aside (missing, corrupt or abandoned) "
+        "looking for the latest; run `zephon sync` to bring the catalog up to date with storage"
+    )

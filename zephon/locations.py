@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from catalog import RunRecord
 from storage import CheckpointStore
 from storage.layout import validate_run
+from storage.redact import mask_url, secrets_in
 from zephon.errors import ConfigError
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "RunLocation",
     "default_catalog_url",
     "inference_run_name",
+    "known_secrets",
     "resolve_catalog_url",
     "run_location",
     "storage_options_from_env",
@@ -66,8 +68,27 @@ def storage_options_from_env(explicit: str | Mapping[str, Any] | None = None) ->
             'such as {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}'
         ) from None
     if not isinstance(options, dict):
-        raise ConfigError(f"{source} must be a JSON object of fsspec options, got {text[:60]!r}")
+        # not the text itself: a list or string of credentials has no key names to mask by
+        raise ConfigError(
+            f"{source} must be a JSON object of fsspec options, got a JSON "
+            f"{type(options).__name__}; give an object such as "
+            '{"anon": true} or {"profile": "default"}'
+        )
     return options
+
+
+def known_secrets(argv: Sequence[str] = ()) -> frozenset[str]:
+    """Credential values the user gave a command: in its arguments (URL passwords and secret
+    query values, ``--storage-options`` JSON, ``name=value`` pairs) and in
+    ``$ZEPHON_STORAGE_OPTIONS`` and ``$ZEPHON_CATALOG_URL``; for scrubbing from what it prints."""
+    texts = list(argv)
+    texts += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--") and "=" in arg]
+    texts += [os.environ.get(STORAGE_OPTIONS_ENV, ""), os.environ.get(CATALOG_URL_ENV, "")]
+    found: set[str] = set()
+    for text in texts:
+        if text:
+            found |= secrets_in(text)
+    return frozenset(found)
 
 
 def inference_run_name(save_dir: str) -> str:
@@ -77,8 +98,8 @@ def inference_run_name(save_dir: str) -> str:
         validate_run(name)
     except ValueError:
         raise ConfigError(
-            f"cannot derive a catalog run name for the inference save_dir {save_dir!r}: its last "
-            "component is not a valid run name; pass run_name explicitly"
+            f"cannot derive a catalog run name for the inference save_dir {mask_url(save_dir)!r}: "
+            "its last component is not a valid run name; pass run_name explicitly"
         ) from None
     return name
 

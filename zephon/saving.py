@@ -23,6 +23,7 @@ from typing import Any
 
 from catalog import Catalog, InvalidTransitionError
 from storage import CheckpointWriter, Manifest, new_save_id
+from storage.redact import redact
 from zephon.attempts import Attempt, as_zephon_error, fenced
 
 __all__ = ["Save", "manifest_facts"]
@@ -175,4 +176,5 @@ def _arm(catalog: Catalog, name: str, step: int, url: str, attempt: Attempt, sav
 
 
 def _reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:2000]
+    """Why a save failed, as the catalog stores it: never with a secret in it."""
+    return redact(f"{type(exc).__name__}: {exc}")[:2000]

@@ -127,7 +127,6 @@ def test_db_current_and_upgrade_on_an_empty_database(cli):
         (["pin", "nope", "1"], 5, "run 'nope' is not in catalog"),
         (["verify"], 6, "name a RUN"),
         (["latest", "r", "--save-dir", "abfs://c/x"], 4, "pip install adlfs"),
-        (["gc", "--storage-options", "{bad"], 6, "--storage-options is not valid JSON"),
     ],
 )
 def test_errors_are_one_line_with_a_documented_code(cli, argv, code, message):
@@ -137,10 +136,21 @@ def test_errors_are_one_line_with_a_documented_code(cli, argv, code, message):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_usage_errors_exit_2(cli):
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["pin", "r", "-3"], "argument step: invalid step '-3'"),
+        (["gc", "--storage-options", "{bad"], "argument --storage-options: the value is not valid"),
+        (["nope"], "argument COMMAND: invalid choice: 'nope'"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(cli, capsys, argv, message):
     with pytest.raises(SystemExit) as info:
-        cli("pin", "r", "-3")
+        cli(*argv)
     assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zephon: error: ") and message in err and err.count("\n") == 1
+    assert "--help`" in err  # the fix: where the accepted values are listed
 
 
 def test_an_outdated_catalog_names_the_upgrade_command(tmp_path, capsys):
@@ -161,10 +171,15 @@ def test_the_installed_command_runs_without_a_traceback(tmp_path):
     env = {**os.environ, "ZEPHON_CATALOG_URL": f"sqlite:///{tmp_path / 'c.db'}"}
     zephon = os.path.join(os.path.dirname(sys.executable), "zephon")
     done = subprocess.run(
-        [zephon, "latest", "missing-run"], env=env, capture_output=True, text=True, timeout=120
+        [zephon, "pin", "missing-run", "1"], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 5
     assert done.stderr.startswith("zephon: error: run 'missing-run' is not in catalog")
+    done = subprocess.run(
+        [zephon, "latest", "missing-run"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stderr) == (1, "")  # nothing found, as for a run without one
+    assert "run 'missing-run' is not in catalog" in done.stdout
     done = subprocess.run(
         [zephon, "runs", "--json"], env=env, capture_output=True, text=True, timeout=120
     )

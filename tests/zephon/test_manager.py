@@ -415,10 +415,13 @@ def test_the_seed_yaml_shape_loads(tmp_path):
         (
             {"period_steps": 0},
             r"trainer\.checkpointing\.period_steps = 0 is invalid: use an "
-            r"integer >= 1, \"last_step\" or \"disable\"",
+            r"integer from 1 to 9223372036854775807, \"last_step\" or \"disable\"",
         ),
         ({"period_steps": "weekly"}, r"period_steps = 'weekly'"),
-        ({"num_to_keep": 0}, r"num_to_keep = 0 is invalid: use an integer >= 1, or null"),
+        (
+            {"num_to_keep": 0},
+            r"num_to_keep = 0 is invalid: use an integer from 1 to 2147483647, or null",
+        ),
         ({"num_to_keep": True}, r"num_to_keep = True"),
         ({"save_dir": ""}, r"save_dir = '' is invalid"),
         ({"catalog_url": "db.sqlite"}, r"catalog_url = 'db.sqlite' is invalid"),

@@ -211,3 +211,17 @@ def test_gc_records_a_marker_the_catalog_never_heard_of_and_deletes_it_when_aban
     assert [d["step"] for d in report.deleted] == [20]
     assert location.store.committed_steps("r") == [10]
     assert find_latest(location, catalog=catalog).step == 10
+
+
+def test_a_full_gc_pass_prunes_old_audit_events(catalog, local_backend):
+    from zephon.gc import collect_garbage
+
+    location = make_run(catalog, local_backend)
+    save_step(start(location, catalog), 10, catalog)
+    assert len(catalog.events(run="r")) > 3
+    kept = collect_garbage(catalog)  # the default: 90 days
+    assert kept.events_pruned == 0
+    pruned = collect_garbage(catalog, policy=GcPolicy(events_age=dt.timedelta(microseconds=1)))
+    assert pruned.events_pruned > 3
+    assert [e.action for e in catalog.events()] == ["events_pruned"]
+    assert collect_garbage(catalog, policy=GcPolicy(events_age=None)).events_pruned is None

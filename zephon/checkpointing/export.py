@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,14 @@ class ExportResult:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _new_file_mode(path: str) -> int:
+    """The permission bits a file created at ``path`` gets (0666 less the umask, or what the
+    directory's default ACL says), found by creating it as ``open`` would."""
+    with open(path, "wb"):
+        pass
+    return stat.S_IMODE(os.stat(path).st_mode)
 
 
 def export_safetensors(
@@ -83,7 +92,11 @@ def export_safetensors(
     )
     weight_map = {}
     for file_name, shard in zip(names, shards, strict=True):
-        save_file(shard, os.path.join(out_dir, file_name), metadata={"format": "pt"})
+        path = os.path.join(out_dir, file_name)
+        mode = _new_file_mode(path)
+        save_file(shard, path, metadata={"format": "pt"})
+        # safetensors writes a private (0600) file; these are shared like any other output.
+        os.chmod(path, mode)
         weight_map.update({tensor_name: file_name for tensor_name in shard})
     total = sum(_nbytes(t) for t in tensors.values())
     index = {

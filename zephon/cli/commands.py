@@ -1,29 +1,42 @@
 """The catalog, gc, verify and sync subcommands of ``zephon``: each takes the parsed arguments
-and returns the process exit code. None of them imports torch."""
+and returns the process exit code. None of them imports torch.
+
+``at_boundary`` wraps every subcommand (torch ones too): an exception the layers below let
+escape untranslated becomes the error of the layer it came from, so it prints as one line with
+that layer's exit code instead of exit 70.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import datetime as dt
-import re
+import functools
+import os
+import sys
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, TypeVar
 
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import catalog as catalog_pkg
-from catalog import Catalog
-from storage import CheckpointStore
-from zephon.cli.render import console, human_bytes, print_json, print_table
-from zephon.errors import ConfigError
+from catalog import Catalog, CatalogError, CheckpointState, RunNotFoundError
+from storage import CheckpointStore, CorruptCheckpointError, StorageError
+from storage.backend import backend_errors
+from storage.errors import BackendUnavailableError, StorageOptionsRefusedError
+from storage.layout import MARKER_NAME
+from storage.location import Location, mask_url
+from zephon.cli import render, storage_options_object
+from zephon.cli.render import Column, human_bytes, print_json, print_table, say
+from zephon.errors import ConfigError, ZephonError
 from zephon.gc import GcPolicy, collect_garbage
 from zephon.latest import find_latest
 from zephon.locations import (
+    STORAGE_OPTIONS_ENV,
     RunLocation,
     resolve_catalog_url,
     run_location,
-    storage_options_from_env,
 )
 from zephon.sync import sync_storage
 
@@ -33,19 +46,18 @@ EXIT_OK = 0
 EXIT_NOT_FOUND = 1
 EXIT_PROBLEMS = 3
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+#: what ``zephon checkpoints`` lists without ``--state`` or ``--all``: every row but deleted
+LIVE_STATES = [s.value for s in CheckpointState if s is not CheckpointState.DELETED]
 
 
-def parse_duration(text: str) -> dt.timedelta:
-    """``90``, ``90s``, ``30m``, ``24h``, ``7d`` or ``2w``."""
-    match = _DURATION.fullmatch(text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(
-            f"invalid duration {text!r}: use a number with an optional unit s, m, h, d or w, "
-            "e.g. 24h or 30m"
-        )
-    return dt.timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+def storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--storage-options`` (parsed by the parser), else ``$ZEPHON_STORAGE_OPTIONS``."""
+    if args.storage_options is not None:
+        return dict(args.storage_options)
+    text = os.environ.get(STORAGE_OPTIONS_ENV)
+    if not text:
+        return {}
+    return storage_options_object(text, f"${STORAGE_OPTIONS_ENV}", ConfigError)
 
 
 def open_catalog(args: argparse.Namespace, *, check_schema: bool = True) -> Catalog:
@@ -57,9 +69,9 @@ def _progress() -> Progress:
         SpinnerColumn(),
         TextColumn("{task.description}"),
         TimeElapsedColumn(),
-        console=console,
+        console=render.console,
         transient=True,
-        disable=not console.is_terminal,
+        disable=not render.console.is_terminal,
     )
 
 
@@ -72,15 +84,15 @@ def cmd_runs(args: argparse.Namespace) -> int:
     print_table(
         f"{len(summaries)} run(s) in {cat.url}",
         [
-            "run",
+            Column("run", flex=True, priority=1),
             "kind",
             "status",
-            "checkpoints",
-            "size",
-            "latest step",
-            "pending",
-            "keep",
-            "storage",
+            Column("ckpts", numeric=True),
+            Column("size", numeric=True),
+            Column("latest", numeric=True),
+            Column("pending", numeric=True),
+            Column("keep", numeric=True),
+            Column("storage", flex=True),
         ],
         [
             (
@@ -96,19 +108,43 @@ def cmd_runs(args: argparse.Namespace) -> int:
             )
             for s in summaries
         ],
+        wide=args.wide,
     )
     return EXIT_OK
 
 
+def _relative(path: str, root: str) -> str:
+    prefix = root.rstrip("/") + "/"
+    return path[len(prefix) :] if path.startswith(prefix) else path
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
+    states = args.state or (None if args.all else LIVE_STATES)
     with open_catalog(args) as cat:
-        rows = cat.list_checkpoints(args.run, states=args.state or None)
+        record = cat.get_run(args.run)
+        rows = cat.list_checkpoints(args.run, states=states)
     if args.json:
         print_json([r.to_dict() for r in rows])
         return EXIT_OK
+
+    def committed(at: dt.datetime | None) -> str | None:
+        if at is None:
+            return None
+        at = at.astimezone(dt.UTC)
+        return at.isoformat(timespec="seconds") if args.wide else at.strftime("%Y-%m-%d %H:%M")
+
     print_table(
-        f"checkpoints of run {args.run}",
-        ["step", "state", "epoch", "size", "files", "pinned", "committed at", "path"],
+        f"checkpoints of run {args.run} in {record.storage_url}",
+        [
+            Column("step", numeric=True),
+            "state",
+            Column("epoch", numeric=True),
+            Column("size", numeric=True),
+            Column("files", numeric=True),
+            "pin",
+            "committed (UTC)",
+            Column("path", flex=True),
+        ],
         [
             (
                 r.step,
@@ -117,11 +153,12 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                 human_bytes(r.bytes),
                 r.file_count,
                 "yes" if r.pinned else "",
-                r.committed_at.isoformat(timespec="seconds") if r.committed_at else None,
-                r.path,
+                committed(r.committed_at),
+                _relative(r.path, record.storage_url),
             )
             for r in rows
         ],
+        wide=args.wide,
     )
     return EXIT_OK
 
@@ -129,8 +166,9 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def located(args: argparse.Namespace) -> Iterator[tuple[RunLocation, Any]]:
     """``(location, catalog or None)`` of ``args.run``, found through the catalog, or by
-    scanning ``--save-dir`` without one; the catalog is closed after."""
-    options = storage_options_from_env(args.storage_options)
+    scanning ``--save-dir`` without one; the catalog is closed after. ``RunNotFoundError``
+    when the catalog has never seen the run."""
+    options = storage_options(args)
     if args.save_dir:
         store = CheckpointStore(args.save_dir, options)
         yield RunLocation(args.run or "inference", store, args.run), None
@@ -141,18 +179,40 @@ def located(args: argparse.Namespace) -> Iterator[tuple[RunLocation, Any]]:
         yield run_location(cat.get_run(args.run), options), cat
 
 
+def _nothing_found(args: argparse.Namespace, message: str) -> int:
+    """Exit 1 with one line: the run has no complete checkpoint, or is unknown."""
+    if args.json:
+        print_json(None)
+    else:
+        say(message)
+    return EXIT_NOT_FOUND
+
+
+def _unknown_run(args: argparse.Namespace, exc: RunNotFoundError) -> int:
+    return _nothing_found(
+        args,
+        f"no checkpoint found: run {exc.run!r} is not in catalog {exc.url}; list runs with "
+        f"`zephon runs`, scan storage with `zephon {args.command} {exc.run} --save-dir URL`, "
+        "or index it with `zephon sync URL`",
+    )
+
+
 def choose_checkpoint(
     args: argparse.Namespace, action: str
-) -> tuple[CheckpointStore, str | None, int] | None:
-    """The checkpoint ``args`` name: ``--step``, else the run's latest complete one (None, with
-    a message, when it has none)."""
-    with located(args) as (location, cat):
-        if args.step is not None:
-            return location.store, location.storage_run, args.step
-        latest = find_latest(location, catalog=cat)
+) -> tuple[CheckpointStore, str | None, int] | int:
+    """The checkpoint ``args`` name: ``--step``, else the run's latest complete one; when
+    there is none (or the catalog never saw the run) the exit code, after saying why."""
+    try:
+        with located(args) as (location, cat):
+            if args.step is not None:
+                return location.store, location.storage_run, args.step
+            latest = find_latest(location, catalog=cat)
+    except RunNotFoundError as exc:
+        return _unknown_run(args, exc)
     if latest is None:
-        console.print(f"no complete checkpoint to {action} for run {args.run or '(inference)'}")
-        return None
+        return _nothing_found(
+            args, f"no complete checkpoint to {action} for run {args.run or '(inference)'}"
+        )
     return location.store, location.storage_run, latest.step
 
 
@@ -164,14 +224,13 @@ def with_progress(label: str, work: Callable[[Callable[[str], None]], T]) -> T:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
-    with located(args) as (location, cat):
-        latest = find_latest(location, catalog=cat)
+    try:
+        with located(args) as (location, cat):
+            latest = find_latest(location, catalog=cat)
+    except RunNotFoundError as exc:
+        return _unknown_run(args, exc)
     if latest is None:
-        if args.json:
-            print_json(None)
-        else:
-            console.print(f"no complete checkpoint for run {args.run or '(inference)'}")
-        return EXIT_NOT_FOUND
+        return _nothing_found(args, f"no complete checkpoint for run {args.run or '(inference)'}")
     if args.json:
         print_json(
             {
@@ -185,47 +244,55 @@ def cmd_latest(args: argparse.Namespace) -> int:
             }
         )
     else:
-        console.print(latest.url, soft_wrap=True)
+        say(latest.url)
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     chosen = choose_checkpoint(args, "verify")
-    if chosen is None:
-        return EXIT_NOT_FOUND
+    if isinstance(chosen, int):
+        return chosen
     store, storage_run, step = chosen
-    report = store.verify(storage_run, step, deep=args.deep)
+    try:
+        report = store.verify(storage_run, step, deep=args.deep)
+    except CorruptCheckpointError as exc:
+        # A marker that does not parse is what verification exists to find: a problem (3).
+        url = store.checkpoint_url(storage_run, step)
+        problems = [{"file": MARKER_NAME, "kind": "corrupt", "detail": str(exc)}]
+        ok, files_checked, bytes_checked, deep = False, 0, 0, args.deep
+    else:
+        url, ok, deep = report.url, report.ok, report.deep
+        files_checked, bytes_checked = report.files_checked, report.bytes_checked
+        problems = [{"file": p.name, "kind": p.kind, "detail": p.detail} for p in report.problems]
     if args.json:
         print_json(
             {
-                "url": report.url,
+                "url": url,
                 "step": step,
-                "deep": report.deep,
-                "ok": report.ok,
-                "files_checked": report.files_checked,
-                "bytes_checked": report.bytes_checked,
-                "problems": [
-                    {"file": p.name, "kind": p.kind, "detail": p.detail} for p in report.problems
-                ],
+                "deep": deep,
+                "ok": ok,
+                "files_checked": files_checked,
+                "bytes_checked": bytes_checked,
+                "problems": problems,
             }
         )
-    elif report.ok:
-        console.print(
-            f"ok: {report.url}: {report.files_checked} files, "
-            f"{human_bytes(report.bytes_checked)} "
-            f"{'checksummed' if report.deep else 'present with the right sizes'}"
+    elif ok:
+        say(
+            f"ok: {url}: {files_checked} files, {human_bytes(bytes_checked)} "
+            f"{'checksummed' if deep else 'present with the right sizes'}"
         )
     else:
         print_table(
-            f"{report.url} failed verification",
-            ["file", "problem"],
-            [(p.name, p.detail) for p in report.problems],
+            f"{url} failed verification",
+            [Column("file", flex=True), Column("problem", flex=True)],
+            [(p["file"], p["detail"]) for p in problems],
+            wide=args.wide,
         )
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+    return EXIT_OK if ok else EXIT_PROBLEMS
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    options = storage_options_from_env(args.storage_options)
+    options = storage_options(args)
     with open_catalog(args) as cat:
         report = with_progress(
             "gc",
@@ -237,6 +304,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     pending_grace=args.pending_grace,
                     lease=args.lease,
                     corrupt=args.corrupt,
+                    events_age=None if args.keep_events else args.events_age,
                 ),
                 dry_run=args.dry_run,
                 storage_options=options,
@@ -248,25 +316,43 @@ def cmd_gc(args: argparse.Namespace) -> int:
     else:
         verb = "would delete" if args.dry_run else "deleted"
         for item in report.deleted:
-            console.print(f"{verb} {item['run']} step {item['step']}")
+            say(f"{verb} {item['run']} step {item['step']}")
         for item in report.settled:
-            console.print(
-                f"settled unfinished save {item['run']} step {item['step']} -> {item['to']}"
-            )
+            say(f"settled unfinished save {item['run']} step {item['step']} -> {item['to']}")
         for item in report.orphans:
-            console.print(f"{'would remove' if args.dry_run else 'removed'} orphan {item['url']}")
+            say(f"{'would remove' if args.dry_run else 'removed'} orphan {item['url']}")
         for problem in report.problems:
-            console.print(f"problem: {problem}")
-        console.print(
+            say(f"problem: {problem}")
+        say(
             f"gc{' (dry run)' if args.dry_run else ''}: {len(report.deleted)} checkpoint(s), "
             f"{len(report.orphans)} orphan(s), {len(report.settled)} unfinished save(s) settled, "
             f"{len(report.problems)} problem(s)"
+            + (
+                f", {report.events_pruned} old event(s) pruned"
+                if report.events_pruned is not None
+                else ""
+            )
         )
     return EXIT_PROBLEMS if report.problems else EXIT_OK
 
 
+def _require_directory(url: str, options: dict[str, Any]) -> None:
+    """Refuse a storage URL with nothing there: syncing it would report "0 runs", true of
+    any typo."""
+    location = CheckpointStore(url, options).location
+    with backend_errors(location, f"looking for {location.url}"):
+        found = location.fs.isdir(location.root)
+    if not found:
+        raise StorageError(
+            f"{location.url} is no directory or bucket that exists, so there is nothing to "
+            "sync; check the URL (and the endpoint in --storage-options)",
+            url=location.url,
+        )
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
-    options = storage_options_from_env(args.storage_options)
+    options = storage_options(args)
+    _require_directory(args.url, options)
     with open_catalog(args) as cat:
         report = with_progress(
             "sync",
@@ -282,12 +368,12 @@ def cmd_sync(args: argparse.Namespace) -> int:
         print_json(report.to_dict())
     else:
         counts = ", ".join(f"{v} {k}" for k, v in sorted(report.outcomes.items())) or "nothing"
-        console.print(
+        say(
             f"synced {len(report.runs)} run(s) from {report.url}: {counts}; "
             f"{len(report.marked_missing)} marked missing"
         )
         for problem in report.problems:
-            console.print(f"problem: {problem}")
+            say(f"problem: {problem}")
     return EXIT_PROBLEMS if report.problems else EXIT_OK
 
 
@@ -297,7 +383,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
     if args.json:
         print_json(row.to_dict())
     else:
-        console.print(f"{'pinned' if row.pinned else 'unpinned'} {row.run} step {row.step}")
+        say(f"{'pinned' if row.pinned else 'unpinned'} {row.run} step {row.step}")
     return EXIT_OK
 
 
@@ -327,5 +413,167 @@ def cmd_db(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
     else:
-        console.print(message)
+        say(message)
     return EXIT_OK
+
+
+# -- the boundary ---------------------------------------------------------------------------
+#
+# Storage and catalog translate the backend errors they expect (storage.backend.backend_errors,
+# catalog.engine.translate_errors). What still escapes is either the environment (an OSError:
+# a directory that cannot be created, a refused connection) or a library refusing what the
+# user gave it (s3fs's TypeError for an unknown storage option): both are the user's to fix,
+# and are translated here into the error of the layer they came from. Anything raised by our
+# own code is a bug and stays one (exit 70).
+
+_OURS = frozenset({"catalog", "storage", "zephon"})
+_CATALOG_LIBRARIES = frozenset({"sqlalchemy", "alembic", "psycopg", "psycopg2", "psycopg_pool"})
+#: every storage backend is reached through fsspec, so its frames mark a storage failure
+_STORAGE_LIBRARIES = frozenset({"fsspec"})
+
+
+def at_boundary(handler: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+    """``handler`` with the untranslated errors of the layers below translated (see above).
+    ``ZEPHON_DEBUG=1`` lets them through, for their traceback."""
+
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except StorageOptionsRefusedError as exc:
+            raise BackendUnavailableError(
+                f"{exc.what}; {_refused_options_fix(args)}", url=exc.url
+            ) from exc
+        except (StorageError, CatalogError, ZephonError):
+            raise
+        except Exception as exc:
+            translated = None if os.environ.get("ZEPHON_DEBUG") else translate(exc, args)
+            if translated is None:
+                raise
+            raise translated from exc
+
+    return run
+
+
+def _module(frame: FrameType) -> str:
+    return str(frame.f_globals.get("__name__") or "").split(".")[0]
+
+
+def _is_library(frame: FrameType) -> bool:
+    """Code of an installed third-party package (not ours, not the standard library)."""
+    filename = frame.f_code.co_filename
+    return _module(frame) not in _OURS and (
+        "site-packages" in filename or "dist-packages" in filename
+    )
+
+
+def translate(exc: Exception, args: argparse.Namespace) -> Exception | None:
+    """The Zephon error for ``exc``, or None when it is a bug of ours."""
+    frames: list[FrameType] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    # Where it was raised, looking through the standard library (ftplib raising for fsspec).
+    origin = next((f for f in reversed(frames) if _module(f) not in sys.stdlib_module_names), None)
+    from_library = origin is not None and _is_library(origin)
+    if not isinstance(exc, OSError) and not from_library:
+        return None
+    modules = [_module(f) for f in frames]
+    ours = [m for m in modules if m in _OURS]
+    innermost = ours[-1] if ours else None
+    detail = render.printable(f"{type(exc).__name__}: {exc}")[:400]
+    if innermost == "catalog" or _CATALOG_LIBRARIES.intersection(modules):
+        return _catalog_error(exc, args, detail)
+    if innermost == "storage" or _STORAGE_LIBRARIES.intersection(modules):
+        return _storage_error(exc, args, detail, frames)
+    if isinstance(exc, OSError):
+        return ZephonError(f"{detail}; check the path and its permissions")
+    library = _module(origin) if origin is not None else "a library"
+    return ZephonError(
+        f"{library} failed: {detail}; run again with ZEPHON_DEBUG=1 for the traceback"
+    )
+
+
+def _catalog_error(exc: Exception, args: argparse.Namespace, detail: str) -> CatalogError:
+    try:
+        url = catalog_pkg.mask_url(resolve_catalog_url(args.catalog))
+    except Exception:  # the default catalog's directory may be what failed
+        url = "(the default catalog)"
+    if isinstance(exc, OSError) and url.startswith("sqlite"):
+        fix = "check that the SQLite file's directory exists and is writable, or pass --catalog"
+    elif isinstance(exc, OSError):
+        fix = "check that the database server is running and --catalog (or $ZEPHON_CATALOG_URL)"
+    elif isinstance(exc, OverflowError):
+        fix = (
+            "a step or size above 2**63 - 1 cannot be catalogued: look for a damaged "
+            "save-<step> directory or commit marker on storage"
+        )
+    else:
+        fix = "run again with ZEPHON_DEBUG=1 for the traceback and report it"
+    return CatalogError(f"catalog {url} failed: {detail}; {fix}")
+
+
+def _location_of(value: object) -> Location | None:
+    """The storage location a local of our code works on: a Location, a store's, a run's."""
+    try:
+        store = getattr(value, "store", value)
+        for candidate in (
+            value,
+            getattr(value, "location", None),
+            getattr(store, "location", None),
+        ):
+            if isinstance(candidate, Location):
+                return candidate
+    except Exception:  # a property that fails must not hide the error being translated
+        pass
+    return None
+
+
+def _storage_url(frames: list[FrameType]) -> str | None:
+    """The storage URL our innermost frame was working on (masked), if one says."""
+    for frame in reversed(frames):
+        module = _module(frame)
+        if module not in _OURS:
+            continue
+        for name in ("location", "store", "self"):
+            location = _location_of(frame.f_locals.get(name))
+            if location is not None:
+                return location.url
+        url = frame.f_locals.get("url")  # storage.location.open_location, before a Location
+        if module == "storage" and isinstance(url, str) and url:
+            return mask_url(url)
+        record = frame.f_locals.get("record")  # zephon.gc: the run whose store is opened
+        if isinstance(getattr(record, "storage_url", None), str):
+            return mask_url(record.storage_url)
+    return None
+
+
+def _refused_options_fix(args: argparse.Namespace) -> str:
+    """The fix for a backend that refused what it was given, naming where its options came
+    from (the flag, the environment variable, or neither)."""
+    if getattr(args, "storage_options", None) is not None:
+        source = "--storage-options"
+    elif os.environ.get(STORAGE_OPTIONS_ENV):
+        source = f"${STORAGE_OPTIONS_ENV}"
+    else:
+        return (
+            "the backend refused it: check the URL, and pass what the backend needs in "
+            "--storage-options"
+        )
+    return f"the backend refused it or its storage options: check the URL and fix {source}"
+
+
+def _storage_error(
+    exc: Exception, args: argparse.Namespace, detail: str, frames: list[FrameType]
+) -> StorageError:
+    url = _storage_url(frames)
+    if url is None:
+        given = getattr(args, "url", None) or getattr(args, "save_dir", None)
+        url = mask_url(given) if given else None
+    if isinstance(exc, OSError):
+        fix = "check that it is reachable and that the URL and the credentials are right"
+    else:
+        fix = _refused_options_fix(args)
+    where = f"storage {url}" if url else "storage"
+    return BackendUnavailableError(f"{where} failed: {detail}; {fix}", url=url)

@@ -1,19 +1,53 @@
-"""Output for the command line: rich tables for people, JSON for programs (``--json``)."""
+"""Output for the command line: tables and lines for people, JSON for programs (``--json``).
+
+A table fits the terminal (``console.width``): every row is one line, numbers and short values
+are shown whole, and long text (names, URLs, paths: columns made with ``flex=True``) is
+shortened in the middle, where a path says least (``s3://bucket/…/run``). ``wide=True``
+(``--wide``) shows every value whole and lets lines run as long as they need. Text from
+storage or the catalog is printed literally: no rich markup or emoji codes are interpreted, and
+control characters are escaped so that nothing can break a line or move the cursor.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
-__all__ = ["console", "err_console", "print_json", "print_table", "human_bytes"]
+__all__ = [
+    "Column",
+    "console",
+    "human_bytes",
+    "print_json",
+    "print_table",
+    "say",
+    "shorten",
+]
 
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+# Module attributes read at each call, so a test can swap in a Console of a chosen width.
+console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+
+ELLIPSIS = "…"
+#: a shortened value keeps at least this many cells (or its header's width, if wider)
+MIN_FLEX_WIDTH = 10
+_GAP = "  "
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """A table column: ``numeric`` ones are right-aligned; only ``flex`` ones are shortened,
+    those of a lower ``priority`` first (a run's name outlasts its storage URL)."""
+
+    header: str
+    numeric: bool = False
+    flex: bool = False
+    priority: int = 0
 
 
 def print_json(value: Any) -> None:
@@ -24,17 +58,109 @@ def human_bytes(value: int | None) -> str:
     if value is None:
         return "-"
     size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024 or unit == "PiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return str(value)
 
 
-def print_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    table = Table(title=title, title_justify="left")
-    for header in headers:
-        table.add_column(header, overflow="fold")
-    for row in rows:
-        table.add_row(*["-" if cell is None else str(cell) for cell in row])
-    console.print(table)
+def printable(value: object) -> str:
+    """``value`` as one line of literal text: line breaks become spaces, other control
+    characters their escape (``\\x1b``), so nothing from storage can move the cursor."""
+    text = " ".join(str(value).splitlines())
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def say(message: object, *, bold: bool = False) -> None:
+    """Print one line to stdout as is (never wrapped, never interpreted)."""
+    console.print(Text(printable(message), style="bold" if bold else ""), soft_wrap=True)
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` in at most ``width`` cells, cut in the middle: a path or URL keeps whole
+    components on both sides of the ``…`` (``s3://bucket/…/run``) when that loses little,
+    anything else keeps its head and tail."""
+    if cell_len(text) <= width:
+        return text
+    if width <= 1:
+        return ELLIPSIS[:width]
+    aligned = _shorten_path(text, width)
+    # A component-aligned cut is clearer, but not when it throws most of the room away.
+    if aligned is not None and 3 * cell_len(aligned) >= 2 * width:
+        return aligned
+    keep = width - 1
+    head, tail = (keep + 1) // 2, keep // 2
+    return text[:head] + ELLIPSIS + (text[-tail:] if tail else "")
+
+
+def _shorten_path(text: str, width: int) -> str | None:
+    scheme, sep, rest = text.partition("://")
+    prefix, body = (scheme + sep, rest) if sep else ("", text)
+    parts = body.split("/")
+    best: str | None = None
+    for tail_count in range(1, len(parts) - 1):
+        tail = "/".join(parts[-tail_count:])
+        for head_count in range(len(parts) - 1 - tail_count, 0, -1):
+            candidate = f"{prefix}{'/'.join(parts[:head_count])}/{ELLIPSIS}/{tail}"
+            if cell_len(candidate) <= width:
+                if best is None or cell_len(candidate) > cell_len(best):
+                    best = candidate
+                break
+    return best
+
+
+def _fit(natural: list[int], columns: Sequence[Column], room: int) -> list[int]:
+    """Column widths that fit ``room`` cells: the widest flex column of the lowest priority
+    gives up a cell at a time, down to its floor; fixed columns never shrink (if they alone do
+    not fit, the lines run long rather than a number being cut)."""
+    widths = list(natural)
+    floors = [
+        min(natural[i], max(MIN_FLEX_WIDTH, cell_len(c.header))) if c.flex else natural[i]
+        for i, c in enumerate(columns)
+    ]
+    while sum(widths) > room:
+        shrinkable = [i for i in range(len(widths)) if widths[i] > floors[i]]
+        if not shrinkable:
+            break
+        widest = max(shrinkable, key=lambda i: (-columns[i].priority, widths[i]))
+        widths[widest] -= 1
+    return widths
+
+
+def print_table(
+    title: str,
+    columns: Sequence[Column | str],
+    rows: Iterable[Sequence[Any]],
+    *,
+    wide: bool = False,
+) -> None:
+    """A title line, a bold header line and one line per row (``None`` cells print ``-``)."""
+    cols = [c if isinstance(c, Column) else Column(c) for c in columns]
+    cells = [["-" if v is None else printable(v) for v in row] for row in rows]
+    natural = [
+        max([cell_len(c.header)] + [cell_len(row[i]) for row in cells]) for i, c in enumerate(cols)
+    ]
+    widths = natural
+    width = console.width
+    if not wide:
+        widths = _fit(natural, cols, width - len(_GAP) * (len(cols) - 1))
+        title = shorten(printable(title), width)
+        cells = [
+            [shorten(v, widths[i]) if cols[i].flex else v for i, v in enumerate(row)]
+            for row in cells
+        ]
+    say(title)
+    say(_line([c.header for c in cols], cols, widths), bold=True)
+    for row in cells:
+        say(_line(row, cols, widths))
+
+
+def _line(values: Sequence[str], cols: Sequence[Column], widths: Sequence[int]) -> str:
+    padded = []
+    for value, col, size in zip(values, cols, widths, strict=True):
+        fill = " " * max(0, size - cell_len(value))
+        padded.append(fill + value if col.numeric else value + fill)
+    return _GAP.join(padded).rstrip()

@@ -3,50 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import re
 
-from zephon.cli import parse_step
-from zephon.cli.render import console, human_bytes, print_json, print_table
+from zephon.cli import count_between, parse_run, parse_size, parse_step
+from zephon.cli.render import human_bytes, print_json, print_table, say
 from zephon.errors import ConfigError
 
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?", re.IGNORECASE)
-_FACTORS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """``5GB``, ``500MiB``, ``1e9`` bytes..."""
-    match = _SIZE.fullmatch(text.strip())
-    unit = (match.group(2) or "").lower() if match else None
-    if match is None or unit not in _FACTORS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: use a number with an optional unit, e.g. 5GB or 500MiB"
-        )
-    return int(float(match.group(1)) * _FACTORS[unit])
+#: ``zephon demo`` starts this many processes at most (one per rank, on one machine)
+MAX_DEMO_RANKS = 64
+MAX_DEMO_STEPS = 1_000_000
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from zephon.checkpointing import export_safetensors
-    from zephon.cli.commands import EXIT_NOT_FOUND, choose_checkpoint
-    from zephon.locations import storage_options_from_env
+    from zephon.cli.commands import choose_checkpoint, storage_options
 
     chosen = choose_checkpoint(args, "export")
-    if chosen is None:
-        return EXIT_NOT_FOUND
+    if isinstance(chosen, int):
+        return chosen
     store, storage_run, step = chosen
     result = export_safetensors(
         store,
@@ -56,7 +29,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         key=args.key,
         max_shard_bytes=args.max_shard_size,
         source_checkpoint=args.source,
-        storage_options=storage_options_from_env(args.storage_options),
+        storage_options=storage_options(args),
     )
     if args.json:
         print_json(
@@ -69,7 +42,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             }
         )
     else:
-        console.print(
+        say(
             f"exported step {result.step}: {result.tensors} tensors, "
             f"{human_bytes(result.total_bytes)} in {len(result.files) - 1} file(s) "
             f"to {result.directory}"
@@ -78,8 +51,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from zephon.cli.commands import storage_options
     from zephon.demo import run_demo
-    from zephon.locations import storage_options_from_env
 
     if args.ranks < 1 or args.steps < 4 or not 1 <= args.kill_after < args.steps:
         raise ConfigError("demo needs --ranks >= 1, --steps >= 4 and 1 <= --kill-after < --steps")
@@ -87,11 +60,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         work_dir=args.work_dir,
         save_dir=args.save_dir,
         catalog_url=args.catalog,
-        storage_options=storage_options_from_env(args.storage_options),
+        storage_options=storage_options(args),
         ranks=args.ranks,
         steps=args.steps,
         kill_after=args.kill_after,
-        say=(lambda _: None) if args.json else console.print,
+        say=(lambda _: None) if args.json else say,
     )
     if args.json:
         print_json(
@@ -116,17 +89,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
             ],
         )
         verdict = "bit for bit equal" if result.identical else "DIFFERENT"
-        console.print(
+        say(
             f"resumed run vs uninterrupted run: {verdict} "
             f"({len(result.compared)} steps compared, {result.seconds:.0f} s)"
         )
-        console.print(f"inspect it: zephon runs --catalog {result.catalog_url}")
+        say(f"inspect it: zephon runs --catalog {result.catalog_url}")
     return 0 if result.identical else 3
 
 
 def register(add) -> None:
     p = add("export", cmd_export, "export a checkpoint's model as .safetensors files")
-    p.add_argument("run", nargs="?", help="run name (omit with --save-dir for inference)")
+    p.add_argument(
+        "run", nargs="?", type=parse_run, help="run name (omit with --save-dir for inference)"
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="new directory for the files")
     p.add_argument("--step", type=parse_step, help="step to export (default: the latest)")
     p.add_argument("--save-dir", metavar="URL", help="find the run here instead of the catalog")
@@ -147,11 +122,21 @@ def register(add) -> None:
         help="where logs (and by default checkpoints) go (default: a new temporary directory)",
     )
     p.add_argument("--save-dir", metavar="URL", help="checkpoint URL, e.g. s3://bucket/demo")
-    p.add_argument("--ranks", type=int, default=2, help="data-parallel processes (default 2)")
-    p.add_argument("--steps", type=int, default=24, help="total training steps (default 24)")
+    p.add_argument(
+        "--ranks",
+        type=count_between(1, MAX_DEMO_RANKS),
+        default=2,
+        help="data-parallel processes (default 2)",
+    )
+    p.add_argument(
+        "--steps",
+        type=count_between(4, MAX_DEMO_STEPS),
+        default=24,
+        help="total training steps (default 24)",
+    )
     p.add_argument(
         "--kill-after",
-        type=int,
+        type=count_between(1, MAX_DEMO_STEPS - 1),
         default=14,
         help="SIGKILL the job once this step is done (default 14)",
     )
