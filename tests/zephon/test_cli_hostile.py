@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -362,3 +363,28 @@ def test_latest_exits_5_when_the_catalog_cannot_answer(url, capsys):
     assert main(["latest", "r", "--catalog", url]) == 5
     err = one_line(capsys.readouterr().err)
     assert "127.0.0.1:1" in err or "/proc/nope" in err
+
+
+# -- the audit log's retention from the command line -----------------------------------------
+
+
+def test_gc_prunes_old_events_unless_told_to_keep_them(cli, catalog, local_backend):
+    location = make_run(catalog, local_backend)
+    save_step(start(location, catalog), 10, catalog)
+    logged = len(catalog.events(run="r"))
+    code, out, _ = cli("gc", "--keep-events", "--events-age", "1s")
+    assert code == 0 and "event(s) pruned" not in out
+    assert len(catalog.events(run="r")) == logged  # nothing pruned
+    code, out, _ = cli("gc")  # the default age (90d) prunes nothing this young
+    assert code == 0 and ", 0 old event(s) pruned" in out
+    time.sleep(0.05)
+    code, out, _ = cli("gc", "--events-age", "0.01s")
+    assert code == 0 and ", 0 old event(s) pruned" not in out and "old event(s) pruned" in out
+    assert [event.action for event in catalog.events(run="r")] == []
+    code, out, _ = cli("gc", "--dry-run", "--events-age", "0.01s")
+    assert code == 0 and "event(s) pruned" not in out  # a dry run prunes nothing
+
+
+def test_an_events_age_that_is_not_a_duration_is_a_usage_error(usage):
+    code, _, err = usage("gc", "--events-age", "forever")
+    assert code == 2 and "--events-age" in one_line(err)
