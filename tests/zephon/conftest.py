@@ -8,9 +8,41 @@ from collections.abc import Iterator
 import pytest
 
 from catalog import Catalog
+from zephon.cli import main
 
 
 @pytest.fixture
 def sqlite_catalog(tmp_path) -> Iterator[Catalog]:
     with Catalog(f"sqlite:///{tmp_path / 'catalog.db'}") as opened:
         yield opened
+
+
+def _run_zephon(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's usage errors: returned as their code like any other
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def cli(catalog_url, capsys):
+    """``zephon <command> --catalog <url> ...`` in-process: (exit code, stdout, stderr)."""
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        return _run_zephon([*argv[:1], "--catalog", catalog_url, *argv[1:]], capsys)
+
+    return run
+
+
+@pytest.fixture
+def usage(tmp_path, monkeypatch, capsys):
+    """Like ``cli``, for values the parser refuses before any catalog is opened (one SQLite
+    catalog then, in case one is: no need to repeat these on PostgreSQL)."""
+    monkeypatch.setenv("ZEPHON_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        return _run_zephon(list(argv), capsys)
+
+    return run

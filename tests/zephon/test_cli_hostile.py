@@ -24,39 +24,6 @@ def one_line(err: str) -> str:
 
 
 @pytest.fixture
-def cli(catalog_url, capsys):
-    """``zephon <command> --catalog <url> ...`` in-process: (exit code, stdout, stderr); a usage
-    error (argparse's SystemExit) is returned as its code like any other."""
-
-    def run(*argv: str):
-        try:
-            code = main([*argv[:1], "--catalog", catalog_url, *argv[1:]])
-        except SystemExit as exc:
-            code = exc.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
-
-
-@pytest.fixture
-def usage(tmp_path, monkeypatch, capsys):
-    """Like ``cli``, for values the parser refuses before any catalog is opened (one SQLite
-    catalog then, in case one is: no need to repeat these on PostgreSQL)."""
-    monkeypatch.setenv("ZEPHON_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
-
-    def run(*argv: str):
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:
-            code = exc.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
-
-
-@pytest.fixture
 def populated(catalog, local_backend):
     location = make_run(catalog, local_backend, num_to_keep=5)
     attempt = start(location, catalog)

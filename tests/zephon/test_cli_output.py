@@ -16,7 +16,7 @@ from rich.console import Console
 from tests.conftest import Backend
 from tests.zephon.saves import crash_before_marker, save_step, start
 from tests.zephon.test_composition import make_run
-from zephon.cli import main, render
+from zephon.cli import render
 from zephon.cli.render import Column, shorten
 
 LONG_RUN = "llama-70b-pretrain-cosine-lr3e-4-seq8192-warmup2000-run-2024-11-03"
@@ -30,16 +30,6 @@ def narrow(monkeypatch):
 
 
 CONSOLE = {"highlight": False, "soft_wrap": True, "markup": False, "emoji": False}
-
-
-@pytest.fixture
-def cli(catalog_url, capsys):
-    def run(*argv: str):
-        code = main([*argv[:1], "--catalog", catalog_url, *argv[1:]])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 @pytest.fixture
@@ -186,11 +176,9 @@ def test_every_state_can_be_asked_for(cli, every_state, state):
     assert code == 0 and json.loads(out) == []
 
 
-def test_state_and_all_exclude_each_other(cli, every_state, capsys):
-    with pytest.raises(SystemExit) as info:
-        cli("checkpoints", "r", "--all", "--state", "failed")
-    err = capsys.readouterr().err
-    assert info.value.code == 2 and "not allowed with argument" in err and err.count("\n") == 1
+def test_state_and_all_exclude_each_other(cli, every_state):
+    code, _, err = cli("checkpoints", "r", "--all", "--state", "failed")
+    assert code == 2 and "not allowed with argument" in err and err.count("\n") == 1
 
 
 # -- export ------------------------------------------------------------------------------------
