@@ -794,6 +794,7 @@ class Catalog:
         grace: timedelta = DEFAULT_GRACE,
         lease: timedelta = claims.DEFAULT_LEASE,
         now: datetime | None = None,
+        requested: bool = False,
     ) -> list[CheckpointRecord]:
         """Move the given steps to ``deleting`` for this caller; returns the rows won.
 
@@ -801,7 +802,10 @@ class Catalog:
         this transaction with the current rows, policy and resume point, ``grace`` and
         ``corrupt`` (pass the values the caller planned with). That is committed rows the
         policy no longer keeps, stale rows stale for longer than ``grace``, corrupt rows when
-        ``corrupt=True``; the current attempt's resume point is never claimed. ``deleting``
+        ``corrupt=True``; the current attempt's resume point is never claimed. With
+        ``requested`` (a framework's retention naming the steps it no longer wants, such as
+        Lightning's ``save_top_k``) the given committed, stale or corrupt rows are claimed
+        whatever the policy says, except pinned ones and the resume point. ``deleting``
         rows whose lease is older than ``lease`` are re-claimed (a crashed gc). Rows locked or
         claimed by a concurrent gc, kept by the fresh plan, or in other states are silently
         left out: losing is normal, not an error.
@@ -824,7 +828,15 @@ class Catalog:
             if epoch is not None:
                 attempts.check_current(session, self.url, owner, epoch)
             won = claims.claim(
-                session, owner, steps, token, now, lease, grace=grace, corrupt=bool(corrupt)
+                session,
+                owner,
+                steps,
+                token,
+                now,
+                lease,
+                grace=grace,
+                corrupt=bool(corrupt) or bool(requested),
+                requested=bool(requested),
             )
             for row, action, was in won:
                 self._event(session, action, run, row.step, {"claim": token, "from": was})

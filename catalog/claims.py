@@ -86,8 +86,11 @@ def claim(
     *,
     grace: timedelta,
     corrupt: bool,
+    requested: bool = False,
 ) -> list[tuple[Checkpoint, str, str]]:
-    """Claim what may still be deleted among ``steps``.
+    """Claim what may still be deleted among ``steps``: what the retention plan deletes now,
+    or with ``requested`` (a framework's own retention asking for these steps) every one of
+    them but pinned rows and the current attempt's resume point.
 
     Returns ``[(row, "claimed" | "reclaimed", state it was in)]`` in step order.
     """
@@ -110,7 +113,15 @@ def claim(
         return []
     was = {row.id: str(row.state) for row in candidates}
 
-    deletable = set(current_plan(session, run, now, grace=grace, corrupt=corrupt).to_delete)
+    if requested:
+        footing = attempts.resume_point(session, run)
+        deletable = {
+            row.step
+            for row in candidates
+            if not row.pinned and (footing is None or row.step != footing.step)
+        }
+    else:
+        deletable = set(current_plan(session, run, now, grace=grace, corrupt=corrupt).to_delete)
     fresh = [row.id for row in candidates if row.state != DELETING and row.step in deletable]
     expired = [row.id for row in candidates if row.state == DELETING]
     values = {"state": DELETING, "claimed_by": token, "claimed_at": now, "updated_at": now}

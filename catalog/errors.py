@@ -8,14 +8,28 @@ read the attributes, never the message text.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # records import models; errors stay importable on their own
     from catalog.records import AttemptRecord
 
 
 class CatalogError(Exception):
-    """Root of every error the catalog layer raises on purpose."""
+    """Root of every error the catalog layer raises on purpose.
+
+    Picklable whatever the subclass's constructor takes (a distributed job sends the error one
+    rank met to the others): rebuilt from its message and attributes, not by calling
+    ``__init__`` again."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickle_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def _unpickle_error(cls: type[CatalogError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class InvalidValueError(CatalogError, ValueError):

@@ -224,3 +224,21 @@ def test_policy_changes_wait_for_a_claim_in_flight(catalog, kept2, catalog_url):
     worker.join(30)
     assert done.is_set()
     assert catalog.get_run(kept2).num_to_keep == 5
+
+
+def test_a_requested_claim_takes_what_the_policy_keeps_but_pins_and_the_resume_point(catalog):
+    # Lightning's save_top_k asks for steps the policy keeps (here: keep all): they are
+    # claimed, except a pinned one and the current attempt's only footing
+    catalog.ensure_run("k", "/c/k")
+    for step in range(1, 7):
+        commit_step(catalog, "k", step)
+    register(catalog, "k", 1, resumed_from=5)  # 6 is abandoned
+    catalog.pin("k", 4)
+    catalog.begin_checkpoint("k", 7, "/c/k/7", epoch=1)
+    assert catalog.claim_for_deletion("k", [3, 4, 5], epoch=1) == []  # the plan keeps them
+    won = catalog.claim_for_deletion("k", [3, 4, 5, 6, 7, 99], epoch=1, requested=True)
+    assert [c.step for c in won] == [3, 6]  # 4 pinned, 5 the resume point, 7 pending
+    with pytest.raises(StaleAttemptError):
+        catalog.claim_for_deletion("k", [1], epoch=0, requested=True)
+    commit_step(catalog, "k", 8, epoch=1)  # the attempt stands on a checkpoint of its own
+    assert [c.step for c in catalog.claim_for_deletion("k", [5], requested=True)] == [5]

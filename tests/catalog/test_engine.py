@@ -115,3 +115,20 @@ def test_catalog_imports_neither_storage_nor_zephon_nor_fsspec_nor_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_catalog_errors_survive_pickling_as_a_distributed_job_sends_them():
+    import pickle
+
+    from catalog import CheckpointExistsError, InvalidValueError, StaleAttemptError
+
+    errors = [
+        CheckpointExistsError("sqlite:///c.db", "r", 5, "s3://b/ckpt/r/save-5"),
+        StaleAttemptError("sqlite:///c.db", "r", 1, None),
+        InvalidValueError("step", -1, "an integer from 0 to 2**63 - 1"),
+        CatalogUnavailableError("sqlite:///c.db", "disk full"),
+    ]
+    for error in errors:
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error)
+        assert vars(copy) == vars(error)
