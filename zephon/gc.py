@@ -37,6 +37,8 @@ __all__ = [
     "GcPolicy",
     "GcReport",
     "collect_garbage",
+    "apply_retention",
+    "delete_requested",
     "gc_run",
     "retain_without_catalog",
 ]
@@ -275,6 +277,52 @@ class _StorageRow:
     pinned: bool = False
     created_at: dt.datetime = dt.datetime.fromtimestamp(0, dt.UTC)
     updated_at: dt.datetime = dt.datetime.fromtimestamp(0, dt.UTC)
+
+
+def apply_retention(
+    location: RunLocation,
+    catalog: Catalog | None,
+    fence: Fence,
+    num_to_keep: int | None,
+    keep_every_steps: int | None = None,
+) -> list[int]:
+    """The retention a saving job applies after each commit, the one choice every save path
+    shares (the manager, the drop-in DCP writer, the framework integrations): with a catalog,
+    the run's policy as the catalog holds it (``num_to_keep``, milestones, pins) through fenced
+    claims; without one, ``num_to_keep`` and ``keep_every_steps`` over storage. Returns the
+    deleted steps."""
+    if catalog is not None:
+        report = gc_run(catalog, location, orphans=False, epoch=fence.epoch)
+        return [deleted["step"] for deleted in report.deleted]
+    if num_to_keep is None and keep_every_steps is None:
+        return []
+    return retain_without_catalog(
+        location.store, location.storage_run, fence, num_to_keep, keep_every_steps
+    )
+
+
+def delete_requested(
+    location: RunLocation, catalog: Catalog | None, fence: Fence, steps: Iterable[int]
+) -> list[int]:
+    """Delete the checkpoints a framework's own retention no longer wants (Lightning's
+    ``save_top_k``), fenced by the attempt: with a catalog through the same claim, marker-first
+    delete and ``mark_deleted`` as gc (pinned checkpoints and the attempt's resume point are
+    never claimed); without one, after the storage fence check. A stale attempt deletes
+    nothing (``zephon.StaleAttemptError``). Returns the deleted steps."""
+    steps = sorted(set(steps))
+    if not steps:
+        return []
+    name, store, storage_run = location.name, location.store, location.storage_run
+    with fenced():
+        if catalog is None:
+            store.check_fence(storage_run, fence)
+            store.delete_many(storage_run, steps)
+            return steps
+        claimed = catalog.claim_for_deletion(name, steps, epoch=fence.epoch, requested=True)
+    store.delete_many(storage_run, [row.step for row in claimed])
+    for row in claimed:
+        catalog.mark_deleted(name, row.step, row.claimed_by)
+    return [row.step for row in claimed]
 
 
 def retain_without_catalog(

@@ -44,7 +44,7 @@ from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
 from zephon.checkpointing.source import load_frozen_from_source
 from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError, ZephonError
-from zephon.gc import gc_run, retain_without_catalog
+from zephon.gc import apply_retention
 from zephon.latest import LatestCheckpoint, find_latest
 from zephon.locations import RunLocation, inference_run_name
 from zephon.reconcile import quarantine
@@ -341,16 +341,10 @@ class CheckpointManager:
         each save, the main process deletes the oldest). Returns the deleted steps."""
         if not self.coll.is_main:
             return []
-        attempt = self._current_attempt()
-        if self.catalog is not None:
-            report = gc_run(self.catalog, self.location, orphans=False, epoch=attempt.epoch)
-            return [d["step"] for d in report.deleted]
-        if self.config.num_to_keep is None and self.config.keep_every_steps is None:
-            return []
-        return retain_without_catalog(
-            self.store,
-            self.run,
-            attempt.fence,
+        return apply_retention(
+            self.location,
+            self.catalog,
+            self._current_attempt().fence,
             self.config.num_to_keep,
             self.config.keep_every_steps,
         )
