@@ -17,6 +17,12 @@ total, split over ``--ranks`` gloo processes on the CPU, each holding its own ra
     CRC32C checked as it arrives) against ``verify=False`` (sizes only), on the same checkpoint,
     locally cold and warm. Goal: ratio >= 0.95 (checking costs at most ~5%).
 
+(f) drop-in: torch's own ``dcp.save``/``dcp.async_save``/``dcp.load`` with ``zephon.dcp.Writer``
+    and ``zephon.dcp.Reader`` (one Writer for the job, ``checkpoint_id`` per save; the Reader
+    with ``step=None`` finds the latest, then loads it), against the same baseline as (a) and
+    (b), measured back to back; and how long ``dcp.async_save`` with the Writer and a kept
+    ``ZephonStager`` blocks, against the drop-in's synchronous save. Goals as (a)-(c).
+
 (e) fencing: Zephon's save of a fenced run (an attempt claimed and decided: ``begin`` and the
     commit each re-check that no newer attempt claimed the run, as a save without a catalog
     does) against the same save of an unfenced run, back to back; and the fence checks' own
@@ -48,6 +54,7 @@ from _common import REPO, servers, table
 
 RUN = "bench"
 FENCED_RUN = "bench-fenced"
+DROPIN_RUN = "bench-dropin"
 
 
 # -- worker (one rank) ---------------------------------------------------------------------------
@@ -201,6 +208,23 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
     def zephon_load(step: int, verify: bool = True) -> None:
         zd.load(target, zd.ZephonStorageReader(store, RUN, step, verify=verify))
 
+    # (f) the drop-in path: torch's own dcp.save/async_save/load with zephon.dcp.Writer/Reader,
+    # one Writer for the whole job (its first save registers the attempt, untimed here)
+    dropin_url = f"{url}/{DROPIN_RUN}"
+    dropin = zd.Writer(dropin_url, storage_options=options, thread_count=config["threads"])
+    dcp.save(state, storage_writer=dropin, checkpoint_id=f"{dropin_url}/save-999999")
+    dist.barrier()
+    if rank == 0:
+        store.delete(DROPIN_RUN, 999999)
+    dist.barrier()
+
+    def dropin_save(step: int) -> None:
+        dcp.save(state, storage_writer=dropin, checkpoint_id=f"{dropin_url}/save-{step}")
+
+    def dropin_load() -> None:  # step=None: the latest complete checkpoint, found then loaded
+        reader = zd.Reader(dropin_url, storage_options=options)
+        dcp.load(target, storage_reader=reader)
+
     records = []
     for i in range(config["repeats"]):
         step = 2 * i
@@ -229,6 +253,55 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
             else:
                 r[f"{name}_load"] = timed(load)
                 check_loaded(f"{name} load")
+
+        # drop-in: the same save and load against the same baseline, back to back
+        drop_sides = [
+            (
+                "dcp",
+                lambda i=i: dcp_save(i + 1000),
+                lambda i=i: dcp_load(i + 1000),
+                dcp_dir(i + 1000),
+            ),
+            (
+                "dropin",
+                lambda s=step: dropin_save(s),
+                dropin_load,
+                store.checkpoint_path(DROPIN_RUN, step),
+            ),
+        ]
+        if i % 2:
+            drop_sides.reverse()
+        for name, save, _load, _path in drop_sides:
+            r[f"{name}2_save"] = timed(save)
+        for name, _save, load, path in drop_sides:
+            for mode in ["load_cold", "load_warm"] if local else ["load"]:
+                if mode == "load_cold" and rank == 0:
+                    evict(path)
+                r[f"{name}2_{mode}"] = timed(load)
+                check_loaded(f"{name} drop-in comparison {mode}")
+        dist.barrier()
+        start = time.perf_counter()
+        future = dcp.async_save(
+            state,
+            storage_writer=dropin,
+            checkpoint_id=f"{dropin_url}/save-{step + 1}",
+            process_group=ckpt_group,
+            async_stager=stager,
+        )
+        blocked = time.perf_counter() - start
+        future.result()
+        blocks = [None] * world
+        dist.all_gather_object(blocks, blocked)
+        r["dropin_async_block"] = max(blocks)
+        dist.barrier()
+        if rank == 0:
+            store.delete(DROPIN_RUN, step)
+            store.delete(DROPIN_RUN, step + 1)
+            if local:
+                shutil.rmtree(dcp_dir(i + 1000), ignore_errors=True)
+            else:
+                store.location.fs.rm(dcp_dir(i + 1000), recursive=True)
+        dist.barrier()
 
         # verification: the same checkpoint loaded with and without it, back to back
         checks = [("unverified", False), ("verified", True)]
@@ -283,6 +356,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
 
     if rank == 0:
         print("RESULT " + json.dumps({"bytes_per_rank": nbytes, "records": records}), flush=True)
+    dropin.close()
     store.close()
     dist.destroy_process_group()
 
@@ -410,6 +484,30 @@ def report(name: str, result: dict, args) -> list[str]:
         )
     ]
     fence_headers = ("Zephon", "unfenced s", "fenced s", "end to end", "fence checks", "goal")
+    dropin = []
+    for op in ["save", *loads]:
+        base, zep = median(records, f"dcp2_{op}"), median(records, f"dropin2_{op}")
+        ratio = statistics.median(r[f"dcp2_{op}"] / r[f"dropin2_{op}"] for r in records)
+        dropin.append(
+            (
+                op.replace("_", " "),
+                f"{base:.2f}",
+                f"{zep:.2f}",
+                f"{ratio:.2f}",
+                ">= 1.2 " + ("ok" if ratio >= 1.2 else "MISSED"),
+            )
+        )
+    block = median(records, "dropin_async_block")
+    blocked = statistics.median(r["dropin_async_block"] / r["dropin2_save"] for r in records)
+    dropin.append(
+        (
+            "async blocks",
+            "",
+            f"{block:.2f}",
+            f"{blocked:.2f}",
+            "<= 0.2 " + ("ok" if blocked <= 0.2 else "MISSED"),
+        )
+    )
     return [
         title,
         table(rows, headers),
@@ -418,6 +516,9 @@ def report(name: str, result: dict, args) -> list[str]:
         table(checks, (*check_headers, "ratio (per repeat)", "CPU s", "goal")),
         f"{name}: fencing on save (the run's attempt re-checked at begin and before the marker)",
         table(fencing, fence_headers),
+        f"{name}: drop-in path (torch's dcp.save/async_save/load with zephon.dcp.Writer/Reader, "
+        "load with step=None) vs the same baseline, back to back; async: share of its sync save",
+        table(dropin, ("operation", "DCP s", "drop-in s", "ratio", "goal")),
         "",
     ]
 

@@ -8,7 +8,10 @@ Imports torch; ``import zephon`` alone does not import this package.
 """
 
 from zephon.dcp.api import as_zephon_error, async_save, attach_ranks, load, save
+from zephon.dcp.dropin import Writer
+from zephon.dcp.dropin_reader import Reader, ReaderDisagreementError
 from zephon.dcp.errors import (
+    CoordinatorError,
     DCPError,
     DistributedCheckpointError,
     MetadataEncodingError,
@@ -23,11 +26,15 @@ from zephon.dcp.writer import METADATA_FILE, ZephonStorageWriter
 
 __all__ = [
     "METADATA_FILE",
+    "CoordinatorError",
     "DCPError",
     "DistributedCheckpointError",
     "MetadataEncodingError",
+    "Reader",
+    "ReaderDisagreementError",
     "ShardSlice",
     "StateDictMismatchError",
+    "Writer",
     "WriterSetupError",
     "ZephonLoadPlanner",
     "ZephonStager",

@@ -5,6 +5,7 @@ Zephon or storage error that caused it, so callers can ``except Exception`` as u
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
+from catalog import CatalogError
 from storage import CheckpointStore, CheckpointWriter, StorageError
 from zephon.dcp.errors import DistributedCheckpointError, WriterSetupError
 from zephon.dcp.planner import ZephonLoadPlanner
@@ -46,9 +48,9 @@ def as_zephon_error(
     """The error to raise for a failed DCP call on ``where`` (a checkpoint URL).
 
     ``local_failure``, this rank's own original exception if one was kept, wins. Otherwise the
-    lowest rank's Zephon or storage error is returned as it was raised there; any other failure
-    becomes one ``DistributedCheckpointError`` naming every failing rank. Anything that is not a
-    ``CheckpointException`` is returned unchanged.
+    lowest rank's Zephon, storage or catalog error is returned as it was raised there; any
+    other failure becomes one ``DistributedCheckpointError`` naming every failing rank.
+    Anything that is not a ``CheckpointException`` is returned unchanged.
     """
     if not isinstance(exc, CheckpointException):
         return exc
@@ -56,7 +58,7 @@ def as_zephon_error(
         return local_failure
     failures = {rank: pair[0] for rank, pair in sorted(exc.failures.items())}
     for rank, failure in failures.items():
-        if isinstance(failure, ZephonError | StorageError):
+        if isinstance(failure, ZephonError | StorageError | CatalogError):
             failure.add_note(f"(raised on rank {rank} of the DCP call on {where})")
             return failure
     lines = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
@@ -78,10 +80,12 @@ def save(
     *,
     planner: SavePlanner | None = None,
     process_group: dist.ProcessGroup | None = None,
+    checkpoint_id: str | os.PathLike | None = None,
 ) -> Metadata:
     """Collective (all ranks of ``process_group``): ``dcp.save`` through ``writer``; the
     checkpoint is committed when this returns. Failures raise the causing Zephon/storage error
-    or ``DistributedCheckpointError``, on every rank."""
+    or ``DistributedCheckpointError``, on every rank. ``checkpoint_id`` is handed to DCP, which
+    gives it to ``writer.reset`` (a ``zephon.dcp.Writer`` takes the step from it)."""
     no_dist = _no_dist(process_group)
     try:
         return dcp.save(
@@ -90,9 +94,13 @@ def save(
             planner=planner,
             process_group=process_group,
             no_dist=no_dist,
+            checkpoint_id=checkpoint_id,
         )
-    except CheckpointException as exc:
-        raise as_zephon_error(exc, where=writer.url) from exc
+    except BaseException as exc:
+        writer._save_failed(exc)
+        if isinstance(exc, CheckpointException):
+            raise as_zephon_error(exc, where=writer.url) from exc
+        raise
 
 
 def async_save(
@@ -102,6 +110,7 @@ def async_save(
     planner: SavePlanner | None = None,
     process_group: dist.ProcessGroup | None = None,
     stager: ZephonStager | None = None,
+    checkpoint_id: str | os.PathLike | None = None,
 ) -> Future[Metadata]:
     """Collective: stage ``state_dict`` into host memory (a copy, so later in-place updates do
     not reach the checkpoint), then write and commit in a background thread.
@@ -122,6 +131,7 @@ def async_save(
         process_group=process_group,
         async_stager=stager,
         no_dist=_no_dist(process_group),
+        checkpoint_id=checkpoint_id,
     )
     upload: Future = getattr(response, "upload_completion", response)
     result: Future[Metadata] = Future()
@@ -130,6 +140,7 @@ def async_save(
         try:
             result.set_result(done.result())
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            writer._save_failed(exc)
             result.set_exception(as_zephon_error(exc, where=writer.url))
 
     if stager is not None:
@@ -145,6 +156,7 @@ def load(
     planner: LoadPlanner | None = None,
     allow_partial_load: bool = False,
     process_group: dist.ProcessGroup | None = None,
+    checkpoint_id: str | os.PathLike | None = None,
 ) -> None:
     """Collective: ``dcp.load`` through ``reader`` into ``state_dict`` in place (``Stateful``
     values get ``load_state_dict``). Uses ``ZephonLoadPlanner`` unless a planner is given, so a
@@ -160,6 +172,7 @@ def load(
             planner=planner,
             process_group=process_group,
             no_dist=no_dist,
+            checkpoint_id=checkpoint_id,
         )
     except CheckpointException as exc:
         raise as_zephon_error(exc, where=reader.url, local_failure=reader.failure) from exc

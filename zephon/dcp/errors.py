@@ -13,6 +13,7 @@ from zephon.errors import ZephonError
 __all__ = [
     "DCPError",
     "DistributedCheckpointError",
+    "CoordinatorError",
     "MetadataEncodingError",
     "StateDictMismatchError",
     "WriterSetupError",
@@ -62,3 +63,28 @@ class DistributedCheckpointError(DCPError):
     def __init__(self, message: str, *, failures: Mapping[int, BaseException] | None = None):
         super().__init__(message)
         self.failures = dict(failures or {})
+
+
+class CoordinatorError(DCPError):
+    """An error the coordinator raised during a DCP call whose class cannot be rebuilt on the
+    other ranks (DCP sends errors between ranks pickled): e.g. a catalog refusal. Every rank
+    raises this instead; ``kind`` names the original class, the message is the original's."""
+
+    def __init__(self, message: str, *, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives DCP's trip between ranks (pickling), else a ``CoordinatorError``
+    with its class name and message, caused by it."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any failure to rebuild means it cannot travel
+        kind = type(exc).__name__
+        out = CoordinatorError(f"{kind}: {exc}", kind=kind)
+        out.__cause__ = exc
+        return out

@@ -170,7 +170,7 @@ class ZephonStorageReader(StorageReader):
         self,
         store: CheckpointStore,
         run: str | None,
-        step: int,
+        step: int | None,
         *,
         subdir: str = "",
         verify: bool = True,
@@ -193,7 +193,12 @@ class ZephonStorageReader(StorageReader):
         self.max_request_bytes = max_request_bytes
         # Local reads land straight in the destination tensors, so gaps are never worth reading.
         self.max_gap_bytes = 0 if local else max_gap_bytes
-        self.url = store.checkpoint_url(run, step)
+        # (step None: ``zephon.dcp.Reader`` finds the step when it first opens the checkpoint)
+        self.url = (
+            store.checkpoint_url(run, step)
+            if step is not None
+            else store.location.display(store.run_path(run))
+        )
         self.failure: BaseException | None = None
         self._reader: CheckpointReader | None = None
         self._metadata: Metadata | None = None

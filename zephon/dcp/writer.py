@@ -152,9 +152,20 @@ class ZephonStorageWriter(StorageWriter):
                 f"ZephonStorageWriter needs a storage.CheckpointWriter (from store.begin or "
                 f"store.attach), got {type(writer).__name__}"
             )
-        if thread_count < 1:
-            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.writer = writer
+        self._configure(subdir, thread_count, commit_metadata, on_commit)
+
+    def _configure(
+        self,
+        subdir: str,
+        thread_count: int,
+        commit_metadata: CommitMetadata | None,
+        on_commit: Callable[[Manifest], None] | None,
+    ) -> None:
+        """The settings every writer of this class holds (shared with ``zephon.dcp.Writer``,
+        which binds its ``CheckpointWriter`` per save)."""
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count must be an integer >= 1, got {thread_count!r}")
         self.prefix = shard_prefix(subdir)
         self.thread_count = thread_count
         self._commit_metadata = commit_metadata
@@ -163,6 +174,10 @@ class ZephonStorageWriter(StorageWriter):
         self.rank = 0
         #: the committed manifest, on the coordinator once ``finish`` succeeded
         self.manifest: Manifest | None = None
+
+    def _save_failed(self, exc: BaseException) -> None:
+        """Told by ``zephon.dcp.save``/``async_save`` that the save failed; nothing to do here
+        (the caller owns the ``CheckpointWriter``)."""
 
     # -- identity -----------------------------------------------------------------------------
 

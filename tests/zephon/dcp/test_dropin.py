@@ -1,0 +1,260 @@
+"""``zephon.dcp.Writer`` and ``Reader`` as drop-ins for torch DCP: real gloo ranks (2 and 4) on
+local disk and S3 (moto), with and without a catalog (SQLite, PostgreSQL), a rank SIGKILLed
+inside write_data, and the docs/dcp.md example run as printed.
+
+Each configuration starts its ranks once (``tests/zephon/dcp/dropin_worker.py``); the tests
+assert on what the ranks reported and on what storage and the catalog hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+from catalog import Catalog
+from storage import CheckpointNotFoundError
+from tests import servers
+from tests.conftest import Backend, database_url, make_backend
+from tests.zephon.dcp.dropin_worker import RUN, empty_at, equal, state_at
+from zephon import ConfigError
+from zephon import dcp as zd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def launch_with(config: dict, world: int, module: str, allow_killed=frozenset()) -> list[dict]:
+    """Run ``module`` as ``world`` gloo ranks; every surviving rank's RESULT record (ranks in
+    ``allow_killed`` must have died of SIGKILL instead)."""
+    port = servers.free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT, "ZEPHON_DCP_TEST": json.dumps(config)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, str(r), str(world), str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    ranks = []
+    try:
+        for rank, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=120)
+            if rank in allow_killed:
+                assert proc.returncode == -9, f"rank {rank} exited {proc.returncode}: {err[-2000:]}"
+                continue
+            lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, f"rank exited {proc.returncode}:\n{err[-4000:]}"
+            ranks.append(json.loads(lines[-1][len("RESULT ") :]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for record in ranks:
+        assert "crash" not in record, record["crash"]
+    return ranks
+
+
+#: a python block (no other block inside it) followed by "prints" and its output, as
+#: tests/zephon/test_docs.py reads pages that hold only such examples
+_EXAMPLE = re.compile(r"```python\n((?:(?!```).)*?)```\n\nprints\n\n```\n(.*?)```", re.S)
+
+
+@dataclass
+class Run:
+    backend: Backend
+    world: int
+    catalog: str | None
+    ranks: list[dict]
+
+    @property
+    def url(self) -> str:
+        return f"{self.backend.url}/{RUN}"
+
+    def store(self):
+        return self.backend.open_store()
+
+
+CONFIGS = [("local", 2, None), ("s3", 2, "sqlite"), ("local", 4, "postgresql")]
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda p: f"{p[0]}-world{p[1]}-{p[2]}")
+def run(request, tmp_path_factory):
+    name, world, catalog = request.param
+    tmp = tmp_path_factory.mktemp(f"dropin-{name}-{world}")
+    backend = make_backend(name, request, tmp)
+    if catalog is None:
+        yield Run(backend, world, None, _launch(backend, world, None, "main"))
+        return
+    with database_url(catalog, request, tmp) as url:
+        yield Run(backend, world, url, _launch(backend, world, url, "main"))
+
+
+def _launch(backend: Backend, world: int, catalog: str | None, scenario: str, **kwargs):
+    config = {
+        "url": backend.url,
+        "storage_options": backend.storage_options,
+        "catalog": catalog,
+        "scenario": scenario,
+    }
+    return launch_with(config, world, "tests.zephon.dcp.dropin_worker", **kwargs)
+
+
+def test_sync_async_and_reset_saves_commit_and_retention_keeps_two(run):
+    assert run.ranks[0]["coordinator_committed"] == [1, 2, 3, 4]
+    assert all(r["coordinator_committed"] == [] for r in run.ranks[1:])
+    store = run.store()
+    assert store.committed_steps(RUN) == [3, 4]  # num_to_keep=2; 5 failed, 6 was refused
+    assert store.verify(RUN, 4, deep=True).ok
+    names = {e.name for e in store.read_manifest(RUN, 4).files}
+    assert {f"__{r}_0.distcp" for r in range(run.world)} <= names
+
+
+def test_step_none_loads_the_latest_and_checkpoint_id_another(run):
+    for record in run.ranks:
+        assert record["latest_step"] == 4 and record["latest_equal"]
+        assert record["reset_step"] == 3 and record["reset_equal"]
+
+
+def test_ranks_disagreeing_on_step_or_run_raise_on_every_rank(run):
+    for record in run.ranks:
+        for key in ("step_disagreement", "run_disagreement"):
+            error = record[key]
+            assert error["raw"] == "CheckpointException"  # plain dcp.save: DCP's wrapper
+            assert error["type"] == "WriterSetupError", error  # as_zephon_error unwraps it
+            assert "ranks disagree" in error["message"]
+        assert record["step_disagreement_zd"]["raw"] == "WriterSetupError"  # zephon.dcp.save
+        error = record["reader_disagreement"]
+        assert error["type"] == "ReaderDisagreementError", error
+        assert "ranks disagree on the checkpoint to load" in error["message"]
+    store = run.store()
+    assert not store.list_steps(RUN + "-0") and 10 not in store.committed_steps(RUN)
+    assert 10 + run.world - 1 not in [s.step for s in store.list_steps(RUN)]
+
+
+def test_a_storage_failure_on_one_rank_raises_on_every_rank_without_a_marker(run):
+    for record in run.ranks:
+        error = record["write_failure"]
+        assert error["type"] == "BackendUnavailableError" and error["is_exception"], error
+        assert "simulated" in error["message"]
+    assert not run.store().is_committed(RUN, 5)
+
+
+def test_a_second_writer_is_a_new_attempt_that_fences_out_the_first(run):
+    for record in run.ranks:
+        conflict = record["conflict"]
+        if run.catalog is None:  # storage's begin refuses the step
+            assert conflict["type"] == "CommitConflictError", conflict
+        else:  # the catalog refuses it first, and its error reaches every rank as it is
+            assert conflict["type"] == "CheckpointExistsError", conflict
+        assert "never overwritten" in conflict["message"]
+        assert record["stale"]["type"] == "StaleAttemptError", record["stale"]
+    assert not run.store().is_committed(RUN, 6)
+
+
+def test_the_catalog_records_every_save(run):
+    if run.catalog is None:  # storage alone holds the same history
+        assert run.store().committed_steps(RUN) == [3, 4]
+        return
+    with Catalog(run.catalog) as catalog:
+        states = {row.step: row.state for row in catalog.list_checkpoints(RUN)}
+        assert catalog.get_run(RUN).num_to_keep == 2
+    assert states[3] == states[4] == "committed"
+    assert states[1] == states[2] == "deleted"
+    # 5 failed; the second Writer's registration (resuming from 4) then moved it to stale
+    assert states[5] in {"failed", "stale"}
+
+
+def test_a_rank_killed_inside_write_data_leaves_no_marker_and_readers_take_the_last(
+    request, tmp_path
+):
+    backend = make_backend("local", request, tmp_path)
+    with database_url("sqlite", request, tmp_path) as catalog:
+        ranks = _launch(backend, 2, catalog, "kill", allow_killed={1})
+        assert ranks[0]["saved"] == [1]
+        assert ranks[0]["killed_save"] is not None  # the survivor raised, it did not hang
+        store = backend.open_store()
+        assert not store.is_committed(RUN, 2)
+        assert [s.step for s in store.list_steps(RUN)] == [1, 2]  # 2: files, no marker
+        for given in (catalog, None):
+            with zd.Reader(f"{backend.url}/{RUN}", catalog=given) as reader:
+                target = empty_at(0)
+                dcp.load(target, storage_reader=reader)
+            assert reader.step == 1
+            assert equal(target, state_at(1, 0))
+
+
+# -- one process: input checks, errors of plain dcp, the docs example ----------------------
+
+
+def test_bad_input_gets_one_line_naming_it_and_the_fix(tmp_path):
+    secret_url = "s3://AKIAEXAMPLE:supersecretvalue@bucket"
+    cases = [
+        (lambda: zd.Writer(secret_url), "no run component"),
+        (lambda: zd.Writer(f"{tmp_path}/save-5"), "not a valid run name"),
+        (lambda: zd.Writer(f"{tmp_path}/r", step=-1), "step = -1"),
+        (lambda: zd.Writer(f"{tmp_path}/r", step="7"), "step = '7'"),
+        (lambda: zd.Writer(f"{tmp_path}/r", num_to_keep=0), "num_to_keep = 0"),
+        (lambda: zd.Writer(f"{tmp_path}/r", thread_count=0), "thread_count"),
+        (lambda: zd.Writer(f"{tmp_path}/r", catalog=3), "catalog"),
+        (lambda: zd.Reader(""), "url"),
+    ]
+    for make, words in cases:
+        with pytest.raises(ConfigError) as info:
+            make()
+        message = str(info.value)
+        assert words in message and "\n" not in message, message
+        assert "supersecretvalue" not in message
+
+
+def test_plain_dcp_wraps_zephon_errors_and_zephon_dcp_raises_them(tmp_path):
+    url = f"{tmp_path}/r"
+    with zd.Writer(url) as writer:  # no step
+        with pytest.raises(CheckpointException) as info:
+            dcp.save({"w": torch.ones(2)}, storage_writer=writer)
+        assert isinstance(zd.as_zephon_error(info.value, where=url), zd.WriterSetupError)
+        with pytest.raises(zd.WriterSetupError, match="no step to save"):
+            zd.save({"w": torch.ones(2)}, writer)
+        with pytest.raises(zd.WriterSetupError, match="not a checkpoint of this Writer's run"):
+            zd.save({"w": torch.ones(2)}, writer, checkpoint_id=f"{tmp_path}/other/save-1")
+        zd.save({"w": torch.ones(2)}, writer, checkpoint_id=f"{url}/save-1")
+        with pytest.raises(zd.WriterSetupError, match="already committed"):
+            zd.save({"w": torch.ones(2)}, writer)
+    empty = zd.Reader(f"{tmp_path}/empty")
+    with empty, pytest.raises(CheckpointNotFoundError, match="no complete checkpoint"):
+        zd.load({"w": torch.zeros(2)}, empty)
+    with zd.Reader(url) as reader:
+        target = {"w": torch.zeros(2)}
+        zd.load(target, reader)
+        assert reader.step == 1 and torch.equal(target["w"], torch.ones(2))
+
+
+def test_the_docs_example_prints_what_the_page_says(tmp_path):
+    with open(os.path.join(ROOT, "docs", "dcp.md")) as page:
+        found = _EXAMPLE.findall(page.read())
+    assert found, "docs/dcp.md has no example with printed output"
+    for code, expected in found:
+        script = tmp_path / "example.py"
+        script.write_text(code)
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": ROOT},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == expected

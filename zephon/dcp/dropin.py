@@ -1,0 +1,408 @@
+"""``zephon.dcp.Writer``: a drop-in DCP storage writer addressed by URL.
+
+``dcp.save(sd, storage_writer=Writer("s3://bucket/ckpt/run", step=100))`` on every rank writes
+checkpoint ``s3://bucket/ckpt/run/save-100`` through the project's one save path: the
+coordinator registers the job's attempt on the Writer's first save (``zephon.attempts``), begins
+the save with ``zephon.saving.Save`` (catalog row ``pending``, fenced storage ``begin``) while DCP
+plans, so before any rank writes; the save id travels to the other ranks inside the plan. Every
+rank then writes its shards with ``ZephonStorageWriter``'s code; ``finish`` commits the marker,
+records the row ``committed`` and applies retention with the code the checkpoint manager uses.
+See "Drop-in writer and reader" in ``docs/dcp.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from catalog import Catalog
+from storage import CheckpointStore, CheckpointWriter, Manifest
+from storage.layout import parse_step_dirname, validate_run, validate_step
+from storage.redact import mask_url
+from zephon.attempts import Attempt, as_zephon_error, fenced, register_resuming
+from zephon.dcp.errors import WriterSetupError, portable
+from zephon.dcp.writer import CommitMetadata, ZephonStorageWriter, _FilePrefix
+from zephon.errors import ConfigError
+from zephon.gc import apply_retention
+from zephon.latest import find_latest
+from zephon.locations import RunLocation
+from zephon.saving import Save
+
+__all__ = ["RunURL", "Writer", "parse_run_url"]
+
+CatalogArg = Catalog | str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunURL:
+    """``<save_dir>/<run>`` split: the store's root as given, and the run name."""
+
+    given: str
+    root: str
+    run: str
+
+
+def parse_run_url(url: str | os.PathLike, what: str) -> RunURL:
+    """Split a Writer's or Reader's ``url`` into its save_dir and run (the last component);
+    a one-line ``ConfigError`` naming the URL (credentials masked) and the fix otherwise."""
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(
+            f"{what} url = {url!r} is invalid: give the run's URL, <save_dir>/<run>, e.g. "
+            "'s3://bucket/ckpt/my-run' or '/data/ckpt/my-run'"
+        )
+    given = url.rstrip("/")
+    root, sep, run = given.rpartition("/")
+    if not sep or not root or root.endswith(":/") or root.endswith(":"):
+        raise ConfigError(
+            f"{what} url {mask_url(url)!r} has no run component: give <save_dir>/<run>, e.g. "
+            f"'{mask_url(given)}/my-run'"
+        )
+    try:
+        validate_run(run)
+    except ValueError:
+        raise ConfigError(
+            f"{what} url {mask_url(url)!r}: its last component {run[:60]!r} is not a valid run "
+            "name (1-128 of A-Z a-z 0-9 . _ -, not a step directory like 'save-5'): give "
+            "<save_dir>/<run>"
+        ) from None
+    return RunURL(given, root, run)
+
+
+def check_step(step: Any, what: str) -> int | None:
+    """``step`` as given to a Writer or Reader: None, or a step number."""
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ConfigError(f"{what} step = {step!r} is invalid: give an integer >= 0, or None")
+    try:
+        return validate_step(step)
+    except ValueError as exc:
+        raise ConfigError(f"{what} step = {step!r} is invalid: {exc}") from None
+
+
+def step_of_checkpoint_id(
+    checkpoint_id: str | os.PathLike, url: RunURL, store: CheckpointStore, what: str
+) -> int:
+    """The step a ``checkpoint_id`` names: ``<run url>/save-<step>`` (also in the store's own
+    path form). Anything else is refused, naming what this object is bound to."""
+    given = os.fspath(checkpoint_id).rstrip("/") if checkpoint_id is not None else ""
+    parent, _, last = given.rpartition("/")
+    step = parse_step_dirname(last)
+    run_forms = {
+        url.given,
+        store.run_path(url.run).rstrip("/"),
+        store.location.display(store.run_path(url.run)).rstrip("/"),
+    }
+    if step is None or parent not in run_forms:
+        shown = mask_url(given) if "://" in given else given
+        raise WriterSetupError(
+            f"checkpoint_id {shown!r} is not a checkpoint of this {what}'s run "
+            f"{mask_url(url.given)}: pass checkpoint_id='{mask_url(url.given)}/save-<step>', or "
+            f"make a {what} for the other run"
+        )
+    return step
+
+
+@dataclass(frozen=True)
+class _RankWants:
+    """What a rank tells the coordinator it is about to write (``SavePlan.storage_data``)."""
+
+    rank: int
+    root: str
+    run: str
+    step: int | None
+    url: str
+
+
+@dataclass(frozen=True)
+class _SaveTarget:
+    """The coordinator's answer, per rank: the save every rank attaches to, its file prefix."""
+
+    save_id: str
+    step: int
+    prefix: str
+
+
+class Writer(ZephonStorageWriter):
+    """DCP ``StorageWriter`` for the run at ``url`` (``<save_dir>/<run>``); construct it the same
+    way on every rank.
+
+    ``step`` is the step of the next save; ``dcp.save(..., checkpoint_id="<url>/save-<n>")``
+    (DCP calls ``reset``) sets it instead, so one Writer serves a whole job. Keep one Writer per
+    job: its first save registers the job's attempt (which continues the run's latest
+    checkpoint), and a second Writer of the same run registers a newer one, which fences out the
+    first (a save of it still in flight then fails with ``zephon.StaleAttemptError``).
+
+    ``catalog`` (a ``catalog.Catalog`` or its URL, opened on the coordinator only) records every
+    save; ``num_to_keep`` keeps that many newest checkpoints (with a catalog it is stored as the
+    run's policy, and the catalog's retention applies whatever policy the run has).
+    ``commit_metadata`` and ``on_commit`` are ``ZephonStorageWriter``'s. One save at a time:
+    wait for an ``async_save`` future before the next save.
+
+    Failures: plain ``dcp.save`` raises DCP's ``CheckpointException`` (a BaseException) whose
+    ``failures`` hold Zephon's errors; ``zephon.dcp.save``/``async_save`` raise Zephon's error
+    itself, or use ``zephon.dcp.as_zephon_error``. The save of a failed call is marked failed
+    and its files removed right away by ``zephon.dcp.save``/``async_save``, otherwise when the
+    Writer next saves or closes (or by ``zephon gc``); no marker is ever written for it.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        *,
+        step: int | None = None,
+        catalog: CatalogArg = None,
+        storage_options: Mapping[str, Any] | None = None,
+        num_to_keep: int | None = None,
+        thread_count: int = 4,
+        subdir: str = "",
+        commit_metadata: CommitMetadata | None = None,
+        on_commit: Callable[[Manifest], None] | None = None,
+    ) -> None:
+        StorageWriter.__init__(self)  # ZephonStorageWriter's own __init__ needs a bound writer
+        self.target = parse_run_url(url, "Writer")
+        self._next_step = check_step(step, "Writer")
+        if num_to_keep is not None and (
+            isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep < 1
+        ):
+            raise ConfigError(
+                f"Writer num_to_keep = {num_to_keep!r} is invalid: give an integer >= 1, or None "
+                "to keep every checkpoint"
+            )
+        if catalog is not None and not isinstance(catalog, Catalog | str):
+            raise ConfigError(
+                f"Writer catalog must be a catalog.Catalog or its URL, got {type(catalog).__name__}"
+            )
+        try:
+            self._configure(subdir, thread_count, commit_metadata, on_commit)
+        except ValueError as exc:
+            raise ConfigError(f"Writer: {exc}") from None
+        self.num_to_keep = num_to_keep
+        self.store = CheckpointStore(self.target.root, storage_options)
+        self.location = RunLocation(self.target.run, self.store, self.target.run)
+        self._catalog_arg = catalog
+        self._catalog: Catalog | None = catalog if isinstance(catalog, Catalog) else None
+        self._catalog_ready = False
+        self.writer: CheckpointWriter | None = None  # type: ignore[assignment]
+        #: coordinator: the job's attempt, registered by the first save
+        self.attempt: Attempt | None = None
+        self._save: Save | None = None
+        #: coordinator: the steps this Writer committed, in order
+        self.committed_steps: list[int] = []
+
+    # -- identity -------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int | None:
+        """The step the next (or running) save writes."""
+        return self._next_step
+
+    @property
+    def run(self) -> str:
+        return self.target.run
+
+    @property
+    def url(self) -> str:  # type: ignore[override]
+        """The checkpoint's URL (the run's while no step is set), credentials masked."""
+        if self._next_step is None:
+            return self.store.location.display(self.store.run_path(self.run))
+        return self.store.checkpoint_url(self.run, self._next_step)
+
+    @property
+    def checkpoint_id(self) -> str:  # type: ignore[override]
+        return self.url
+
+    def storage_meta(self) -> StorageMeta | None:
+        save_id = self.writer.save_id if self.writer is not None else None
+        return StorageMeta(checkpoint_id=self.url, save_id=save_id)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """DCP calls this with the ``checkpoint_id`` given to ``dcp.save``: the next save writes
+        the step it names (``<url>/save-<step>``)."""
+        if checkpoint_id is not None:
+            self._next_step = step_of_checkpoint_id(
+                checkpoint_id, self.target, self.store, "Writer"
+            )
+
+    # -- planning (DCP: every rank set_up + prepare_local_plan, coordinator global plan) -----
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._settle_unfinished(None)
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        self.writer = None
+        self.manifest = None
+        if not kwargs.get("use_collectives", True):
+            raise WriterSetupError(
+                f"saving {self.url} without collectives (use_collectives=False) would make every "
+                "rank commit on its own; Zephon commits once, on the coordinator: use the default"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        wants = _RankWants(
+            self.rank, self.store.location.canonical_url, self.run, self._next_step, self.url
+        )
+        return dataclasses.replace(plan, storage_data=wants)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: check that every rank writes this checkpoint, then begin the save
+        (registering the job's attempt on the first one). Runs before any rank writes."""
+        mine = (self.store.location.canonical_url, self.run, self._next_step)
+        wrong = []
+        for i, plan in enumerate(plans):
+            wants = plan.storage_data
+            if not isinstance(wants, _RankWants):
+                wrong.append(f"rank {i} does not use zephon.dcp.Writer")
+            elif (wants.root, wants.run, wants.step) != mine:
+                wrong.append(f"rank {i} writes {_shown(wants.url, wants.step)}")
+        if wrong:
+            raise WriterSetupError(
+                f"ranks disagree on the checkpoint to write: the coordinator writes "
+                f"{_shown(self.url, self._next_step)}, but {'; '.join(wrong)}: construct the "
+                "Writer with the same url and step on every rank, or pass the same checkpoint_id"
+            )
+        step = self._next_step
+        if step is None:
+            raise WriterSetupError(
+                f"no step to save under {self.url}: pass Writer(..., step=N) or "
+                f"dcp.save(..., checkpoint_id='{self.url}/save-<N>')"
+            )
+        if step in self.committed_steps:
+            raise WriterSetupError(
+                f"this Writer already committed {self.url}; pass "
+                f"checkpoint_id='{self.store.location.display(self.store.run_path(self.run))}/"
+                "save-<step>' to dcp.save for the next step"
+            )
+        try:
+            catalog = self._open_catalog()
+            self._save = Save.begin(self._current_attempt(catalog), step, catalog=catalog)
+        except Exception as exc:
+            translated = portable(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
+        self.writer = self._save.writer
+        save_id = self._save.save_id
+        return [
+            dataclasses.replace(plan, storage_data=_SaveTarget(save_id, step, f"__{i}_"))
+            for i, plan in enumerate(plans)
+        ]
+
+    # -- writing and committing ----------------------------------------------------------
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Every rank: attach to the coordinator's save, then write this rank's shards."""
+        target = plan.storage_data
+        if not isinstance(target, _SaveTarget):
+            raise WriterSetupError(
+                f"rank {self.rank} got no save to write into for {self.url}: the coordinator is "
+                "not using zephon.dcp.Writer; use it on every rank"
+            )
+        try:
+            if not self.is_coordinator:
+                self.writer = self._attach(target)
+            inner = dataclasses.replace(plan, storage_data=_FilePrefix(target.prefix))
+            return super().write_data(inner, planner)
+        except BaseException as exc:
+            self._settle_unfinished(exc)
+            raise
+
+    def _attach(self, target: _SaveTarget) -> CheckpointWriter:
+        """A secondary writer into the coordinator's save."""
+        return self.store.attach(self.run, target.step, save_id=target.save_id)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator, after every rank wrote: the metadata, the marker (fenced), the catalog
+        row, then retention."""
+        save = self._save
+        if save is None:
+            raise WriterSetupError(f"finish of {self.url} without a save begun on this rank")
+        try:
+            with fenced():
+                super().finish(metadata, results)
+            save.committed()
+        except BaseException as exc:
+            self._settle_unfinished(exc)
+            translated = portable(as_zephon_error(exc))
+            if translated is not exc:
+                raise translated from exc
+            raise
+        self._save = None
+        self.committed_steps.append(save.step)
+        self.apply_retention()
+
+    def apply_retention(self) -> list[int]:
+        """Coordinator: the checkpoint manager's retention (``zephon.gc``): with a catalog the
+        run's policy through fenced claims, without one ``num_to_keep`` over storage."""
+        attempt = self.attempt
+        if attempt is None or not self.is_coordinator:
+            return []
+        return apply_retention(self.location, self._catalog, attempt.fence, self.num_to_keep)
+
+    # -- failures and the end --------------------------------------------------------------
+
+    def _save_failed(self, exc: BaseException) -> None:
+        self._settle_unfinished(exc)
+
+    def _settle_unfinished(self, exc: BaseException | None) -> None:
+        """Coordinator: a save that began and never committed is marked failed and its files
+        removed (``Save.failed`` never raises)."""
+        save, self._save = self._save, None
+        if save is not None and save.writer.manifest is None:
+            save.failed(exc or RuntimeError("the DCP save did not finish"))
+
+    def _open_catalog(self) -> Catalog | None:
+        """Coordinator: the catalog (opened from its URL here, once) with this run in it."""
+        if self._catalog_arg is None:
+            return None
+        if self._catalog is None:
+            self._catalog = Catalog(self._catalog_arg)  # type: ignore[arg-type]
+        if not self._catalog_ready:
+            given = {"num_to_keep": self.num_to_keep} if self.num_to_keep is not None else {}
+            self._catalog.ensure_run(
+                self.run, self.store.location.canonical_url, status="active", **given
+            )
+            self._catalog_ready = True
+        return self._catalog
+
+    def _current_attempt(self, catalog: Catalog | None) -> Attempt:
+        """The job's attempt, registered on the first save: it continues the run's latest
+        complete checkpoint, as the checkpoint manager's first save does."""
+        if self.attempt is None:
+
+            def continue_latest(lineage):
+                latest = find_latest(self.location, catalog=catalog, lineage=lineage)
+                return (latest.step if latest is not None else None), None
+
+            self.attempt, _ = register_resuming(self.location, catalog, continue_latest)
+        return self.attempt
+
+    def close(self) -> None:
+        """Settle an unfinished save, close a catalog opened from its URL, and the store."""
+        self._settle_unfinished(None)
+        if self._catalog is not None and isinstance(self._catalog_arg, str):
+            with contextlib.suppress(Exception):
+                self._catalog.close()
+            self._catalog = None
+        self.store.close()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _shown(url: str, step: int | None) -> str:
+    return url if step is not None else f"{url} with no step"

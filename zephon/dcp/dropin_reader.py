@@ -1,0 +1,199 @@
+"""``zephon.dcp.Reader``: a drop-in DCP storage reader addressed by URL.
+
+``dcp.load(sd, storage_reader=Reader("s3://bucket/ckpt/run"))`` on every rank loads the run's
+latest complete checkpoint (or ``step=``), found as every Zephon reader finds it
+(``zephon.latest.find_latest``: the catalog first, a storage scan without one), with every byte
+checked against its CRC32C by ``ZephonStorageReader``. ``reader.step`` then says which step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from catalog import Catalog
+from storage import CheckpointNotFoundError, CheckpointStore
+from zephon.dcp.dropin import CatalogArg, check_step, parse_run_url, step_of_checkpoint_id
+from zephon.dcp.errors import DCPError
+from zephon.dcp.reader import ZephonStorageReader
+from zephon.errors import ConfigError
+from zephon.latest import find_latest
+from zephon.locations import RunLocation
+
+__all__ = ["Reader", "ReaderDisagreementError"]
+
+
+class ReaderDisagreementError(DCPError, ValueError):
+    """The ranks of one load would read different checkpoints (e.g. each found another latest
+    step because a save committed meanwhile); raised on every rank before anything is read."""
+
+
+@dataclass(frozen=True)
+class _RankReads:
+    """What a rank tells the coordinator it reads (``LoadPlan.storage_data``)."""
+
+    rank: int
+    root: str
+    run: str
+    step: int
+    save_id: str
+
+
+class Reader(ZephonStorageReader):
+    """DCP ``StorageReader`` for the run at ``url`` (``<save_dir>/<run>``); construct it the same
+    way on every rank.
+
+    ``step=None`` loads the latest complete checkpoint, looked up when the load opens it (with
+    ``catalog``, a ``catalog.Catalog`` or its URL: the catalog's answer, checked against the
+    marker; without one, a storage scan); the step found stays this Reader's (``reader.step``)
+    until ``dcp.load(..., checkpoint_id="<url>/save-<n>")`` names another. Every rank looks the
+    step up itself; if they find different ones (a save committed in between), the load fails on
+    every rank with ``ReaderDisagreementError`` before anything is read: load again.
+
+    ``verify`` and the tuning arguments are ``ZephonStorageReader``'s. A run with no complete
+    checkpoint raises ``storage.CheckpointNotFoundError``; with plain ``dcp.load`` it arrives
+    inside DCP's ``CheckpointException`` (also kept in ``reader.failure``), and
+    ``zephon.dcp.load`` raises it as it is.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        *,
+        step: int | None = None,
+        catalog: CatalogArg = None,
+        storage_options: Mapping[str, Any] | None = None,
+        verify: bool = True,
+        subdir: str = "",
+        thread_count: int | None = None,
+        max_request_bytes: int = 32 << 20,
+        max_gap_bytes: int = 1 << 20,
+    ) -> None:
+        self.target = parse_run_url(url, "Reader")
+        step = check_step(step, "Reader")
+        if catalog is not None and not isinstance(catalog, Catalog | str):
+            raise ConfigError(
+                f"Reader catalog must be a catalog.Catalog or its URL, got {type(catalog).__name__}"
+            )
+        store = CheckpointStore(self.target.root, storage_options)
+        try:
+            super().__init__(
+                store,
+                self.target.run,
+                step,
+                subdir=subdir,
+                verify=verify,
+                thread_count=thread_count,
+                max_request_bytes=max_request_bytes,
+                max_gap_bytes=max_gap_bytes,
+            )
+        except ValueError as exc:
+            store.close()
+            raise ConfigError(f"Reader: {exc}") from None
+        self._catalog_arg = catalog
+        self._catalog: Catalog | None = catalog if isinstance(catalog, Catalog) else None
+        self.location = RunLocation(self.target.run, store, self.target.run)
+        self.rank = 0
+
+    # -- which checkpoint -------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """DCP calls this with ``dcp.load``'s ``checkpoint_id``: ``<url>/save-<step>`` makes
+        this Reader read that step."""
+        self.load_id = os.urandom(16).hex()
+        if checkpoint_id is None:
+            return
+        step = step_of_checkpoint_id(checkpoint_id, self.target, self.store, "Reader")
+        if step != self.step:
+            self._bind(step)
+
+    def _bind(self, step: int | None) -> None:
+        self.step = step
+        self.url = (
+            self.store.checkpoint_url(self.run, step)
+            if step is not None
+            else self.store.location.display(self.store.run_path(self.run))
+        )
+        self._reader = None
+        self._metadata = None
+
+    def _open(self) -> Metadata:
+        if self.step is None:
+            self._bind(self._find_latest())
+        return super()._open()
+
+    def _find_latest(self) -> int:
+        catalog = self._open_catalog()
+        latest = find_latest(self.location, catalog=catalog)
+        if latest is None:
+            run_url = self.store.location.display(self.store.run_path(self.run))
+            raise CheckpointNotFoundError(
+                f"run {self.run!r} at {run_url} has no complete checkpoint to load: save one "
+                "first, or check the Reader's url (and catalog)",
+                url=run_url,
+                run=self.run,
+            )
+        return latest.step
+
+    def _open_catalog(self) -> Catalog | None:
+        if self._catalog is None and isinstance(self._catalog_arg, str):
+            self._catalog = Catalog(self._catalog_arg)
+        return self._catalog
+
+    # -- every rank reads the same checkpoint ---------------------------------------------
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        manifest = self.manifest
+        reads = _RankReads(
+            self.rank,
+            self.store.location.canonical_url,
+            self.run,
+            self.step if self.step is not None else -1,
+            manifest.save_id if manifest is not None else "",
+        )
+        return dataclasses.replace(plan, storage_data=reads)
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.rank = int(kwargs.get("rank") or 0)
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Coordinator: refuse a load whose ranks would read different checkpoints."""
+        mine = (self.store.location.canonical_url, self.run, self.step)
+        wrong = []
+        for i, plan in enumerate(plans):
+            reads = plan.storage_data
+            if not isinstance(reads, _RankReads):
+                wrong.append(f"rank {i} does not use zephon.dcp.Reader")
+            elif (reads.root, reads.run, reads.step) != mine:
+                wrong.append(f"rank {i} reads run {reads.run!r} step {reads.step}")
+        if wrong:
+            raise ReaderDisagreementError(
+                f"ranks disagree on the checkpoint to load: the coordinator reads {self.url}, but "
+                f"{'; '.join(wrong)}: construct the Reader with the same url and step on every "
+                "rank (with step=None, a save committed while they looked: load again)"
+            )
+        return [dataclasses.replace(plan, storage_data=None) for plan in plans]
+
+    def close(self) -> None:
+        """Close a catalog opened from its URL, and the store."""
+        if self._catalog is not None and isinstance(self._catalog_arg, str):
+            with contextlib.suppress(Exception):
+                self._catalog.close()
+            self._catalog = None
+        self.store.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
