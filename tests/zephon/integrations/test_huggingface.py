@@ -1,0 +1,292 @@
+"""The Hugging Face Trainer and accelerate through Zephon, with the real packages and a tiny
+Llama built from its config: a job SIGKILLed while saving resumes from the latest complete
+checkpoint and logs exactly the losses of an uninterrupted run, where the Trainer's own
+``resume_from_checkpoint=True`` crashes on the same output folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from storage import CheckpointStore
+from tests.conftest import database_url, make_backend
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+WORKER = os.path.join(HERE, "huggingface_worker.py")
+MAX_STEPS = 24  # saves every 8 steps: 8, 16, 24
+
+
+def run_worker(tmp_path, name: str, **spec) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Run one training job; returns the process and its logged losses by step (None if it
+    died before writing them)."""
+    losses = tmp_path / f"losses-{name}.json"
+    spec = {"max_steps": MAX_STEPS, "kill": "none", "resume": "none", **spec}
+    spec["losses"] = str(losses)
+    done = subprocess.run(
+        [sys.executable, WORKER, json.dumps(spec)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done, (json.loads(losses.read_text()) if losses.exists() else None)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict, str]:
+    """The losses of an uninterrupted, seeded run, and its Zephon root (run "reference",
+    checkpoints 8, 16 and 24)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    done, losses = run_worker(
+        tmp,
+        "reference",
+        output_dir=str(tmp / "out"),
+        save_dir=str(tmp / "ckpt"),
+        run="reference",
+        catalog=None,
+        storage_options={},
+        num_to_keep=2,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses is not None and sorted(map(int, losses)) == list(range(1, MAX_STEPS + 1))
+    kept = CheckpointStore(str(tmp / "ckpt")).complete("reference")
+    assert [m.step for m in kept] == [16, MAX_STEPS]  # retention without a catalog
+    return losses, str(tmp / "ckpt")
+
+
+@pytest.fixture
+def reference_losses(reference) -> dict:
+    return reference[0]
+
+
+def assert_same_losses(resumed: dict, reference: dict, first: int) -> None:
+    for step in range(first, MAX_STEPS + 1):
+        assert resumed[str(step)] == reference[str(step)], f"step {step}"
+
+
+@pytest.mark.parametrize(
+    ("storage", "database", "kill"),
+    [("local", "sqlite", "trainer_save"), ("s3", "postgresql", "zephon_commit")],
+    ids=["local-in-trainer-save", "s3-before-the-marker"],
+)
+def test_sigkill_during_a_save_resumes_exactly_where_stock_resume_crashes(
+    storage, database, kill, request, tmp_path, reference_losses
+):
+    """SIGKILL at step 16, inside the Trainer's own save (weights written, no
+    trainer_state.json) or inside Zephon's (every file uploaded, no marker): step 8 is the
+    latest complete checkpoint and resuming there replays steps 9..24 exactly."""
+    backend = make_backend(storage, request, tmp_path)
+    with database_url(database, request, tmp_path) as catalog_url:
+        common = {
+            "output_dir": str(tmp_path / "out"),
+            "save_dir": backend.url,
+            "run": "llama",
+            "catalog": catalog_url,
+            "storage_options": backend.storage_options,
+            "local_dir": str(tmp_path / "resume"),
+            "num_to_keep": 2,
+        }
+        killed, _ = run_worker(tmp_path, "killed", kill=kill, kill_step=16, **common)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        partial = tmp_path / "out" / "checkpoint-16"
+        store = CheckpointStore(backend.url, backend.storage_options)
+        assert [m.step for m in store.complete("llama")] == [8]
+        if kill == "zephon_commit":  # its files are there, uncommitted
+            assert 16 in [listing.step for listing in store.list_steps("llama")]
+            assert (partial / "trainer_state.json").exists()  # the Trainer's folder is whole
+            modes = ["zephon"]
+        else:  # the same output_dir: first the stock resume, then Zephon's
+            modes = ["stock", "zephon"]
+        resumed, losses = run_worker(tmp_path, "resumed", resume=modes, **common)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        if kill == "trainer_save":
+            assert (partial / "model.safetensors").exists()
+            # the stock resume takes the highest checkpoint-N and crashes on it
+            assert re.search(
+                r"stock resume failed: FileNotFoundError: .*checkpoint-16/trainer_state.json",
+                resumed.stdout,
+            ), resumed.stdout
+        assert re.search(r"resuming from \S*checkpoint-8\n", resumed.stdout), resumed.stdout
+        assert_same_losses(losses, reference_losses, first=9)
+
+        assert [m.step for m in store.complete("llama")] == [16, MAX_STEPS]  # num_to_keep=2
+        assert store.lineage("llama").current.resumed_from == 8
+        from catalog import Catalog
+
+        with Catalog(catalog_url) as catalog:
+            rows = {row.step: row.state for row in catalog.list_checkpoints("llama")}
+        assert rows[16] == rows[24] == "committed" and rows[8] == "deleted"
+
+
+def test_latest_checkpoint_skips_a_damaged_checkpoint(tmp_path, reference):
+    from zephon.integrations.huggingface import latest_checkpoint
+
+    save_dir = str(tmp_path / "ckpt")
+    shutil.copytree(reference[1], save_dir)
+    newest = latest_checkpoint(save_dir, "reference")
+    assert newest is not None and "save-24" in newest
+    with open(os.path.join(newest, "optimizer.pt"), "r+b") as handle:  # one flipped byte
+        first = handle.read(1)
+        handle.seek(0)
+        handle.write(bytes([first[0] ^ 1]))
+    fallback = latest_checkpoint(save_dir, "reference", local_dir=str(tmp_path / "dl"))
+    assert fallback == str(tmp_path / "dl" / "checkpoint-16")
+    state = json.loads((tmp_path / "dl" / "checkpoint-16" / "trainer_state.json").read_text())
+    assert state["global_step"] == 16
+    assert latest_checkpoint(save_dir, "no-such-run") is None
+
+
+def test_accelerate_save_and_load_round_trip_on_s3(s3_backend, tmp_path, sqlite_catalog):
+    import torch
+    from accelerate import Accelerator
+
+    from zephon.integrations.accelerate import AcceleratorCheckpoints
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        accelerator = Accelerator(cpu=True)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        return accelerator, model, optimizer
+
+    def train(model, optimizer, steps):
+        for _ in range(steps):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss.item()
+
+    options = {"catalog": sqlite_catalog, "storage_options": s3_backend.storage_options}
+    accelerator, model, optimizer = build()
+    checkpoints = AcceleratorCheckpoints(
+        accelerator, s3_backend.url, "acc", local_dir=str(tmp_path / "a"), **options
+    )
+    assert checkpoints.load_state() is None  # a fresh start
+    train(model, optimizer, 3)
+    checkpoints.save_state(3)
+    expected = train(model, optimizer, 2)  # torch's RNG is part of the saved state
+    checkpoints.close()
+
+    accelerator, model, optimizer = build()
+    again = AcceleratorCheckpoints(
+        accelerator, s3_backend.url, "acc", local_dir=str(tmp_path / "b"), **options
+    )
+    assert again.load_state() == 3
+    assert train(model, optimizer, 2) == expected
+    again.save_state(5)
+    again.close()
+    rows = {row.step: row.state for row in sqlite_catalog.list_checkpoints("acc")}
+    assert rows == {3: "committed", 5: "committed"}
+    manifest = CheckpointStore(s3_backend.url, s3_backend.storage_options).latest("acc")
+    assert manifest.step == 5 and manifest.metadata["framework"] == "accelerate"
+    assert any(f.name == "optimizer.bin" for f in manifest.files)
+
+
+def test_accelerate_on_two_ranks_saves_every_ranks_files_and_resumes_exactly(tmp_path):
+    """Two gloo ranks under torchrun: each rank writes its own RNG state file; both are in the
+    manifest, and a resumed job continues every rank's losses exactly."""
+    worker = os.path.join(HERE, "huggingface_accelerate_worker.py")
+    spec = {
+        "save_dir": str(tmp_path / "ckpt"),
+        "catalog": f"sqlite:///{tmp_path / 'catalog.db'}",
+        "local_dir": str(tmp_path / "local"),
+        "steps": 6,
+    }
+
+    def job(name: str, save_at: list[int]) -> list[dict]:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        args = json.dumps({**spec, "save_at": save_at, "losses": str(tmp_path / name)})
+        done = subprocess.run(
+            [*argv, worker, args],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": REPO},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [json.loads((tmp_path / f"{name}.{rank}.json").read_text()) for rank in (0, 1)]
+
+    full = job("full", save_at=[3])
+    resumed = job("resumed", save_at=[])
+    for rank in (0, 1):
+        assert sorted(resumed[rank]) == ["4", "5", "6"]
+        assert resumed[rank] == {k: v for k, v in full[rank].items() if int(k) > 3}
+    assert full[0] != full[1]  # the ranks really drew different data
+    manifest = CheckpointStore(spec["save_dir"]).latest("acc2")
+    names = {f.name for f in manifest.files}
+    assert {"random_states_0.pkl", "random_states_1.pkl", "optimizer.bin"} <= names
+
+
+def test_the_callback_refuses_an_invalid_run_name():
+    from zephon import ConfigError
+    from zephon.integrations.accelerate import FolderCheckpoints
+
+    with pytest.raises(ConfigError, match="run_name"):
+        FolderCheckpoints("/tmp/unused", "no/slashes")
+    with pytest.raises(ConfigError, match="num_to_keep = 0"):
+        FolderCheckpoints("/tmp/unused", "ok", num_to_keep=0)
+
+
+def test_import_zephon_does_not_import_transformers_or_accelerate():
+    code = (
+        "import sys, zephon, zephon.integrations; "
+        "print(any(m in sys.modules for m in ('transformers', 'accelerate')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip() == "False"
+
+
+def test_the_docs_example_prints_what_the_page_says(tmp_path):
+    from tests.zephon.test_docs import examples
+
+    found = examples("docs/huggingface.md")
+    assert len(found) == 1
+    code, expected = found[0]
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == expected
+
+
+def test_a_run_name_taken_from_output_dir_follows_the_one_rule():
+    from types import SimpleNamespace
+
+    from zephon import ConfigError
+    from zephon.integrations.huggingface import ZephonCallback
+
+    callback = ZephonCallback("/tmp/unused")
+    assert callback._run_name(SimpleNamespace(run_name=None, output_dir="/x/llama-tiny/")) == (
+        "llama-tiny"
+    )
+    for output_dir in ("/x/save-5", "/x/_attempts", "/x/has space"):
+        with pytest.raises(ConfigError, match="run_name='my-run'"):
+            callback._run_name(SimpleNamespace(run_name=None, output_dir=output_dir))

@@ -1,0 +1,124 @@
+"""The Hugging Face ``Trainer`` through Zephon: every ``checkpoint-N`` folder the Trainer writes
+becomes checkpoint ``N`` of a Zephon run (fenced, catalogued, every file with its size and
+CRC32C, the marker last), and ``latest_checkpoint`` answers ``resume_from_checkpoint`` with a
+local folder holding the latest *complete* one.
+
+Why: the Trainer's own ``resume_from_checkpoint=True`` takes the highest ``checkpoint-N`` in
+``output_dir`` without checking it is complete, so a job killed while saving crashes on restart
+(``FileNotFoundError`` for ``trainer_state.json``), and its checkpoints live only where the job
+ran. Here a save either committed, with every byte recorded, or does not exist.
+
+Importing this module imports transformers (``import zephon`` does not).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from transformers import TrainerCallback
+
+from catalog import Catalog
+from storage import InvalidNameError, validate_run
+from zephon.errors import ConfigError
+from zephon.integrations.accelerate import FolderCheckpoints, fetch_latest
+
+__all__ = ["ZephonCallback", "latest_checkpoint"]
+
+
+def latest_checkpoint(
+    save_dir: str,
+    run_name: str,
+    *,
+    catalog: Catalog | str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    local_dir: str | None = None,
+) -> str | None:
+    """A local folder holding the run's latest complete checkpoint, to pass as
+    ``trainer.train(resume_from_checkpoint=...)``; None when the run has none (a fresh start).
+
+    ``save_dir`` is a path or any fsspec URL (``s3://bucket/prefix``); ``catalog`` a ``Catalog``,
+    a SQLAlchemy URL, or None for ``$ZEPHON_CATALOG_URL`` (unset: storage alone decides). On
+    local disk the checkpoint is verified in place; elsewhere (or with ``local_dir``) it is
+    downloaded to ``<local_dir>/checkpoint-<step>``, every file checked against its CRC32C as
+    it arrives. A damaged checkpoint is quarantined and the next complete one taken."""
+    found = fetch_latest(
+        save_dir,
+        run_name,
+        catalog=catalog,
+        storage_options=storage_options,
+        local_dir=local_dir,
+    )
+    return found[1] if found is not None else None
+
+
+class ZephonCallback(TrainerCallback):
+    """A ``TrainerCallback`` that commits every ``checkpoint-N`` the Trainer saves as checkpoint
+    ``N`` of run ``run_name`` under ``save_dir`` (a path or fsspec URL).
+
+    At ``on_train_begin`` the main process registers this job's attempt, resuming from the step
+    the Trainer resumed from (a fresh start abandons the run's older history, since the new
+    checkpoints replace it); an older attempt of the run still running is fenced out from
+    then on. At ``on_save`` (every process) the folder is uploaded and committed; ``num_to_keep``
+    deletes the oldest afterwards (the Trainer's ``save_total_limit`` only prunes the local
+    ``output_dir``). ``run_name`` defaults to ``args.run_name``, else the last component of
+    ``args.output_dir``.
+    """
+
+    def __init__(
+        self,
+        save_dir: str,
+        run_name: str | None = None,
+        *,
+        catalog: Catalog | str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        num_to_keep: int | None = None,
+    ) -> None:
+        self.save_dir = save_dir
+        self.run_name = run_name
+        self.catalog = catalog
+        self.storage_options = dict(storage_options or {})
+        self.num_to_keep = num_to_keep
+        self.folders: FolderCheckpoints | None = None
+
+    def _run_name(self, args: Any) -> str:
+        if self.run_name is not None:
+            return self.run_name
+        candidate = getattr(args, "run_name", None) or os.path.basename(
+            os.path.normpath(args.output_dir)
+        )
+        try:
+            validate_run(candidate or "")
+        except InvalidNameError:
+            raise ConfigError(
+                f"ZephonCallback cannot use {str(candidate)[:120]!r} as the run name: pass "
+                "run_name='my-run' (1-128 of A-Za-z0-9._-, not save-<step> or _attempts)"
+            ) from None
+        return candidate
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.folders is not None:
+            self.folders.close()
+        self.folders = FolderCheckpoints(
+            self.save_dir,
+            self._run_name(args),
+            catalog=self.catalog,
+            storage_options=self.storage_options,
+            num_to_keep=self.num_to_keep,
+            framework="transformers",
+        )
+        self.folders.start(resumed_from=state.global_step or None)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.folders is None:
+            self.on_train_begin(args, state, control)
+        assert self.folders is not None
+        step = state.global_step
+        folder = os.path.join(args.output_dir, f"checkpoint-{step}")
+        self.folders.save_folder(folder, step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.folders is not None:
+            self.folders.close()
+            self.folders = None
