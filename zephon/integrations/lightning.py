@@ -1,0 +1,315 @@
+"""Lightning integration: ``ZephonCheckpointIO`` stores Lightning's checkpoint dict through
+Zephon's one save path (catalog row, fenced storage save, marker last), without pickle, and
+``ZephonRNG`` saves and restores the random number generators Lightning leaves out.
+
+Lightning's checkpoint paths are names here, not files: a save of ``.../epoch=1-step=20.ckpt``
+becomes checkpoint ``global_step`` of the run (``<save_dir>/<run>/save-<step>/``), holding
+``lightning.json`` (everything but tensors, ``zephon.state_tree``'s JSON) and
+``tensors.safetensors``; the name goes into the manifest's metadata. Resume with
+``trainer.fit(model, ckpt_path=LATEST)``: ``load_checkpoint`` answers ``zephon://latest`` with
+the run's latest complete checkpoint (``zephon.latest.find_latest``), and registers this job's
+attempt as resuming from it. See docs/lightning.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from catalog import Catalog
+from storage import CheckpointStore, InvalidNameError, validate_run
+from storage.redact import mask_url
+from zephon.attempts import Attempt, register_resuming
+from zephon.checkpointing.files import capture_rng, decode_json, encode_json, restore_rng
+from zephon.errors import ConfigError, ZephonError
+from zephon.gc import apply_retention, delete_requested
+from zephon.latest import find_latest
+from zephon.locations import RunLocation
+from zephon.saving import Save
+from zephon.state_tree import join_state, split_state
+
+__all__ = ["LATEST", "ZephonCheckpointIO", "ZephonRNG", "latest_ckpt_path"]
+
+log = logging.getLogger("zephon")
+
+#: ``ckpt_path`` value that resumes from the run's latest complete checkpoint (or starts fresh)
+LATEST = "zephon://latest"
+_SCHEME = "zephon://"
+JSON_FILE = "lightning.json"
+TENSOR_FILE = "tensors.safetensors"
+FORMAT_VERSION = 1
+
+
+class ZephonCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves every checkpoint as Zephon checkpoint
+    ``global_step`` of ``run_name`` under ``save_dir`` (a path or fsspec URL).
+
+    ``catalog``: a SQLAlchemy URL or an open ``catalog.Catalog`` (None: storage only).
+    ``num_to_keep``: after each save the oldest checkpoints beyond this many are deleted by
+    Zephon's retention (None keeps all; Lightning's ``save_top_k`` removals also reach it).
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        run_name: str,
+        *,
+        catalog: str | Catalog | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        num_to_keep: int | None = None,
+    ) -> None:
+        super().__init__()
+        try:
+            validate_run(run_name)
+        except InvalidNameError as exc:
+            raise ConfigError(f"ZephonCheckpointIO run_name: {exc}") from None
+        if num_to_keep is not None and (
+            isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep < 1
+        ):
+            raise ConfigError(
+                f"ZephonCheckpointIO num_to_keep = {num_to_keep!r} is invalid: use an integer "
+                ">= 1 or None"
+            )
+        self.run = run_name
+        self.num_to_keep = num_to_keep
+        self.store = CheckpointStore(os.fspath(save_dir), dict(storage_options or {}))
+        self.location = RunLocation(run_name, self.store, run_name)
+        self._own_catalog = isinstance(catalog, str)
+        self.catalog: Catalog | None = Catalog(catalog) if isinstance(catalog, str) else catalog
+        if self.catalog is not None:
+            self.catalog.ensure_run(
+                run_name,
+                self.store.location.canonical_url,
+                kind="train",
+                status="active",
+                num_to_keep=num_to_keep,
+            )
+        self.attempt: Attempt | None = None
+        #: Lightning names of each step this process knows of (a step saved twice, e.g.
+        #: top-k and ``last.ckpt``, is one checkpoint with two names)
+        self._names: dict[int, set[str]] = {}
+
+    # -- save ------------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Save Lightning's dict as checkpoint ``checkpoint["global_step"]``: tensors as
+        safetensors, the rest as JSON, through ``zephon.saving.Save``; then retention."""
+        if storage_options is not None:
+            raise ZephonError(
+                "ZephonCheckpointIO takes no per-save storage_options; pass storage_options "
+                "to ZephonCheckpointIO(...) instead"
+            )
+        name = str(path)
+        step = checkpoint.get("global_step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ZephonError(
+                f"checkpoint {name}: global_step {step!r} is not a non-negative integer; "
+                "ZephonCheckpointIO saves Lightning checkpoint dicts only"
+            )
+        tensors, skeleton = split_state(checkpoint)
+        document = encode_json({"format_version": FORMAT_VERSION, "state": skeleton})
+        blob = _safetensors_bytes(tensors)
+        self._drop_name(name)  # a name saved again (last.ckpt) no longer names the older step
+        if step in self._names:  # the same step under a second name: one checkpoint
+            self._names[step].add(name)
+            return
+        attempt = self._current_attempt()
+        with Save.begin(
+            attempt, step, catalog=self.catalog, metadata={"lightning_path": name}
+        ) as writer:
+            writer.write_many({JSON_FILE: document, TENSOR_FILE: blob})
+            writer.commit()
+        self._names[step] = {name}
+        self._apply_retention(attempt)
+
+    def _current_attempt(self) -> Attempt:
+        """This job's attempt: registered at the first load or save, continuing the latest
+        complete checkpoint (never abandoning history implicitly)."""
+        if self.attempt is None:
+            self.attempt, _ = register_resuming(self.location, self.catalog, self._choose)
+        return self.attempt
+
+    def _choose(self, lineage):
+        latest = find_latest(self.location, catalog=self.catalog, lineage=lineage)
+        return (latest.step if latest is not None else None), latest
+
+    def _apply_retention(self, attempt: Attempt) -> None:
+        apply_retention(self.location, self.catalog, attempt.fence, self.num_to_keep)
+
+    # -- remove ----------------------------------------------------------------------------
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Lightning no longer wants ``path`` (``save_top_k``): the checkpoint it names is
+        deleted, fenced, marker first, once no other name (``last.ckpt``) refers to it."""
+        name = str(path)
+        steps = [s for s, names in self._names.items() if name in names]
+        if not steps:
+            steps = [s for s in self._steps_named(name) if s not in self._names]
+            for s in steps:
+                self._names[s] = {name}
+        for step in steps:
+            self._names[step].discard(name)
+            if not self._names[step]:
+                self._delete(step)
+
+    def _drop_name(self, name: str) -> None:
+        for step in [s for s, names in self._names.items() if name in names]:
+            self._names[step].discard(name)
+            if not self._names[step]:
+                self._delete(step)
+
+    def _steps_named(self, name: str) -> list[int]:
+        """Steps saved under ``name`` by an earlier process, from the manifests' metadata."""
+        if self.catalog is not None:
+            rows = self.catalog.list_checkpoints(self.run, states="committed")
+            return [r.step for r in rows if (r.metadata or {}).get("lightning_path") == name]
+        manifests = self.store.complete(self.run)
+        return [m.step for m in manifests if (m.metadata or {}).get("lightning_path") == name]
+
+    def _delete(self, step: int) -> None:
+        """Delete one checkpoint, fenced by this attempt: a stale attempt deletes nothing."""
+        del self._names[step]
+        delete_requested(self.location, self.catalog, self._current_attempt().fence, [step])
+
+    # -- load ------------------------------------------------------------------------------
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Lightning's dict of ``LATEST`` (the run's latest complete checkpoint; for none an
+        empty, falsy dict: a fresh start, Lightning restores nothing), of
+        ``zephon://<run>/<step>`` or of a name this run saved under; every byte is checked
+        against its CRC32C."""
+        name = str(path)
+        if name == LATEST:
+            self.attempt, latest = register_resuming(self.location, self.catalog, self._choose)
+            if latest is None:
+                log.info("zephon: run %s has no checkpoint yet: starting fresh", self.run)
+                return _NoCheckpoint()
+            step = latest.step
+        elif name.startswith(_SCHEME):
+            step = _parse_step(name, self.run)
+        else:
+            steps = self._steps_named(name)
+            if not steps:
+                raise ZephonError(
+                    f"run {self.run} has no checkpoint saved as {name!r}; resume with "
+                    f"ckpt_path={LATEST!r}"
+                )
+            step = max(steps)
+        reader = self.store.reader(self.run, step)
+        doc = decode_json(reader.read_bytes(JSON_FILE), f"{reader.url}/{JSON_FILE}")
+        if doc.get("format_version", 0) > FORMAT_VERSION:
+            raise ZephonError(f"{reader.url} was written by a newer Zephon; upgrade to load it")
+        from safetensors.torch import load as load_safetensors
+
+        tensors = load_safetensors(reader.read_bytes(TENSOR_FILE))
+        self._names.setdefault(step, set())
+        return join_state(doc["state"], tensors)
+
+    def close(self) -> None:
+        """Release the catalog this plugin opened from a URL (Lightning's ``teardown`` after
+        each ``fit`` keeps it, so the plugin can serve another ``fit``)."""
+        if self._own_catalog and self.catalog is not None:
+            self.catalog.close()
+            self.catalog = None
+            self._own_catalog = False
+
+
+class _NoCheckpoint(dict):
+    """What ``LATEST`` loads when the run has no checkpoint: Lightning restores nothing from
+    a falsy dict, and its version migration finds the version key it reads first."""
+
+    def __init__(self) -> None:
+        import lightning
+
+        super().__init__({"pytorch-lightning_version": lightning.__version__})
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def _parse_step(name: str, run: str) -> int:
+    rest = name[len(_SCHEME) :]
+    owner, _, step = rest.partition("/")
+    if owner != run or not step.isdigit():
+        raise ZephonError(
+            f"ckpt_path {name!r} is not a checkpoint of run {run}; use {LATEST!r} or "
+            f"zephon://{run}/<step>"
+        )
+    return int(step)
+
+
+def _safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """safetensors bytes of the tensors; tensors sharing storage are copied (safetensors
+    refuses shared storage)."""
+    from safetensors.torch import save
+
+    seen: set[tuple[int, int]] = set()
+    ready: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        ident = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        if ident in seen and tensor.numel():
+            tensor = tensor.clone()
+        seen.add(ident)
+        ready[key] = tensor
+    return save(ready)
+
+
+def latest_ckpt_path(
+    save_dir: str | os.PathLike[str],
+    run_name: str,
+    *,
+    catalog: str | Catalog | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str | None:
+    """``zephon://<run>/<step>`` of the run's latest complete checkpoint, or None: for code
+    that wants to know before ``fit`` (``ckpt_path=LATEST`` does the same inside ``fit``)."""
+    store = CheckpointStore(os.fspath(save_dir), dict(storage_options or {}))
+    opened = Catalog(catalog) if isinstance(catalog, str) else catalog
+    try:
+        latest = find_latest(RunLocation(run_name, store, run_name), catalog=opened)
+    except Exception as exc:
+        raise ZephonError(
+            f"cannot find the latest checkpoint of run {run_name} in "
+            f"{mask_url(os.fspath(save_dir))}: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        if isinstance(catalog, str) and opened is not None:
+            opened.close()
+    return None if latest is None else f"{_SCHEME}{run_name}/{latest.step}"
+
+
+class ZephonRNG(Callback):
+    """Saves the torch, numpy and Python RNG states with each checkpoint and restores them
+    when training starts again, so dropout and DataLoader shuffling continue as if never
+    interrupted (Lightning itself saves no RNG state)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return "ZephonRNG"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": capture_rng()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = state_dict.get("rng")
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        # After the restore and right before the fit loop creates the DataLoader iterator
+        # (which draws the shuffle seed), as a checkpoint saved at an epoch's end left it.
+        if self._pending is not None:
+            restore_rng(self._pending)
+            self._pending = None
