@@ -257,26 +257,6 @@ def test_import_zephon_does_not_import_transformers_or_accelerate():
     assert done.stdout.strip() == "False"
 
 
-def test_the_docs_example_prints_what_the_page_says(tmp_path):
-    from tests.zephon.test_docs import examples
-
-    found = examples("docs/huggingface.md")
-    assert len(found) == 1
-    code, expected = found[0]
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": REPO},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout == expected
-
-
 def test_a_run_name_taken_from_output_dir_follows_the_one_rule():
     from types import SimpleNamespace
 
