@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import errno
+import functools
+import inspect
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -175,11 +177,21 @@ def multipart_options(location: Location, part_size: int) -> dict:
 
 
 def read_small(location: Location, path: str) -> bytes:
-    """The whole content of a small object (a marker) in one GET; s3fs would otherwise HEAD
-    first to decide whether to download in concurrent ranges."""
-    if location.protocol in {"s3", "s3a"}:
+    """The whole content of a small object (a marker) in one GET; s3fs releases that take
+    ``max_concurrency`` would otherwise HEAD first to decide whether to download in concurrent
+    ranges (older ones, such as the 2026.2 that ``datasets`` pins, do one GET anyway)."""
+    if location.protocol in {"s3", "s3a"} and _takes_max_concurrency(type(location.fs)):
         return location.fs.cat_file(path, max_concurrency=1)
     return location.fs.cat_file(path)
+
+
+@functools.cache
+def _takes_max_concurrency(filesystem: type) -> bool:
+    method = getattr(filesystem, "_cat_file", None) or filesystem.cat_file
+    try:
+        return "max_concurrency" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def file_exists(location: Location, path: str) -> bool:
