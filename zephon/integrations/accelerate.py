@@ -406,17 +406,23 @@ class AcceleratorCheckpoints:
     def load_state(self, **load_kwargs: Any) -> int | None:
         """Load the latest complete checkpoint (every process) and register this job's attempt
         as resuming from it; returns its step, or None when the run has none."""
-        folders = self.folders
+        folders, accelerator = self.folders, self.accelerator
+        # The main process opens the catalog first (it may create it): two processes creating
+        # a new SQLite catalog at once can find it locked. The others follow once it is there.
+        if not accelerator.is_main_process:
+            accelerator.wait_for_everyone()
         found = fetch_latest(
             folders.save_dir,
             folders.run,
             catalog=folders._catalog_arg,
             storage_options=folders.storage_options,
-            local_dir=os.path.join(self.local_dir, f"load-{self.accelerator.process_index}"),
+            local_dir=os.path.join(self.local_dir, f"load-{accelerator.process_index}"),
         )
+        if accelerator.is_main_process:
+            accelerator.wait_for_everyone()
         step = found[0] if found is not None else None
         if found is not None:
-            self.accelerator.load_state(found[1], **load_kwargs)
+            accelerator.load_state(found[1], **load_kwargs)
         folders.start(resumed_from=step)
         return step
 
