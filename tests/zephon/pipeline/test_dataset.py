@@ -128,3 +128,108 @@ def test_urls_are_resolved_by_the_storage_layer_and_secrets_are_masked():
 def test_invalid_datasets_are_refused_with_the_reason(name, shards, match):
     with pytest.raises(ConfigError, match=match):
         zephon.Dataset.from_dict(name, shards)
+
+
+# -- int shard ids (the Zephon data library's {0: shard}) -----------------------------------------
+
+
+def _int_dataset(name: str = "d", keys=(10, 2, 0)) -> zephon.Dataset:
+    return zephon.Dataset.from_dict(
+        name, {k: zephon.InMemoryShard([{"shard": k, "row": r} for r in range(5)]) for k in keys}
+    )
+
+
+def test_int_shard_ids_are_accepted_and_sorted_as_numbers():
+    dataset = _int_dataset()
+    assert list(dataset.shards) == [0, 2, 10] and len(dataset) == 15
+
+
+def test_int_shard_ids_give_a_pipeline_with_decimal_sample_ids():
+    source = zephon.StaticMixtureWorkSource(_int_dataset(), chunk_size=4, seed=2)
+    records = [r for b in zephon.Pipeline(source).batch(3, drop_last=False) for r in b]
+    assert sorted(r.sample_id for r in records) == sorted(
+        f"d/{k}/{row}" for k in (0, 2, 10) for row in range(5)
+    )
+    for r in records:  # each sample id names the record it delivered
+        _, shard, row = r.sample_id.split("/")
+        assert r.payload == {"shard": int(shard), "row": int(row)}
+
+
+def test_numpy_integer_shard_ids_become_ints():
+    np = pytest.importorskip("numpy")
+    dataset = zephon.Dataset.from_dict("d", {np.int64(3): zephon.InMemoryShard([1])})
+    assert list(dataset.shards) == [3] and type(next(iter(dataset.shards))) is int
+
+
+def test_int_and_str_shard_ids_make_different_curricula():
+    rows = zephon.InMemoryShard(list(range(5)))
+    as_int = zephon.StaticMixtureWorkSource(zephon.Dataset.from_dict("d", {0: rows}))
+    as_str = zephon.StaticMixtureWorkSource(zephon.Dataset.from_dict("d", {"0": rows}))
+    assert as_int.fingerprint() != as_str.fingerprint()
+    state = zephon.Pipeline(as_int).batch(2).checkpoint()
+    with pytest.raises(zephon.PipelineStateError) as info:
+        zephon.Pipeline(as_str).batch(2).restore(state)
+    assert info.value.field == "work_source"
+
+
+def test_the_curriculum_of_int_shard_ids_is_stable():
+    # A literal digest: planning int-keyed datasets must not drift between versions or
+    # machines, or every saved state of such a run would stop restoring.
+    source = zephon.StaticMixtureWorkSource(_int_dataset(), chunk_size=4, seed=1)
+    assert source.fingerprint() == "b88533e3b4d266dd"
+    again = zephon.StaticMixtureWorkSource(_int_dataset(keys=(2, 0, 10)), chunk_size=4, seed=1)
+    assert [again.chunk(k) for k in range(4)] == [source.chunk(k) for k in range(4)]
+
+
+@pytest.mark.parametrize(
+    "shards,match",
+    [
+        (
+            {0: zephon.InMemoryShard([1]), "a": zephon.InMemoryShard([2])},
+            r"shard ids must be all ints or all strings, got both \(0 and 'a'\)",
+        ),
+        ({True: zephon.InMemoryShard([1])}, "shard ids must be non-empty strings or ints"),
+        ({"": zephon.InMemoryShard([1])}, "shard ids must be non-empty strings or ints"),
+        ({1.5: zephon.InMemoryShard([1])}, "shard ids must be non-empty strings or ints, got 1.5"),
+        ([zephon.InMemoryShard([1])], "shards must be a {shard_id: shard} mapping, got list"),
+    ],
+)
+def test_invalid_shard_ids_are_refused_in_one_line(shards, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        zephon.Dataset.from_dict("d", shards)
+    assert "\n" not in str(info.value)
+
+
+# -- from_path(name=, path=, fmt=) ----------------------------------------------------------------
+
+
+def test_from_path_takes_the_keywords_name_path_fmt(tmp_path):
+    (tmp_path / "part-0").write_bytes(_jsonl([{"x": 1}, {"x": 2}]))
+    dataset = zephon.Dataset.from_path(name="kw", path=str(tmp_path), fmt="jsonl")
+    assert dataset.name == "kw" and list(dataset.shards) == ["part-0"] and len(dataset) == 2
+    # the existing spellings name the same thing
+    same = zephon.Dataset.from_path("kw", url=str(tmp_path), format="jsonl")
+    assert list(same.shards) == list(dataset.shards)
+
+
+def test_from_path_keywords_reach_s3(s3_backend):
+    shards = _write_shards(s3_backend.url, s3_backend.storage_options)
+    dataset = zephon.Dataset.from_path(
+        name="s3kw", path=s3_backend.url, storage_options=s3_backend.storage_options
+    )
+    assert sorted(dataset.shards) == sorted(shards)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({}, r"needs the data's location: pass url= \(or path=\)"),
+        ({"url": "/a", "path": "/b"}, "give url= or path=, not both"),
+        ({"path": "/a", "format": "jsonl", "fmt": "jsonl"}, "give format= or fmt=, not both"),
+        ({"path": "/a", "fmt": "mds"}, r"format \(or fmt\) must be 'jsonl', 'parquet' or None"),
+        ({"path": ""}, "must be a non-empty string"),
+    ],
+)
+def test_from_path_argument_errors_name_the_parameter(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        zephon.Dataset.from_path(name="x", **kwargs)
