@@ -29,6 +29,7 @@ _LAZY = {
     "Dataset": "zephon.pipeline",
     "InMemoryShard": "zephon.pipeline",
     "StaticMixtureWorkSource": "zephon.pipeline",
+    "MixtureSpec": "zephon.pipeline",
     "Pipeline": "zephon.pipeline",
     "PipelineStateful": "zephon.pipeline.torch_adapter",
     "check_elastic_config": "zephon.pipeline",

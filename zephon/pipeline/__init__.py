@@ -18,6 +18,7 @@ from zephon.pipeline.errors import (
     PipelineError,
     PipelineStateError,
 )
+from zephon.pipeline.mixture import MixtureSpec
 from zephon.pipeline.pipeline import Pipeline, PipelineOptions
 from zephon.pipeline.records import Batch, Record
 from zephon.pipeline.shards import InMemoryShard, JsonlShard, ParquetShard, Shard
@@ -32,6 +33,7 @@ __all__ = [
     "Dataset",
     "InMemoryShard",
     "JsonlShard",
+    "MixtureSpec",
     "ParquetShard",
     "Pipeline",
     "PipelineError",

@@ -174,8 +174,9 @@ def parse_state(state: Any, identity: Identity) -> dict[int, LaneProgress]:
             "work_source",
             state.get("work_source"),
             repr(identity.work_source),
-            "the datasets (shards and their lengths), mixture, chunk_size, seed, shuffle_shards "
-            "or stop_after_passes differ from the run that saved the state",
+            "the datasets (shard ids and their lengths), mixture, chunk_size, seed, "
+            "shuffle_shards, stop_after_passes or exhausted_policy differ from the run that "
+            "saved the state",
         )
     if state.get("operators") != identity.operators:
         raise _fail(

@@ -7,6 +7,12 @@ a shard boundary. Datasets are interleaved by weight: the next chunk always come
 dataset that is furthest behind its share (records taken / weight), ties to the earlier one.
 Chunk ``k`` of the curriculum goes to lane ``k % canonical_replicas``.
 
+``exhausted_policy`` says what happens when a dataset has made its ``stop_after_passes``
+passes: ``"leave"`` (it leaves the mixture, the others go on; the curriculum ends with the last
+one), ``"stop"`` (the whole curriculum ends there, so the weights hold to the end) or
+``"repeat"`` (every dataset starts its next pass at once, forever: an endless curriculum in
+which the weights always hold).
+
 Nothing here reads records: planning uses shard lengths only, so it is cheap and identical on
 every rank, in every run with the same configuration.
 """
@@ -14,7 +20,6 @@ every rank, in every run with the same configuration.
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 import threading
 from collections import deque
@@ -23,11 +28,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from zephon.errors import ConfigError
-from zephon.pipeline.dataset import Dataset
+from zephon.pipeline.dataset import Dataset, ShardId
+from zephon.pipeline.mixture import MixtureSpec, resolve_weights
 
-__all__ = ["Chunk", "StaticMixtureWorkSource", "derive_seed"]
+__all__ = ["EXHAUSTED_POLICIES", "Chunk", "StaticMixtureWorkSource", "derive_seed"]
 
 _RECENT_CHUNKS = 1 << 16
+EXHAUSTED_POLICIES = ("leave", "stop", "repeat")
+
+
+class _Unset:
+    """``stop_after_passes`` left at its default: 1 pass, or endless with ``"repeat"``."""
+
+    def __repr__(self) -> str:
+        return "1"
+
+
+_UNSET: Any = _Unset()
 
 
 def derive_seed(*parts: Any) -> int:
@@ -47,7 +64,7 @@ class Chunk:
     index: int
     dataset: str
     pass_index: int
-    segments: tuple[tuple[str, int, int], ...]
+    segments: tuple[tuple[ShardId, int, int], ...]
     size: int
 
     def read(self, dataset: Dataset) -> list[Any]:
@@ -57,7 +74,8 @@ class Chunk:
         return rows
 
     def sample_id(self, offset: int) -> str:
-        """``"<dataset>/<shard>/<row>"`` of the record at ``offset`` within this chunk."""
+        """``"<dataset>/<shard>/<row>"`` of the record at ``offset`` within this chunk (an int
+        shard id is written in decimal; a dataset's ids are all ints or all strings)."""
         if not 0 <= offset < self.size:
             raise IndexError(f"offset {offset} outside chunk {self.index} of {self.size} records")
         for shard_id, start, stop in self.segments:
@@ -72,26 +90,32 @@ class StaticMixtureWorkSource:
 
     Args:
         datasets: one ``Dataset`` or a sequence of them (names must differ).
-        mixture: weights, as a sequence parallel to ``datasets`` or a mapping from dataset name;
-            ``None`` weighs each dataset by its record count, so all finish a pass together.
-            Weights set the share of *records* each dataset contributes.
+        mixture: weights, as a ``MixtureSpec``, a mapping from dataset name or a sequence
+            parallel to ``datasets``; ``None`` weighs each dataset by its record count, so all
+            finish a pass together. Weights set the share of *records* each dataset contributes.
         chunk_size: records per work chunk; the unit of lane assignment and of replay.
         seed: seeds the per-pass shard order.
-        shuffle_shards: shuffle the shard order in every pass (otherwise sorted by shard id).
-        stop_after_passes: passes over each dataset before it leaves the mixture (``None``:
-            never, an endless curriculum). With finite passes the weights hold until the first
-            dataset finishes; the others then continue on their own.
+        shuffle_shards: shuffle the shard order in every pass, from ``seed`` and the pass index
+            (otherwise sorted by shard id).
+        stop_after_passes: passes over each dataset before it is exhausted (default 1; ``None``:
+            never, an endless curriculum). Must stay unset (or ``None``) with ``"repeat"``.
+        exhausted_policy: what an exhausted dataset does. ``"leave"`` (default): it leaves
+            the mixture and the others continue on their own, so the weights hold only until
+            the first dataset finishes. ``"stop"``: the curriculum ends when the first dataset
+            is exhausted. ``"repeat"``: each dataset starts its next pass (reshuffled) as soon as
+            it finishes one, forever, and the weights hold throughout.
     """
 
     def __init__(
         self,
         datasets: Dataset | Sequence[Dataset],
-        mixture: Sequence[float] | Mapping[str, float] | None = None,
+        mixture: MixtureSpec | Mapping[str, float] | Sequence[float] | None = None,
         *,
         chunk_size: int = 1024,
         seed: int = 0,
         shuffle_shards: bool = True,
-        stop_after_passes: int | None = 1,
+        stop_after_passes: int | None = _UNSET,
+        exhausted_policy: str = "leave",
     ) -> None:
         if isinstance(datasets, Dataset):
             datasets = [datasets]
@@ -106,6 +130,21 @@ class StaticMixtureWorkSource:
             raise ConfigError(f"datasets must have distinct names, got {names}")
         _check_int("chunk_size", chunk_size, minimum=1)
         _check_int("seed", seed, minimum=0)
+        if not isinstance(exhausted_policy, str) or exhausted_policy not in EXHAUSTED_POLICIES:
+            raise ConfigError(
+                f"exhausted_policy must be 'leave', 'stop' or 'repeat', got {exhausted_policy!r}"
+            )
+        if exhausted_policy == "repeat":
+            if stop_after_passes is not _UNSET and stop_after_passes is not None:
+                raise ConfigError(
+                    "exhausted_policy='repeat' repeats every dataset forever, so "
+                    f"stop_after_passes must be left unset or None, got {stop_after_passes!r}; "
+                    "to end after N passes use exhausted_policy='leave' or 'stop' with "
+                    "stop_after_passes=N"
+                )
+            stop_after_passes = None
+        elif stop_after_passes is _UNSET:
+            stop_after_passes = 1
         if stop_after_passes is not None:
             _check_int("stop_after_passes", stop_after_passes, minimum=1, none_ok=True)
         if not isinstance(shuffle_shards, bool):
@@ -116,10 +155,11 @@ class StaticMixtureWorkSource:
         self.seed = seed
         self.shuffle_shards = shuffle_shards
         self.stop_after_passes = stop_after_passes
+        self.exhausted_policy = exhausted_policy
         self._mixture_arg = mixture
         self._weights: list[float] | None = None
         if mixture is not None:
-            self._weights = _parse_mixture(mixture, names)
+            self._weights = resolve_weights(mixture, names)
         self._lock = threading.Lock()
         # A sliding cache of recently planned chunks: lanes advance together, so lookups stay
         # near a moving front; an older index is planned again from the start (rare, and
@@ -127,11 +167,11 @@ class StaticMixtureWorkSource:
         self._recent: deque[Chunk] = deque(maxlen=_RECENT_CHUNKS)
         self._end: int | None = None  # number of chunks, once the generator ran out
         self._gen = None
-        self._shard_lengths: dict[str, list[tuple[str, int]]] | None = None
+        self._shard_lengths: dict[str, list[tuple[ShardId, int]]] | None = None
 
     # -- planning -------------------------------------------------------------------------------
 
-    def _lengths(self) -> dict[str, list[tuple[str, int]]]:
+    def _lengths(self) -> dict[str, list[tuple[ShardId, int]]]:
         if self._shard_lengths is None:
             self._shard_lengths = {
                 name: [(sid, len(shard)) for sid, shard in self.datasets[name].shards.items()]
@@ -144,7 +184,7 @@ class StaticMixtureWorkSource:
         if self.shuffle_shards:
             random.Random(derive_seed("shards", self.seed, name, pass_index)).shuffle(shards)
         out: list[tuple[tuple, int]] = []
-        segments: list[tuple[str, int, int]] = []
+        segments: list[tuple[ShardId, int, int]] = []
         fill = 0
         for shard_id, length in shards:
             start = 0
@@ -187,6 +227,8 @@ class StaticMixtureWorkSource:
                 position[i] = 0
                 plans[i] = None
                 if self.stop_after_passes is not None and passes[i] >= self.stop_after_passes:
+                    if self.exhausted_policy == "stop":
+                        return
                     active[i] = False
 
     def chunk(self, index: int) -> Chunk | None:
@@ -220,9 +262,10 @@ class StaticMixtureWorkSource:
         """A short digest of everything that shapes the curriculum, stored in pipeline state.
 
         Shard ids and lengths are included, so a dataset that changed on disk is noticed at
-        ``restore()`` instead of silently shifting every position.
+        ``restore()`` instead of silently shifting every position. Ids enter by ``repr``, so
+        shard ``0`` and shard ``"0"`` make different digests.
         """
-        parts = (
+        parts: tuple = (
             [(name, self._lengths()[name]) for name in self._order],
             self._weights,
             self.chunk_size,
@@ -230,36 +273,19 @@ class StaticMixtureWorkSource:
             self.shuffle_shards,
             self.stop_after_passes,
         )
+        if self.exhausted_policy == "stop":
+            # Only "stop" plans another curriculum from the same passes ("repeat" is
+            # stop_after_passes=None); adding the others would change every existing digest.
+            parts += ("stop",)
         return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
 
     def __repr__(self) -> str:
         return (
             f"StaticMixtureWorkSource({self._order}, mixture={self._mixture_arg!r}, "
             f"chunk_size={self.chunk_size}, seed={self.seed}, "
-            f"stop_after_passes={self.stop_after_passes})"
+            f"stop_after_passes={self.stop_after_passes}, "
+            f"exhausted_policy={self.exhausted_policy!r})"
         )
-
-
-def _parse_mixture(mixture, names: list[str]) -> list[float]:
-    if isinstance(mixture, Mapping):
-        if set(mixture) != set(names):
-            raise ConfigError(
-                f"mixture keys must be exactly the dataset names {sorted(names)}, got "
-                f"{sorted(mixture)}"
-            )
-        weights = [mixture[n] for n in names]
-    else:
-        weights = list(mixture)
-        if len(weights) != len(names):
-            raise ConfigError(
-                f"mixture must have one weight per dataset ({len(names)}), got {len(weights)}"
-            )
-    for name, w in zip(names, weights, strict=True):
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            raise ConfigError(
-                f"mixture weight for dataset {name!r} must be a finite number > 0, got {w!r}"
-            )
-    return [float(w) for w in weights]
 
 
 def _check_int(name: str, value: Any, *, minimum: int, none_ok: bool = False) -> None:
