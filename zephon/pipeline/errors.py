@@ -42,7 +42,7 @@ class PipelineStateError(PipelineError, ValueError):
 
 
 class AggregationError(PipelineError):
-    """The per-rank parts of a distributed checkpoint cannot be merged or written."""
+    """The per-rank parts of a distributed checkpoint cannot be merged, written or exchanged."""
 
     def __init__(self, message: str, *, run_id: str | None = None, url: str | None = None):
         super().__init__(message)
@@ -51,9 +51,11 @@ class AggregationError(PipelineError):
 
 
 class AggregationTimeoutError(AggregationError, TimeoutError):
-    """Rank 0 waited ``aggregate_timeout_s`` and some ranks never wrote their part.
+    """A rank waited ``aggregate_timeout_s`` in ``checkpoint()`` and some ranks never arrived.
 
-    ``missing_ranks`` lists them, sorted, so the operator knows which hosts to look at.
+    Raised on every rank that waited (and, over torch.distributed, on a rank arriving after the
+    others gave up). ``missing_ranks`` lists the ranks that did not arrive, sorted, so the
+    operator knows which hosts to look at; ``url`` is the aggregate_dir or ``"torch://"``.
     """
 
     def __init__(

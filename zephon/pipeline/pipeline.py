@@ -22,6 +22,7 @@ from typing import Any
 
 from zephon.errors import ConfigError
 from zephon.pipeline.aggregate import Aggregator, aggregation_key
+from zephon.pipeline.aggregate_torch import TORCH_STORE, TorchAggregator, distributed_ready
 from zephon.pipeline.iteration import Iteration
 from zephon.pipeline.lanes import LanePlan, LaneProgress, owned_lanes
 from zephon.pipeline.operators import (
@@ -41,7 +42,6 @@ from zephon.pipeline.state import (
     build_lanes,
     build_part,
     build_state,
-    merge_parts,
     parse_state,
 )
 from zephon.pipeline.work_source import StaticMixtureWorkSource
@@ -62,6 +62,8 @@ class PipelineOptions:
     dp_group_id: int = 0
     canonical_replicas: int | None = None
     aggregate_dir: str | None = None
+    aggregate_store: str | None = None
+    aggregate_group: Any = None
     run_id: str | None = None
     aggregate_timeout_s: float = 300.0
     flush_every_k_chunks: int | None = None
@@ -100,17 +102,39 @@ class PipelineOptions:
         timeout = self.aggregate_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"aggregate_timeout_s must be a number > 0, got {timeout!r}")
-        if self.world_size > 1:
+        if self.aggregate_store is not None and self.aggregate_store != TORCH_STORE:
+            raise ConfigError(
+                f"aggregate_store must be {TORCH_STORE!r} (aggregation over torch.distributed), "
+                f"got {self.aggregate_store!r}; for a shared directory give aggregate_dir=URL"
+            )
+        if self.aggregate_dir is not None and (
+            self.aggregate_store is not None or self.aggregate_group is not None
+        ):
+            given = "aggregate_store" if self.aggregate_store is not None else "aggregate_group"
+            raise ConfigError(
+                f"give either aggregate_dir (a shared directory) or {given} (torch.distributed), "
+                "not both"
+            )
+        if self.world_size > 1 and self.aggregate_dir is not None:
             if not self.aggregate_dir or not isinstance(self.aggregate_dir, str):
                 raise ConfigError(
-                    f"aggregate_dir is required with world_size={self.world_size} (any fsspec "
-                    f"URL shared by all ranks, e.g. s3://bucket/agg), got {self.aggregate_dir!r}"
+                    "aggregate_dir must be an fsspec URL shared by all ranks, e.g. "
+                    f"s3://bucket/agg, got {self.aggregate_dir!r}"
                 )
-            if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id):
+            if self.run_id is None:
                 raise ConfigError(
-                    f"run_id is required with world_size={self.world_size}: 1-128 characters of "
-                    f"[A-Za-z0-9._-], the same on every rank; got {self.run_id!r}"
+                    f"run_id is required with aggregate_dir and world_size={self.world_size}: "
+                    "1-128 characters of [A-Za-z0-9._-], the same on every rank"
                 )
+        if (
+            self.world_size > 1
+            and self.run_id is not None
+            and (not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id))
+        ):
+            raise ConfigError(
+                "run_id must be 1-128 characters of [A-Za-z0-9._-], the same on every "
+                f"rank; got {self.run_id!r}"
+            )
 
 
 class Pipeline:
@@ -137,7 +161,7 @@ class Pipeline:
         self._seq = 0
         self._delivered = 0  # batches handed out since the epoch (fresh start or restore) began
         self._active: Iteration | None = None
-        self._aggregator: Aggregator | None = None
+        self._aggregator: Aggregator | TorchAggregator | None = None
         self._lock = threading.Lock()
 
     # -- builder ---------------------------------------------------------------------------------
@@ -239,6 +263,8 @@ class Pipeline:
         dp_group_id: int | None = None,
         canonical_replicas: int | None = None,
         aggregate_dir: str | None = None,
+        aggregate_store: str | None = None,
+        aggregate_group: Any = None,
         run_id: str | None = None,
         aggregate_timeout_s: float | None = None,
         flush_every_k_chunks: int | None = None,
@@ -249,9 +275,13 @@ class Pipeline:
         ``canonical_replicas`` (default: ``dp_degree``) is the number of lanes and must stay
         fixed for the life of a run. ``world_size``/``global_rank`` count every process that
         holds a pipeline; ``dp_degree``/``dp_group_id`` say which data-parallel group this
-        one belongs to. With ``world_size > 1``, ``aggregate_dir`` (fsspec URL, with
-        ``storage_options``) and ``run_id`` are required. ``flush_every_k_chunks`` defaults to 8
-        when the chain shuffles or packs, else 0 (flush at every chunk).
+        one belongs to. With ``world_size > 1`` ``checkpoint()`` assembles every rank's
+        progress through one of two transports: ``aggregate_store="torch://"`` over
+        torch.distributed (the default group, or ``aggregate_group``; the default when
+        torch.distributed is initialised and no ``aggregate_dir`` is given), or
+        ``aggregate_dir``, an fsspec URL shared by all ranks (with ``storage_options``), which
+        also needs ``run_id``. ``flush_every_k_chunks`` defaults to 8 when the chain shuffles or
+        packs, else 0 (flush at every chunk).
         """
         self._mutable("options")
         given = {
@@ -263,6 +293,8 @@ class Pipeline:
                 "dp_group_id": dp_group_id,
                 "canonical_replicas": canonical_replicas,
                 "aggregate_dir": aggregate_dir,
+                "aggregate_store": aggregate_store,
+                "aggregate_group": aggregate_group,
                 "run_id": run_id,
                 "aggregate_timeout_s": aggregate_timeout_s,
                 "flush_every_k_chunks": flush_every_k_chunks,
@@ -324,6 +356,7 @@ class Pipeline:
         and since they were never delivered the new iteration produces them again.
         """
         plan, _identity, owned = self._resolve()
+        self._transport()  # a distributed misconfiguration fails now, not at the checkpoint
         with self._lock:
             self._close_active()
             run = Iteration(self, plan, owned, dict(self._progress))
@@ -346,22 +379,12 @@ class Pipeline:
 
     # -- checkpoint / restore --------------------------------------------------------------------
 
-    def checkpoint(self) -> dict[str, Any] | None:
-        """Progress delivered so far, as a small JSON-serialisable dict.
-
-        With ``world_size > 1`` every rank must call this at the same step: ranks other than 0
-        publish their lanes' progress under ``aggregate_dir`` and return ``None``; rank 0 waits
-        for all of them (``AggregationTimeoutError`` naming the missing ranks after
-        ``aggregate_timeout_s``) and returns the merged state, the one to save.
-        """
-        plan, identity, owned = self._resolve()
+    def _transport(self) -> Aggregator | TorchAggregator | None:
+        """The aggregation transport, chosen when the pipeline starts (``None`` alone)."""
         opts = self._options
-        lanes = build_lanes(plan, self._progress, owned)
-        if opts.world_size == 1:
-            return build_state(identity, lanes)
-        key = aggregation_key(self._epoch, self._seq)
-        self._seq += 1
-        if self._aggregator is None:
+        if opts.world_size == 1 or self._aggregator is not None:
+            return self._aggregator
+        if opts.aggregate_dir is not None:
             self._aggregator = Aggregator(
                 opts.aggregate_dir,
                 opts.storage_options,
@@ -370,6 +393,41 @@ class Pipeline:
                 rank=opts.global_rank,
                 timeout_s=opts.aggregate_timeout_s,
             )
+            return self._aggregator
+        chosen = opts.aggregate_store is not None or opts.aggregate_group is not None
+        if not chosen and not distributed_ready():
+            raise ConfigError(
+                f"world_size={opts.world_size} needs a way to assemble checkpoints: initialise "
+                "torch.distributed before the pipeline starts (aggregate_store='torch://' is then "
+                "the default) or give aggregate_dir=<fsspec URL shared by all ranks> and run_id"
+            )
+        self._aggregator = TorchAggregator(
+            run_id=opts.run_id,
+            identity=self._resolve()[1],
+            world_size=opts.world_size,
+            rank=opts.global_rank,
+            timeout_s=opts.aggregate_timeout_s,
+            group=opts.aggregate_group,
+        )
+        return self._aggregator
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Progress delivered so far, as a small JSON-serialisable dict: the state to save.
+
+        With ``world_size > 1`` every rank must call this at the same step; each contributes
+        its lanes' progress and every rank returns the same merged state (byte for byte the
+        same with either transport), so ``restore(checkpoint())`` works on every rank.
+        ``AggregationTimeoutError`` names the ranks that did not arrive within
+        ``aggregate_timeout_s``.
+        """
+        plan, identity, owned = self._resolve()
+        opts = self._options
+        lanes = build_lanes(plan, self._progress, owned)
+        transport = self._transport()
+        if transport is None:
+            return build_state(identity, lanes)
+        key = aggregation_key(self._epoch, self._seq)
+        self._seq += 1
         part = build_part(
             identity,
             lanes,
@@ -381,15 +439,7 @@ class Pipeline:
             dp_group_id=opts.dp_group_id,
             delivered=self._delivered,
         )
-        if opts.global_rank != 0:
-            self._aggregator.write_part(key, part)
-            return None
-        others = self._aggregator.gather(key, self._delivered)
-        state = merge_parts(
-            [part, *others], identity, run_id=opts.run_id, url=self._aggregator.location.url
-        )
-        self._aggregator.cleanup(key)
-        return state
+        return transport.checkpoint(key, part, identity)
 
     def restore(self, state: dict[str, Any]) -> None:
         """Validate ``state`` now and resume from it when iteration next starts.

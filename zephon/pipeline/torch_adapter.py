@@ -5,7 +5,8 @@ object with ``state_dict()``/``load_state_dict()``. This adapter stores the pipe
 one JSON string under one key: DCP keeps non-tensor values as opaque objects, and a string
 survives its flattening of nested dicts and lists unchanged.
 
-The only module of ``zephon.pipeline`` that imports torch.
+The only module of ``zephon.pipeline`` that imports torch at import time (``aggregate_torch``
+imports it when a pipeline aggregates over torch.distributed).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import torch.distributed as dist
+# Nothing below needs torch, but the adapter exists for torch's checkpointers: without torch,
+# importing it (``zephon.PipelineStateful``) fails here, at once, as documented.
+import torch  # noqa: F401
 
 from zephon.pipeline.errors import PipelineStateError
 from zephon.pipeline.pipeline import Pipeline
@@ -27,39 +30,25 @@ class PipelineStateful:
     """Wraps a ``Pipeline`` so a torch checkpointer can save and load its position.
 
     ``state_dict()`` calls ``Pipeline.checkpoint()``, so in a distributed job every rank must
-    call it at the same step (as DCP's ``save`` does). Only global rank 0 gets the merged state
-    from ``checkpoint()``; when ``torch.distributed`` is initialised the adapter broadcasts it
-    so every rank returns the same dict, which is what DCP expects of a value saved under one
-    key on every rank. Without an initialised process group, ranks other than 0 return the key
-    with ``None``: save rank 0's dict.
+    call it at the same step (as DCP's ``save`` does); every rank gets the same merged state,
+    which is what DCP expects of a value saved under one key on every rank.
     """
 
-    def __init__(self, pipeline: Pipeline, *, broadcast: bool = True) -> None:
+    def __init__(self, pipeline: Pipeline) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"PipelineStateful wraps a zephon.Pipeline, got {type(pipeline)!r}")
         self.pipeline = pipeline
-        self.broadcast = broadcast
 
     def state_dict(self) -> dict[str, Any]:
         state = self.pipeline.checkpoint()
-        text = None if state is None else json.dumps(state, separators=(",", ":"))
-        if (
-            self.broadcast
-            and dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size() > 1
-        ):
-            box = [text]
-            dist.broadcast_object_list(box, src=0)
-            text = box[0]
-        return {STATE_KEY: text}
+        return {STATE_KEY: json.dumps(state, separators=(",", ":"))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         text = state_dict.get(STATE_KEY) if isinstance(state_dict, dict) else None
         if not isinstance(text, (str, bytes)):
             raise PipelineStateError(
                 f"load_state_dict needs {{{STATE_KEY!r}: <JSON string>}} as saved by "
-                f"PipelineStateful.state_dict() on global rank 0, got {text!r}",
+                f"PipelineStateful.state_dict(), got {text!r}",
                 field=STATE_KEY,
                 value=text,
                 expected="a JSON string",

@@ -2,13 +2,16 @@
 
 ``python -m tests.zephon.pipeline.agg_worker '<json>'`` with keys rank, world_size, dp_degree,
 url, storage_options, run_id, checkpoints (batch counts after which to call checkpoint()),
-timeout. Prints one JSON line: the rank, the keys it delivered, and what checkpoint() returned.
+timeout. Prints one JSON line: the rank, the keys it delivered, what checkpoint() returned, and
+the keys of the next two batches both from the running pipeline and from a new one restored
+from the last state (they must be equal on every rank).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import zephon
 from tests.zephon.pipeline.util import make_dataset
@@ -48,6 +51,36 @@ def build(
     )
 
 
+def checkpoint_together(pipelines: list[zephon.Pipeline]) -> list:
+    """``checkpoint()`` on every pipeline at once, one thread each, as separate ranks would
+    call it (a rank waits for the others, so calling them in turn would stall): what each
+    returned or raised, by rank."""
+    results: list = [None] * len(pipelines)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = pipelines[i].checkpoint()
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(pipelines))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def checkpoint_all(pipelines: list[zephon.Pipeline]) -> dict:
+    """The state every rank returned (they must be equal); the first error raised, if any."""
+    results = checkpoint_together(pipelines)
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    assert all(result == results[0] for result in results), results
+    return results[0]
+
+
 def main(args: dict) -> None:
     p = build(
         args["rank"],
@@ -65,8 +98,26 @@ def main(args: dict) -> None:
             delivered.extend(next(it).keys)
             done += 1
         states.append(p.checkpoint())
+    after = [k for _ in range(2) for k in next(it).keys]
     p.close()
-    print(json.dumps({"rank": args["rank"], "keys": delivered, "states": states}))
+    q = build(
+        *(args[k] for k in ("rank", "world_size", "dp_degree", "url", "storage_options")), "q", 1
+    )
+    q.restore(states[-1])
+    resumed = iter(q)
+    restored = [list(k) for _ in range(2) for k in next(resumed).keys]
+    q.close()
+    print(
+        json.dumps(
+            {
+                "rank": args["rank"],
+                "keys": delivered,
+                "states": states,
+                "after": [list(k) for k in after],
+                "restored": restored,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Distributed checkpoints assembled through aggregate_dir by separate processes."""
+"""Distributed checkpoints assembled through aggregate_dir: every rank gets the merged state."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import fsspec
 import pytest
 
-from tests.zephon.pipeline.agg_worker import build
+from tests.zephon.pipeline.agg_worker import build, checkpoint_all, checkpoint_together
 from zephon.pipeline import AggregationTimeoutError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -43,7 +43,7 @@ def _run_ranks(ranks, **common) -> dict[int, dict]:
 
 
 def _expected_states(tmp_path, checkpoints, world_size, dp_degree) -> list[dict]:
-    """The same ranks in one process, in turn: what the merged states must be."""
+    """The same ranks in one process, one thread each at a checkpoint: the merged states."""
     url = str(tmp_path / "expected")
     pipelines = [
         build(r, world_size, dp_degree, url, {}, "expected", 10) for r in range(world_size)
@@ -55,9 +55,7 @@ def _expected_states(tmp_path, checkpoints, world_size, dp_degree) -> list[dict]
             for _ in range(target - done):
                 next(it)
         done = target
-        for p in pipelines[1:]:
-            assert p.checkpoint() is None
-        states.append(pipelines[0].checkpoint())
+        states.append(checkpoint_all(pipelines))
     for p in pipelines:
         p.close()
     return states
@@ -87,12 +85,16 @@ def test_separate_processes_assemble_one_state_and_leave_nothing_behind(
             }
         ],
     }
-    for key, rank, data in [
-        ("fresh-00000000", 1, json.dumps(stale).encode()),
-        ("0123456789abcdef-00000003", 2, b"{}"),
+    # ... and a merged state under that key from the same earlier attempt, at a position the
+    # live ranks also reach: without their nonces, no rank may take it for theirs.
+    leftover = {"format": "zephon.pipeline.merged", "token": "t", "nonces": ["x"] * 4}
+    for key, name, data in [
+        ("fresh-00000000", "rank-000001.json", json.dumps(stale).encode()),
+        ("fresh-00000000", "merged.json", json.dumps({**leftover, "state": {}}).encode()),
+        ("0123456789abcdef-00000003", "rank-000002.json", b"{}"),
     ]:
         fs.makedirs(f"{run_dir}/{key}", exist_ok=True)
-        fs.pipe_file(f"{run_dir}/{key}/rank-00000{rank}.json", data)
+        fs.pipe_file(f"{run_dir}/{key}/{name}", data)
 
     checkpoints = [2, 5]
     results = _run_ranks(
@@ -106,9 +108,12 @@ def test_separate_processes_assemble_one_state_and_leave_nothing_behind(
         timeout=60,
     )
 
-    assert all(s is None for r in (1, 2, 3) for s in results[r]["states"])
-    assert results[0]["states"] == _expected_states(tmp_path, checkpoints, 4, 2)
-    final = results[0]["states"][-1]
+    expected = _expected_states(tmp_path, checkpoints, 4, 2)
+    for rank in range(4):  # every rank returns the same merged state, byte for byte
+        assert json.dumps(results[rank]["states"]) == json.dumps(expected)
+        # and a pipeline restored from it on any rank continues exactly
+        assert results[rank]["restored"] == results[rank]["after"]
+    final = expected[-1]
     assert [lane["batches"] for lane in final["lanes"]] == [3, 3, 2, 2]
     # ranks of one group (0 and 1, 2 and 3) read the same lanes
     assert results[0]["keys"] == results[1]["keys"]
@@ -117,37 +122,37 @@ def test_separate_processes_assemble_one_state_and_leave_nothing_behind(
     assert not fs.exists(run_dir) or fs.ls(run_dir, detail=False) == []
 
 
-def test_a_rank_that_never_arrives_fails_rank_0_naming_it(request, tmp_path):
-    backend = _backend(request, "local")
-    # ranks 2 and 3 run as processes and write their parts; rank 1 never starts
-    _run_ranks(
-        (2, 3),
-        world_size=4,
-        dp_degree=2,
-        url=backend.url,
-        storage_options={},
-        run_id="run-b",
-        checkpoints=[1],
-        timeout=60,
-    )
-    rank0 = build(0, 4, 2, backend.url, {}, "run-b", 2)
-    next(iter(rank0))
-    with pytest.raises(AggregationTimeoutError) as info:
-        rank0.checkpoint()
-    rank0.close()
-    assert info.value.missing_ranks == [1]
-    assert "ranks [1] did not write their part" in str(info.value)
-    assert info.value.timeout_s == 2
+def test_a_rank_that_never_arrives_is_named_by_every_rank_that_waited(tmp_path):
+    url = str(tmp_path / "agg")
+    # rank 1 never calls checkpoint(); ranks 0, 2 and 3 do, each after one batch
+    ranks = {r: build(r, 4, 2, url, {}, "run-b", 2) for r in (0, 2, 3)}
+    for p in ranks.values():
+        next(iter(p))
+    errors = dict(zip(ranks, checkpoint_together(list(ranks.values())), strict=True))
+    for p in ranks.values():
+        p.close()
+    for rank, error in errors.items():
+        assert isinstance(error, AggregationTimeoutError), (rank, error)
+        assert error.missing_ranks == [1] and error.timeout_s == 2
+        assert "ranks [1] did not write their part" in str(error)
+        assert "\n" not in str(error)
+
+
+def test_a_rank_0_that_never_arrives_is_named_by_the_others(tmp_path):
+    url = str(tmp_path / "agg")
+    others = [build(r, 3, 1, url, {}, "run-f", 1) for r in (1, 2)]
+    errors = checkpoint_together(others)
+    assert [e.missing_ranks for e in errors] == [[0], [0]]
+    assert "ranks [0] did not write their part" in str(errors[0])
 
 
 def test_timeout_on_s3_names_every_missing_rank(s3_backend):
-    rank2 = build(2, 3, 1, s3_backend.url, s3_backend.storage_options, "run-c", 1.5)
-    rank0 = build(0, 3, 1, s3_backend.url, s3_backend.storage_options, "run-c", 1.5)
-    assert rank2.checkpoint() is None
-    with pytest.raises(AggregationTimeoutError) as info:
-        rank0.checkpoint()
-    assert info.value.missing_ranks == [1]
-    assert "s3://" in str(info.value) and "testing" not in str(info.value)
+    ranks = [
+        build(r, 3, 1, s3_backend.url, s3_backend.storage_options, "run-c", 1.5) for r in (0, 2)
+    ]
+    errors = checkpoint_together(ranks)
+    assert [e.missing_ranks for e in errors] == [[1], [1]]
+    assert all("s3://" in str(e) and "testing" not in str(e) for e in errors)
 
 
 def test_a_leftover_part_at_another_position_is_named_when_its_rank_never_comes(tmp_path):
@@ -155,26 +160,46 @@ def test_a_leftover_part_at_another_position_is_named_when_its_rank_never_comes(
     rank1 = build(1, 2, 2, url, {}, "run-d", 1)
     it = iter(rank1)
     next(it)
-    assert rank1.checkpoint() is None  # a part at "1 batch delivered"
-    rank0 = build(0, 2, 2, url, {}, "run-d", 1)  # rank 0 delivered nothing
+    # rank 1 leaves a part at "1 batch delivered" and gives up; rank 0 has delivered nothing
+    assert isinstance(checkpoint_together([rank1])[0], AggregationTimeoutError)
+    rank0 = build(0, 2, 2, url, {}, "run-d", 1)
     with pytest.raises(AggregationTimeoutError, match="at another position"):
         rank0.checkpoint()
     rank1.close()
 
 
 @pytest.mark.parametrize("url", ["memory://zephon-agg-test", "local"])
-def test_consecutive_checkpoints_use_new_keys_and_clean_up_older_ones(tmp_path, url):
+def test_consecutive_checkpoints_give_every_rank_the_state_and_leave_nothing(tmp_path, url):
     url = str(tmp_path / "agg") if url == "local" else url
-    ranks = [build(r, 2, 2, url, {}, "run-e", 10) for r in range(2)]
+    ranks = [build(r, 4, 4, url, {}, "run-e", 10) for r in range(4)]
     iterators = [iter(p) for p in ranks]
     states = []
     for _ in range(3):
         for it in iterators:
             next(it)
-        assert ranks[1].checkpoint() is None
-        states.append(ranks[0].checkpoint())
-    assert [sum(lane["batches"] for lane in s["lanes"]) for s in states] == [2, 4, 6]
-    fs, root = fsspec.core.url_to_fs(url)
-    assert fs.find(f"{root}/run-e") == []
+        states.append(checkpoint_all(ranks))
+        fs, root = fsspec.core.url_to_fs(url)
+        fs.invalidate_cache()
+        # the last rank to read the merged state removed the key
+        assert fs.find(f"{root}/run-e") == []
+    assert [sum(lane["batches"] for lane in s["lanes"]) for s in states] == [4, 8, 12]
+    for p in ranks:
+        p.close()
+
+
+def test_restore_from_the_state_of_any_rank_gives_the_same_next_checkpoint(tmp_path):
+    url = str(tmp_path / "agg")
+    ranks = [build(r, 2, 2, url, {}, "run-g", 10) for r in range(2)]
+    iterators = [iter(p) for p in ranks]
+    for it in iterators:
+        next(it)
+    states = checkpoint_together(ranks)
+    for p, state in zip(ranks, states, strict=True):
+        p.restore(state)  # each rank its own copy, as a job restoring on every rank does
+    iterators = [iter(p) for p in ranks]
+    for it in iterators:
+        next(it)
+    again = checkpoint_all(ranks)
+    assert [lane["batches"] for lane in again["lanes"]] == [1, 1, 1, 1]
     for p in ranks:
         p.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import zephon
+from tests.zephon.pipeline.agg_worker import checkpoint_all  # every rank at once, one state
 from tests.zephon.pipeline.util import make_dataset
 from zephon.errors import ConfigError
 from zephon.pipeline import PipelineStateError
@@ -45,10 +46,17 @@ def topology(groups: int, agg: str, state: dict | None = None) -> list[zephon.Pi
     return pipelines
 
 
-def run_steps(pipelines, steps: int | None) -> list[list[tuple]]:
+def run_steps(
+    pipelines,
+    steps: int | None,
+    *,
+    lanes: int = LANES,
+    microbatch: int = MICROBATCH,
+    global_batch: int = GLOBAL_BATCH,
+) -> list[list[tuple]]:
     """Each optimizer step: every group takes its microbatches; a step's records, sorted."""
-    zephon.check_elastic_config(LANES, len(pipelines), MICROBATCH, global_batch_size=GLOBAL_BATCH)
-    per_group = GLOBAL_BATCH // (len(pipelines) * MICROBATCH)
+    zephon.check_elastic_config(lanes, len(pipelines), microbatch, global_batch_size=global_batch)
+    per_group = global_batch // (len(pipelines) * microbatch)
     iterators = [iter(p) for p in pipelines]
     out = []
     while steps is None or len(out) < steps:
@@ -61,13 +69,6 @@ def run_steps(pipelines, steps: int | None) -> list[list[tuple]]:
                 step.extend(batch.keys)
         out.append(sorted(step))
     return out
-
-
-def checkpoint_all(pipelines) -> dict:
-    """Every rank checkpoints at the same step; rank 0 (last here) assembles the state."""
-    for p in pipelines[1:]:
-        assert p.checkpoint() is None
-    return pipelines[0].checkpoint()
 
 
 def test_elastic_resume_4_to_2_to_8_groups_keeps_every_global_step(tmp_path):
@@ -124,3 +125,66 @@ def test_check_elastic_config_names_the_broken_rule(args, kwargs, rule):
 @pytest.mark.parametrize("groups,steps", [(1, 8), (2, 4), (4, 2), (8, 1), (8, 3)])
 def test_check_elastic_config_accepts_whole_rounds(groups, steps):
     assert zephon.check_elastic_config(8, groups, 3, microbatches_per_step=steps) is None
+
+
+# -- an endless curriculum (exhausted_policy="repeat"): 4 lanes, dp 4 -> 2 -> 1 -----------------
+
+ENDLESS_LANES = 4
+ENDLESS_MICROBATCH = 2
+ENDLESS_GLOBAL_BATCH = 16  # 4 records (2 microbatches) per lane and optimizer step
+ENDLESS_STEPS = 30  # 480 records: twelve passes over the 39-record dataset
+
+
+def build_endless(rank: int, groups: int, agg: str) -> zephon.Pipeline:
+    source = zephon.StaticMixtureWorkSource(
+        make_dataset(shards=3, per_shard=13), chunk_size=5, seed=8, exhausted_policy="repeat"
+    )
+    return (
+        zephon.Pipeline(source)
+        .map_transform(lambda r: r)
+        .shuffle(4, seed=3)
+        .batch(ENDLESS_MICROBATCH)
+        .options(
+            world_size=groups,
+            global_rank=rank,
+            dp_degree=groups,
+            dp_group_id=rank,
+            canonical_replicas=ENDLESS_LANES,
+            aggregate_dir=agg,
+            run_id="endless",
+            aggregate_timeout_s=10,
+            flush_every_k_chunks=2,
+        )
+    )
+
+
+def endless_steps(groups: int, agg: str, steps: int, state: dict | None = None):
+    pipelines = [build_endless(rank, groups, agg) for rank in range(groups)]
+    for p in pipelines:
+        if state is not None:
+            p.restore(state)
+    got = run_steps(
+        pipelines,
+        steps,
+        lanes=ENDLESS_LANES,
+        microbatch=ENDLESS_MICROBATCH,
+        global_batch=ENDLESS_GLOBAL_BATCH,
+    )
+    return got, pipelines
+
+
+@pytest.mark.parametrize("cuts", [(2, 9), (5, 6), (7, 19)])
+def test_elastic_resume_continues_exactly_across_repeats(tmp_path, cuts):
+    agg = str(tmp_path / "agg")
+    reference, _ = endless_steps(4, agg, ENDLESS_STEPS)
+    assert len(reference) == ENDLESS_STEPS
+    source = build_endless(0, 1, agg)._source
+    passes = {source.chunk(chunk).pass_index for step in reference for _, chunk, _ in step}
+    assert len(passes) >= 12  # the run went round the dataset a dozen times
+
+    steps, four = endless_steps(4, agg, cuts[0])
+    more, two = endless_steps(2, agg, cuts[1] - cuts[0], checkpoint_all(four))
+    steps += more
+    rest, _ = endless_steps(1, agg, ENDLESS_STEPS - cuts[1], checkpoint_all(two))
+    steps += rest
+    assert steps == reference

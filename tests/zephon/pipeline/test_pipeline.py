@@ -206,8 +206,9 @@ def test_explicit_flush_0_with_a_reordering_operator_is_an_error():
         (lambda p: p.map_transform("nope"), "map_transform fn must be callable"),
         (lambda p: p.pack_sequences(8, overflow="wrap"), "overflow must be 'truncate' or 'error'"),
         (lambda p: p.prefetch(0), "prefetch buffer_size must be an integer >= 1, got 0"),
-        (lambda p: p.options(world_size=2), "aggregate_dir is required with world_size=2"),
-        (lambda p: p.options(world_size=2, aggregate_dir="/x", run_id="a b"), "run_id is required"),
+        (lambda p: iter(p.batch(2).options(world_size=2)), "world_size=2 needs a way to assemble"),
+        (lambda p: p.options(world_size=2, aggregate_dir="/x"), "run_id is required"),
+        (lambda p: p.options(world_size=2, aggregate_dir="/x", run_id="a b"), "run_id must be"),
         (
             lambda p: p.options(global_rank=3),
             r"global_rank must be in range\(world_size=1\), got 3",
