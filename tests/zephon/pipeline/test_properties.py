@@ -1,5 +1,7 @@
 """Property tests: for random operator chains and random checkpoint points, the records before a
-checkpoint plus the records after restoring it equal an uninterrupted run."""
+checkpoint plus the records after restoring it equal an uninterrupted run, for finite curricula
+and for endless ones (``exhausted_policy="repeat"``), whose checkpoints fall anywhere across
+repeat boundaries."""
 
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ def configs(draw):
             )
         ),
         "passes": draw(st.integers(1, 2)),
+        "policy": draw(st.sampled_from(["leave", "stop"])),
         "chunk_size": draw(st.integers(1, 12)),
         "lanes": draw(st.integers(1, 4)),
         "batch": draw(st.integers(1, 6)),
@@ -80,12 +83,14 @@ def configs(draw):
 
 def build(cfg, prefetch=None):
     datasets = [zephon.Dataset.from_dict(name, shards) for name, shards in cfg["datasets"]]
+    passes = {} if cfg["policy"] == "repeat" else {"stop_after_passes": cfg["passes"]}
     source = zephon.StaticMixtureWorkSource(
         datasets,
         cfg["weights"],
         chunk_size=cfg["chunk_size"],
         seed=7,
-        stop_after_passes=cfg["passes"],
+        exhausted_policy=cfg["policy"],
+        **passes,
     )
     p = zephon.Pipeline(source)
     after_keep_none = False
@@ -163,6 +168,7 @@ def test_a_full_pass_delivers_every_record_exactly_once(cfg):
         **cfg,
         "ops": [op for op in cfg["ops"] if op[0] in {"shuffle", "annotate"}],
         "drop_last": False,
+        "policy": "leave",
     }
     if cfg["flush"] == 0 and cfg["ops"]:
         cfg["flush"] = 1
@@ -175,3 +181,46 @@ def test_a_full_pass_delivers_every_record_exactly_once(cfg):
     )
     assert sorted(r.sample_id for r in records) == sorted(expected * cfg["passes"])
     assert len({(r.lane, r.chunk, r.offset) for r in records}) == len(records)
+
+
+def _stops_yielding(ops) -> bool:
+    """Whether a map drops records after a pack: it could drop every bin of an endless run,
+    which would then never yield a batch (before a pack, every shard's row 0 survives)."""
+    packed = False
+    for kind, _ in ops:
+        packed = packed or kind == "pack"
+        if packed and kind == "drop":
+            return True
+    return False
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(), data=st.data())
+def test_an_endless_curriculum_restores_exactly_across_repeats(cfg, data):
+    cfg = {**cfg, "policy": "repeat"}
+    if _stops_yielding(cfg["ops"]):
+        cfg["ops"] = [op for op in cfg["ops"] if op[0] != "drop"]
+    n = data.draw(st.integers(0, 40), label="batches of the run")
+    p = build(cfg)
+    reference = take(iter(p), n)  # up to 40 passes over the smallest datasets drawn
+    p.close()
+    first = data.draw(st.integers(0, len(reference)), label="first checkpoint")
+    second = data.draw(st.integers(0, len(reference) - first), label="batches after restore")
+
+    p = build(cfg, data.draw(prefetch_strategy, label="prefetch 1"))
+    seen = take(iter(p), first)
+    state = json.loads(json.dumps(p.checkpoint()))
+    p.close()
+
+    q = build(cfg, data.draw(prefetch_strategy, label="prefetch 2"))
+    q.restore(state)
+    assert q.checkpoint() == state
+    seen += take(iter(q), second)
+    state = q.checkpoint()
+    q.close()
+
+    r = build(cfg)
+    r.restore(state)
+    seen += take(iter(r), len(reference) - len(seen))
+    r.close()
+    assert seen == reference
