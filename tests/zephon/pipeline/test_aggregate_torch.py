@@ -1,0 +1,165 @@
+"""Distributed checkpoints assembled over torch.distributed (aggregate_store="torch://").
+
+Four gloo processes checkpoint three pipelines in lockstep (torch transport, the default
+transport, the storage transport), restore, and time out on a rank that never comes; then two
+of them, in a new process group, resume the 4 ranks' state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import servers
+from tests.zephon.pipeline.agg_torch_worker import CHECKPOINTS, RESUMED_STEPS, build
+from tests.zephon.pipeline.agg_worker import checkpoint_all
+from zephon.errors import ConfigError
+
+pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def _run(workdir: str) -> list[dict]:
+    ports = {"port": servers.free_port(), "port2": servers.free_port()}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.zephon.pipeline.agg_torch_worker",
+                json.dumps({"rank": rank, "workdir": workdir, **ports}),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(4)
+    ]
+    results = []
+    for rank, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"rank {rank} failed:\n{err}"
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def _reference_steps(tmp_path, steps: int) -> list[list]:
+    """Global steps of an uninterrupted 4-group run: every group's microbatch, keys sorted."""
+    agg = str(tmp_path / "reference")
+    iterators = [iter(build(r, 4, aggregate_dir=agg, run_id="ref")) for r in range(4)]
+    return [sorted(list(k) for it in iterators for k in next(it).keys) for _ in range(steps)]
+
+
+def _expected_texts(tmp_path) -> list[str]:
+    """The merged states of the first phase through the storage transport in one process."""
+    agg = str(tmp_path / "expected")
+    pipelines = [build(r, 4, aggregate_dir=agg, run_id="expected") for r in range(4)]
+    iterators = [iter(p) for p in pipelines]
+    texts, done = [], 0
+    for target in CHECKPOINTS:
+        for it in iterators:
+            for _ in range(target - done):
+                next(it)
+        done = target
+        texts.append(json.dumps(checkpoint_all(pipelines), separators=(",", ":")))
+    for p in pipelines:
+        p.close()
+    return texts
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    workdir = str(tmp_path_factory.mktemp("torch-agg"))
+    results = _run(workdir)
+    return {
+        "first": [r["first"] for r in results],
+        "resume": [r["resume"] for r in results if "resume" in r],
+        "workdir": workdir,
+    }
+
+
+def test_the_torch_transport_gives_every_rank_the_storage_transports_bytes(runs, tmp_path):
+    expected = _expected_texts(tmp_path)
+    for rank, result in enumerate(runs["first"]):
+        states = result["states"]
+        assert states["torch"] == expected, rank
+        assert states["default"] == expected, rank  # torch.distributed up, no aggregate_dir
+        assert states["storage"] == expected, rank
+    assert [lane["batches"] for lane in json.loads(expected[-1])["lanes"]] == [5, 5, 5, 5]
+    # the storage transport's last reader removed what the checkpoints left in aggregate_dir
+    agg = os.path.join(runs["workdir"], "agg")
+    assert [f for _, _, files in os.walk(agg) for f in files] == []
+
+
+def test_a_pipeline_restored_on_any_rank_continues_exactly(runs):
+    for rank, result in enumerate(runs["first"]):
+        assert result["again"] == result["after"], rank
+        running, restored = result["next_states"]
+        assert restored == running, rank
+    assert len({r["next_states"][0] for r in runs["first"]}) == 1
+
+
+def test_a_rank_that_never_calls_checkpoint_is_named_on_every_rank(runs):
+    for rank, result in enumerate(runs["first"][:3]):
+        timeout = result["timeout"]
+        assert timeout["missing"] == [3], rank
+        assert "ranks [3] did not arrive within 2 s" in timeout["message"]
+        assert "\n" not in timeout["message"]
+    late = runs["first"][3]["timeout"]
+    assert late["missing"] == [3]
+    assert "rank 3 arrived after the others had waited 2 s for ranks [3]" in late["message"]
+
+
+def test_4_ranks_resume_on_2_through_the_torch_transport_with_the_same_global_steps(runs, tmp_path):
+    done = CHECKPOINTS[-1]
+    reference = _reference_steps(tmp_path, done + RESUMED_STEPS)
+    first = [sorted(k for r in runs["first"] for k in r["keys"][step]) for step in range(done)]
+    # on 2 groups each owns 2 lanes: a global step is 2 microbatches from each
+    resumed = [
+        sorted(k for r in runs["resume"] for k in r["keys"][2 * step] + r["keys"][2 * step + 1])
+        for step in range(RESUMED_STEPS)
+    ]
+    assert first + resumed == reference
+    finals = {r["final"] for r in runs["resume"]}
+    assert len(finals) == 1
+    assert [lane["batches"] for lane in json.loads(finals.pop())["lanes"]] == [9, 9, 9, 9]
+
+
+def test_a_wrong_topology_under_torch_distributed_is_one_line_naming_the_fix(runs):
+    for rank, result in enumerate(runs["first"]):
+        errors = result["errors"]
+        assert set(errors) == {"world_size", "global_rank", "group"}, rank
+        assert all("\n" not in message for message in errors.values())
+    errors = runs["first"][1]["errors"]
+    assert "the default process group has 4 ranks" in errors["world_size"]
+    assert "world_size=2, global_rank=0" in errors["world_size"]
+    assert "this process is its rank 1" in errors["global_rank"]
+    assert "global_rank=2" in errors["global_rank"]
+    assert "aggregate_group must be a torch.distributed ProcessGroup" in errors["group"]
+
+
+@pytest.mark.parametrize(
+    "options,at_iter,match",
+    [
+        ({"aggregate_store": "s3://bucket/agg"}, False, "aggregate_store must be 'torch://'"),
+        ({"aggregate_store": "torch://", "aggregate_dir": "/x"}, False, "not both"),
+        ({"aggregate_group": object(), "aggregate_dir": "/x"}, False, "not both"),
+        ({"aggregate_store": "torch://"}, True, "needs torch.distributed initialised"),
+        ({}, True, "world_size=2 needs a way to assemble checkpoints"),
+        ({"aggregate_dir": "/x"}, False, "run_id is required with aggregate_dir"),
+    ],
+)
+def test_misconfiguration_without_torch_distributed_is_one_line(options, at_iter, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        p = build(0, 2, **options)
+        assert at_iter, "refused only when the pipeline starts"
+        iter(p)
+    assert "\n" not in str(info.value)
