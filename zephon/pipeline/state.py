@@ -138,7 +138,7 @@ def parse_state(state: Any, identity: Identity) -> dict[int, LaneProgress]:
             "state",
             type(state).__name__,
             "a dict returned by Pipeline.checkpoint()",
-            "pass the dict that checkpoint() returned (on global_rank 0)",
+            "pass the dict that checkpoint() returned",
         )
     if state.get("format") != STATE_FORMAT:
         raise _fail(
