@@ -111,7 +111,8 @@ class TorchAggregator:
                 f"{which} has {size} ranks and this process is its rank {own}, but the pipeline "
                 f"says world_size={world_size}, global_rank={rank}: the pipeline's world_size "
                 "and global_rank must be the group's size and rank (dist.get_world_size(), "
-                "dist.get_rank())"
+                "dist.get_rank()); if only some ranks hold pipelines, pass their group as "
+                "aggregate_group"
             )
         if group is not None and not _cpu_capable(dist, group):
             raise ConfigError(

@@ -5,10 +5,11 @@ workdir; ranks 0-3 run the first phase, ranks 0 and 1 then the second in a new p
 Prints one JSON line of what the rank saw, by phase.
 
 - ``first`` (4 ranks, 4 data-parallel groups): the configuration errors a wrong topology
-  gives; three pipelines in lockstep, over ``aggregate_store="torch://"``, over the default
-  transport (nothing given) and over ``aggregate_dir``, checkpointed after 2 and 5 steps; the
-  next steps of the running pipeline and of one restored from the state; then rank 3 skips a
-  checkpoint (``aggregate_timeout_s=2``) and calls it only after the others gave up.
+  gives; a pipeline on each of two 2-rank groups passed as ``aggregate_group``; three pipelines
+  in lockstep, over ``aggregate_store="torch://"``, over the default transport (nothing given)
+  and over ``aggregate_dir``, checkpointed after 2 and 5 steps; the next steps of the running
+  pipeline and of one restored from the state; then rank 3 skips a checkpoint
+  (``aggregate_timeout_s=2``) and calls it only after the others gave up.
 - ``resume`` (2 ranks, 2 groups): restores the first phase's state from
   ``<workdir>/state.json`` and trains on; checkpoints once more.
 """
@@ -73,6 +74,14 @@ def first(rank: int, world_size: int, workdir: str) -> dict:
     import torch.distributed as dist
 
     errors = configuration_errors(rank, world_size)
+    # two pipelines of two ranks each, on groups of their own, with the same run_id
+    pairs = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
+    pair = build(rank % 2, 2, aggregate_group=pairs[rank // 2], run_id="pair")
+    pair_batches = iter(pair)
+    for _ in range(2):
+        next(pair_batches)
+    pair_state = text(pair.checkpoint())
+    pair.close()
     per_group = GLOBAL_MICROBATCHES // world_size
     pipelines = {
         "torch": build(rank, world_size, aggregate_store="torch://", run_id="first"),
@@ -126,6 +135,7 @@ def first(rank: int, world_size: int, workdir: str) -> dict:
     dist.barrier()
     return {
         "errors": errors,
+        "pair_state": pair_state,
         "keys": keys,
         "states": states,
         "after": after,

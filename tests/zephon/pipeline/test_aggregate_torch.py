@@ -99,6 +99,17 @@ def test_the_torch_transport_gives_every_rank_the_storage_transports_bytes(runs,
     assert [f for _, _, files in os.walk(agg) for f in files] == []
 
 
+def test_pipelines_on_groups_of_their_own_assemble_their_own_states(runs, tmp_path):
+    agg = str(tmp_path / "pair")
+    pipelines = [build(r, 2, aggregate_dir=agg, run_id="pair") for r in range(2)]
+    iterators = [iter(p) for p in pipelines]
+    for it in iterators:
+        next(it)
+        next(it)
+    expected = json.dumps(checkpoint_all(pipelines), separators=(",", ":"))
+    assert [r["pair_state"] for r in runs["first"]] == [expected] * 4
+
+
 def test_a_pipeline_restored_on_any_rank_continues_exactly(runs):
     for rank, result in enumerate(runs["first"]):
         assert result["again"] == result["after"], rank
