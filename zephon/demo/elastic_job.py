@@ -68,8 +68,8 @@ class ElasticSpec:
     seed: int = 0
     #: rank 0's outputs, relative to the working directory (the node's own)
     out_dir: str = "."
-    #: shared by all ranks for the pipeline's aggregation when torch.distributed cannot carry
-    #: it; None aggregates over torch.distributed
+    #: None: the pipeline's progress is aggregated over torch.distributed (nothing shared on
+    #: disk); a URL every rank reaches: through storage there (pipelines without a process group)
     aggregate_dir: str | None = None
     #: after this step rank 0 writes held.json and waits to be killed
     hold_after_step: int | None = None
@@ -106,9 +106,10 @@ def build_pipeline(spec: ElasticSpec, rank: int, world: int) -> zephon.Pipeline:
         "canonical_replicas": spec.lanes,
         "run_id": spec.run,
     }
-    if world > 1:
-        topology["aggregate_dir"] = spec.aggregate_dir
-        topology["storage_options"] = spec.storage_options
+    if world > 1 and spec.aggregate_dir is None:
+        topology["aggregate_store"] = "torch://"
+    elif world > 1:
+        topology.update(aggregate_dir=spec.aggregate_dir, storage_options=spec.storage_options)
     pipeline = zephon.Pipeline(source).shuffle(32, seed=spec.seed).batch(spec.microbatch)
     return pipeline.options(**topology)
 
