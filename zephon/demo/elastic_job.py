@@ -87,7 +87,7 @@ def build_pipeline(spec: ElasticSpec, rank: int, world: int) -> zephon.Pipeline:
     """Every rank is its own data-parallel group; ``spec.lanes`` lanes on any world size."""
     # One microbatch per lane per optimizer step: each of the `world` groups reads lanes/world.
     zephon.check_elastic_config(
-        spec.lanes, world, spec.microbatch, microbatches_per_step=spec.lanes // max(1, world)
+        spec.lanes, world, spec.microbatch, microbatches_per_step=spec.lanes // world
     )
     rows = make_rows()
     shards = {f"shard-{s:02d}": zephon.InMemoryShard(rows[s::8]) for s in range(8)}

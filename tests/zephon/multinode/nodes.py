@@ -147,6 +147,16 @@ class Cluster:
 
     def __init__(self, base: Path) -> None:
         self.base = base
+        self.started: list[Node] = []
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Kill whatever still runs (a failed or timed-out test): no node outlives its test."""
+        for node in self.started:
+            if node.alive():
+                node.kill()
 
     def start(
         self, spec: ElasticSpec, *, nnodes: int, nproc: int, torchrun: bool = True
@@ -156,10 +166,12 @@ class Cluster:
         roots = [self.base / f"node{i}" for i in range(nnodes)]
         for root in roots:
             assert not root.exists(), f"{root} was not deleted before this launch"
-        return [
+        nodes = [
             Node(root, spec, nnodes=nnodes, node_rank=i, nproc=nproc, port=port, torchrun=torchrun)
             for i, root in enumerate(roots)
         ]
+        self.started += nodes
+        return nodes
 
     def run(
         self,

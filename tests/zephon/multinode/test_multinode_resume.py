@@ -72,10 +72,17 @@ def load_final(results: Path) -> dict[str, Any]:
 def reference(shared, tmp_path_factory) -> Outcome:
     """The uninterrupted run, in one plain process (no torch.distributed): one more layout,
     and the cheapest one to start."""
-    results = Cluster(tmp_path_factory.mktemp("reference")).run(
-        shared.spec("reference"), "reference", nnodes=1, nproc=1, torchrun=False
-    )
+    with Cluster(tmp_path_factory.mktemp("reference")) as cluster:
+        results = cluster.run(
+            shared.spec("reference"), "reference", nnodes=1, nproc=1, torchrun=False
+        )
     return Outcome(read_steps(results), load_final(results))
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[Cluster]:
+    with Cluster(tmp_path) as opened:
+        yield opened
 
 
 def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -105,17 +112,16 @@ def test_the_reference_run_trains_on_one_microbatch_of_every_lane_per_step(refer
     ids=["2x1-to-1x2", "2x1-to-2x2"],
 )
 def test_a_node_killed_mid_run_resumes_on_another_layout_with_equal_batches_and_losses(
-    shared, reference, tmp_path, nnodes, nproc
+    shared, reference, cluster, nnodes, nproc
 ):
     spec = shared.spec(f"resume-{nnodes}x{nproc}")
-    cluster = Cluster(tmp_path)
     killed, launch = cluster.run_and_kill(
         replace(spec, hold_after_step=HOLD), "killed", nnodes=2, nproc=1
     )
     assert read_json(killed, "held.json")["step"] == HOLD
     # the other node lost its peer: it failed (or hung and was killed), it never finished
     assert all(code != 0 for code in launch.exit_codes), launch.exit_codes
-    assert not any((tmp_path / f"node{i}").exists() for i in range(2))
+    assert not any((cluster.base / f"node{i}").exists() for i in range(2))
     with Catalog(shared.catalog_url) as catalog:
         latest = catalog.latest_committed(spec.run)
     assert latest is not None and latest.step == 4  # step 5 was done but never saved
