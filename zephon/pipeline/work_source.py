@@ -163,10 +163,11 @@ class StaticMixtureWorkSource:
         self._lock = threading.Lock()
         # A sliding cache of recently planned chunks: lanes advance together, so lookups stay
         # near a moving front; an older index is planned again from the start (rare, and
-        # cheap: no data is read). Keeps memory flat over endless curricula.
+        # cheap: no data is read, and chunks before it are skipped by size, never built).
+        # Keeps memory flat over endless curricula.
         self._recent: deque[Chunk] = deque(maxlen=_RECENT_CHUNKS)
-        self._end: int | None = None  # number of chunks, once the generator ran out
-        self._gen = None
+        self._end: int | None = None  # number of chunks, once the curriculum ran out
+        self._planner: _Planner | None = None
         self._shard_lengths: dict[str, list[tuple[ShardId, int]]] | None = None
 
     # -- planning -------------------------------------------------------------------------------
@@ -200,37 +201,6 @@ class StaticMixtureWorkSource:
             out.append((tuple(segments), fill))  # the last, partial chunk is part of the pass
         return out
 
-    def _generate(self):
-        lengths = self._lengths()
-        names = self._order
-        weights = self._weights or [float(sum(n for _, n in lengths[x])) or 1.0 for x in names]
-        taken = [0] * len(names)
-        passes = [0] * len(names)
-        position = [0] * len(names)
-        plans: list[list[tuple[tuple, int]] | None] = [None] * len(names)
-        active = [sum(n for _, n in lengths[x]) > 0 for x in names]
-        index = 0
-        while True:
-            candidates = [i for i in range(len(names)) if active[i]]
-            if not candidates:
-                return
-            i = min(candidates, key=lambda j: (taken[j] / weights[j], j))
-            if plans[i] is None:
-                plans[i] = self._pass_chunks(names[i], passes[i])
-            segments, size = plans[i][position[i]]
-            yield Chunk(index, names[i], passes[i], segments, size)
-            index += 1
-            taken[i] += size
-            position[i] += 1
-            if position[i] == len(plans[i]):
-                passes[i] += 1
-                position[i] = 0
-                plans[i] = None
-                if self.stop_after_passes is not None and passes[i] >= self.stop_after_passes:
-                    if self.exhausted_policy == "stop":
-                        return
-                    active[i] = False
-
     def chunk(self, index: int) -> Chunk | None:
         """Chunk ``index`` of the curriculum, or ``None`` past its end."""
         with self._lock:
@@ -239,15 +209,24 @@ class StaticMixtureWorkSource:
                 return None
             if recent and recent[0].index <= index <= recent[-1].index:
                 return recent[index - recent[0].index]
-            if self._gen is None or (recent and index < recent[0].index):
-                self._gen = self._generate()
+            planner = self._planner
+            if planner is None or index < planner.index:
+                # First use, or behind the cache: plan again from the start.
+                planner = self._planner = _Planner(self)
                 recent.clear()
-            while not recent or recent[-1].index < index:
-                try:
-                    recent.append(next(self._gen))
-                except StopIteration:
-                    self._end = recent[-1].index + 1 if recent else 0
+            if not recent or index - planner.index > _RECENT_CHUNKS:
+                # Nothing cached leads up to ``index`` (first use, a restore deep into the run,
+                # a jump past the cache): advance by chunk sizes alone, building no chunk
+                # before it (about a microsecond per chunk of a mixture; a dataset alone
+                # skips whole passes).
+                planner.skip_to(index)
+                recent.clear()
+            while planner.index <= index:
+                chunk = planner.next()
+                if chunk is None:
+                    self._end = planner.index
                     return None
+                recent.append(chunk)
             return recent[index - recent[0].index]
 
     def lane_chunk(self, lane: int, position: int, lanes: int) -> Chunk | None:
@@ -286,6 +265,91 @@ class StaticMixtureWorkSource:
             f"stop_after_passes={self.stop_after_passes}, "
             f"exhausted_policy={self.exhausted_policy!r})"
         )
+
+
+class _Planner:
+    """The curriculum's scheduling state, advanced one chunk at a time.
+
+    Every pass of a dataset cuts the same sizes (``chunk_size``, then the pass's remainder),
+    whatever its shard order, and the schedule depends only on sizes: so ``skip_to`` can move
+    the state forward without building chunks or shuffling a pass, and ``next`` builds the
+    chunk at the current position from that pass's plan.
+    """
+
+    def __init__(self, source: StaticMixtureWorkSource) -> None:
+        lengths = source._lengths()
+        self.source = source
+        self.names = source._order
+        totals = self.totals = [sum(n for _, n in lengths[x]) for x in self.names]
+        size = source.chunk_size
+        self.weights = source._weights or [float(t) or 1.0 for t in totals]
+        self.counts = [-(-t // size) for t in totals]  # chunks per pass
+        self.last = [t - (c - 1) * size for t, c in zip(totals, self.counts, strict=True)]
+        self.taken = [0] * len(totals)  # records taken from each dataset
+        self.passes = [0] * len(totals)
+        self.position = [0] * len(totals)  # chunk position within the current pass
+        self.plans: list[list[tuple[tuple, int]] | None] = [None] * len(totals)
+        self.active = [t > 0 for t in totals]
+        self.index = 0  # curriculum index of the next chunk
+        self.done = False
+
+    def _pick(self) -> int | None:
+        """The active dataset furthest behind its share, ties to the earlier one."""
+        best, best_share = None, 0.0
+        for j, live in enumerate(self.active):
+            if live:
+                share = self.taken[j] / self.weights[j]
+                if best is None or share < best_share:
+                    best, best_share = j, share
+        if best is None:
+            self.done = True
+        return best
+
+    def _advance(self, i: int, size: int) -> None:
+        self.index += 1
+        self.taken[i] += size
+        self.position[i] += 1
+        if self.position[i] == self.counts[i]:
+            self.passes[i] += 1
+            self.position[i] = 0
+            self.plans[i] = None
+            stop = self.source.stop_after_passes
+            if stop is not None and self.passes[i] >= stop:
+                if self.source.exhausted_policy == "stop":
+                    self.done = True
+                else:
+                    self.active[i] = False
+
+    def skip_to(self, index: int) -> None:
+        size = self.source.chunk_size
+        endless = self.source.stop_after_passes is None
+        while self.index < index and not self.done:
+            i = self._pick()
+            if i is None:
+                return
+            if endless and self.position[i] == 0 and sum(self.active) == 1:
+                # The only non-empty dataset of an endless curriculum: whole passes at once.
+                whole = (index - self.index) // self.counts[i]
+                if whole:
+                    self.index += whole * self.counts[i]
+                    self.taken[i] += whole * self.totals[i]
+                    self.passes[i] += whole
+                    continue
+            self._advance(i, self.last[i] if self.position[i] == self.counts[i] - 1 else size)
+
+    def next(self) -> Chunk | None:
+        if self.done:
+            return None
+        i = self._pick()
+        if i is None:
+            return None
+        plan = self.plans[i]
+        if plan is None:
+            plan = self.plans[i] = self.source._pass_chunks(self.names[i], self.passes[i])
+        segments, size = plan[self.position[i]]
+        chunk = Chunk(self.index, self.names[i], self.passes[i], segments, size)
+        self._advance(i, size)
+        return chunk
 
 
 def _check_int(name: str, value: Any, *, minimum: int, none_ok: bool = False) -> None:

@@ -320,3 +320,38 @@ def test_invalid_exhausted_policies_are_refused_in_one_line(kwargs, match):
     with pytest.raises(ConfigError, match=match) as info:
         zephon.StaticMixtureWorkSource(make_dataset(), **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_lookups_deep_into_an_endless_mixture_match_planning_in_order(monkeypatch):
+    from zephon.pipeline import work_source
+
+    def plan():
+        return zephon.StaticMixtureWorkSource(
+            [make_dataset("a", shards=3, per_shard=7), make_dataset("b", shards=2, per_shard=5)],
+            zephon.MixtureSpec({"a": 2, "b": 1}),
+            chunk_size=3,
+            seed=4,
+            exhausted_policy="repeat",
+        )
+
+    reference = plan()
+    expected = [reference.chunk(k) for k in range(3000)]
+    monkeypatch.setattr(work_source, "_RECENT_CHUNKS", 8)
+    source = plan()
+    for k in [2500, 2501, 2499, 10, 2999, 40, 41, 39, 1500, 2998, 0, 777]:
+        assert source.chunk(k) == expected[k]
+
+
+def test_a_deep_lookup_plans_only_the_pass_it_lands_in():
+    source = zephon.StaticMixtureWorkSource(
+        make_dataset(shards=4, per_shard=6), chunk_size=5, seed=1, exhausted_policy="repeat"
+    )
+    planned = []
+    plan_pass = source._pass_chunks
+    source._pass_chunks = lambda name, index: planned.append(index) or plan_pass(name, index)
+    chunk = source.chunk(5 * 10**9 + 2)  # 5 chunks a pass: chunk 2 of pass 10**9
+    assert (chunk.pass_index, planned) == (10**9, [10**9])
+    fresh = zephon.StaticMixtureWorkSource(
+        make_dataset(shards=4, per_shard=6), chunk_size=5, seed=1, exhausted_policy="repeat"
+    )
+    assert chunk.segments == fresh._pass_chunks("ds", 10**9)[2][0]
