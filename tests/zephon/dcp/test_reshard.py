@@ -16,7 +16,7 @@ import re
 import pytest
 
 from tests.conftest import make_backend
-from tests.zephon.dcp.reshard_worker import DOCS, SECTION
+from tests.zephon.dcp.reshard_worker import DOCS, SAVED_LR, SECTION
 from tests.zephon.dcp.test_distributed import launch
 
 #: 10 and 6 rows over 4 ranks: chunks of ceil(rows / 4), so uneven, and the last one empty
@@ -81,6 +81,9 @@ def test_four_ranks_of_shard0_load_on_two_ranks_with_equal_full_tensors(ranks, l
         load = record["two"][layout][way]
         assert_equal_after_load(load)
         assert load["layout"] == LAYOUTS[layout]
+        # param_groups: JSON beside the tensors in a manager checkpoint (so not read through the
+        # plain Reader), a DCP item of torch's own state dict
+        assert load["lr"] == (0.5 if way == "manager_via_reader" else SAVED_LR)
 
 
 def test_a_two_rank_save_loads_on_four_ranks(ranks):
@@ -94,6 +97,7 @@ def test_one_process_loads_plain_tensors_with_equal_values(ranks, way):
     load = ranks[0]["one"][way]
     assert_equal_after_load(load)
     assert {kind for kind, _ in load["layout"].values()} == {"plain"}
+    assert load["lr"] == (0.5 if way == "manager_via_reader" else SAVED_LR)
 
 
 def test_a_damaged_chunk_fails_a_resharded_load_on_every_rank(ranks):
