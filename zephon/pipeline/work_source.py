@@ -217,7 +217,7 @@ class StaticMixtureWorkSource:
             if not recent or index - planner.index > _RECENT_CHUNKS:
                 # Nothing cached leads up to ``index`` (first use, a restore deep into the run,
                 # a jump past the cache): advance by chunk sizes alone, building no chunk
-                # before it (about a microsecond per chunk of a mixture; a dataset alone
+                # before it (a few microseconds per chunk of a mixture; a dataset alone
                 # skips whole passes).
                 planner.skip_to(index)
                 recent.clear()
