@@ -5,6 +5,7 @@ The storage root comes from ``ZEPHON_DCP_TEST`` (JSON with ``url`` and ``storage
 go through every layout in turn, each phase a process group of its own over one TCP store (a
 ``PrefixStore`` per phase), so no layout pays for starting processes and importing torch again:
 
+  start  rank 0 alone saves the same state as plain tensors (``manager1/reshard``), for 1 -> 2
   save   4 ranks, ``Shard(0)`` DTensors (10 and 6 rows over 4 ranks: uneven, one shard empty),
          AdamW after one step: a manager checkpoint (``manager/reshard``) with per-rank
          non-tensor state, the same state through torch's ``dcp.save`` with
@@ -13,7 +14,8 @@ go through every layout in turn, each phase a process group of its own over one 
   two    ranks 0 and 1: each layout (``Shard(0)``, ``Replicate()``, ``Shard(1)``) loaded through
          the manager, through ``dcp.load`` with ``zephon.dcp.Reader``, and the manager's
          checkpoint through the plain Reader (``subdir="dcp"``); the damaged copy loaded as
-         ``Shard(0)`` with and without verification; a manager checkpoint saved on these 2 ranks
+         ``Shard(0)`` with and without verification; the one-process checkpoint loaded as
+         ``Shard(1)`` (1 -> 2); a manager checkpoint saved on these 2 ranks
          (``manager2/reshard``); the docs example loads on 2 ranks
   four   4 ranks again: the 2-rank checkpoint (2 -> 4) and the 4-rank one (4 -> 4: the control)
   one    rank 0 alone, without torch.distributed: every checkpoint as plain tensors
@@ -337,6 +339,13 @@ def phase_two(rank: int, root: str, options: dict, expected: dict, out: dict) ->
         layout: load_every_way(root, options, expected, layout, ways)
         for layout in ("shard0", "replicate", "shard1")
     }
+    out["two_from_one"] = load_every_way(
+        root,
+        options,
+        expected,
+        "shard1",
+        {"manager": lambda m, o: load_with_manager(root, options, "manager1", m, o)},
+    )["manager"]
     out["two_damaged"] = load_every_way(
         root,
         options,
@@ -403,8 +412,15 @@ def main(rank: int, world: int, port: int) -> None:
 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=TIMEOUT)
     try:
+        if rank == 0:  # before any process group: the same state saved by one process
+            model, optim = build(seed=1, layout=None)
+            plain = values_of(model, optim)
+            save_with_manager(root, options, "manager1", model, optim, rank)
+            done("one_save")
         join(store, "save", rank, world)
         expected = phase_save(rank, root, options, out)
+        if rank == 0:
+            out["plain_differs_from_sharded"] = differences(plain, expected)
         done("save")
         # The example saves to a local directory, as printed; on another backend it is not run.
         local = "://" not in root

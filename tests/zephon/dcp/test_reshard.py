@@ -86,6 +86,18 @@ def test_four_ranks_of_shard0_load_on_two_ranks_with_equal_full_tensors(ranks, l
         assert load["lr"] == (0.5 if way == "manager_via_reader" else SAVED_LR)
 
 
+def test_a_one_process_save_of_plain_tensors_loads_on_two_ranks_as_shard1(ranks):
+    # the same state built without DTensors has the same values
+    assert ranks[0]["plain_differs_from_sharded"] == []
+    for record in ranks[:2]:
+        load = record["two_from_one"]
+        assert_equal_after_load(load)
+        assert load["layout"] == LAYOUTS["shard1"]
+        got = loaded(load)
+        assert {k: got[k] for k in RANK_ZERO} == RANK_ZERO
+        assert got["rank_state"] is None and got["rng_untouched"]
+
+
 def test_a_two_rank_save_loads_on_four_ranks(ranks):
     for record in ranks:
         assert_equal_after_load(record["four"]["manager2"])
