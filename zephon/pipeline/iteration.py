@@ -1,8 +1,9 @@
 """Iterating a pipeline: the group's batches in turn order, optionally prefetched.
 
 The batches come from one deterministic generator (``_produce``); prefetching runs that same
-generator in a background thread behind a bounded queue, so it changes when work happens and
-never what is produced.
+generator in a background thread behind a bounded queue, and map parallelism hands its maps to
+a mapper (``parallel.py``: threads or worker processes), so both change when and where work
+happens and never what is produced.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from zephon.pipeline.errors import PipelineError
 from zephon.pipeline.lanes import LanePlan, LaneProgress, LaneReader, next_lane
 from zephon.pipeline.operators import BatchSpec
+from zephon.pipeline.parallel import make_mapper
 from zephon.pipeline.records import Batch
 
 if TYPE_CHECKING:
@@ -87,11 +88,8 @@ class Iteration:
     ) -> None:
         self._pipeline = pipeline
         spec = pipeline._prefetch
-        parallelism = spec.parallelism if spec else 1
-        self._pool = ThreadPoolExecutor(parallelism) if parallelism > 1 else None
-        readers = {
-            lane: LaneReader(plan, lane, progress[lane], self._pool, parallelism) for lane in owned
-        }
+        self._mapper = make_mapper(plan.ops, spec)
+        readers = {lane: LaneReader(plan, lane, progress[lane], self._mapper) for lane in owned}
         self._closed = False
         self._stop = threading.Event()
         self._gen = _produce(readers, pipeline._batch)
@@ -132,8 +130,7 @@ class Iteration:
     def _finish(self) -> None:
         self._closed = True
         self._stop.set()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._mapper.close()  # worker processes end here, not when the thread notices
 
     def close(self) -> None:
         self._finish()
@@ -141,4 +138,7 @@ class Iteration:
             self._thread.join(timeout=5)
 
     def __del__(self) -> None:
-        self._stop.set()
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+            self._mapper.close()

@@ -20,12 +20,12 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from zephon.pipeline.operators import MapOp, Operator, PackOp, ShuffleOp, jitter_order
 from zephon.pipeline.packing import pack_first_fit
+from zephon.pipeline.parallel import Fetched, InlineMapper, Mapper, MapStage, apply_maps, finish
 from zephon.pipeline.records import Batch
 from zephon.pipeline.work_source import Chunk, StaticMixtureWorkSource, derive_seed
 
@@ -59,20 +59,25 @@ class LanePlan:
             chunks.append(chunk)
         return chunks
 
-    def build_window(self, lane: int, window: int) -> Window | None:
-        """Window ``window`` of ``lane`` after every operator, or ``None`` past the lane's end."""
+    def build_window(self, lane: int, window: int, mapper: Mapper | None = None) -> Window | None:
+        """Window ``window`` of ``lane`` after every operator, or ``None`` past the lane's end.
+
+        ``mapper`` runs the maps a pack needs the whole window for (default: on this thread).
+        """
         chunks = self.window_chunk_list(lane, window)
         if not chunks:
             return None
-        return Window(self, lane, window, chunks)
+        return Window(self, lane, window, chunks, mapper or InlineMapper())
 
 
 class Window:
     """One flush window of one lane: its entries in final order, mapped lazily on fetch."""
 
-    __slots__ = ("lane", "index", "chunks", "starts", "base", "members", "order", "maps", "size")
+    __slots__ = ("lane", "index", "chunks", "starts", "base", "members", "order", "stages", "size")
 
-    def __init__(self, plan: LanePlan, lane: int, index: int, chunks: list[Chunk]) -> None:
+    def __init__(
+        self, plan: LanePlan, lane: int, index: int, chunks: list[Chunk], mapper: Mapper
+    ) -> None:
         self.lane = lane
         self.index = index
         self.chunks = chunks
@@ -84,50 +89,41 @@ class Window:
         self.base: list[Any] = raw
         self.members: list[tuple[int, ...]] | None = None  # set once a pack regrouped records
         self.order: list[int] | None = None  # None: base order
-        self.maps: list[MapOp] = []
+        self.stages: tuple[MapStage, ...] = ()  # maps since the last pack, applied on fetch
         for op_index, op in enumerate(plan.ops):
             if isinstance(op, MapOp):
-                self.maps.append(op)
+                self.stages += ((op_index, op.fn, op.drop_none),)
             elif isinstance(op, ShuffleOp):
-                n = len(self.base) if self.order is None else len(self.order)
                 seed = derive_seed("shuffle", op.seed, lane, index, op_index)
-                perm = jitter_order(n, op.buffer_size, seed)
-                self.order = perm if self.order is None else [self.order[i] for i in perm]
+                perm = jitter_order(self.entries(), op.buffer_size, seed)
+                self.order = perm if self.order is None else list(map(self.order.__getitem__, perm))
             elif isinstance(op, PackOp):
-                payloads, positions, _ = self.fetch(0, self._entries())
+                payloads, positions = mapper.fetch_all(self)
                 provs = positions if self.members is None else [self.members[p] for p in positions]
                 provs = [p if isinstance(p, tuple) else (p,) for p in provs]
                 self.base, self.members = pack_first_fit(payloads, provs, op)
                 self.order = None
-                self.maps = []
-        self.size = self._entries()
+                self.stages = ()
+        self.size = self.entries()
 
-    def _entries(self) -> int:
+    def entries(self) -> int:
         return len(self.base) if self.order is None else len(self.order)
 
-    def fetch(self, start: int, stop: int) -> tuple[list[Any], list[int], list[int] | None]:
-        """Records of entries ``[start, stop)``: payloads, base positions, and the entry index
-        of each kept record (``None`` when none was dropped, i.e. entry = ``start + i``)."""
+    def select(self, start: int, stop: int) -> tuple[list[Any], list[int]]:
+        """Unmapped records of entries ``[start, stop)`` and their base positions."""
         base = self.base
         if self.order is None:
-            positions = list(range(start, min(stop, len(base))))
-            payloads = base[start:stop]
-        else:
-            positions = self.order[start:stop]
-            payloads = [base[p] for p in positions]
-        entries: list[int] | None = None
-        for op in self.maps:
-            payloads = list(map(op.fn, payloads))
-            if op.drop_none:
-                keep = [i for i, x in enumerate(payloads) if x is not None]
-                if len(keep) != len(payloads):
-                    payloads = [payloads[i] for i in keep]
-                    positions = [positions[i] for i in keep]
-                    if entries is None:
-                        entries = [start + i for i in keep]
-                    else:
-                        entries = [entries[i] for i in keep]
-        return payloads, positions, entries
+            stop = min(stop, len(base))
+            return base[start:stop], list(range(start, stop))
+        positions = self.order[start:stop]
+        return list(map(base.__getitem__, positions)), positions
+
+    def fetch(self, start: int, stop: int) -> Fetched:
+        """Records of entries ``[start, stop)``: payloads, base positions, and the entry index
+        of each kept record (``None`` when none was dropped, i.e. entry = ``start + i``)."""
+        raw, positions = self.select(start, stop)
+        payloads, keep = apply_maps(self.stages, raw)
+        return finish(start, payloads, positions, keep)
 
     def provenance(self, position: int) -> tuple[int, int, str, tuple]:
         """``(chunk, offset, sample_id, members)`` of the record at base ``position``."""
@@ -145,134 +141,161 @@ class Window:
         return chunk.index, offset, chunk.sample_id(offset)
 
 
-class _Segment:
-    """Fetched entries ``[lo, hi)`` of a window, and how many of its records were taken."""
+class _Block:
+    """Mapped entries ``[lo, hi)`` of a window, and how many of its records were taken.
 
-    __slots__ = ("lo", "hi", "payloads", "positions", "entries", "taken")
+    A block is a run of whole *segments*: ``size`` entries each (the microbatch size), counted
+    from ``origin``, the entry the lane started the window at. The window cursor reported after
+    a batch is defined per segment, so it is the same however many segments a block holds (one
+    when maps run inline, a work unit's worth with a pool): that is what keeps checkpoint state
+    independent of prefetch and parallelism.
+    """
 
-    def __init__(self, lo: int, hi: int, fetched: tuple) -> None:
-        self.lo, self.hi = lo, hi
+    __slots__ = ("window", "origin", "lo", "hi", "payloads", "positions", "entries", "taken")
+
+    def __init__(self, window: Window, origin: int, lo: int, hi: int, fetched: Fetched) -> None:
+        self.window, self.origin, self.lo, self.hi = window, origin, lo, hi
         self.payloads, self.positions, self.entries = fetched
         self.taken = 0
 
-    def cursor_after(self, taken: int) -> int:
-        """The window cursor once ``taken`` records of this segment are delivered."""
-        if taken >= len(self.payloads):
-            return self.hi  # dropped entries at the segment's tail are consumed too
-        last = self.entries[taken - 1] if self.entries is not None else self.lo + taken - 1
-        return last + 1
+    def cursor_after(self, taken: int, size: int) -> int:
+        """The window cursor once ``taken`` (>= 1) records of this block are delivered.
+
+        The entry after the last delivered record, except when that record was the last kept
+        one of its segment: then the whole segment is consumed, dropped entries at its tail too.
+        """
+        entries = self.entries
+        if entries is None:
+            return self.lo + taken
+        last = entries[taken - 1]
+        origin = self.origin
+        segment_end = min(origin + ((last - origin) // size + 1) * size, self.window.size)
+        if taken < len(entries) and entries[taken] < segment_end:
+            return last + 1
+        return segment_end
 
 
-class _Segments:
-    """Fetches a window's entries from ``start`` on in fixed-size segments, maybe in parallel.
+class _BlockStream:
+    """One lane's blocks in order, window after window, submitted to the mapper ahead of use.
 
-    Segment boundaries depend only on ``start`` and ``size``, and each fetch is a pure
-    function of the window, so using a pool changes timing but never the output.
+    Block boundaries depend only on where the lane started and the block size, and each fetch
+    is a pure function of the window, so a pool changes timing but never the output. With a
+    pool, up to ``mapper.lookahead`` blocks are in flight, across window boundaries (the next
+    window is built while the last blocks of this one are mapped); inline, nothing is read
+    ahead and a window is built only when its first record is needed.
     """
 
     def __init__(
-        self, window: Window, start: int, size: int, pool: Executor | None, lookahead: int
+        self, plan: LanePlan, lane: int, window: int, origin: int, block: int, mapper: Mapper
     ) -> None:
-        self.window = window
-        self.next_start = start
-        self.size = size
-        self.pool = pool
-        self.lookahead = lookahead
+        self.plan, self.lane, self.block, self.mapper = plan, lane, block, mapper
+        self.window: Window | None = None  # the window blocks are being submitted from
+        self.next_index, self.next_start = window, origin
+        self.origin = origin  # where the lane started that window: segments count from there
         self.pending: deque = deque()
-
-    def _bounds(self) -> tuple[int, int]:
-        lo = self.next_start
-        self.next_start = min(lo + self.size, self.window.size)
-        return lo, self.next_start
+        self.end: int | None = None  # the lane's first missing window, once reached
 
     def _submit(self) -> None:
-        while len(self.pending) < self.lookahead and self.next_start < self.window.size:
-            lo, hi = self._bounds()
-            self.pending.append((lo, hi, self.pool.submit(self.window.fetch, lo, hi)))
+        while len(self.pending) < self.mapper.lookahead and self.end is None:
+            window = self.window
+            if window is None:
+                window = self.plan.build_window(self.lane, self.next_index, self.mapper)
+                if window is None:
+                    self.end = self.next_index
+                    return
+                self.window, self.origin = window, self.next_start
+            lo = self.next_start
+            hi = min(lo + self.block, window.size)
+            # an empty window (a pack of records all dropped) still moves the cursor past it
+            handle = self.mapper.submit(window, lo, hi) if hi > lo else None
+            self.pending.append((window, self.origin, lo, hi, handle))
+            if hi >= window.size:
+                self.window, self.next_start = None, 0
+                self.next_index += 1
+            else:
+                self.next_start = hi
 
-    def next(self) -> _Segment | None:
-        if self.pool is None:
-            if self.next_start >= self.window.size:
-                return None
-            lo, hi = self._bounds()
-            return _Segment(lo, hi, self.window.fetch(lo, hi))
-        self._submit()
+    def next(self) -> _Block | None:
+        """The next block, or ``None`` past the lane's last window."""
         if not self.pending:
-            return None
-        lo, hi, future = self.pending.popleft()
-        self._submit()
-        return _Segment(lo, hi, future.result())
+            self._submit()
+            if not self.pending:
+                return None
+        window, origin, lo, hi, handle = self.pending.popleft()
+        if self.mapper.lookahead > 1:
+            self._submit()  # keep the pool busy while this block is read
+        fetched = ([], [], None) if handle is None else self.mapper.result(handle)
+        return _Block(window, origin, lo, hi, fetched)
 
 
 class LaneReader:
     """Cuts one lane's record stream into microbatches, starting from a ``LaneProgress``.
 
     ``window_index``/``cursor`` are the position after the last batch returned (what the state
-    reports once that batch is delivered); reading may run ahead of it into buffered segments.
+    reports once that batch is delivered); reading may run ahead of it into buffered blocks.
     """
 
     def __init__(
-        self,
-        plan: LanePlan,
-        lane: int,
-        progress: LaneProgress,
-        pool: Executor | None = None,
-        parallelism: int = 1,
+        self, plan: LanePlan, lane: int, progress: LaneProgress, mapper: Mapper | None = None
     ) -> None:
         self.plan = plan
         self.lane = lane
         self.window_index = progress.window
         self.cursor = progress.cursor
         self.batches = progress.batches
-        self.pool = pool
-        self.lookahead = max(2, 2 * parallelism)
-        self._window: Window | None = None
-        self._segments: _Segments | None = None
-        self._segment: _Segment | None = None
+        self.mapper = mapper or InlineMapper()
+        self._stream: _BlockStream | None = None
+        self._block: _Block | None = None
         self.exhausted = False
 
     def progress(self) -> LaneProgress:
         return LaneProgress(self.window_index, self.cursor, self.batches)
-
-    def _open_window(self, index: int, cursor: int, size: int) -> Window | None:
-        window = self.plan.build_window(self.lane, index)
-        self._window = window
-        self._segment = None
-        if window is not None:
-            self._segments = _Segments(window, cursor, size, self.pool, self.lookahead)
-        return window
 
     def next_batch(self, size: int, drop_last: bool) -> tuple[Batch, LaneProgress] | None:
         """The next microbatch and the lane's progress once it is delivered, or ``None`` at the
         lane's end (a final partial batch is returned unless ``drop_last``)."""
         if self.exhausted:
             return None
+        stream = self._stream
+        if stream is None:
+            block = size * max(1, -(-self.mapper.unit // size))  # whole segments
+            stream = self._stream = _BlockStream(
+                self.plan, self.lane, self.window_index, self.cursor, block, self.mapper
+            )
         payloads: list[Any] = []
         parts: list[tuple[Window, list[int]]] = []
         window_index, cursor = self.window_index, self.cursor
         need = size
         while need:
-            window = self._window
-            if window is None or window.index != window_index:
-                window = self._open_window(window_index, cursor, size)
-                if window is None:
-                    break  # past the lane's last chunk
-            segment = self._segment or self._segments.next()
-            if segment is None:
-                window_index, cursor = window_index + 1, 0
-                continue
-            take = min(need, len(segment.payloads) - segment.taken)
-            if take:
-                lo, hi = segment.taken, segment.taken + take
-                payloads += segment.payloads[lo:hi]
-                if parts and parts[-1][0] is window:
-                    parts[-1][1].extend(segment.positions[lo:hi])
+            block = self._block
+            if block is None:
+                block = stream.next()
+                if block is None:
+                    window_index, cursor = stream.end, 0  # past the lane's last chunk
+                    break
+                if block.window.index != window_index:  # the previous window is consumed
+                    window_index, cursor = block.window.index, 0
+            window = block.window
+            available = len(block.payloads) - block.taken
+            if available:
+                lo = block.taken
+                hi = lo + min(need, available)
+                if not payloads and lo == 0 and hi == len(block.payloads):
+                    payloads, positions = block.payloads, block.positions  # a batch per block
+                    parts.append((window, positions))
                 else:
-                    parts.append((window, list(segment.positions[lo:hi])))
-                need -= take
-                segment.taken = hi
-            cursor = segment.cursor_after(segment.taken) if segment.taken else segment.hi
-            self._segment = segment if segment.taken < len(segment.payloads) else None
+                    payloads += block.payloads[lo:hi]
+                    if parts and parts[-1][0] is window:
+                        parts[-1][1].extend(block.positions[lo:hi])
+                    else:
+                        parts.append((window, block.positions[lo:hi]))
+                need -= hi - lo
+                block.taken = hi
+                cursor = block.cursor_after(hi, size)
+                self._block = block if hi < len(block.payloads) else None
+            else:  # every entry of the block was dropped by a map
+                cursor = block.hi
+                self._block = None
             if cursor >= window.size:
                 window_index, cursor = window_index + 1, 0
         if not payloads or (need and drop_last):

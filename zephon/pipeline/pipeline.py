@@ -26,6 +26,7 @@ from zephon.pipeline.aggregate_torch import TORCH_STORE, TorchAggregator, distri
 from zephon.pipeline.iteration import Iteration
 from zephon.pipeline.lanes import LanePlan, LaneProgress, owned_lanes
 from zephon.pipeline.operators import (
+    PREFETCH_WORKERS,
     BatchSpec,
     MapOp,
     Operator,
@@ -245,13 +246,20 @@ class Pipeline:
         self._batch = BatchSpec(microbatch_size, drop_last)
         return self
 
-    def prefetch(self, buffer_size: int, parallelism: int = 1) -> Pipeline:
+    def prefetch(
+        self, buffer_size: int, parallelism: int = 1, *, workers: str = "processes"
+    ) -> Pipeline:
         """Prepare up to ``buffer_size`` batches ahead in a background thread; with
-        ``parallelism > 1`` map functions run on that many threads. Output is unchanged."""
+        ``parallelism > 1`` map functions run in that many worker processes (``workers=
+        "threads"``: threads, for maps that wait on I/O or release the GIL). A map function a
+        new process cannot load (a lambda) runs on threads, with a warning. Output is unchanged.
+        """
         self._mutable("prefetch")
         check_positive_int("prefetch buffer_size", buffer_size)
         check_positive_int("prefetch parallelism", parallelism)
-        self._prefetch = PrefetchSpec(buffer_size, parallelism)
+        if workers not in PREFETCH_WORKERS:
+            raise ConfigError(f"prefetch workers must be 'processes' or 'threads', got {workers!r}")
+        self._prefetch = PrefetchSpec(buffer_size, parallelism, workers)
         return self
 
     def options(
