@@ -172,7 +172,7 @@ def main(args: dict) -> None:
             rank=rank,
             world_size=world_size,
             init_method=f"tcp://127.0.0.1:{port}",
-            timeout=dt.timedelta(seconds=60),
+            timeout=dt.timedelta(seconds=180),  # ranks start far apart on a loaded machine
         )
         try:
             out[phase] = (first if phase == "first" else resume)(rank, world_size, workdir)
