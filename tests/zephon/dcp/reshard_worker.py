@@ -400,6 +400,8 @@ def main(rank: int, world: int, port: int) -> None:
     assert world == WORLD, f"the resharding worker runs as {WORLD} processes"
     config = json.loads(os.environ["ZEPHON_DCP_TEST"])
     root, options = config["url"], config["storage_options"]
+    # Storage only: the runs of one name under several save_dirs would clash in one catalog.
+    os.environ.pop("ZEPHON_CATALOG_URL", None)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     out: dict[str, Any] = {"rank": rank}
