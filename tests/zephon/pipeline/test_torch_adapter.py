@@ -80,7 +80,7 @@ def test_the_pipeline_imports_and_runs_without_torch():
 
 
 def test_every_rank_saves_the_merged_state_and_dcp_restores_it(tmp_path):
-    """Two gloo ranks: the adapter broadcasts rank 0's merged state, DCP saves and loads it."""
+    """Two gloo ranks: each saves the merged state checkpoint() gave it, DCP saves and loads it."""
     from tests import servers
     from tests.zephon.pipeline.agg_worker import build
 
