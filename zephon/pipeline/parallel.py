@@ -312,8 +312,17 @@ def _start_method() -> str:
     ``__main__`` once, so forking workers from it is safe and takes milliseconds, where
     ``spawn`` starts and imports a new interpreter per worker.
     """
-    methods = multiprocessing.get_all_start_methods()
-    return "forkserver" if "forkserver" in methods else "spawn"
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    # Have the fork server import this module (and so zephon) once, before its first fork,
+    # instead of every worker of every iteration importing it. The list is extended, never
+    # replaced; once the server runs, this changes nothing.
+    from multiprocessing import forkserver
+
+    preload = list(getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"])
+    if __name__ not in preload:
+        forkserver.set_forkserver_preload([*preload, __name__])
+    return "forkserver"
 
 
 class _Task:

@@ -3,16 +3,18 @@ exact restores, no process left behind, and one-line errors from a failing worke
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import os
 import random
-import re
 
 import pytest
 
 import zephon
 from tests.zephon.pipeline import parallel_maps
+from tests.zephon.test_docs import _EXAMPLE
 from zephon.errors import ConfigError
 from zephon.pipeline import PipelineError
 from zephon.pipeline.operators import jitter_order
@@ -177,9 +179,12 @@ def test_jitter_order_is_the_sort_by_i_plus_a_scaled_draw():
         assert jitter_order(n, size, seed) == expected
 
 
-def test_the_documented_prefetch_example_runs():
+def test_the_documented_map_parallelism_example_prints_what_the_page_says():
     with open(os.path.join(ROOT, "docs", "pipeline.md"), encoding="utf-8") as handle:
         text = handle.read()
-    block = re.search(r"```python\n(# map parallelism.*?)```", text, re.S)
-    assert block, "docs/pipeline.md lost its map-parallelism example"
-    exec(compile(block.group(1), "docs/pipeline.md", "exec"), {})
+    found = [m for m in _EXAMPLE.finditer(text) if m.group("code").startswith("# map parallel")]
+    assert len(found) == 1, "docs/pipeline.md lost its map-parallelism example"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(found[0].group("code"), "docs/pipeline.md", "exec"), {"__name__": "__main__"})
+    assert out.getvalue() == found[0].group("out")
