@@ -9,6 +9,8 @@ import io
 import json
 import os
 import random
+import sys
+import types
 
 import pytest
 
@@ -160,6 +162,18 @@ def test_a_function_a_process_cannot_load_runs_on_threads_with_a_warning():
     with pytest.warns(RuntimeWarning, match=r"<lambda> cannot be sent to a worker process"):
         got = trace(build(2, lambda r: {**r, "k": 1}))
     assert got == reference
+
+
+def test_a_function_that_pickles_but_a_worker_cannot_import_is_a_one_line_error(monkeypatch):
+    module = types.ModuleType("zephon_test_made_up_module")  # in sys.modules here, nowhere else
+    exec("def double(r):\n    return {**r, 'n2': r['n'] * 2}\n", module.__dict__)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(PipelineError) as info:
+        list(build(2, module.double))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("map functions cannot be loaded in a worker process (")
+    assert "zephon_test_made_up_module" in message and "workers='threads'" in message
 
 
 def test_threads_can_be_chosen_and_give_the_same_output():
