@@ -1,6 +1,6 @@
-"""Job configuration for checkpointing (seed 002), validated on construction.
+"""Job configuration for checkpointing (docs/manager.md), validated on construction.
 
-``load_job_config`` reads the seed's YAML shape::
+``load_job_config`` reads a job YAML file of this shape::
 
     run: {name: my-run}
     trainer:
@@ -133,7 +133,7 @@ class CheckpointingConfig:
         return self.catalog_url or os.environ.get("ZEPHON_CATALOG_URL") or None
 
     def saves_at(self, step: int, total_steps: int | None) -> bool:
-        """Whether a job saves after completing ``step`` (seed 002 "Where and When")."""
+        """Whether a job saves after completing ``step`` (``period_steps`` in docs/manager.md)."""
         if self.period_steps == "disable":
             return False
         is_last = total_steps is not None and step == total_steps

@@ -1,5 +1,5 @@
 """``CheckpointManager``: what a training or inference job calls to save every
-``period_steps``, keep ``num_to_keep`` and resume exactly (seed 002).
+``period_steps``, keep ``num_to_keep`` and resume exactly (docs/manager.md).
 
 Call every method on every rank, at the same point of the program: they are collectives on a
 gloo process group of the manager's own. Rank 0 alone talks to the catalog and commits.
@@ -337,7 +337,7 @@ class CheckpointManager:
                 writer.abort()
 
     def apply_retention(self) -> list[int]:
-        """Rank 0: delete the checkpoints ``num_to_keep`` no longer keeps (seed 002: after
+        """Rank 0: delete the checkpoints ``num_to_keep`` no longer keeps (docs/manager.md: after
         each save, the main process deletes the oldest). Returns the deleted steps."""
         if not self.coll.is_main:
             return []
