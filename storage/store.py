@@ -80,7 +80,7 @@ class CheckpointStore:
         storage_options: Mapping[str, Any] | None = None,
         *,
         max_workers: int = 8,
-        part_size: int = 64 << 20,
+        part_size: int = 8 << 20,
     ) -> None:
         if part_size < 5 << 20:
             raise ValueError(
@@ -89,7 +89,10 @@ class CheckpointStore:
         self.location: Location = open_location(url, dict(storage_options or {}))
         #: threads writing or reading files of one checkpoint in parallel
         self.max_workers = max_workers
-        #: bytes per multipart part; files of at least two parts upload in parts
+        #: bytes per multipart part; files of at least two parts upload in parts. A file being
+        #: written holds about three parts in memory (upload buffer, request body, socket
+        #: buffer), so this bounds what an upload costs beyond the data itself. S3 allows 10,000
+        #: parts: files above 80 GiB need a larger part_size.
         self.part_size = part_size
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import io
 import os
 import socket
 import threading
@@ -60,9 +61,10 @@ class _RecordingFile:
     local disk it also starts the writeback of what it wrote every few MiB, so the fsync at the
     end finds little left to do."""
 
-    def __init__(self, handle: IO[bytes], local: bool) -> None:
+    def __init__(self, handle: IO[bytes], local: bool, part_size: int = 0) -> None:
         self._handle = handle
         self._local = local
+        self._part_size = part_size
         self.crc = Crc32c()
         self._written = 0
         self._flushed_to = 0
@@ -79,6 +81,10 @@ class _RecordingFile:
         On local disk the bytes go out in ``WRITEBACK_EVERY`` pieces and each piece's writeback
         starts as soon as it is written, so copying into the page cache and writing to disk
         overlap; without ``crc`` each piece is checksummed right before it is copied.
+
+        On object stores the upload buffer is filled only up to one part at a time
+        (``_write_parts``), so a file being written holds at most about two parts in memory
+        (the buffer and the part's request body), however large ``data`` is.
         """
         view = memoryview(data)
         if view.ndim != 1 or view.itemsize != 1:
@@ -89,7 +95,7 @@ class _RecordingFile:
                 self.crc.update(view)
             else:
                 self.crc.extend(crc, size)
-            self._handle.write(view)
+            self._write_parts(view)
             return size
         for start in range(0, size, WRITEBACK_EVERY):
             piece = view[start : start + WRITEBACK_EVERY]
@@ -106,6 +112,22 @@ class _RecordingFile:
         if crc is not None:
             self.crc.extend(crc, size)
         return size
+
+    def _write_parts(self, view: memoryview) -> None:
+        # fsspec's buffered files copy everything written into an in-memory buffer and upload
+        # it once it reaches the block size; s3fs then sends the whole buffer as one part. A
+        # 1 GiB tensor written in one call would be buffered whole, then copied again into its
+        # part. Topping the buffer up to exactly one part per call keeps both at one part.
+        part, start, size = self._part_size, 0, view.nbytes
+        if not part:
+            self._handle.write(view)
+            return
+        while start < size:
+            buffer = getattr(self._handle, "buffer", None)
+            held = buffer.tell() if isinstance(buffer, io.BytesIO) else 0
+            room = part - held if held < part else part
+            self._handle.write(view[start : start + room])
+            start += room
 
     def finish(self) -> None:
         if self._local:
@@ -438,7 +460,7 @@ class CheckpointWriter:
     def _open_remote(self, target: str) -> Iterator[_RecordingFile]:
         fs = self._store.location.fs
         handle = fs.open(target, "wb", block_size=self._store.part_size)
-        out = _RecordingFile(handle, local=False)
+        out = _RecordingFile(handle, local=False, part_size=self._store.part_size)
         try:
             yield out
         except BaseException:
