@@ -22,7 +22,7 @@ from catalog import Catalog
 from storage import CheckpointNotFoundError, CheckpointStore
 from zephon.dcp.dropin import CatalogArg, check_step, parse_run_url, step_of_checkpoint_id
 from zephon.dcp.errors import DCPError
-from zephon.dcp.reader import ZephonStorageReader
+from zephon.dcp.reader import MAX_REQUEST_BYTES, ZephonStorageReader
 from zephon.errors import ConfigError
 from zephon.latest import find_latest
 from zephon.locations import RunLocation
@@ -73,7 +73,7 @@ class Reader(ZephonStorageReader):
         verify: bool = True,
         subdir: str = "",
         thread_count: int | None = None,
-        max_request_bytes: int = 32 << 20,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
         max_gap_bytes: int = 1 << 20,
     ) -> None:
         self.target = parse_run_url(url, "Reader")

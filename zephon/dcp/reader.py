@@ -35,11 +35,17 @@ from storage.checksum import crc32c_extend, decode_crc32c, encode_crc32c
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_from_name
 from zephon.dcp.writer import METADATA_FILE, shard_prefix
 
-__all__ = ["ZephonStorageReader"]
+__all__ = ["MAX_REQUEST_BYTES", "THREAD_COUNT", "ZephonStorageReader"]
 
 #: bytes read into the destination at a time while verifying: small enough that the CRC reads
 #: them from the CPU cache the kernel's copy just filled, large enough that syscalls are few
 _VERIFY_CHUNK = 1 << 20
+#: default largest ranged GET on object stores: what each reader thread holds at most (plus the
+#: transport's transient copy while a response is joined), however large a slice is
+MAX_REQUEST_BYTES = 16 << 20
+#: default reader threads, local and remote: with ``MAX_REQUEST_BYTES`` they bound the response
+#: buffers of a load on an object store to about 4 x 2 x 16 MiB
+THREAD_COUNT = 4
 
 
 @dataclass(slots=True)
@@ -175,7 +181,7 @@ class ZephonStorageReader(StorageReader):
         subdir: str = "",
         verify: bool = True,
         thread_count: int | None = None,
-        max_request_bytes: int = 32 << 20,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
         max_gap_bytes: int = 1 << 20,
     ) -> None:
         super().__init__()
@@ -189,7 +195,7 @@ class ZephonStorageReader(StorageReader):
         self.prefix = shard_prefix(subdir)
         self.verify = verify
         local = store.location.is_local
-        self.thread_count = thread_count or (4 if local else store.max_workers)
+        self.thread_count = thread_count or THREAD_COUNT
         self.max_request_bytes = max_request_bytes
         # Local reads land straight in the destination tensors, so gaps are never worth reading.
         self.max_gap_bytes = 0 if local else max_gap_bytes
@@ -441,6 +447,10 @@ class ZephonStorageReader(StorageReader):
 
     def _read_remote(self, group: _Group, planner: LoadPlanner) -> None:
         assert self._reader is not None
+        if group.end - group.start > self.max_request_bytes:
+            # Only a single read longer than a request makes such a group (see _group_reads).
+            self._stream_remote(group.reads[0], planner)
+            return
         data = self._reader.read_range(group.file, group.start, group.end)
         if len(data) != group.end - group.start:
             raise self._short(group.file, group.end, group.start + len(data))
@@ -450,6 +460,32 @@ class ZephonStorageReader(StorageReader):
             if r.crc is not None:
                 self._check(r, crc32c_extend(0, piece))
             self._deliver(r, planner, piece, self._target(r, planner))
+
+    def _stream_remote(self, r: _Read, planner: LoadPlanner) -> None:
+        """Read one slice longer than ``max_request_bytes`` in ranged GETs of at most that
+        many bytes, each copied into the destination (or, if the bytes cannot land there as
+        they are, into one buffer of the slice) and fed to the running CRC as it arrives: the
+        response buffers in flight stay bounded however large the slice, as on local disk."""
+        assert self._reader is not None
+        target = self._target(r, planner)
+        direct = target is not None and self._direct(r, target)
+        buffer = None if direct else bytearray(r.length)
+        view = _writable_bytes(target) if direct else memoryview(buffer)
+        crc = 0
+        for begin in range(0, r.length, self.max_request_bytes):
+            end = min(begin + self.max_request_bytes, r.length)
+            data = self._reader.read_range(r.file, r.start + begin, r.start + end)
+            if len(data) != end - begin:
+                raise self._short(r.file, r.start + end, r.start + begin + len(data))
+            view[begin:end] = data
+            del data  # before the next request: one response buffer per thread at a time
+            if r.crc is not None:
+                crc = crc32c_extend(crc, view[begin:end])
+        self._check(r, crc)
+        if direct:
+            self._commit(r, planner, target)
+        else:
+            self._deliver(r, planner, buffer, target)
 
     def _target(self, r: _Read, planner: LoadPlanner) -> torch.Tensor | None:
         if r.dtype is None:
