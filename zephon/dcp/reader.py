@@ -160,7 +160,9 @@ class ZephonStorageReader(StorageReader):
     recorded for it at save time, while its bytes arrive: on local disk each 1 MiB chunk is
     checksummed right after ``readinto`` put it into the destination (still in the CPU
     cache), on object stores the slice is checksummed in the response buffer before it is
-    delivered; the checksum runs in the reader threads without the GIL. A mismatch raises
+    delivered (a slice longer than ``max_request_bytes`` arrives in several ranged GETs, each
+    copied into the destination and checksummed on the way, so a reader thread holds one
+    request at a time); the checksum runs in the reader threads without the GIL. A mismatch raises
     ``CorruptCheckpointError`` naming the file and the item. To make that possible a read that
     needs only some rows of a saved slice (a resharded load) fetches the whole slice and cuts
     it in memory. Checkpoints of metadata format version 1 have no per-slice CRC: they are
