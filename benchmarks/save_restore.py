@@ -1,6 +1,7 @@
 """Save/restore benchmark: Zephon's DCP writer and reader against torch DCP's own.
 
     python benchmarks/save_restore.py [--mib 1024] [--ranks 2] [--repeats 2] [--backends local,s3]
+    python benchmarks/save_restore.py --big [--big-gib 2]   # peak memory instead (see (g))
 
 Model + Adam state (fp32 Linear layers; parameters, exp_avg and exp_avg_sq) of ``--mib`` MiB in
 total, split over ``--ranks`` gloo processes on the CPU, each holding its own rank-unique keys
@@ -28,6 +29,11 @@ total, split over ``--ranks`` gloo processes on the CPU, each holding its own ra
     does) against the same save of an unfenced run, back to back; and the fence checks' own
     time (the median of many) as a share of a save. Goal: <= 2% of a save.
 
+(g) ``--big`` (instead of (a)-(f)): peak RSS of a rank process during a sync save, an async
+    save and a load of ``--big-gib`` GiB per rank, divided by the state's bytes, for Zephon and
+    the same baseline as (a) and (b) (``benchmarks/save_restore_memory.py``). Goal: <= 1.25
+    for Zephon's sync save and load.
+
 Ratios are baseline time / Zephon time (in (d): unverified / verified): above 1 means the
 second is faster. Times are medians over ``--repeats``; a ratio is the median of the per-repeat
 ratios, each from the two sides measured back to back (their order alternates per repeat),
@@ -50,6 +56,7 @@ import time
 import uuid
 import warnings
 
+import save_restore_memory as big
 from _common import REPO, servers, table
 
 RUN = "bench"
@@ -374,6 +381,8 @@ def run_backend(name: str, url: str, options: dict, args) -> dict:
         "repeats": args.repeats,
         "threads": args.threads,
         "dcp_threads": args.dcp_threads,
+        "big": args.big,
+        "gib": args.big_gib,
     }
     env = {**os.environ, "PYTHONPATH": REPO}
     procs = [
@@ -396,7 +405,8 @@ def run_backend(name: str, url: str, options: dict, args) -> dict:
     outputs = [p.communicate()[0] for p in procs]
     for p in procs:
         if p.returncode != 0:
-            raise SystemExit(f"{name}: a rank exited with {p.returncode}")
+            done = [x for x in outputs[0].splitlines() if x.startswith("PARTIAL ")]
+            raise SystemExit("\n".join([*done, f"{name}: a rank exited with {p.returncode}"]))
     line = next(x for x in outputs[0].splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
 
@@ -533,12 +543,19 @@ def main() -> None:
     parser.add_argument("--dcp-threads", type=int, default=1, help="DCP writer thread_count")
     parser.add_argument("--dir", default=None, help="local directory (default: a temp dir)")
     parser.add_argument("--verbose", action="store_true", help="print every repeat's times")
+    parser.add_argument(
+        "--big", action="store_true", help="measure peak memory of a big state instead (g)"
+    )
+    parser.add_argument("--big-gib", type=float, default=2.0, help="--big: GiB of state per rank")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         rank, world, port, config = args.worker
-        worker(int(rank), int(world), int(port), json.loads(config))
+        config = json.loads(config)
+        (big.worker if config["big"] else worker)(int(rank), int(world), int(port), config)
         return
+    if args.big:
+        big.check_memory(args)
 
     lines = []
     for name in args.backends.split(","):
@@ -552,13 +569,16 @@ def main() -> None:
             with servers.s3_server() as s3:
                 bucket = f"bench-{uuid.uuid4().hex[:8]}"
                 s3.create_bucket(bucket)
-                result = run_backend("s3", f"s3://{bucket}/ckpt", s3.storage_options(), args)
+                options = s3.storage_options()
+                if args.big:  # moto takes minutes to assemble GiB-sized multipart uploads
+                    options["config_kwargs"] = {"read_timeout": 1800}
+                result = run_backend("s3", f"s3://{bucket}/ckpt", options, args)
         else:
             raise SystemExit(f"unknown backend {name!r}: use local and/or s3")
-        if args.verbose:
+        if args.verbose and not args.big:
             for record in result["records"]:
                 print(name, json.dumps({k: round(v, 3) for k, v in record.items()}), flush=True)
-        section = report(name, result, args)
+        section = (big.report if args.big else report)(name, result, args)
         lines += section
         print("\n".join(section), flush=True)
 
