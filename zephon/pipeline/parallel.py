@@ -263,10 +263,48 @@ def _feed(conn: Any, items: queue.SimpleQueue) -> None:
             return
 
 
-class _Worker:
-    __slots__ = ("process", "tasks", "results", "queue", "feeder", "outstanding")
+def _collect(worker: _Worker, done: dict[int, tuple[int, Any]], arrived: threading.Condition):
+    """Reads one worker's answers as they come, so a worker never waits on a full pipe while
+    the reader waits for another worker's unit (a unit's result is larger than a pipe holds:
+    the worker would idle until its turn came)."""
+    while True:
+        try:
+            task_id, status, body = pickle.loads(worker.results.recv_bytes())
+        except (EOFError, OSError):
+            with arrived:
+                worker.ended = True
+                arrived.notify_all()
+            return
+        with arrived:
+            if status == _INIT:
+                worker.init_error = body
+            else:
+                worker.outstanding -= 1
+                done[task_id] = (status, body)
+            arrived.notify_all()
 
-    def __init__(self, ctx: Any, index: int, blob: bytes) -> None:
+
+class _Worker:
+    __slots__ = (
+        "process",
+        "tasks",
+        "results",
+        "queue",
+        "feeder",
+        "collector",
+        "outstanding",
+        "ended",
+        "init_error",
+    )
+
+    def __init__(
+        self,
+        ctx: Any,
+        index: int,
+        blob: bytes,
+        done: dict[int, tuple[int, Any]],
+        arrived: threading.Condition,
+    ) -> None:
         task_r, self.tasks = ctx.Pipe(duplex=False)
         self.results, result_w = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
@@ -286,6 +324,13 @@ class _Worker:
         self.feeder.daemon = True
         self.feeder.start()
         self.outstanding = 0
+        self.ended = False
+        self.init_error: str | None = None
+        self.collector = threading.Thread(
+            target=_collect, args=(self, done, arrived), name=f"zephon-map-collect-{index}"
+        )
+        self.collector.daemon = True
+        self.collector.start()
 
 
 def _terminate(workers: list[_Worker]) -> None:
@@ -300,6 +345,7 @@ def _terminate(workers: list[_Worker]) -> None:
             w.process.kill()
             w.process.join()
         w.feeder.join(1)
+        w.collector.join(1)
         w.tasks.close()
     workers.clear()
 
@@ -334,12 +380,12 @@ class _Task:
 
 
 class ProcessMapper(Mapper):
-    """Maps in ``workers`` spawned processes, started on the first unit worth sending.
+    """Maps in ``workers`` worker processes, started on the first unit worth sending.
 
     ``submit`` and ``result`` are called by one thread (the prefetch thread); ``close`` may be
     called from any thread, and also runs when the mapper is garbage-collected or the
-    interpreter exits. Units go to the worker with the fewest outstanding; each worker answers
-    in order, and answers read while waiting for another unit are kept until asked for.
+    interpreter exits. Units go to the worker with the fewest outstanding; a thread per worker
+    collects its answers as they come and keeps them until asked for.
     """
 
     unit = UNIT
@@ -349,7 +395,8 @@ class ProcessMapper(Mapper):
         self._stages = {i: (fn, drop_none) for i, fn, drop_none in stages}
         self._count = workers
         self._workers: list[_Worker] = []
-        self._done: dict[int, tuple[int, Any]] = {}
+        self._done: dict[int, tuple[int, Any]] = {}  # answers not yet asked for, by task id
+        self._arrived = threading.Condition()
         self._next_id = 0
         self._closed = False
         self._lock = threading.Lock()
@@ -369,7 +416,7 @@ class ProcessMapper(Mapper):
             ctx = multiprocessing.get_context(_start_method())
             blob = pickle.dumps(self._stages, pickle.HIGHEST_PROTOCOL)
             for index in range(self._count):
-                self._workers.append(_Worker(ctx, index, blob))
+                self._workers.append(_Worker(ctx, index, blob, self._done, self._arrived))
 
     def submit(self, window: Window, lo: int, hi: int) -> Any:
         if hi - lo < MIN_REMOTE:
@@ -388,17 +435,25 @@ class ProcessMapper(Mapper):
                 f"({_one_line(exc)}); make records picklable or use prefetch(..., "
                 "workers='threads')"
             ) from exc
-        worker = min(self._workers, key=lambda w: w.outstanding)
-        worker.outstanding += 1
+        with self._arrived:
+            worker = min(self._workers, key=lambda w: w.outstanding)
+            worker.outstanding += 1
         worker.queue.put(data)
         return _Task(task_id, worker, window, lo, hi, positions)
 
     def result(self, handle: Any) -> Fetched:
         if not isinstance(handle, _Task):
             return super().result(handle)
-        while handle.id not in self._done:
-            self._receive(handle.worker)
-        status, body = self._done.pop(handle.id)
+        worker = handle.worker
+        with self._arrived:
+            while handle.id not in self._done:
+                if worker.init_error is not None or worker.ended:
+                    break
+                self._arrived.wait()
+            found = self._done.pop(handle.id, None)
+        if found is None:
+            self._fail(worker)
+        status, body = found
         if status == _FAILED:
             stage, text, remote = body
             if stage is None:
@@ -414,29 +469,22 @@ class ProcessMapper(Mapper):
         payloads, keep = body
         return finish(handle.lo, payloads, handle.positions, keep)
 
-    def _receive(self, worker: _Worker) -> None:
-        try:
-            data = worker.results.recv_bytes()
-        except (EOFError, OSError):
-            if self._closed:
-                raise PipelineError(
-                    "the pipeline's map workers were closed; iterate it again"
-                ) from None
-            worker.process.join(1)
+    def _fail(self, worker: _Worker) -> None:
+        """Raise what stopped ``worker`` before it answered."""
+        if worker.init_error is not None:
             raise PipelineError(
-                f"map worker process {worker.process.pid} ended unexpectedly (exit code "
-                f"{worker.process.exitcode}); check its memory use, or run the maps in this "
-                "process with prefetch(..., workers='threads') to see what stops it"
-            ) from None
-        task_id, status, body = pickle.loads(data)
-        if status == _INIT:
-            raise PipelineError(
-                f"map functions cannot be loaded in a worker process ({body}); define them at "
-                "module level of an importable module (a script needs an `if __name__ == "
-                "'__main__':` guard), or use prefetch(..., workers='threads')"
+                f"map functions cannot be loaded in a worker process ({worker.init_error}); "
+                "define them at module level of an importable module (a script needs an `if "
+                "__name__ == '__main__':` guard), or use prefetch(..., workers='threads')"
             )
-        worker.outstanding -= 1
-        self._done[task_id] = (status, body)
+        if self._closed:
+            raise PipelineError("the pipeline's map workers were closed; iterate it again")
+        worker.process.join(1)
+        raise PipelineError(
+            f"map worker process {worker.process.pid} ended unexpectedly (exit code "
+            f"{worker.process.exitcode}); check its memory use, or run the maps in this "
+            "process with prefetch(..., workers='threads') to see what stops it"
+        )
 
     def close(self) -> None:
         with self._lock:
