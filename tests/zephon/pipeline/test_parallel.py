@@ -18,7 +18,7 @@ import zephon
 from tests.zephon.pipeline import parallel_maps
 from tests.zephon.test_docs import _EXAMPLE
 from zephon.errors import ConfigError
-from zephon.pipeline import PipelineError
+from zephon.pipeline import PipelineError, operators
 from zephon.pipeline.operators import jitter_order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -185,12 +185,28 @@ def test_prefetch_names_the_allowed_workers():
         build().prefetch(2, parallelism=2, workers="fork")
 
 
-def test_jitter_order_is_the_sort_by_i_plus_a_scaled_draw():
-    for n, size, seed in [(0, 5, 1), (1, 5, 1), (50, 1, 3), (1000, 7, 9), (5000, 1024, 2)]:
+@pytest.mark.parametrize("with_numpy", [True, False])
+def test_jitter_order_is_the_sort_by_i_plus_a_scaled_draw(with_numpy, monkeypatch):
+    if with_numpy:
+        pytest.importorskip("numpy")
+    else:
+        monkeypatch.setattr(operators, "_NUMPY", [None])
+    seeds = [
+        0,
+        1,
+        7,
+        2**32 - 1,
+        2**32,
+        2**64 - 1,
+        *(random.Random(k).getrandbits(64) for k in range(20)),
+    ]
+    cases = [(0, 5, 1), (1, 5, 1), (50, 1, 3), (2, 2, 0), (5000, 1024, 2)]
+    cases += [(1000, size, seed) for seed in seeds for size in (2, 7, 1024)]
+    for n, size, seed in cases:
         draw = random.Random(seed).random
         keys = [i + draw() * size for i in range(n)]
         expected = sorted(range(n), key=keys.__getitem__) if size > 1 else list(range(n))
-        assert jitter_order(n, size, seed) == expected
+        assert jitter_order(n, size, seed) == expected, (n, size, seed)
 
 
 def test_the_documented_map_parallelism_example_prints_what_the_page_says():
