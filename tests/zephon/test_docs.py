@@ -1,5 +1,7 @@
-"""The examples in docs/ and README.md that are not the pipeline's, run as printed: each
-``python`` block followed by an output block must print exactly that output."""
+"""Every printed example in docs/ runs as printed: each ``python`` block followed by "prints" and
+an output block must print exactly that output, in a fresh interpreter. The one runner for every
+page (docs/pipeline.md's quick start and state table are also checked by
+tests/zephon/pipeline/test_docs.py)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,17 @@ def examples(page: str) -> list[tuple[str, str]]:
     return [(m.group("code"), m.group("out")) for m in _EXAMPLE.finditer(text)]
 
 
-@pytest.mark.parametrize(
-    "page", ["docs/fencing.md", "docs/dcp.md", "docs/huggingface.md", "docs/lightning.md"]
-)
+PAGES = [
+    "docs/fencing.md",
+    "docs/dcp.md",
+    "docs/huggingface.md",
+    "docs/lightning.md",
+    "docs/multinode.md",
+    "docs/pipeline.md",
+]
+
+
+@pytest.mark.parametrize("page", PAGES)
 def test_every_printed_example_prints_what_the_page_says(page, tmp_path):
     found = examples(page)
     assert found, f"{page} has no example with printed output"
@@ -38,7 +48,7 @@ def test_every_printed_example_prints_what_the_page_says(page, tmp_path):
             env={**os.environ, "PYTHONPATH": REPO},
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=240,
         )
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout == expected

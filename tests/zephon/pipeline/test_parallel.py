@@ -3,9 +3,7 @@ exact restores, no process left behind, and one-line errors from a failing worke
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import io
 import json
 import os
 import random
@@ -16,12 +14,9 @@ import pytest
 
 import zephon
 from tests.zephon.pipeline import parallel_maps
-from tests.zephon.test_docs import _EXAMPLE
 from zephon.errors import ConfigError
 from zephon.pipeline import PipelineError, operators
 from zephon.pipeline.operators import jitter_order
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
 def dataset() -> zephon.Dataset:
@@ -207,14 +202,3 @@ def test_jitter_order_is_the_sort_by_i_plus_a_scaled_draw(with_numpy, monkeypatc
         keys = [i + draw() * size for i in range(n)]
         expected = sorted(range(n), key=keys.__getitem__) if size > 1 else list(range(n))
         assert jitter_order(n, size, seed) == expected, (n, size, seed)
-
-
-def test_the_documented_map_parallelism_example_prints_what_the_page_says():
-    with open(os.path.join(ROOT, "docs", "pipeline.md"), encoding="utf-8") as handle:
-        text = handle.read()
-    found = [m for m in _EXAMPLE.finditer(text) if m.group("code").startswith("# map parallel")]
-    assert len(found) == 1, "docs/pipeline.md lost its map-parallelism example"
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(found[0].group("code"), "docs/pipeline.md", "exec"), {"__name__": "__main__"})
-    assert out.getvalue() == found[0].group("out")
