@@ -18,6 +18,11 @@ from zephon.errors import ConfigError
 from zephon.pipeline import PipelineError, PipelineStateError
 
 
+def add_twice(record: dict) -> dict:
+    # module level, so worker processes can load it (a lambda would fall back to threads)
+    return {**record, "twice": record["n"] * 2}
+
+
 def full_pipeline(prefetch=None, parallelism=1, drop_last=False, lanes=3, **options):
     source = zephon.StaticMixtureWorkSource(
         make_dataset(shards=4, per_shard=53), chunk_size=16, seed=11
@@ -26,7 +31,7 @@ def full_pipeline(prefetch=None, parallelism=1, drop_last=False, lanes=3, **opti
         zephon.Pipeline(source)
         .map_transform(drop_every_7th)
         .shuffle(9, seed=2)
-        .map_transform(lambda r: {**r, "twice": r["n"] * 2})
+        .map_transform(add_twice)
         .batch(5, drop_last=drop_last)
     )
     if prefetch:
