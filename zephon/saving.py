@@ -76,11 +76,16 @@ class Save:
         *,
         catalog: Catalog | None = None,
         metadata: Mapping[str, Any] | None = None,
+        save_id: str | None = None,
     ) -> Save:
         """Arm the row and begin the storage save. Raises ``zephon.StaleAttemptError`` when
-        ``attempt`` is no longer current; a failed storage begin leaves the row failed."""
+        ``attempt`` is no longer current; a failed storage begin leaves the row failed.
+
+        ``save_id`` is a fresh id from ``storage.new_save_id`` chosen earlier, when other
+        processes must know it before the save begins (they ``attach`` to it); by default a
+        new one is drawn here."""
         location = attempt.location
-        save_id = new_save_id(attempt.fence)
+        save_id = save_id if save_id is not None else new_save_id(attempt.fence)
         with fenced():
             if catalog is not None:
                 _arm(catalog, location.name, step, location.checkpoint_url(step), attempt, save_id)
