@@ -9,6 +9,7 @@
         save_dir: s3://bucket/checkpoints
         period_steps: 100            # int >= 1 | "last_step" | "disable"
         num_to_keep: 2               # int >= 1 | null
+        local_dir: /local_nvme/ckpt  # optional fast local tier, uploaded in the background
     model_stage_factory:
       checkpoint_only_trainable_parameters: false
       source_checkpoint: null
@@ -85,6 +86,13 @@ class CheckpointingConfig:
     #: a checkpoint that fails verification on load: "fallback" quarantines it and loads the
     #: next complete one; "fail" raises
     on_corrupt: str = "fallback"
+    #: a node-local directory (a plain path) for a fast local tier: save() commits there and
+    #: returns, a background uploader copies each checkpoint to save_dir (docs/manager.md)
+    local_dir: str | None = None
+    #: local checkpoints kept beyond those still waiting for their upload
+    local_num_to_keep: int = 1
+    #: save() waits while this many uploads to save_dir are pending (backpressure)
+    max_pending_uploads: int = 2
     prefix: str = "trainer.checkpointing"
 
     def __post_init__(self) -> None:
@@ -127,6 +135,27 @@ class CheckpointingConfig:
         for key in ("async_save", "verify_on_load"):
             if not isinstance(getattr(self, key), bool):
                 raise _fail(f"{p}.{key}", getattr(self, key), "use true or false")
+        self._check_local_tier()
+
+    def _check_local_tier(self) -> None:
+        p = self.prefix
+        local = self.local_dir
+        if local is not None:
+            if not isinstance(local, str) or not local.strip():
+                raise _fail(f"{p}.local_dir", local, "use a node-local directory, or leave it unset")
+            if "://" in local and not local.startswith("file://"):
+                raise _fail(
+                    f"{p}.local_dir",
+                    local,
+                    "use a plain path on a node-local disk (e.g. /local_nvme/ckpt); remote "
+                    "storage belongs in save_dir",
+                )
+            if local.startswith("file://"):
+                self.local_dir = local[len("file://") :]
+        for key in ("local_num_to_keep", "max_pending_uploads"):
+            value = getattr(self, key)
+            if not _positive_int(value, MAX_KEEP):
+                raise _fail(f"{p}.{key}", value, f"use an integer from 1 to {MAX_KEEP}")
 
     @property
     def resolved_catalog_url(self) -> str | None:
@@ -142,7 +171,7 @@ class CheckpointingConfig:
         return is_last or step % int(self.period_steps) == 0
 
     def __repr__(self) -> str:
-        return _masked_repr(self, ("save_dir", "catalog_url"))
+        return _masked_repr(self, ("save_dir", "catalog_url", "local_dir"))
 
 
 @dataclass(kw_only=True, slots=True, repr=False)
@@ -204,6 +233,9 @@ _CHECKPOINTING_KEYS = {
     "async_save",
     "verify_on_load",
     "on_corrupt",
+    "local_dir",
+    "local_num_to_keep",
+    "max_pending_uploads",
 }
 # model_stage_factory holds the product's other model settings too; only these are ours
 _MODEL_STAGE_KEYS = {"checkpoint_only_trainable_parameters", "source_checkpoint"}
