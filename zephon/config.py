@@ -142,7 +142,9 @@ class CheckpointingConfig:
         local = self.local_dir
         if local is not None:
             if not isinstance(local, str) or not local.strip():
-                raise _fail(f"{p}.local_dir", local, "use a node-local directory, or leave it unset")
+                raise _fail(
+                    f"{p}.local_dir", local, "use a node-local directory, or leave it unset"
+                )
             if "://" in local and not local.startswith("file://"):
                 raise _fail(
                     f"{p}.local_dir",
