@@ -1,0 +1,368 @@
+"""The local tier on 2 gloo ranks with a real S3 save_dir (moto, behind
+``benchmarks/latency_proxy.py``'s proxy, which counts every request and can slow them down) and
+a SQLite or PostgreSQL catalog.
+
+Each start of the job is ``tests/zephon/tier/tier_worker.py`` on 2 processes (started by
+``tests.zephon.dcp.test_distributed.launch``), running a script of saves, waits and loads; the
+tests assert on what the ranks reported, on both stores and on the catalog:
+
+- one node, a shared local_dir: every save is committed locally and uploaded; the save_dir copy
+  equals the local one byte for byte; a resume loads from the local tier without one GET of the
+  save_dir's payload (deleted before the resume: a load from save_dir could not succeed);
+- two "nodes" (rank r's local_dir is ``node<r>``): the upload commits every rank's files; a
+  resume loads from save_dir, with the same local_dirs (no rank but 0 holds a marker) and with
+  fresh ones;
+- both ranks SIGKILLed while the upload of their last step is pending (the proxy adds 200 ms to
+  every request): the next start resumes from the newest step held locally when the local_dir
+  survived (L > R, and uploads it), from the newest uploaded one when it did not; the catalog's
+  replica rows say which step was never uploaded;
+- two attempts: the old one, still running with an upload pending, commits nothing once the new
+  one registered; the new attempt's checkpoints are intact and a resume loads their tensors.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.latency_proxy import LatencyProxy
+from catalog import Catalog
+from storage import CheckpointStore
+from tests.conftest import Backend, database_url, make_backend
+from tests.zephon.dcp.test_distributed import launch
+
+MODULE = "tests.zephon.tier.tier_worker"
+WORLD = 2
+#: added to every S3 request while an upload must stay pending
+SLOW_MS = 200
+
+pytestmark = pytest.mark.slow
+
+
+# -- fixtures and helpers --------------------------------------------------------------------
+
+
+@pytest.fixture
+def bucket(request, tmp_path) -> Backend:
+    """A fresh S3 save_dir on moto (the test process's own view: no proxy)."""
+    return make_backend("s3", request, tmp_path)
+
+
+@pytest.fixture
+def proxy(s3) -> Iterator[LatencyProxy]:
+    with LatencyProxy(s3.endpoint_url, 0) as running:
+        yield running
+
+
+def via(backend: Backend, proxy: LatencyProxy) -> Backend:
+    """The same save_dir, reached through ``proxy`` (what the ranks use)."""
+    options = {**backend.storage_options, "client_kwargs": {"endpoint_url": proxy.url}}
+    return replace(backend, storage_options=options)
+
+
+def start(monkeypatch, backend: Backend, config: dict[str, Any]) -> list[dict]:
+    """One start of the job on 2 ranks; every rank's RESULT record."""
+    monkeypatch.setenv("ZEPHON_TIER_TEST", json.dumps(config))
+    return launch(backend, WORLD, module=MODULE)
+
+
+def start_in_background(
+    pool: concurrent.futures.ThreadPoolExecutor, monkeypatch, backend: Backend, config: dict
+) -> concurrent.futures.Future:
+    """``start`` in a thread. ``launch`` reads the environment when it starts the processes: the
+    caller changes ZEPHON_TIER_TEST again only after those reported something."""
+    monkeypatch.setenv("ZEPHON_TIER_TEST", json.dumps(config))
+    return pool.submit(launch, backend, WORLD, MODULE)
+
+
+def wait_for(sync_dir: Path, name: str, timeout: float = 90) -> None:
+    """Until every rank created ``<name>-r<rank>``."""
+    deadline = time.monotonic() + timeout
+    paths = [sync_dir / f"{name}-r{rank}" for rank in range(WORLD)]
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"the ranks did not signal {name!r} in {timeout} s"
+        time.sleep(0.05)
+
+
+def actions(record: dict) -> dict[str, dict]:
+    """A rank's recorded actions by their text (``"save 2 a"``); a repeated one keeps its
+    first record, later ones get ``#2``, ``#3``."""
+    out: dict[str, dict] = {}
+    for done in record["actions"]:
+        key = " ".join(str(a) for a in done["action"])
+        n = 2
+        while key in out:
+            key, n = f"{' '.join(str(a) for a in done['action'])} #{n}", n + 1
+        out[key] = done
+    return out
+
+
+def succeeded(ranks: list[dict]) -> None:
+    for record in ranks:
+        failed = [a for a in record["actions"] if "error" in a]
+        assert not failed, (record["rank"], failed)
+
+
+def assert_loaded(ranks: list[dict], step: int) -> None:
+    """Every rank loaded ``step`` with the tensors and plain values its save had."""
+    for record in ranks:
+        loads = [a for a in record["actions"] if a["action"][0] == "load"]
+        assert loads and "error" not in loads[0], (record["rank"], loads)
+        got = loads[0]["ok"]
+        assert got["step"] == step, (record["rank"], got)
+        assert got["differing"] == [], (record["rank"], got)
+        tag = loads[0]["action"][1]
+        assert got["extra"] == {"rank": record["rank"], "tag": tag, "step": step}
+
+
+def payload_gets(proxy: LatencyProxy, store: CheckpointStore, run: str, step: int) -> list[str]:
+    """The GETs the proxy saw of the save_dir's payload files of ``step`` (not its marker)."""
+    payload = store.read_manifest(run, step).payload
+    return [
+        line
+        for line in proxy.request_lines
+        if line.startswith("GET ") and f"/{run}/save-{step}/{payload}/" in line
+    ]
+
+
+def replica_states(catalog_url: str, run: str, tier: str) -> dict[int, str]:
+    with Catalog(catalog_url) as catalog:
+        return {r.step: r.state for r in catalog.replicas(run, tier=tier)}
+
+
+def same_files(a: CheckpointStore, b: CheckpointStore, run: str, step: int) -> list[str]:
+    """The file names of both copies of ``step``, after checking they are equal byte for byte
+    and list the same sizes and CRCs."""
+    ma, mb = a.read_manifest(run, step), b.read_manifest(run, step)
+    entries_a = sorted((e.name, e.size, e.crc32c) for e in ma.files)
+    entries_b = sorted((e.name, e.size, e.crc32c) for e in mb.files)
+    assert entries_a == entries_b
+    ra, rb = a.reader(run, step), b.reader(run, step)
+    for name, _, _ in entries_a:
+        assert ra.read_bytes(name) == rb.read_bytes(name), name
+    return [name for name, _, _ in entries_a]
+
+
+def every_ranks_files(names: list[str]) -> None:
+    for rank in range(WORLD):
+        assert f"ranks/{rank}.json" in names, names
+        assert any(n.startswith(f"dcp/__{rank}_") for n in names), (rank, names)
+
+
+def save_script(*steps: int, tag: str = "a") -> list[list[Any]]:
+    script: list[list[Any]] = []
+    for step in steps:
+        script += [["save", step, tag], ["wait"]]
+    return [*script, ["close"]]
+
+
+# -- one node, a shared local_dir --------------------------------------------------------------
+
+
+def test_a_shared_local_dir_uploads_equal_copies_and_resumes_without_reading_save_dir(
+    monkeypatch, bucket, proxy, tmp_path
+):
+    run, local_dir = "shared", tmp_path / "local"
+    catalog_url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    config = {"run": run, "catalog_url": catalog_url, "local_dir": str(local_dir)}
+    succeeded(start(monkeypatch, via(bucket, proxy), {**config, "script": save_script(1, 2)}))
+
+    remote, local = bucket.open_store(), CheckpointStore(str(local_dir))
+    assert remote.committed_steps(run) == [1, 2]
+    assert local.committed_steps(run) == [2]  # local_num_to_keep: 1, and 1 was uploaded
+    every_ranks_files(same_files(local, remote, run, 2))
+    assert remote.verify(run, 2, deep=True).ok
+    assert replica_states(catalog_url, run, "save_dir") == {1: "committed", 2: "committed"}
+    assert replica_states(catalog_url, run, "local") == {1: "deleted", 2: "committed"}
+
+    # Without its payload on save_dir, step 2 can only load from the local tier.
+    manifest = remote.read_manifest(run, 2)
+    remote.location.fs.rm(f"{remote.checkpoint_path(run, 2)}/{manifest.payload}", recursive=True)
+    proxy.reset()
+    ranks = start(monkeypatch, via(bucket, proxy), {**config, "script": [["load", "a"]]})
+    assert_loaded(ranks, 2)
+    assert payload_gets(proxy, remote, run, 2) == []
+
+
+# -- two nodes, each its own local_dir ---------------------------------------------------------
+
+
+def test_per_node_local_dirs_upload_every_ranks_files_and_resume_from_save_dir(
+    monkeypatch, bucket, proxy, tmp_path
+):
+    run = "nodes"
+    catalog_url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    config = {"run": run, "catalog_url": catalog_url, "local_dir": str(tmp_path / "node{rank}")}
+    succeeded(start(monkeypatch, via(bucket, proxy), {**config, "script": save_script(1, 2)}))
+
+    remote = bucket.open_store()
+    assert remote.committed_steps(run) == [1, 2]
+    manifest = remote.read_manifest(run, 2)
+    names = [e.name for e in manifest.files]
+    every_ranks_files(names)
+    assert remote.verify(run, 2, deep=True).ok
+    reader = remote.reader(run, 2)
+    for entry in manifest.files:  # each file came from the node of the rank that wrote it
+        copies = list(tmp_path.glob(f"node*/{run}/save-2/*/{entry.name}"))
+        assert len(copies) == 1, (entry.name, copies)
+        assert copies[0].read_bytes() == reader.read_bytes(entry.name)
+    ranks_of = {n.split("/")[1].split(".")[0] for n in names if n.startswith("ranks/")}
+    assert ranks_of == {"0", "1"}
+
+    # The same node-local dirs: rank 1 holds only its own files, so step 2 loads from save_dir.
+    for local_dir in (str(tmp_path / "node{rank}"), str(tmp_path / "fresh{rank}")):
+        proxy.reset()
+        again = {**config, "local_dir": local_dir, "script": [["load", "a"]]}
+        assert_loaded(start(monkeypatch, via(bucket, proxy), again), 2)
+        assert payload_gets(proxy, remote, run, 2), local_dir
+
+
+# -- a node dies with an upload pending --------------------------------------------------------
+
+
+@pytest.mark.parametrize("local_dir_survives", [True, False], ids=["local-kept", "local-lost"])
+def test_sigkill_with_an_upload_pending_resumes_from_what_survived(
+    monkeypatch, bucket, proxy, tmp_path, local_dir_survives
+):
+    run, local_dir, sync_dir = "killed", tmp_path / "local", tmp_path / "sync"
+    sync_dir.mkdir()
+    catalog_url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    config = {
+        "run": run,
+        "catalog_url": catalog_url,
+        "local_dir": str(local_dir),
+        "sync_dir": str(sync_dir),
+    }
+    script = [
+        ["save", 1, "a"],
+        ["wait"],
+        ["signal", "uploaded1"],
+        ["await", "slow"],
+        ["save", 2, "a"],
+        ["kill"],
+    ]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        job = start_in_background(
+            pool, monkeypatch, via(bucket, proxy), {**config, "script": script}
+        )
+        wait_for(sync_dir, "uploaded1")
+        proxy.delay_ms = SLOW_MS  # step 2's upload takes many requests: seconds
+        (sync_dir / "slow").touch()
+        killed = job.result()
+    proxy.delay_ms = 0
+    for record in killed:
+        assert record["child_returncode"] == -9, record["stderr"]
+        done = actions(record)
+        assert "error" not in done["save 2 a"], done["save 2 a"]
+
+    remote, local = bucket.open_store(), CheckpointStore(str(local_dir))
+    assert remote.committed_steps(run) == [1]  # step 2 was never uploaded
+    assert local.committed_steps(run) == [2]
+    assert replica_states(catalog_url, run, "local").get(2) == "committed"
+    assert replica_states(catalog_url, run, "save_dir").get(2) != "committed"
+
+    if not local_dir_survives:
+        shutil.rmtree(local_dir)
+    ranks = start(
+        monkeypatch,
+        via(bucket, proxy),
+        {**config, "script": [["load", "a"], ["wait"], ["close"]]},
+    )
+    succeeded(ranks)
+    if local_dir_survives:  # L = 2 > R = 1: resumed from the local tier, and uploaded it
+        assert_loaded(ranks, 2)
+        assert remote.committed_steps(run) == [1, 2]
+        assert remote.read_manifest(run, 2).epoch == 2  # by the new attempt, its own fence
+        same_files(local, remote, run, 2)
+        assert replica_states(catalog_url, run, "save_dir").get(2) == "committed"
+    else:
+        assert_loaded(ranks, 1)
+        assert remote.committed_steps(run) == [1]
+        assert replica_states(catalog_url, run, "save_dir").get(2) != "committed"
+
+
+# -- two attempts of one run -------------------------------------------------------------------
+
+
+def test_an_old_attempt_with_uploads_pending_commits_nothing_after_a_new_one_registered(
+    monkeypatch, request, bucket, s3, tmp_path
+):
+    run, sync_dir = "attempts", tmp_path / "sync"
+    sync_dir.mkdir()
+    old_script = [
+        ["save", 1, "a"],
+        ["wait"],
+        ["signal", "uploaded1"],
+        ["await", "slow"],
+        ["save", 2, "a"],
+        ["signal", "pending2"],
+        ["await", "go"],
+        ["save", 3, "a"],
+        ["wait"],
+        ["close"],
+    ]
+    new_script = [
+        ["load", "a"],
+        ["signal", "registered"],
+        ["save", 2, "b"],
+        ["wait"],
+        ["save", 3, "b"],
+        ["wait"],
+        ["close"],
+    ]
+    with (
+        database_url("postgresql", request, tmp_path) as catalog_url,
+        LatencyProxy(s3.endpoint_url, 0) as old_proxy,
+        LatencyProxy(s3.endpoint_url, 0) as new_proxy,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        config = {"run": run, "catalog_url": catalog_url, "sync_dir": str(sync_dir)}
+        old_config = {**config, "local_dir": str(tmp_path / "old"), "script": old_script}
+        old = start_in_background(pool, monkeypatch, via(bucket, old_proxy), old_config)
+        wait_for(sync_dir, "uploaded1")
+        old_proxy.delay_ms = 1500  # the old attempt's upload of step 2 stays pending meanwhile
+        (sync_dir / "slow").touch()
+        wait_for(sync_dir, "pending2")
+        remote = bucket.open_store()
+        assert remote.committed_steps(run) == [1]
+        new_config = {**config, "local_dir": str(tmp_path / "new"), "script": new_script}
+        new = start_in_background(pool, monkeypatch, via(bucket, new_proxy), new_config)
+        wait_for(sync_dir, "registered")
+        old_proxy.delay_ms = 0  # the old attempt's uploads go on: every one must be refused
+        (sync_dir / "go").touch()
+        old_ranks, new_ranks = old.result(), new.result()
+
+        assert_loaded(new_ranks, 1)
+        succeeded(new_ranks)
+        # The old attempt learns it was fenced out: its pending uploads failed (raised by its
+        # wait, or already by the next save or by close).
+        old_done = old_ranks[0]["actions"]
+        assert "error" not in old_done[1], old_done[1]  # step 1's upload, before the new one
+        go = next(i for i, a in enumerate(old_done) if a["action"] == ["await", "go"])
+        after_go = old_done[go + 1 :]
+        assert any("error" in a for a in after_go), after_go
+        # Everything above step 1 on save_dir is the new attempt's, and intact.
+        assert remote.committed_steps(run) == [1, 2, 3]
+        for step in (2, 3):
+            assert remote.read_manifest(run, step).epoch == 2, step
+            assert remote.verify(run, step, deep=True).ok
+        with Catalog(catalog_url) as catalog:
+            for step in (2, 3):
+                row = catalog.get_checkpoint(run, step)
+                assert row.state == "committed"
+                assert row.save_id == remote.read_manifest(run, step).save_id
+
+        resumed = start(
+            monkeypatch,
+            bucket,
+            {**config, "local_dir": str(tmp_path / "third"), "script": [["load", "b"]]},
+        )
+        assert_loaded(resumed, 3)

@@ -1,0 +1,247 @@
+"""One rank of the local tier's multi-process tests: ``python -m tests.zephon.tier.tier_worker
+RANK WORLD PORT``, started by ``tests.zephon.dcp.test_distributed.launch``.
+
+The save_dir comes from ``ZEPHON_DCP_TEST`` (JSON: ``url``, ``storage_options``, as ``launch``
+passes it), the rest from ``ZEPHON_TIER_TEST`` (JSON)::
+
+    {"run": name, "catalog_url": URL or null, "local_dir": path ("{rank}" is replaced by the
+     rank: per-node local disks), "local_num_to_keep": 1, "max_pending_uploads": 2,
+     "sync_dir": directory for the files a test and its ranks wait on,
+     "script": [[action, arg], ...]}
+
+A rank runs one start (attempt) of a job: a ``CheckpointManager`` with the local tier, and the
+script's actions in order, each recorded as ``{"action", "ok": value}`` or ``{"action",
+"error": {type, module, message}}`` (a failed action does not stop the script):
+
+    save <step> <tag>      parameters set to the values of (tag, step), then ``manager.save``
+    wait                   ``manager.wait()``: every pending upload done (or its failure)
+    load <tag>             ``load_latest`` into a model of other values: the step found, its
+                           url, whether every tensor equals (tag, step)'s, the plain values
+    signal <name>          create ``<sync_dir>/<name>-r<rank>`` (the test waits on it)
+    await <name>           wait until the test created ``<sync_dir>/<name>``
+    kill                   a barrier, then SIGKILL this process (pending uploads and all)
+    close                  ``manager.close()``
+
+A script with ``kill`` runs in a child process of this one (same arguments, ``ZEPHON_TIER_CHILD``
+set): the child dies as a preempted rank does; this process reports the child's exit code and
+what it recorded before dying (one JSON line per action, flushed as it goes).
+
+Each process prints one line ``RESULT <json>``; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_module, init_device_mesh
+
+from tests.zephon.dcp.worker import error_record
+from zephon import CheckpointingConfig, CheckpointManager
+
+#: how long ``await`` waits for the test before giving up
+AWAIT_TIMEOUT_S = 90
+TIMEOUT = dt.timedelta(seconds=90)
+
+
+# -- the model and the values a (tag, step) gives it ----------------------------------------
+
+
+def build_model(world: int) -> nn.Module:
+    """Two linear layers, every parameter a ``Shard(0)`` DTensor over the ranks (so every rank
+    writes tensor shards of its own), plain tensors on one rank."""
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,))
+
+        def partition(name: str, module: nn.Module, mesh) -> None:
+            from torch.distributed.tensor import distribute_tensor
+
+            for key, param in list(module.named_parameters(recurse=False)):
+                placed = distribute_tensor(param.data, mesh, [Shard(0)])
+                module.register_parameter(key, nn.Parameter(placed))
+
+        distribute_module(model, mesh, partition)
+    return model
+
+
+def expected(tag: str, step: int, name: str, shape: torch.Size) -> torch.Tensor:
+    """The whole tensor ``name`` holds after ``save <step> <tag>``."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{tag}/{step}/{name}".encode()))
+    return torch.randn(shape, generator=generator)
+
+
+def local_part(param: torch.Tensor, whole: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's piece of ``whole`` as ``param`` holds it (``Shard(0)``: torch.chunk)."""
+    if isinstance(param, DTensor):
+        return whole.chunk(world)[rank]
+    return whole
+
+
+def global_shape(param: torch.Tensor) -> torch.Size:
+    return param.shape  # a DTensor's shape is the whole tensor's
+
+
+def fill(model: nn.Module, tag: str, step: int, rank: int, world: int) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            whole = expected(tag, step, name, global_shape(param))
+            target = param.to_local() if isinstance(param, DTensor) else param
+            target.copy_(local_part(param, whole, rank, world))
+
+
+def differing(model: nn.Module, tag: str, step: int, rank: int, world: int) -> list[str]:
+    """The parameters whose local piece is not (tag, step)'s."""
+    out = []
+    for name, param in model.named_parameters():
+        whole = expected(tag, step, name, global_shape(param))
+        mine = param.to_local() if isinstance(param, DTensor) else param
+        if not torch.equal(mine.detach(), local_part(param, whole, rank, world)):
+            out.append(name)
+    return out
+
+
+# -- the script --------------------------------------------------------------------------------
+
+
+class Job:
+    """One start of the job on this rank: the manager and the script's actions."""
+
+    def __init__(self, rank: int, world: int, config: dict[str, Any], save_dir: dict) -> None:
+        self.rank, self.world, self.config = rank, world, config
+        self.sync_dir = config.get("sync_dir")
+        local_dir = config.get("local_dir")
+        options: dict[str, Any] = {}
+        if local_dir is not None:
+            options["local_dir"] = local_dir.replace("{rank}", str(rank))
+        for key in ("local_num_to_keep", "max_pending_uploads"):
+            if key in config:
+                options[key] = config[key]
+        checkpointing = CheckpointingConfig(
+            save_dir=save_dir["url"],
+            storage_options=save_dir["storage_options"],
+            catalog_url=config.get("catalog_url"),
+            num_to_keep=config.get("num_to_keep"),
+            **options,
+        )
+        self.model = build_model(world)
+        self.manager = CheckpointManager(checkpointing, run_name=config["run"], total_steps=100)
+        self.closed = False
+
+    def state(self, tag: str, step: int) -> dict[str, Any]:
+        return {"model": self.model, "extra": {"rank": self.rank, "tag": tag, "step": step}}
+
+    def run(self, script: list[list[Any]], log) -> list[dict[str, Any]]:
+        done = []
+        for action, *args in script:
+            record: dict[str, Any] = {"action": [action, *args]}
+            try:
+                record["ok"] = getattr(self, f"do_{action}")(*args)
+            except Exception as exc:  # recorded: the test says which failures it expects
+                record["error"] = error_record(exc)
+            done.append(record)
+            log(record)
+        if not self.closed:
+            try:
+                self.manager.close()
+            except Exception as exc:
+                done.append({"action": ["close (at exit)"], "error": error_record(exc)})
+        return done
+
+    def do_save(self, step: int, tag: str) -> dict[str, Any]:
+        fill(self.model, tag, step, self.rank, self.world)
+        start = time.perf_counter()
+        self.manager.save(step, self.state(tag, step))
+        return {"blocked_s": time.perf_counter() - start}
+
+    def do_wait(self) -> None:
+        self.manager.wait()
+
+    def do_load(self, tag: str) -> dict[str, Any]:
+        fill(self.model, "fresh", 0, self.rank, self.world)  # other values than any save
+        state = self.state("fresh", 0)
+        resume = self.manager.load_latest(state)
+        out: dict[str, Any] = {"step": resume.step, "url": resume.url}
+        if resume.step is not None:
+            out["differing"] = differing(self.model, tag, resume.step, self.rank, self.world)
+            out["extra"] = resume.values.get("extra")
+        return out
+
+    def do_signal(self, name: str) -> None:
+        with open(os.path.join(self.sync_dir, f"{name}-r{self.rank}"), "w"):
+            pass
+
+    def do_await(self, name: str) -> None:
+        path = os.path.join(self.sync_dir, name)
+        deadline = time.monotonic() + AWAIT_TIMEOUT_S
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} did not appear in {AWAIT_TIMEOUT_S} s")
+            time.sleep(0.02)
+
+    def do_kill(self) -> None:
+        dist.barrier()
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def do_close(self) -> None:
+        self.closed = True
+        self.manager.close()
+
+
+def run_child() -> dict[str, Any]:
+    """Run this rank's script in a child process that will SIGKILL itself; what it did."""
+    argv = [sys.executable, "-m", "tests.zephon.tier.tier_worker", *sys.argv[1:]]
+    done = subprocess.run(
+        argv,
+        env={**os.environ, "ZEPHON_TIER_CHILD": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    records = [
+        json.loads(line[len("ACTION ") :])
+        for line in done.stdout.splitlines()
+        if line.startswith("ACTION ")
+    ]
+    return {"child_returncode": done.returncode, "actions": records, "stderr": done.stderr[-3000:]}
+
+
+def main(rank: int, world: int, port: int) -> None:
+    save_dir = json.loads(os.environ["ZEPHON_DCP_TEST"])
+    config = json.loads(os.environ["ZEPHON_TIER_TEST"])
+    script = config["script"]
+    out: dict[str, Any] = {"rank": rank}
+    if any(action == "kill" for action, *_ in script) and "ZEPHON_TIER_CHILD" not in os.environ:
+        out.update(run_child())
+        print("RESULT " + json.dumps(out), flush=True)
+        return
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+    try:
+        job = Job(rank, world, config, save_dir)
+        out["actions"] = job.run(
+            script, lambda record: print("ACTION " + json.dumps(record), flush=True)
+        )
+    except Exception as exc:
+        out["crash"] = "".join(traceback.format_exception(exc))[-4000:]
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
