@@ -21,6 +21,7 @@ from catalog.errors import (
     CheckpointNotFoundError,
     InvalidTransitionError,
     InvalidValueError,
+    ReplicaNotFoundError,
     RunConflictError,
     RunExistsError,
     RunNotFoundError,
@@ -31,18 +32,20 @@ from catalog.errors import (
     StaleAttemptError,
     StateConflictError,
 )
-from catalog.models import CheckpointState, RunKind, RunStatus
+from catalog.models import CheckpointState, ReplicaState, ReplicaTier, RunKind, RunStatus
 from catalog.records import (
     AttemptRecord,
     AttemptRegistration,
     CheckpointRecord,
     EventRecord,
+    ReplicaRecord,
     RunRecord,
     RunSummary,
 )
 from catalog.repairs import SyncOutcome
 from catalog.retention import Action, Decision, ResumePoint, RetentionPlan, plan_retention
 from catalog.runs import UNSET
+from catalog.validate import TIMING_PHASES
 
 
 def upgrade(url: str) -> tuple[str | None, str]:
@@ -76,6 +79,7 @@ __all__ = [
     "DEFAULT_GRACE",
     "DEFAULT_LEASE",
     "MISSING_MARKER_REASON",
+    "TIMING_PHASES",
     "UNSET",
     "Action",
     "AttemptRecord",
@@ -92,6 +96,10 @@ __all__ = [
     "EventRecord",
     "InvalidTransitionError",
     "InvalidValueError",
+    "ReplicaNotFoundError",
+    "ReplicaRecord",
+    "ReplicaState",
+    "ReplicaTier",
     "ResumePoint",
     "RetentionPlan",
     "RunConflictError",

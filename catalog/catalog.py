@@ -20,7 +20,7 @@ the specific ``CatalogError`` subclasses documented per method. Messages mask th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
@@ -34,6 +34,7 @@ from catalog import (
     claims,
     queries,
     repairs,
+    replicas,
     runs,
     schema,
     transitions,
@@ -69,8 +70,12 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-class Catalog:
+class Catalog(replicas.ReplicaMethods):
     """The catalog of runs and checkpoints in one SQLite or PostgreSQL database.
+
+    Save timings (``add_timings``) and checkpoint replicas per storage tier
+    (``replica_started``, ``replica_committed``, ``replica_failed``, ``replica_deleted``,
+    ``replicas``) are methods of ``catalog.replicas.ReplicaMethods``, mixed in here.
 
     ``Catalog(url)`` connects, creates an empty database at the schema head, and refuses a
     database it cannot use with the ``SchemaError`` that says why (``catalog.schema``): a
@@ -499,8 +504,13 @@ class Catalog:
         file_count: int | None,
         manifest_checksum: str | None,
         metadata: dict[str, Any] | None = None,
+        timings: Mapping[str, float] | None = None,
     ) -> CheckpointRecord:
         """``pending -> committed`` after the commit marker is written, for this save only.
+
+        ``timings`` (phase name -> seconds: ``write_s``, ``commit_s``, ``total_s``,
+        ``stall_s``...; ``catalog.validate.TIMING_PHASES``) are merged into the row's, in the
+        same transaction, also when the call is an idempotent repeat.
 
         Idempotent: if the row is already committed by the same save (a retry, or the marker
         probe promoted it), returns it unchanged, even if a newer attempt has registered since
@@ -515,23 +525,30 @@ class Catalog:
         save_id = validate.token("save_id", save_id)
         epoch = validate.epoch(epoch)
         facts = _facts(bytes, file_count, manifest_checksum, metadata)
+        phases = validate.timings(timings)
         with self._db.write(f"commit run {run!r} step {step}") as session:
             owner = runs.require(session, self.url, run, lock="share")
             done = transitions.committed_by(session, owner.id, step, save_id)
             if done is not None:
+                if phases:
+                    done = replicas.merge_timings(session, done, phases)
                 return CheckpointRecord.of(done, run)
             attempts.check_current(session, self.url, owner, epoch)
             row, moved = transitions.commit(
                 session, self.url, owner, step, save_id, epoch, facts, _now()
             )
+            if phases:
+                row = replicas.merge_timings(session, row, phases)
             if moved:
-                detail = {
+                detail: dict[str, Any] = {
                     "save_id": save_id,
                     "epoch": epoch,
                     "bytes": bytes,
                     "file_count": file_count,
                     "manifest_checksum": manifest_checksum,
                 }
+                if phases:
+                    detail["timings"] = phases
                 self._event(session, "committed", run, step, detail)
             return CheckpointRecord.of(row, run)
 

@@ -283,16 +283,56 @@ class RunConflictError(CatalogError):
 
 
 class CheckpointNotFoundError(CatalogError):
-    """No row for this (run, step)."""
+    """No row for this (run, step); with ``save_id`` (``add_timings``), no row of that save:
+    ``found_save`` is the save the row holds instead (None: no row at all)."""
 
-    def __init__(self, url: str, run: str, step: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        step: int,
+        *,
+        save_id: str | None = None,
+        found_save: str | None = None,
+    ) -> None:
         self.url = url
         self.run = run
         self.step = step
+        self.save_id = save_id
+        self.found_save = found_save
+        what = f"no checkpoint at step {step}"
+        if save_id is not None:
+            what += f" of save {save_id}"
+            if found_save is not None:
+                what += f" (the row holds save {found_save}: a newer save of the step)"
         super().__init__(
-            f"run {run!r} has no checkpoint at step {step} in catalog {url}; list its steps "
+            f"run {run!r} has {what} in catalog {url}; list its steps "
             f"with `zephon checkpoints {run}`"
         )
+
+
+class ReplicaNotFoundError(CheckpointNotFoundError):
+    """No replica row for this (run, step, tier, host): ``replica_started`` was never called."""
+
+    def __init__(self, url: str, run: str, step: int, tier: str, host: str) -> None:
+        CatalogError.__init__(
+            self,
+            f"run {run!r} has no {_replica(tier, host)} at step {step} in catalog {url}; "
+            f"record it with replica_started first, or list the replicas with "
+            f"`zephon checkpoints {run} --json`",
+        )
+        self.url = url
+        self.run = run
+        self.step = step
+        self.save_id = None
+        self.found_save = None
+        self.tier = tier
+        self.host = host
+
+
+def _replica(tier: str, host: str) -> str:
+    """``local replica on host n1`` / ``save_dir replica``."""
+    return f"{tier} replica on host {host}" if host else f"{tier} replica"
 
 
 class InvalidTransitionError(CatalogError):

@@ -1,4 +1,5 @@
-"""ORM models of the catalog: ``runs``, ``attempts``, ``checkpoints`` and the ``events`` log.
+"""ORM models of the catalog: ``runs``, ``attempts``, ``checkpoints``, their
+``checkpoint_replicas`` (one per storage tier a checkpoint is on) and the ``events`` log.
 
 This module describes the schema that the newest Alembic revision in ``migrations/`` creates;
 the two are kept equal by a test (``compare_metadata`` finds no difference). Changing a model
@@ -51,6 +52,26 @@ class CheckpointState(StrEnum):
     FAILED = "failed"
     CORRUPT = "corrupt"
     STALE = "stale"
+
+
+class ReplicaState(StrEnum):
+    """States of a replica row (one copy of a checkpoint on one tier): ``pending`` while it is
+    written or uploaded, then ``committed`` or ``failed``; ``committed -> deleted`` when it is
+    removed; ``pending``, ``failed`` and ``deleted`` rows, and committed rows of an older
+    save, are re-armed ``pending`` by a new save of the step."""
+
+    PENDING = "pending"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    DELETED = "deleted"
+
+
+class ReplicaTier(StrEnum):
+    """Where a replica lives: ``local`` (a node-local disk, one row per host) or ``save_dir``
+    (the job's shared storage, host ``""``)."""
+
+    LOCAL = "local"
+    SAVE_DIR = "save_dir"
 
 
 class RunKind(StrEnum):
@@ -209,8 +230,45 @@ class Checkpoint(Base):
     # "metadata" is reserved on declarative classes; the column keeps the documented name.
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JsonDocument)
     failure_reason: Mapped[str | None] = mapped_column(Text)
+    # phase name -> seconds of the save that committed the row (``catalog.timings``)
+    timings: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
     claimed_by: Mapped[str | None] = mapped_column(String(255))
     claimed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    committed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class Replica(Base):
+    """One copy of one checkpoint on one storage tier: ``(run_id, step, tier, host)`` is unique.
+
+    A job with a local tier commits each save to a node-local disk first (``tier="local"``,
+    one row per ``host``), then uploads it to its ``save_dir`` (``tier="save_dir"``, host
+    ``""``). ``save_id`` is the save the row belongs to; ``location`` the replica's checkpoint
+    URL (never with credentials); ``bytes`` and ``timings`` are those of that copy. Deleting a
+    run's row deletes its replicas (``ON DELETE CASCADE``).
+    """
+
+    __tablename__ = "checkpoint_replicas"
+    __table_args__ = (
+        # The unique index also serves "replicas of a run by step" (its leading columns).
+        UniqueConstraint("run_id", "step", "tier", "host"),
+        CheckConstraint(_in("state", ReplicaState), name="state"),
+        CheckConstraint(_in("tier", ReplicaTier), name="tier"),
+        CheckConstraint("step >= 0", name="step"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    tier: Mapped[str] = mapped_column(String(16))
+    host: Mapped[str] = mapped_column(String(255))
+    location: Mapped[str] = mapped_column(Text)
+    save_id: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16))
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    timings: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
+    failure_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     committed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
@@ -240,4 +298,4 @@ class Event(Base):
     detail: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
 
 
-CATALOG_TABLES = ("runs", "attempts", "checkpoints", "events")
+CATALOG_TABLES = ("runs", "attempts", "checkpoints", "checkpoint_replicas", "events")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from catalog.models import Attempt, Checkpoint, Event, Run
+from catalog.models import Attempt, Checkpoint, Event, Replica, Run
 
 
 def _jsonable(value: Any) -> Any:
@@ -92,7 +92,9 @@ class CheckpointRecord(_Record):
 
     ``save_id`` is what ``mark_committed``/``mark_failed`` must present; ``epoch`` the attempt
     that armed the row (0: unfenced); ``claimed_by`` is the claim token ``mark_deleted`` must
-    present while the row is ``deleting``.
+    present while the row is ``deleting``. ``timings`` maps phase names (``write_s``,
+    ``commit_s``, ``total_s``, ``stall_s``...) to seconds of the save that committed it; None
+    for a row nobody timed.
     """
 
     run: str
@@ -112,6 +114,7 @@ class CheckpointRecord(_Record):
     created_at: datetime
     committed_at: datetime | None
     updated_at: datetime
+    timings: dict[str, float] | None = None
 
     @classmethod
     def of(cls, row: Checkpoint, run: str) -> CheckpointRecord:
@@ -133,7 +136,57 @@ class CheckpointRecord(_Record):
             created_at=row.created_at,
             committed_at=row.committed_at,
             updated_at=row.updated_at,
+            timings=row.timings,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRecord(_Record):
+    """One copy of a checkpoint on one storage tier (a row of ``checkpoint_replicas``).
+
+    ``tier`` is ``"local"`` (a node-local disk; ``host`` names the node) or ``"save_dir"``
+    (the job's shared storage; ``host`` is ``""``). ``location`` is the replica's checkpoint
+    URL, ``save_id`` the save it belongs to, ``state`` one of pending, committed, failed,
+    deleted; ``bytes`` and ``timings`` (phase -> seconds: ``local_s``, ``upload_s``...) are
+    those of this copy, set when it committed.
+    """
+
+    run: str
+    step: int
+    tier: str
+    host: str
+    location: str
+    save_id: str
+    state: str
+    bytes: int | None
+    timings: dict[str, float] | None
+    failure_reason: str | None
+    created_at: datetime
+    committed_at: datetime | None
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, row: Replica, run: str) -> ReplicaRecord:
+        return cls(
+            run=run,
+            step=row.step,
+            tier=str(row.tier),
+            host=row.host,
+            location=row.location,
+            save_id=row.save_id,
+            state=str(row.state),
+            bytes=row.bytes,
+            timings=row.timings,
+            failure_reason=row.failure_reason,
+            created_at=row.created_at,
+            committed_at=row.committed_at,
+            updated_at=row.updated_at,
+        )
+
+    @property
+    def label(self) -> str:
+        """``local replica on host n1`` or ``save_dir replica``, for messages."""
+        return f"local replica on host {self.host}" if self.host else f"{self.tier} replica"
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,6 +115,7 @@ def upsert_committed(
             values: dict[str, Any] = {**differs, "updated_at": now}
             if row.save_id != save_id:
                 values["committed_at"] = committed_at
+                values["timings"] = None  # the other save's phases, not this marker's
             outcome = SyncOutcome.UPDATED
         else:
             values = {
@@ -126,6 +127,8 @@ def upsert_committed(
                 "claimed_by": None,
                 "claimed_at": None,
             }
+            if row.save_id != save_id:
+                values["timings"] = None  # the other save's phases, not this marker's
             outcome = SyncOutcome.PROMOTED
         moved = guarded_update(session, _unchanged(row), values)
         if moved:

@@ -48,6 +48,7 @@ _CLEARED_ON_REARM: dict[str, Any] = {
     "file_count": None,
     "manifest_checksum": None,
     "meta": None,
+    "timings": None,
     "failure_reason": None,
     "claimed_by": None,
     "claimed_at": None,

@@ -17,13 +17,15 @@ Two kinds of rule live here:
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
 from catalog.errors import InvalidValueError
-from catalog.models import CheckpointState, RunKind, RunStatus
+from catalog.models import CheckpointState, ReplicaState, ReplicaTier, RunKind, RunStatus
 
 #: the largest value of a ``BIGINT`` column (steps, epochs, sizes, milestones)
 MAX_BIGINT = 2**63 - 1
@@ -37,6 +39,17 @@ RESERVED_RUN_NAMES = frozenset({".", "..", "_attempts"})
 RUN_NAME_RULE = (
     "expected 1-128 characters of [A-Za-z0-9._-], not '.', '..', '_attempts' or a step "
     "directory name like 'save-5'"
+)
+
+#: the phases a save's ``timings`` may name, each in seconds (docs/catalog.md, Timings)
+TIMING_PHASES = (
+    "stall_s",
+    "stage_s",
+    "write_s",
+    "commit_s",
+    "total_s",
+    "local_s",
+    "upload_s",
 )
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -240,3 +253,58 @@ def _member(argument: str, value: str, enum: type) -> str:
     if not isinstance(value, str) or value not in allowed:
         raise InvalidValueError(argument, value, f"expected one of {', '.join(allowed)}")
     return str(value)
+
+
+def timings(value: Mapping[str, float] | None) -> dict[str, float] | None:
+    """``None``, or a mapping of known phase names (``TIMING_PHASES``) to finite seconds
+    >= 0, returned as a plain dict of floats. An unknown phase is refused naming it and the
+    known ones, so a typo never becomes a column nobody reads."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidValueError("timings", value, "expected a mapping of phase name to seconds")
+    checked: dict[str, float] = {}
+    for phase, seconds in value.items():
+        if phase not in TIMING_PHASES:
+            raise InvalidValueError(
+                "timings phase", phase, f"expected one of {', '.join(TIMING_PHASES)}"
+            )
+        if (
+            not isinstance(seconds, int | float)
+            or isinstance(seconds, bool)
+            or not math.isfinite(seconds)
+            or seconds < 0
+        ):
+            raise InvalidValueError(
+                f"timings {phase}", seconds, "expected a finite number of seconds >= 0"
+            )
+        checked[phase] = float(seconds)
+    return checked
+
+
+def tier(value: str) -> str:
+    return _member("tier", value, ReplicaTier)
+
+
+def replica_host(tier_: str, value: str) -> str:
+    """A local replica names its host (1-255 characters); a ``save_dir`` one has host ``""``
+    (shared storage belongs to no node)."""
+    if tier_ == ReplicaTier.SAVE_DIR:
+        if value != "":
+            raise InvalidValueError(
+                "host", value, "expected '' for a save_dir replica (shared storage has no host)"
+            )
+        return value
+    return host(value)
+
+
+def replica_states(values: object) -> list[str] | None:
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = [values]
+    try:
+        items = list(values)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidValueError("states", values, "expected a state or a list of states") from None
+    return [_member("state", v, ReplicaState) for v in items]

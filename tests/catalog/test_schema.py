@@ -136,7 +136,13 @@ def test_catalog_tables_without_alembic_version_are_refused(catalog_url):
     for attempt in (lambda: Catalog(catalog_url), lambda: catalog.upgrade(catalog_url)):
         with pytest.raises(SchemaUnversionedError) as caught:
             attempt()
-        assert set(caught.value.tables) == {"runs", "attempts", "checkpoints", "events"}
+        assert set(caught.value.tables) == {
+            "runs",
+            "attempts",
+            "checkpoints",
+            "checkpoint_replicas",
+            "events",
+        }
         assert "alembic_version" in str(caught.value)
 
 
