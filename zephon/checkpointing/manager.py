@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ from zephon.checkpointing.files import (
 )
 from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
 from zephon.checkpointing.source import load_frozen_from_source
+from zephon.checkpointing.tier import LocalTier
+from zephon.checkpointing.tracking import LOCAL, Tracker, record_committed
+from zephon.checkpointing.uploader import Uploader, UploadJob
 from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError, ZephonError
 from zephon.gc import apply_retention
@@ -145,14 +149,33 @@ class CheckpointManager:
             if config.resolved_catalog_url:
                 self.catalog = self._open_catalog(config.resolved_catalog_url)
 
+        self.tier: LocalTier | None = None
+        self.uploader: Uploader | None = None
         try:
             self.coll.from_main(open_catalog_on_main, "set up checkpointing")
+            if config.local_dir is not None:
+                self._start_tier(config.local_dir)
         except BaseException:
             self.coll.destroy()
             raise
         self._background: Future | None = None
         self._async_stager: zdcp.ZephonStager | None = None
         self._background_lock = threading.Lock()
+
+    def _start_tier(self, local_dir: str) -> None:
+        """Every rank: the local tier and this rank's uploader thread (docs/manager.md)."""
+        self.tracker = Tracker(self.catalog, self.name)
+        self.tier = LocalTier(
+            local_dir, self.name, self.run, self.coll, self.config.local_num_to_keep
+        )
+        self.uploader = Uploader(
+            self.coll,
+            self.tier,
+            self.location,
+            tracker=self.tracker if self.coll.is_main else None,
+            attempt=self._current_attempt,
+            retain=self.apply_retention,
+        )
 
     def _open_catalog(self, url: str) -> Catalog:
         catalog = Catalog(url)
@@ -198,7 +221,14 @@ class CheckpointManager:
         memory; the rest happens in the background and a failure is raised by the next call.
         A failure on any rank raises on every rank; nothing of the attempt is left behind.
         """
-        self.wait()
+        started = time.monotonic()
+        self._wait_background()
+        if self.uploader is not None:
+            if self.uploader.stale is not None:
+                raise self.uploader.stale
+            self.uploader.wait_below(self.config.max_pending_uploads)  # backpressure
+        #: the phases of this save, completed as they happen (the catalog row gets them)
+        timings: dict[str, float] = {}
         prepared, problem = None, None
         try:
             prepared = self._prepare(state, rank_state)
@@ -207,16 +237,21 @@ class CheckpointManager:
         # Doubles as the barrier before the save.
         self.coll.agree(problem, f"prepare the state of step {step}")
         layout, tensors, shared, mine = prepared
+        store = self.tier.store if self.tier is not None else self.store
         save, primary = None, None
         if self.coll.is_main:
             try:
-                save = Save.begin(self._current_attempt(), step, catalog=self.catalog)
+                attempt = self._current_attempt()
+                if self.tier is not None:
+                    save = self.tier.begin(attempt, step, self.tracker)
+                else:
+                    save = Save.begin(attempt, step, catalog=self.catalog)
                 primary = save.writer
             except Exception as exc:
                 problem = exc
         try:
             writer = zdcp.attach_ranks(
-                self.store, self.run, step, primary, process_group=self.coll.group
+                store, self.run, step, primary, process_group=self.coll.group
             )
         except Exception:
             if problem is not None:
@@ -228,14 +263,21 @@ class CheckpointManager:
                 writer, subdir=DCP_SUBDIR, commit_metadata={"step": step, "kind": self.kind}
             )
             if self.config.async_save:
+                staging = time.monotonic()
                 future = zdcp.async_save(
                     tensors,
                     storage_writer,
                     process_group=self.coll.io_group,
                     stager=self._stager(),
                 )
-                self._start_background(step, future, writer, save)
-                self.coll.barrier()
+                timings["stage_s"] = time.monotonic() - staging
+                returned = threading.Event()  # the commit records stall_s, known once we return
+                self._start_background(step, future, writer, save, timings, started, returned)
+                try:
+                    self.coll.barrier()
+                    timings["stall_s"] = time.monotonic() - started
+                finally:
+                    returned.set()
                 return
             zdcp.save(tensors, storage_writer, process_group=self.coll.io_group)
         except BaseException as exc:
@@ -244,7 +286,8 @@ class CheckpointManager:
             if translated is not exc:  # the commit met a newer attempt
                 raise translated from exc
             raise
-        self._committed(save)
+        timings["stall_s"] = time.monotonic() - started
+        self._committed(step, save, writer, timings, started)
         self.coll.barrier()
 
     def _prepare(self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None):
@@ -319,19 +362,39 @@ class CheckpointManager:
         if self.coll.is_main:
             writer.add_entries(FileEntry(**e) for e in gathered or [])
 
-    def _committed(self, save: Save | None) -> None:
-        """Rank 0, after the marker: the catalog row, then retention."""
-        if not self.coll.is_main:
+    def _committed(
+        self,
+        step: int,
+        save: Save | None,
+        writer: CheckpointWriter,
+        timings: dict[str, float],
+        started: float,
+    ) -> None:
+        """Every rank, after the marker. Without a local tier, rank 0 records the commit (with
+        its timings) and applies retention; with one, the local commit is recorded and every
+        rank queues the upload of what it wrote."""
+        if self.tier is None or self.uploader is None:
+            if self.coll.is_main:
+                assert save is not None
+                record_committed(save, timings)
+                self.apply_retention()
             return
-        assert save is not None
-        save.committed()
-        self.apply_retention()
+        timings["local_s"] = time.monotonic() - started
+        if self.coll.is_main:
+            assert save is not None
+            manifest = save.committed()
+            self.tracker.committed(step, LOCAL, manifest, {"local_s": timings["local_s"]})
+        own = [] if self.coll.is_main else writer.entries  # a secondary writer's are its own
+        job = UploadJob(step, writer.payload_path, own, timings, started, writer.save_id)
+        self.uploader.submit(job)
 
     def _failed(self, writer: CheckpointWriter, save: Save | None, exc: BaseException) -> None:
         if not self.coll.is_main:
             return
         if save is not None:
             save.failed(exc)
+            if self.tier is not None:
+                self.tracker.failed(save.step, LOCAL, save.save_id, f"{type(exc).__name__}: {exc}")
         else:
             with contextlib.suppress(Exception):
                 writer.abort()
@@ -351,13 +414,23 @@ class CheckpointManager:
 
     # -- background saves ---------------------------------------------------------------------
 
-    def _start_background(self, step, future: Future, writer, save: Save | None) -> None:
+    def _start_background(
+        self,
+        step,
+        future: Future,
+        writer,
+        save: Save | None,
+        timings,
+        started: float,
+        returned: threading.Event,
+    ) -> None:
         done: Future = Future()
 
         def finish(upload: Future) -> None:
             try:
                 upload.result()
-                self._committed(save)
+                returned.wait()
+                self._committed(step, save, writer, timings, started)
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next call
                 self._failed(writer, save, exc)
                 done.set_exception(as_zephon_error(exc))
@@ -380,7 +453,13 @@ class CheckpointManager:
         return self._async_stager
 
     def wait(self) -> None:
-        """Wait for a background save; raise its failure, if it failed."""
+        """Wait for a background save and every pending upload; raise a failure, if one
+        failed."""
+        self._wait_background()
+        if self.uploader is not None:
+            self.uploader.wait_all()
+
+    def _wait_background(self) -> None:
         with self._background_lock:
             pending, self._background = self._background, None
         if pending is not None:
@@ -403,9 +482,12 @@ class CheckpointManager:
         complete one is loaded, unless ``on_corrupt`` is ``"fail"``.
         """
         self.wait()
+        local = self._local_candidate()
         while True:
             # One process asks the catalog and reads the small JSON; the others get the answer.
-            answer = self.coll.from_main(self._resume_point_on_main, "find the latest checkpoint")
+            answer = self.coll.from_main(
+                lambda local=local: self._resume_point_on_main(local), "find the latest checkpoint"
+            )
             if answer is None:
                 return Resume(step=None, next_step=1)
             found, meta = answer
@@ -421,14 +503,17 @@ class CheckpointManager:
                     saved_total_steps=saved_total,
                 )
             problem: Exception | None = None
+            store = self.tier.store if found.get("local") and self.tier else self.store
             try:
-                values, rank_state = self._load(step, meta, state, allow_partial_load)
+                values, rank_state = self._load(step, meta, state, allow_partial_load, store)
             except Exception as exc:
                 problem = exc
             damaged = self._damage_on_any_rank(problem)
             if damaged is None:
                 if problem is not None:
                     raise problem
+                if found.get("upload"):  # never uploaded (the last attempt died): now, fenced
+                    self._upload_resumed(step)
                 return Resume(
                     step=step,
                     next_step=step + 1,
@@ -437,6 +522,11 @@ class CheckpointManager:
                     rank_state=rank_state,
                     saved_total_steps=saved_total,
                 )
+            if found.get("local"):  # a damaged local copy: condemned there only, save_dir next
+                if self.coll.is_main and self.tier is not None:
+                    self.tier.condemn(step, damaged)
+                local = None
+                continue
             if self.config.on_corrupt == "fail":
                 if problem is not None:
                     raise problem
@@ -444,22 +534,66 @@ class CheckpointManager:
             if self.coll.is_main:
                 self._set_aside(step, damaged)
 
-    def _resume_point_on_main(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    def _local_candidate(self) -> int | None:
+        """Collective: the local tier's newest checkpoint of the run's history, if every rank
+        holds it in full in its own local_dir (else None: save_dir is loaded)."""
+        tier = self.tier
+        if tier is None:
+            return None
+
+        def newest() -> int | None:
+            manifest = tier.candidate(self.store.lineage(self.run))
+            return manifest.step if manifest is not None else None
+
+        step = self.coll.from_main(newest, "look at the local tier")
+        if step is None or not all(self.coll.all_gather(tier.holds(step))):
+            return None
+        return step
+
+    def _upload_resumed(self, step: int) -> None:
+        """Every rank: queue the upload of the local checkpoint resumed from (rank 0 holds
+        every file of it and uploads them all)."""
+        assert self.uploader is not None and self.tier is not None
+        self.uploader.submit(UploadJob(step, "", [], {}, time.monotonic()))
+
+    def _resume_point_on_main(
+        self, local: int | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """Rank 0: find the latest complete checkpoint and register this job's attempt as
         resuming from it; a checkpoint whose JSON fails verification is set aside and the next
-        one taken."""
+        one taken. ``local``: the local tier's candidate every rank holds, taken if it is at
+        least save_dir's latest (and uploaded after the load if it is newer)."""
         while True:
 
-            def choose(lineage) -> tuple[int | None, LatestCheckpoint | None]:
+            def choose(
+                lineage, local=local
+            ) -> tuple[int | None, tuple[LatestCheckpoint | None, bool]]:
                 latest = find_latest(
                     self.location,
                     catalog=self.catalog,
                     lineage=lineage,
                     on_corrupt=self._on_damaged,
                 )
-                return (latest.step if latest is not None else None), latest
+                remote = latest.step if latest is not None else None
+                if local is not None and self.tier is not None:
+                    mine = self.tier.candidate(lineage)
+                    if mine is not None and mine.step == local and (remote or 0) <= local:
+                        return local, (latest, True)
+                return remote, (latest, False)
 
-            self.attempt, latest = register_resuming(self.location, self.catalog, choose)
+            self.attempt, (latest, use_local) = register_resuming(
+                self.location, self.catalog, choose
+            )
+            if use_local and self.tier is not None and local is not None:
+                try:
+                    meta = self._read_meta(local, self.tier.store)
+                except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                    self.tier.condemn(local, str(exc))
+                    local = None
+                    continue
+                url = self.tier.checkpoint_url(local)
+                newer = latest is None or latest.step < local
+                return {"step": local, "url": url, "local": True, "upload": newer}, meta
             if latest is None:
                 return None
             try:
@@ -514,8 +648,9 @@ class CheckpointManager:
             why.splitlines()[0][:300],
         )
 
-    def _read_meta(self, step: int) -> dict[str, Any]:
-        reader = self.store.reader(self.run, step, verify=self.config.verify_on_load)
+    def _read_meta(self, step: int, store: CheckpointStore | None = None) -> dict[str, Any]:
+        store = store or self.store
+        reader = store.reader(self.run, step, verify=self.config.verify_on_load)
         meta = decode_json(reader.read_bytes(META_FILE), f"{reader.url}/{META_FILE}")
         if meta.get("format_version", 0) > META_VERSION:
             raise ZephonError(f"{reader.url} was written by a newer Zephon; upgrade to load it")
@@ -527,10 +662,11 @@ class CheckpointManager:
         meta: dict[str, Any],
         state: Mapping[str, Any],
         allow_partial_load: bool,
+        store: CheckpointStore,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         planned, problem = None, None
         try:
-            planned = self._plan_load(step, meta, state, allow_partial_load)
+            planned = self._plan_load(step, meta, state, allow_partial_load, store)
         except Exception as exc:
             problem = exc
         # Every rank must be ready before the collective load, or the others would wait forever.
@@ -557,6 +693,7 @@ class CheckpointManager:
         meta: dict[str, Any],
         state: Mapping[str, Any],
         allow_partial_load: bool,
+        store: CheckpointStore,
     ):
         """This rank's part of a load, before the collective: check the state against the
         checkpoint, load frozen parameters from the source, read this rank's JSON."""
@@ -573,8 +710,8 @@ class CheckpointManager:
             )
         if layout.trainable_only:
             self._load_source(layout)
-        url = self.store.checkpoint_url(self.run, step)
-        checkpoint = self.store.reader(self.run, step, verify=self.config.verify_on_load)
+        url = store.checkpoint_url(self.run, step)
+        checkpoint = store.reader(self.run, step, verify=self.config.verify_on_load)
         # The same world size gets every rank its own state back; another one (an elastic
         # resume) gets every rank rank 0's, and no RNG or rank_state.
         same_world = meta.get("world_size") == self.coll.world_size
@@ -591,7 +728,7 @@ class CheckpointManager:
                 f"{shown}; build the model and optimizer as they were when saved"
             )
         reader = zdcp.ZephonStorageReader(
-            self.store, self.run, step, subdir=DCP_SUBDIR, verify=self.config.verify_on_load
+            store, self.run, step, subdir=DCP_SUBDIR, verify=self.config.verify_on_load
         )
         own = {k: v for k, v in mine["state"].items() if k in kinds}
         own_keys = tensor_keys(own)
@@ -631,6 +768,12 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self.uploader is not None:
+                self.uploader.close()
+                self.uploader = None
+            if self.tier is not None:
+                self.tier.close()
+                self.tier = None
             if self._async_stager is not None:
                 self._async_stager.close()
                 self._async_stager = None

@@ -1,0 +1,145 @@
+"""The local tier: a node-local directory where a save commits first, before its background
+upload to ``save_dir`` (docs/manager.md, "Local tier").
+
+The local directory is a ``CheckpointStore`` of its own with the same layout and marker as
+``save_dir``. Its saves carry the attempt's fence; the local store has no attempt records of
+its own, so the fence's lineage (read from ``save_dir``) is what judges a marker there, for a
+save that finds one at its step and for the resume candidate. Local checkpoints are never in
+the ``checkpoints`` catalog table (that is save_dir's); the catalog's replica rows record them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Iterable
+
+from storage import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    Lineage,
+    Manifest,
+    StorageError,
+)
+from zephon.attempts import Attempt
+from zephon.checkpointing.collectives import Collectives
+from zephon.checkpointing.tracking import LOCAL, Tracker
+from zephon.locations import RunLocation
+from zephon.saving import Save
+
+__all__ = ["LocalTier"]
+
+log = logging.getLogger("zephon")
+
+
+class LocalTier:
+    """``local_dir`` of one run: begin a local save, retention, the resume candidate.
+
+    Construct on every rank at the same point (it all-gathers hostnames to find each node's
+    leader, the one process per node that deletes local checkpoints).
+    """
+
+    def __init__(
+        self, local_dir: str, name: str, run: str | None, coll: Collectives, keep: int
+    ) -> None:
+        self.store = CheckpointStore(local_dir)
+        self.location = RunLocation(name, self.store, run)
+        self.run = run
+        self.keep = keep
+        self.rank = coll.rank
+        host = socket.gethostname()
+        hosts = coll.all_gather(host)
+        #: this process deletes local checkpoints for its node (the lowest rank on the host)
+        self.node_leader = hosts.index(host) == coll.rank
+
+    def attempt(self, attempt: Attempt) -> Attempt:
+        """The same attempt (same fence) saving into the local store."""
+        return Attempt(self.location, attempt.fence)
+
+    def begin(self, attempt: Attempt, step: int, tracker: Tracker | None) -> Save:
+        """Rank 0: begin the local save of ``step``: no ``checkpoints`` row (that table is
+        save_dir's), a local replica row instead."""
+        save = Save.begin(self.attempt(attempt), step, catalog=None)
+        if tracker is not None:
+            tracker.started(step, LOCAL, self.checkpoint_url(step), save.save_id)
+        return save
+
+    def payload_path(self, manifest: Manifest) -> str:
+        return f"{self.store.checkpoint_path(self.run, manifest.step)}/{manifest.payload}"
+
+    def manifest(self, step: int) -> Manifest:
+        return self.store.read_manifest(self.run, step)
+
+    def checkpoint_url(self, step: int) -> str:
+        return self.store.checkpoint_url(self.run, step)
+
+    # -- retention ---------------------------------------------------------------------------
+
+    def doomed(self, protected: Iterable[int], epoch: int) -> list[int]:
+        """Rank 0: the local checkpoints beyond the newest ``keep``, except ``protected`` ones
+        (their upload has not committed and was not refused for good) and any written by a
+        newer attempt than ``epoch`` (a stale attempt never touches its successor's)."""
+        keepers = set(protected)
+        mine: list[int] = []
+        for step in self.store.committed_steps(self.run):
+            try:
+                manifest = self.store.read_manifest(self.run, step)
+            except CheckpointNotFoundError:
+                continue
+            except CorruptCheckpointError:
+                mine.append(step)  # a damaged local marker is never loaded nor uploaded
+                continue
+            if manifest.epoch <= epoch:
+                mine.append(step)
+        newest = sorted(mine)[-self.keep :] if self.keep else []
+        return [s for s in sorted(mine) if s not in keepers and s not in newest]
+
+    def delete(self, steps: list[int], tracker: Tracker | None) -> None:
+        """Node leaders: delete these local checkpoints (idempotent, marker first). A failure
+        is one warning: the next retention tries again."""
+        if not steps or not self.node_leader:
+            return
+        try:
+            self.store.delete_many(self.run, steps)
+        except StorageError as exc:
+            log.warning("zephon: could not delete local checkpoints %s: %s", steps, exc)
+            return
+        if tracker is not None:
+            for step in steps:
+                tracker.deleted(step, LOCAL)
+
+    # -- resume ------------------------------------------------------------------------------
+
+    def candidate(self, lineage: Lineage) -> Manifest | None:
+        """Rank 0: the newest local checkpoint the run's lineage admits (cheap on local disk)."""
+        try:
+            return self.store.latest(self.run, lineage=lineage)
+        except StorageError as exc:
+            log.warning("zephon: the local tier %s cannot be read: %s", self.store.url, exc)
+            return None
+
+    def holds(self, step: int) -> bool:
+        """Whether this process's local directory holds ``step`` in full (its marker, every
+        file with its size)."""
+        try:
+            return self.store.verify(self.run, step).ok
+        except StorageError:
+            return False
+
+    def condemn(self, step: int, reason: str) -> None:
+        """Rank 0: a local copy found damaged: condemned on the local store only (save_dir's
+        copy, if any, is another checkpoint)."""
+        with contextlib.suppress(StorageError):
+            manifest = self.store.read_manifest(self.run, step)
+            self.store.condemn(self.run, step, manifest, reason[:2000])
+        log.warning(
+            "zephon: local checkpoint %s is damaged (%s); it is condemned and save_dir is "
+            "used instead",
+            self.checkpoint_url(step),
+            reason.splitlines()[0][:300] if reason else "",
+        )
+
+    def close(self) -> None:
+        self.store.close()

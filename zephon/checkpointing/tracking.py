@@ -1,0 +1,126 @@
+"""What the checkpoint manager tells the catalog about its tiers and timings: the replica rows
+of a checkpoint's copies (``local`` on a node, ``save_dir``) and the phases a save took.
+
+These records describe copies and durations; they never decide what a checkpoint is (the
+marker, the lineage and the ``checkpoints`` row do, ``zephon.reconcile``). So a record that
+cannot be written is one warning on the ``zephon`` logger, never a failed save; without a
+catalog nothing is recorded and everything works the same.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from catalog import Catalog, InvalidTransitionError
+from storage import Manifest
+from storage.redact import redact
+from zephon.saving import Save
+
+__all__ = ["LOCAL", "SAVE_DIR", "Tracker", "record_committed"]
+
+log = logging.getLogger("zephon")
+
+#: replica tiers: a node's local disk (host = its hostname) and the job's save_dir (host "")
+LOCAL = "local"
+SAVE_DIR = "save_dir"
+
+
+def _takes_timings(method: Any) -> bool:
+    try:
+        return "timings" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def record_committed(save: Save, timings: Mapping[str, float] | None) -> Manifest:
+    """``save.committed()`` with the phases the caller measured (``stall_s``, ``stage_s``,
+    ``local_s``, ``upload_s``, ``total_s``) merged into the row's timings."""
+    if timings and _takes_timings(save.committed):
+        return save.committed(timings=dict(timings))
+    manifest = save.committed()
+    if timings and save.catalog is not None:
+        Tracker(save.catalog, save.attempt.location.name).add_timings(
+            save.step, save.save_id, timings
+        )
+    return manifest
+
+
+class Tracker:
+    """Replica rows of one run in the catalog, if there is one (rank 0 only)."""
+
+    def __init__(self, catalog: Catalog | None, name: str) -> None:
+        self.catalog = catalog
+        self.name = name
+        self.host = socket.gethostname()
+
+    def _call(self, method: str, step: int, *args: Any, **kwargs: Any) -> Any:
+        if self.catalog is None:
+            return None
+        call = getattr(self.catalog, method, None)
+        if call is None:  # a catalog without replica records: untracked
+            return None
+        try:
+            return call(self.name, step, *args, **kwargs)
+        except InvalidTransitionError as exc:
+            # e.g. failing a local replica already committed: the row keeps what it says
+            log.debug("zephon: run %s step %d: %s not recorded: %s", self.name, step, method, exc)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a record, never a reason to fail a save
+            log.warning(
+                "zephon: run %s step %d: could not record %s in the catalog (%s)",
+                self.name,
+                step,
+                method,
+                redact(f"{type(exc).__name__}: {exc}")[:300],
+            )
+            return None
+
+    def host_of(self, tier: str) -> str:
+        return self.host if tier == LOCAL else ""
+
+    def started(self, step: int, tier: str, location: str, save_id: str) -> None:
+        self._call(
+            "replica_started",
+            step,
+            tier=tier,
+            host=self.host_of(tier),
+            location=location,
+            save_id=save_id,
+        )
+
+    def committed(
+        self,
+        step: int,
+        tier: str,
+        manifest: Manifest,
+        timings: Mapping[str, float] | None = None,
+    ) -> None:
+        self._call(
+            "replica_committed",
+            step,
+            tier=tier,
+            host=self.host_of(tier),
+            save_id=manifest.save_id,
+            bytes=manifest.total_bytes,
+            timings=dict(timings) if timings else None,
+        )
+
+    def failed(self, step: int, tier: str, save_id: str, reason: str) -> None:
+        self._call(
+            "replica_failed",
+            step,
+            tier=tier,
+            host=self.host_of(tier),
+            save_id=save_id,
+            reason=redact(reason)[:2000],
+        )
+
+    def deleted(self, step: int, tier: str) -> None:
+        self._call("replica_deleted", step, tier=tier, host=self.host_of(tier))
+
+    def add_timings(self, step: int, save_id: str, timings: Mapping[str, float]) -> None:
+        self._call("add_timings", step, save_id, dict(timings))
