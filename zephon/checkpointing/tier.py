@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Iterable
 
@@ -37,8 +38,8 @@ log = logging.getLogger("zephon")
 class LocalTier:
     """``local_dir`` of one run: begin a local save, retention, the resume candidate.
 
-    Construct on every rank at the same point (it all-gathers hostnames to find each node's
-    leader, the one process per node that deletes local checkpoints).
+    Construct on every rank at the same point (it all-gathers hostnames and paths to find the
+    one process per local directory that deletes its local checkpoints).
     """
 
     def __init__(
@@ -49,10 +50,12 @@ class LocalTier:
         self.run = run
         self.keep = keep
         self.rank = coll.rank
-        host = socket.gethostname()
-        hosts = coll.all_gather(host)
-        #: this process deletes local checkpoints for its node (the lowest rank on the host)
-        self.node_leader = hosts.index(host) == coll.rank
+        # One process deletes for each local directory: the lowest rank on the same host with
+        # the same path (a node's shared local_dir, or a directory of each rank's own).
+        place = (socket.gethostname(), os.path.realpath(local_dir))
+        places = coll.all_gather(place)
+        #: this process deletes the local checkpoints of its local directory
+        self.node_leader = places.index(place) == coll.rank
 
     def attempt(self, attempt: Attempt) -> Attempt:
         """The same attempt (same fence) saving into the local store."""
