@@ -32,6 +32,7 @@ PAGES = [
     "docs/lightning.md",
     "docs/multinode.md",
     "docs/pipeline.md",
+    "docs/tiers.md",
 ]
 
 
