@@ -12,11 +12,18 @@ Order matters for crash safety and for fencing:
 A crash between 3 and 4 is repaired by ``find_latest``'s probe or by gc (the marker and the
 pending row name the same save). Every way out of the block that is not a commit marks the row
 failed and removes the save's own files, never another save's.
+
+Timings: a save measures its own phases with ``time.perf_counter`` (begin -> commit call ->
+marker created -> catalog commit) and records them on the row with the commit: ``write_s``,
+``commit_s``, ``total_s`` (docs/catalog.md, Timings and replicas); callers add the phases they
+measure themselves (``stall_s``, ``stage_s``) to ``committed()`` or, when known only later,
+to ``add_timings()``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -57,12 +64,35 @@ class Save:
         step: int,
         writer: CheckpointWriter,
         catalog: Catalog | None,
+        *,
+        began: float | None = None,
     ) -> None:
         self.attempt = attempt
         self.step = step
         self.writer = writer
         self.catalog = catalog
         self._settled = False
+        #: phase -> seconds of this save, complete once ``committed()`` returned
+        self.timings: dict[str, float] = {}
+        self._began = time.perf_counter() if began is None else began
+        self._commit_started: float | None = None
+        self._marker_at: float | None = None
+        self._time_commits(writer)
+
+    def _time_commits(self, writer: CheckpointWriter) -> None:
+        """Note when ``writer.commit()`` starts and when its marker exists, whoever calls it
+        (``Save.commit``, a ``with`` block, or the DCP writer holding ``writer``): the
+        boundaries of ``write_s`` and ``commit_s``. Only this save's writer is wrapped."""
+        commit = writer.commit
+
+        @functools.wraps(commit)
+        def timed_commit(*args: Any, **kwargs: Any) -> Manifest:
+            self._commit_started = time.perf_counter()
+            manifest = commit(*args, **kwargs)
+            self._marker_at = time.perf_counter()
+            return manifest
+
+        writer.commit = timed_commit  # type: ignore[method-assign]
 
     @property
     def save_id(self) -> str:
@@ -84,6 +114,7 @@ class Save:
         ``save_id`` is a fresh id from ``storage.new_save_id`` chosen earlier, when other
         processes must know it before the save begins (they ``attach`` to it); by default a
         new one is drawn here."""
+        began = time.perf_counter()
         location = attempt.location
         save_id = save_id if save_id is not None else new_save_id(attempt.fence)
         with fenced():
@@ -104,7 +135,7 @@ class Save:
                     with contextlib.suppress(Exception):
                         catalog.mark_failed(location.name, step, save_id, _reason(exc))
                 raise
-        return cls(attempt, step, writer, catalog)
+        return cls(attempt, step, writer, catalog, began=began)
 
     def commit(self, metadata: Mapping[str, Any] | None = None) -> Manifest:
         """``writer.commit()`` (the fence re-check, then the marker), a stale attempt's refusal
@@ -112,8 +143,12 @@ class Save:
         with fenced():
             return self.writer.commit(metadata)
 
-    def committed(self) -> Manifest:
-        """Record the commit in the catalog, after ``writer.commit()`` created the marker."""
+    def committed(self, timings: Mapping[str, float] | None = None) -> Manifest:
+        """Record the commit in the catalog, after ``writer.commit()`` created the marker,
+        with the save's timings: ``write_s`` (begin to the commit call), ``commit_s`` (the
+        commit call to the marker), ``total_s`` (begin to this call), merged with
+        ``timings``, the phases the caller measured (``stall_s``, ``stage_s``...; a key given
+        here wins over the measured one). ``self.timings`` holds the result."""
         manifest = self.writer.manifest
         if manifest is None:
             raise RuntimeError(
@@ -121,6 +156,8 @@ class Save:
                 "every file is written"
             )
         self._settled = True
+        self.timings.update(self._measured())
+        self.timings.update(timings or {})
         if self.catalog is not None:
             with fenced():
                 self.catalog.mark_committed(
@@ -128,9 +165,29 @@ class Save:
                     self.step,
                     self.save_id,
                     epoch=self.attempt.epoch,
+                    timings=self.timings,
                     **manifest_facts(manifest),
                 )
         return manifest
+
+    def add_timings(self, timings: Mapping[str, float]) -> None:
+        """Merge phases measured after the commit (an async save's stall, an upload) into
+        ``self.timings`` and the save's catalog row. Raises the catalog's
+        ``CheckpointNotFoundError`` when the row belongs to a newer save of the step now,
+        ``InvalidValueError`` for an unknown phase."""
+        if self.catalog is not None:
+            self.catalog.add_timings(
+                self.attempt.location.name, self.step, self.save_id, dict(timings)
+            )
+        self.timings.update(timings)
+
+    def _measured(self) -> dict[str, float]:
+        now = time.perf_counter()
+        measured = {"total_s": now - self._began}
+        if self._commit_started is not None and self._marker_at is not None:
+            measured["write_s"] = self._commit_started - self._began
+            measured["commit_s"] = self._marker_at - self._commit_started
+        return measured
 
     def failed(self, exc: BaseException) -> None:
         """The save did not complete: remove its own files, mark its row failed. Never
