@@ -27,6 +27,7 @@ From Python::
         options = {"client_kwargs": {"endpoint_url": proxy.url}, ...}
         ...
         proxy.requests  # requests seen since start or the last reset()
+        proxy.peak_in_flight  # the most of them under way at once
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class LatencyProxy:
     Used as a context manager: the proxy runs its own asyncio loop in a daemon thread, so the
     code under test (sync or async, in this process or in others) talks to ``url`` as to any
     server. ``delay_ms`` may be changed while it runs (it applies to requests from then on).
-    ``requests`` and ``by_method`` count the requests seen since start or ``reset()``, and
-    ``request_lines`` says which they were.
+    ``requests`` and ``by_method`` count the requests seen since start or ``reset()``,
+    ``request_lines`` says which they were and ``peak_in_flight`` how many were under way at
+    once.
     """
 
     def __init__(self, upstream: str, delay_ms: float = 0.0, port: int = 0) -> None:
@@ -72,6 +74,8 @@ class LatencyProxy:
         self._port = port
         self._lock = threading.Lock()
         self._requests = 0
+        self._in_flight = 0
+        self._peak_in_flight = 0
         self._by_method: collections.Counter[str] = collections.Counter()
         self._lines: collections.deque[str] = collections.deque(maxlen=_LOGGED)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -92,6 +96,15 @@ class LatencyProxy:
             return self._requests
 
     @property
+    def peak_in_flight(self) -> int:
+        """The most requests that were under way at once (seen, not yet answered) since start
+        or ``reset()``: 1 when a client sends its requests one after another. Concurrency is
+        told apart from sequence for sure only where each request waits long enough (a
+        ``delay_ms`` well above the client's time between sending two requests)."""
+        with self._lock:
+            return self._peak_in_flight
+
+    @property
     def by_method(self) -> dict[str, int]:
         with self._lock:
             return dict(self._by_method)
@@ -107,6 +120,7 @@ class LatencyProxy:
         """Start counting from zero."""
         with self._lock:
             self._requests = 0
+            self._peak_in_flight = self._in_flight
             self._by_method.clear()
             self._lines.clear()
 
@@ -177,7 +191,7 @@ class LatencyProxy:
             return
         # True when the next request-looking client read is a new request: at the start and
         # after every response byte the server sent (one flag per connection, no pipelining).
-        state = {"new_request": True}
+        state = {"new_request": True, "answered": True}
         upstream = asyncio.ensure_future(self._client_to_server(client_r, server_w, state))
         downstream = asyncio.ensure_future(self._server_to_client(server_r, client_w, state))
         try:
@@ -187,6 +201,10 @@ class LatencyProxy:
         finally:
             for task in (upstream, downstream):
                 task.cancel()
+            if not state["answered"]:  # the connection closed before the server answered
+                with self._lock:
+                    state["answered"] = True
+                    self._in_flight -= 1
             for writer in (client_w, server_w):
                 writer.close()
 
@@ -198,6 +216,9 @@ class LatencyProxy:
                 method, _, rest = line.partition(" ")
                 with self._lock:
                     self._requests += 1
+                    self._in_flight += 1
+                    self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
+                    state["answered"] = False
                     self._by_method[method] += 1
                     self._lines.append(f"{method} {rest.rsplit(' ', 1)[0]}")
                 if self.delay_ms > 0:
@@ -208,6 +229,10 @@ class LatencyProxy:
     async def _server_to_client(self, reader, writer, state: dict) -> None:
         while data := await reader.read(_CHUNK):
             state["new_request"] = True
+            if not state["answered"]:
+                with self._lock:
+                    state["answered"] = True
+                    self._in_flight -= 1
             writer.write(data)
             await writer.drain()
 

@@ -1,6 +1,7 @@
 """Sequential round trips per operation on S3, measured with added latency (issue 12's baseline).
 
     python benchmarks/round_trips.py [--delay-ms 30] [--files 32] [--file-kib 2048]
+                                     [--small-kib 4] [--many-files 128]
                                      [--tensors 200] [--repeats 3] [--no-two-ranks]
 
 moto's S3 server runs on 127.0.0.1, where a request costs almost nothing; a far-away store
@@ -14,7 +15,8 @@ also counts the requests (the total, parallel ones included).
 Operations:
 
 - commit of N files: ``store.begin`` (fenced) + ``CheckpointWriter.write_many`` of ``--files``
-  files of ``--file-kib`` KiB + ``commit()``, and the same with one file;
+  files of ``--file-kib`` KiB + ``commit()``; the same with files of ``--small-kib`` KiB, with
+  ``--many-files`` of those, and with one file of ``--file-kib`` KiB;
 - ``begin`` alone (fenced; the writer aborted afterwards, untimed);
 - a DCP save of ``--tensors`` small tensors through torch's ``dcp.save`` with
   ``zephon.dcp.Writer`` and a SQLite catalog (a warm-up save first registers the attempt),
@@ -294,6 +296,9 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=32)
     parser.add_argument("--file-kib", type=int, default=2048)
     parser.add_argument("--small-kib", type=int, default=4, help="the commit again, small files")
+    parser.add_argument(
+        "--many-files", type=int, default=128, help="the small-file commit again, this many files"
+    )
     parser.add_argument("--tensors", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-two-ranks", action="store_true", help="skip the 2-process DCP case")
@@ -310,6 +315,7 @@ def main() -> None:
         for n, kib in (
             (args.files, args.file_kib),
             (args.files, args.small_kib),
+            (args.many_files, args.small_kib),
             (1, args.file_kib),
         )
     }

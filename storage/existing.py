@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from storage.store import CheckpointStore
 
 __all__ = [
+    "UNREAD",
     "condemn",
     "describe",
     "is_condemned",
@@ -79,13 +80,24 @@ def stale_error(
     return StaleAttemptError(message, epoch=epoch, current=current, url=url, run=run)
 
 
+#: ``settle_existing``'s default: the marker has not been read yet
+UNREAD = object()
+
+
 def settle_existing(
-    store: CheckpointStore, run: str | None, step: int, fence: Fence | None, lineage: Lineage
+    store: CheckpointStore,
+    run: str | None,
+    step: int,
+    fence: Fence | None,
+    lineage: Lineage,
+    *,
+    marker: bytes | None | object = UNREAD,
 ) -> bool:
     """Judge the marker at ``(run, step)`` for a new save; True if it was superseded (look
-    again: another one may have appeared), False if the step is free."""
+    again: another one may have appeared), False if the step is free. ``marker`` is its bytes
+    (None: absent) when the caller already read them, e.g. alongside the fence check."""
     url = store.checkpoint_url(run, step)
-    data = store.marker_bytes(run, step)
+    data = store.marker_bytes(run, step) if marker is UNREAD else marker
     if data is None:
         return False
     try:

@@ -8,6 +8,7 @@ credentials masked.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import uuid
@@ -29,7 +30,14 @@ from storage.errors import (
     CommitConflictError,
     CorruptCheckpointError,
 )
-from storage.existing import condemn, describe, is_condemned, settle_existing, stale_error
+from storage.existing import (
+    UNREAD,
+    condemn,
+    describe,
+    is_condemned,
+    settle_existing,
+    stale_error,
+)
 from storage.layout import (
     CORRUPT_PREFIX,
     MARKER_NAME,
@@ -48,8 +56,9 @@ from storage.lineage import (
     read_lineage,
     read_records,
 )
-from storage.location import Location, open_location
+from storage.location import DEFAULT_POOL_CONNECTIONS, Location, open_location
 from storage.manifest import Manifest, validate_save_id
+from storage.parallel import concurrently
 from storage.reader import CheckpointReader
 from storage.scan import StepListing, scan_steps
 from storage.verify import VerifyReport, verify_checkpoint
@@ -57,6 +66,9 @@ from storage.writer import CheckpointWriter
 
 __all__ = ["CheckpointStore", "Orphan", "new_save_id"]
 
+#: ``CheckpointStore.max_workers`` by default on local disk, and on every other backend
+LOCAL_WORKERS = 8
+REMOTE_WORKERS = DEFAULT_POOL_CONNECTIONS
 #: how often ``begin`` supersedes a marker that keeps reappearing before it gives up
 _SUPERSEDE_TRIES = 5
 
@@ -79,16 +91,23 @@ class CheckpointStore:
         url: str,
         storage_options: Mapping[str, Any] | None = None,
         *,
-        max_workers: int = 8,
+        max_workers: int | None = None,
         part_size: int = 8 << 20,
     ) -> None:
         if part_size < 5 << 20:
             raise ValueError(
                 f"part_size={part_size} is below S3's 5 MiB minimum multipart part; use >= 5242880"
             )
+        if max_workers is not None and max_workers < 1:
+            raise ValueError(f"max_workers={max_workers} must be at least 1 (or None: default)")
         self.location: Location = open_location(url, dict(storage_options or {}))
-        #: threads writing or reading files of one checkpoint in parallel
-        self.max_workers = max_workers
+        #: threads writing or reading files of one checkpoint in parallel. By default
+        #: ``LOCAL_WORKERS`` on local disk (bound by the disk and the CPU) and
+        #: ``REMOTE_WORKERS`` elsewhere, where each upload mostly waits for its answer (as many
+        #: as the S3 connection pool, ``storage.location.DEFAULT_POOL_CONNECTIONS``).
+        self.max_workers = max_workers or (
+            LOCAL_WORKERS if self.location.is_local else REMOTE_WORKERS
+        )
         #: bytes per multipart part; files of at least two parts upload in parts. A file being
         #: written holds about three parts in memory (upload buffer, request body, socket
         #: buffer), so this bounds what an upload costs beyond the data itself. S3 allows 10,000
@@ -198,29 +217,39 @@ class CheckpointStore:
 
         ``fence`` is the writer's attempt (``claim_attempt``); without one the writer is
         unfenced (epoch 0), which a run that ever had a fenced attempt refuses
-        (``StaleAttemptError``). ``recheck=False`` skips the fence check here (one listing) for
-        a caller that has just checked the epoch elsewhere (a catalog transaction); the check
-        before the marker is never skipped. Call on one process only; other processes
-        ``attach``.
+        (``StaleAttemptError``). The fence check (one listing) and the marker probe (one GET)
+        go out together, and the marker is acted on only once the fence passed: one round
+        trip when the step is free. ``recheck=False`` skips the fence check here for a caller
+        that has just checked the epoch elsewhere (a catalog transaction); the check before
+        the marker is never skipped. Call on one process only; other processes ``attach``.
+
+        ``save_id`` (default: a fresh ``new_save_id(fence)``) must be fresh by construction:
+        other processes may ``attach`` to it and start writing before this call, so ``begin``
+        never lists, removes or overwrites anything in its payload directory. The files of an
+        earlier, uncommitted save are gc's to remove (``orphans``), never a new save's.
         """
         validate_run(run)
         validate_step(step)
+        probe = functools.partial(self.marker_bytes, run, step)
         if fence is not None:
             if not fence.record.decided:
                 raise ValueError(
                     f"attempt epoch {fence.epoch} of run {run!r} has not decided where it "
                     "resumes: call decide_resume before saving"
                 )
-            if recheck:
-                self.check_fence(run, fence)  # a stale attempt learns it before writing
             lineage = fence.lineage
+            if recheck:  # a stale attempt learns it before writing, and before superseding
+                _, marker = concurrently(functools.partial(self.check_fence, run, fence), probe)
+            else:
+                marker = probe()
         else:
-            lineage = self.lineage(run)
+            lineage, marker = concurrently(functools.partial(self.lineage, run), probe)
             if lineage:
                 raise stale_error(self, run, 0, lineage.current, unfenced=True)
         for _ in range(_SUPERSEDE_TRIES):
-            if not settle_existing(self, run, step, fence, lineage):
+            if not settle_existing(self, run, step, fence, lineage, marker=marker):
                 break
+            marker = UNREAD  # superseded: look again, another one may have appeared
         else:
             raise CommitConflictError(
                 f"{self.checkpoint_url(run, step)} kept getting new markers while this save "
@@ -233,12 +262,8 @@ class CheckpointStore:
         writer = CheckpointWriter(
             self, run, step, save_id, primary=True, fence=fence, metadata=metadata
         )
-        location = self.location
-        with backend_errors(location, f"preparing {self.checkpoint_url(run, step)}"):
-            leftover = list_files(location, writer.payload_path)
-            if leftover:  # an earlier try with this very save id: it is ours to replace
-                remove_files(location, [f.path for f in leftover])
-            if location.is_local:
+        if self.location.is_local:
+            with backend_errors(self.location, f"preparing {self.checkpoint_url(run, step)}"):
                 self._make_local_dirs(writer.payload_path)
         return writer
 

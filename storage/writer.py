@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import io
 import os
 import socket
@@ -36,6 +37,7 @@ from storage.errors import (
 )
 from storage.layout import MARKER_NAME, validate_file_name
 from storage.manifest import FileEntry, Manifest, validate_save_id
+from storage.parallel import concurrently
 from storage.writeback import WRITEBACK_EVERY, start_writeback
 
 if TYPE_CHECKING:
@@ -279,11 +281,13 @@ class CheckpointWriter:
     # -- commit / abort ------------------------------------------------------------------------
 
     def commit(self, metadata: Mapping[str, Any] | None = None) -> Manifest:
-        """Make the checkpoint complete: check the payload with one listing, then create the
-        marker exclusively. Only the primary writer may call this, once.
+        """Make the checkpoint complete: check the payload with one listing and re-check the
+        fence (one listing of the attempt records) at the same time, then, once both passed,
+        create the marker exclusively. Only the primary writer may call this, once.
 
-        Raises ``CommitConflictError`` if the step is already committed (by anyone) and
-        ``WriteAbortedError`` if a file this writer recorded is missing from storage.
+        Raises ``CommitConflictError`` if the step is already committed (by anyone),
+        ``WriteAbortedError`` if a file this writer recorded is missing from storage (it wins
+        over the other refusals) and ``StaleAttemptError`` if a newer attempt registered.
         """
         self._check_open()
         if not self.primary:
@@ -298,11 +302,14 @@ class CheckpointWriter:
         if location.is_local:
             for directory in sorted(self._dirs, key=len, reverse=True):
                 fsync_dir(directory)
-        self._check_payload_present(entries)
+        # The payload listing and the fence re-check are independent: they go out together
+        # and the marker goes out only once both passed (a missing file is reported first).
+        # The re-check narrows the window in which a stale attempt can still publish a
+        # marker; readers ignore one that slips through (its epoch is not in the lineage).
+        checks = [functools.partial(self._check_payload_present, entries)]
         if self.fence is not None:
-            # Narrows the window in which a stale attempt can still publish a marker; readers
-            # ignore one that slips through (its epoch is not in the current lineage).
-            self._store.check_fence(self.run, self.fence)
+            checks.append(functools.partial(self._store.check_fence, self.run, self.fence))
+        concurrently(*checks)
         manifest = Manifest(
             run=self.run,
             step=self.step,

@@ -1,0 +1,255 @@
+"""Fewer sequential round trips, same rules: ``begin`` probes the fence and the marker at once,
+``commit`` lists the payload and re-checks the fence at once and writes the marker only after
+both passed, uploads share a pool of 32 connections, and a user's pool size is kept.
+
+The request-level tests run on moto's S3 server behind ``benchmarks/latency_proxy.py``, which
+counts the requests and how many were under way at once; they assert counts and order, never
+times. The rule tests run on every backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from storage import (
+    CheckpointStore,
+    StaleAttemptError,
+    WriteAbortedError,
+    new_save_id,
+)
+from storage.location import DEFAULT_POOL_CONNECTIONS, with_defaults
+from storage.store import LOCAL_WORKERS, REMOTE_WORKERS
+
+#: long enough that requests sent together are under way together on a loaded machine
+HOLD_MS = 400
+
+
+def _proxy_class():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "latency_proxy.py")
+    spec = importlib.util.spec_from_file_location("latency_proxy", os.path.abspath(path))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LatencyProxy
+
+
+LatencyProxy = _proxy_class()
+
+
+@pytest.fixture
+def store(backend):
+    with backend.open_store() as s:
+        yield s
+
+
+def start(store: CheckpointStore, run: str, resumed_from: int | None = None):
+    fence = store.claim_attempt(run, after=store.lineage(run))
+    return store.decide_resume(run, fence, resumed_from)
+
+
+@pytest.fixture
+def proxied(s3, request):
+    """A store on a fresh bucket of moto's S3 reached through a proxy that holds every
+    request ``HOLD_MS`` back, and the proxy."""
+    bucket = f"zt-rt-{os.urandom(6).hex()}"
+    s3.create_bucket(bucket)
+    with LatencyProxy(s3.endpoint_url, HOLD_MS) as proxy:
+        options = {**s3.storage_options(), "client_kwargs": {"endpoint_url": proxy.url}}
+        options.update(getattr(request, "param", {}))
+        with CheckpointStore(f"s3://{bucket}/ckpt", options) as store:
+            yield store, proxy
+
+
+def kinds(proxy) -> list[str]:
+    """The proxy's requests as ``LIST <prefix>``, ``GET <key>``, ``PUT <key>`` (key paths
+    without the bucket)."""
+    out = []
+    for line in proxy.request_lines:
+        method, _, target = line.partition(" ")
+        path, _, query = target.partition("?")
+        key = path.split("/", 2)[2] if path.count("/") >= 2 else ""
+        if method == "GET" and "list-type=" in query:
+            prefix = next((q[7:] for q in query.split("&") if q.startswith("prefix=")), "")
+            out.append(f"LIST {prefix.replace('%2F', '/')}")
+        else:
+            out.append(f"{method} {key}")
+    return out
+
+
+# -- requests on the wire (S3) -------------------------------------------------------------------
+
+
+def test_begin_sends_the_fence_check_and_the_marker_probe_together(proxied):
+    store, proxy = proxied
+    fence = start(store, "r")
+    proxy.reset()
+    writer = store.begin("r", 7, fence=fence)
+    sent = kinds(proxy)
+    assert sorted(k.split()[0] for k in sent) == ["GET", "LIST"], sent
+    assert any(k.endswith("_attempts/") for k in sent) and any("_COMMIT" in k for k in sent)
+    assert proxy.peak_in_flight == 2  # at once, not one after the other
+    writer.abort()
+
+
+def test_commit_lists_payload_and_fence_together_then_puts_the_marker_last(proxied):
+    store, proxy = proxied
+    fence = start(store, "r")
+    writer = store.begin("r", 7, fence=fence)
+    writer.write_bytes("a.bin", b"a")
+    proxy.reset()
+    writer.commit()
+    sent = kinds(proxy)
+    assert len(sent) == 3, sent
+    assert sorted(sent[:2]) == sorted(
+        [f"LIST ckpt/r/save-7/{writer.save_id}/", "LIST ckpt/r/_attempts/"]
+    )
+    assert sent[2] == "PUT ckpt/r/save-7/_COMMIT"
+    assert proxy.peak_in_flight == 2
+
+
+def test_thirty_two_files_upload_at_once_on_the_default_pool(proxied):
+    store, proxy = proxied
+    assert store.max_workers == REMOTE_WORKERS >= 32
+    fence = start(store, "r")
+    writer = store.begin("r", 1, fence=fence)
+    proxy.reset()
+    writer.write_many({f"f{i:02d}": b"x" * i for i in range(32)})
+    assert proxy.requests == 32
+    assert proxy.peak_in_flight == 32  # aiobotocore's own pool of 10 would allow 10
+    writer.commit()
+
+
+@pytest.mark.parametrize("proxied", [{"config_kwargs": {"max_pool_connections": 4}}], indirect=True)
+def test_a_users_pool_size_is_kept(proxied):
+    store, proxy = proxied
+    fs = store.location.fs
+    fs.connect()
+    assert fs.s3.meta.config.max_pool_connections == 4
+    writer = store.begin("r", 1)
+    proxy.reset()
+    writer.write_many({f"f{i:02d}": b"x" for i in range(12)})
+    assert 1 < proxy.peak_in_flight <= 4
+    writer.abort()
+
+
+# -- the pool default on the real s3fs object ----------------------------------------------------
+
+
+def _pool_of(store: CheckpointStore) -> int:
+    fs = store.location.fs
+    fs.connect()
+    return fs.s3.meta.config.max_pool_connections
+
+
+def test_s3_gets_a_pool_of_32_and_other_config_is_kept(s3):
+    options = {**s3.storage_options(), "config_kwargs": {"connect_timeout": 7}}
+    with CheckpointStore("s3://zt-pool/a", options) as store:
+        assert _pool_of(store) == DEFAULT_POOL_CONNECTIONS == 32
+        assert store.location.fs.s3.meta.config.connect_timeout == 7
+    assert options["config_kwargs"] == {"connect_timeout": 7}  # the caller's dict untouched
+
+
+def test_a_pool_size_from_fsspecs_configuration_is_kept(s3, monkeypatch):
+    import fsspec.config
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"max_pool_connections": 3}})
+    with CheckpointStore("s3://zt-pool/b", s3.storage_options()) as store:
+        assert _pool_of(store) == 3
+
+
+def test_a_botocore_config_object_is_left_alone():
+    from botocore.config import Config
+
+    options = {"client_kwargs": {"config": Config(max_pool_connections=5)}}
+    assert with_defaults("s3", options) == options
+    assert with_defaults("file", {}) == {}
+    assert with_defaults("s3a", {})["config_kwargs"] == {"max_pool_connections": 32}
+
+
+def test_thread_defaults_per_backend(tmp_path):
+    assert CheckpointStore(str(tmp_path)).max_workers == LOCAL_WORKERS
+    assert CheckpointStore("memory://zt-workers").max_workers == REMOTE_WORKERS
+    assert CheckpointStore(str(tmp_path), max_workers=3).max_workers == 3
+    with pytest.raises(ValueError, match="max_workers=0"):
+        CheckpointStore(str(tmp_path), max_workers=0)
+
+
+def test_gcs_needs_no_pool_setting(gcs):
+    """gcsfs's aiohttp connector already allows more than 32 connections."""
+    gcs.create_bucket("zt-gcs-pool")
+    with CheckpointStore("gs://zt-gcs-pool/a", gcs.storage_options()) as store:
+        store.lineage("r")  # any request opens the session
+        assert store.location.fs.session.connector.limit >= 32
+
+
+# -- the rules still hold (every backend) --------------------------------------------------------
+
+
+def test_a_stale_begin_leaves_the_marker_alone(store):
+    """The marker probe runs beside the fence check, but nothing is superseded unless the
+    fence passed: a damaged marker stays as it is for the current attempt to judge."""
+    old = start(store, "r")
+    with store.begin("r", 3, fence=old) as writer:
+        writer.write_bytes("w", b"w")
+        writer.commit()
+    damaged = b"{not json"
+    store.location.fs.pipe_file(store.marker_path("r", 3), damaged)
+    start(store, "r")
+    with pytest.raises(StaleAttemptError):
+        store.begin("r", 3, fence=old)
+    assert store.marker_bytes("r", 3) == damaged
+    assert store.condemned("r") == []
+
+
+def test_a_commit_missing_a_file_and_fenced_out_refuses_and_writes_no_marker(store):
+    old = start(store, "r")
+    writer = store.begin("r", 4, fence=old)
+    writer.write_many({"kept": b"k", "gone": b"g"})
+    store.location.fs.rm_file(f"{writer.payload_path}/gone")
+    start(store, "r")
+    with pytest.raises(WriteAbortedError, match="gone: missing"):
+        writer.commit()  # the missing file is named first, the fence refuses as well
+    assert not store.is_committed("r", 4)
+
+
+def test_a_commit_fenced_out_after_begin_writes_no_marker(store):
+    old = start(store, "r")
+    writer = store.begin("r", 5, fence=old)
+    writer.write_many({f"f{i}": b"x" for i in range(8)})
+    new = start(store, "r")
+    with pytest.raises(StaleAttemptError) as caught:
+        writer.commit()
+    assert caught.value.current.epoch == new.epoch
+    assert not store.is_committed("r", 5)
+    assert store.marker_bytes("r", 5) is None
+
+
+def test_begin_keeps_what_attached_writers_wrote_before_it(store):
+    """A save id chosen in advance: other processes may attach and write before the primary
+    begins, so begin never lists or removes anything in its payload directory."""
+    fence = start(store, "r")
+    save_id = new_save_id(fence)
+    early = store.attach("r", 6, save_id=save_id, fence=fence)
+    early.write_bytes("rank1.bin", b"one")
+    primary = store.begin("r", 6, fence=fence, save_id=save_id)
+    primary.write_bytes("rank0.bin", b"zero")
+    primary.add_entries(early.entries)
+    manifest = primary.commit()
+    assert [f.name for f in manifest.files] == ["rank0.bin", "rank1.bin"]
+    assert store.verify("r", 6, deep=True).ok
+
+
+def test_an_uncommitted_save_under_an_id_is_gcs_to_remove(store):
+    """What an earlier, uncommitted try left in a payload directory is an orphan for gc, not
+    something a later begin cleans up."""
+    fence = start(store, "r")
+    crashed = store.begin("r", 8, fence=fence)
+    crashed.write_bytes("old.bin", b"old")
+    with store.begin("r", 8, fence=fence) as writer:
+        writer.write_bytes("new.bin", b"new")
+        manifest = writer.commit()
+    assert [o.save_id for o in store.orphans(0, runs=["r"])] == [crashed.save_id]
+    assert manifest.save_id != crashed.save_id
