@@ -19,7 +19,9 @@ from collections.abc import Iterable
 from storage import (
     CheckpointNotFoundError,
     CheckpointStore,
+    CheckpointWriter,
     CorruptCheckpointError,
+    FileEntry,
     Lineage,
     Manifest,
     StorageError,
@@ -56,6 +58,9 @@ class LocalTier:
         places = coll.all_gather(place)
         #: this process deletes the local checkpoints of its local directory
         self.node_leader = places.index(place) == coll.rank
+        #: every rank writes into the same directory (one node); else each local marker lists
+        #: only the files on its own disk, and only save_dir ever holds the whole checkpoint
+        self.shared = all(other == places[0] for other in places)
 
     def attempt(self, attempt: Attempt) -> Attempt:
         """The same attempt (same fence) saving into the local store."""
@@ -65,9 +70,23 @@ class LocalTier:
         """Rank 0: begin the local save of ``step``: no ``checkpoints`` row (that table is
         save_dir's), a local replica row instead."""
         save = Save.begin(self.attempt(attempt), step, catalog=None)
+        self.hold_present_only(save.writer)
         if tracker is not None:
             tracker.started(step, LOCAL, self.checkpoint_url(step), save.save_id)
         return save
+
+    def hold_present_only(self, writer: CheckpointWriter) -> None:
+        """Rank 0, local directories not shared: the local marker lists the files on this
+        disk only (the commit checks that every listed file is there); the other directories'
+        ranks hand their entries to the upload instead."""
+        if self.shared:
+            return
+        add = writer.add_entries
+
+        def add_present(entries: Iterable[FileEntry]) -> None:
+            add(e for e in entries if os.path.exists(f"{writer.payload_path}/{e.name}"))
+
+        writer.add_entries = add_present  # type: ignore[method-assign]
 
     def payload_path(self, manifest: Manifest) -> str:
         return f"{self.store.checkpoint_path(self.run, manifest.step)}/{manifest.payload}"

@@ -231,8 +231,8 @@ class Uploader:
         head: dict[str, Any] | None = None
         if self.is_main:
             head, save, manifest, error = self._begin(job)
-        names = [e.name for e in job.own] if not self.is_main else None
-        everything = self._all_gather(head if self.is_main else names)
+        mine = [e.to_dict() for e in job.own]
+        everything = self._all_gather(head if self.is_main else mine)
         head = everything[0]
         self.tier.delete(head["doomed"], self.tracker)
         if not head["ok"]:
@@ -251,7 +251,7 @@ class Uploader:
         try:
             if self.is_main:
                 assert save is not None and manifest is not None
-                others = {name for names in everything[1:] for name in names}
+                others = {e["name"] for entries in everything[1:] for e in entries}
                 own = [e for e in manifest.files if e.name not in others]
                 self._copy(own, self.tier.payload_path(manifest), save.writer)
             else:
@@ -268,7 +268,8 @@ class Uploader:
         outcome = _Outcome(ok=True)
         if self.is_main:
             assert save is not None and manifest is not None and statuses is not None
-            outcome, error = self._finish(job, save, manifest, statuses, error, began)
+            elsewhere = [FileEntry(**e) for entries in everything[1:] for e in entries]
+            outcome, error = self._finish(job, save, manifest, elsewhere, statuses, error, began)
         outcome = self._broadcast(outcome)
         self.tier.delete(outcome.doomed, self.tracker)
         if not outcome.ok:
@@ -330,6 +331,7 @@ class Uploader:
         job: UploadJob,
         save: Save,
         manifest: Manifest,
+        elsewhere: list[FileEntry],
         statuses: list[tuple[str | None, bool]],
         error: BaseException | None,
         began: float,
@@ -341,6 +343,7 @@ class Uploader:
         if not failed:
             try:
                 save.writer.add_entries(manifest.files)
+                save.writer.add_entries(elsewhere)  # files of local directories not rank 0's
                 save.commit()
                 timings = dict(job.timings)
                 now = time.monotonic()
