@@ -172,7 +172,7 @@ def test_a_commit_that_loses_to_another_raises_commit_conflict(exclusive_store):
     loser.write_bytes("loser.bin", b"L")
     winner = store.attach("r", 4, save_id="w" * 32)
     # The winner is a second primary in another process in real life; here the attached
-    # writer's entries are committed by a fresh primary that skips begin's leftover cleanup.
+    # writer's entries are committed by a fresh primary made without begin's marker checks.
     winner.write_bytes("winner.bin", b"W")
     won = storage.CheckpointWriter(store, "r", 4, "w" * 32, primary=True)
     won.add_entries(winner.entries)
