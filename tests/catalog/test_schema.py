@@ -347,3 +347,73 @@ def test_latest_committed_is_one_backward_index_scan(catalog_url):
             assert connection.execute(statement).one().step == 497
     finally:
         engine.dispose()
+
+
+EVENTS_AT = "3a0e83d9015e"
+
+
+def test_the_timings_and_replicas_revision_upgrades_keeping_every_row(catalog_url):
+    _migrate(catalog_url, INITIAL)
+    _insert_old_rows(catalog_url)
+    _migrate(catalog_url, EVENTS_AT)
+    with pytest.raises(SchemaOutdatedError) as caught:
+        Catalog(catalog_url)
+    assert caught.value.current == EVENTS_AT
+
+    assert catalog.upgrade(catalog_url) == (EVENTS_AT, catalog.head_revision())
+    assert _diff_against_models(catalog_url) == []
+    with Catalog(catalog_url) as opened:
+        rows = {c.step: c for c in opened.list_checkpoints("old")}
+        assert {s: (c.state, c.save_id, c.bytes, c.timings) for s, c in rows.items()} == {
+            10: ("committed", "aaaa", 5, None),
+            15: ("failed", "cccc", None, None),
+            20: ("pending", "bbbb", None, None),
+        }
+        assert rows[15].failure_reason == "x"
+        assert opened.latest_committed("old").step == 10
+        assert opened.replicas("old") == []
+        # The old rows take timings and replicas like new ones.
+        opened.add_timings("old", 10, "aaaa", {"total_s": 1.5})
+        opened.replica_started(
+            "old", 10, tier="save_dir", host="", location="/c/old/save-10", save_id="aaaa"
+        )
+        assert opened.get_checkpoint("old", 10).timings == {"total_s": 1.5}
+
+
+def test_a_downgrade_below_timings_and_replicas_drops_only_them(catalog_url):
+    with Catalog(catalog_url) as opened:
+        opened.ensure_run("r", "/c")
+        row = opened.begin_checkpoint("r", 1, "/c/r/save-1", save_id="s-1")
+        opened.mark_committed(
+            "r", 1, "s-1", bytes=7, file_count=1, manifest_checksum="m", timings={"total_s": 2}
+        )
+        opened.replica_started(
+            "r", 1, tier="local", host="n1", location="/l/r/save-1", save_id=row.save_id
+        )
+    _migrate(catalog_url, EVENTS_AT, how=command.downgrade)
+    engine = create_engine(catalog_url)
+    try:
+        with engine.connect() as connection:
+            row = connection.execute(text("SELECT state, save_id, bytes FROM checkpoints")).one()
+            assert tuple(row) == ("committed", "s-1", 7)
+            tables = {
+                name
+                for (name,) in connection.execute(
+                    text(
+                        "SELECT name FROM sqlite_master WHERE type = 'table'"
+                        if engine.dialect.name == "sqlite"
+                        else "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+                    )
+                )
+            }
+            assert "checkpoint_replicas" not in tables and "checkpoints" in tables
+    finally:
+        engine.dispose()
+    with pytest.raises(SchemaOutdatedError):
+        Catalog(catalog_url)
+    assert catalog.upgrade(catalog_url) == (EVENTS_AT, catalog.head_revision())
+    assert _diff_against_models(catalog_url) == []
+    with Catalog(catalog_url) as opened:
+        again = opened.get_checkpoint("r", 1)
+        assert (again.state, again.bytes, again.timings) == ("committed", 7, None)
+        assert opened.replicas("r") == []

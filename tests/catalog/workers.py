@@ -162,3 +162,41 @@ def stress_gc(url: str, run: str, seconds: float, greedy: bool, start: Any):
                 deleted.append((claimed.step, claimed.claimed_by, started, ended, marked))
             time.sleep(random.uniform(0, 0.01))
     return deleted
+
+
+def upload_commits(url: str, run: str, rounds: int, start: Any) -> list[str]:
+    """Per round (step): start the save_dir replica of save ``old-<step>``, then, at the
+    barrier, commit it: 'committed', or 'lost' when a new save re-armed the row first."""
+    from catalog import StateConflictError
+
+    outcomes = []
+    with Catalog(url) as catalog:
+        for step in range(rounds):
+            catalog.replica_started(
+                run, step, tier="save_dir", host="", location=f"/c/{run}/save-{step}",
+                save_id=f"old-{step}",
+            )  # fmt: skip
+            start.wait(60)
+            try:
+                catalog.replica_committed(
+                    run, step, tier="save_dir", host="", save_id=f"old-{step}", bytes=10
+                )
+                outcomes.append("committed")
+            except StateConflictError:
+                outcomes.append("lost")
+    return outcomes
+
+
+def new_save_starts(url: str, run: str, rounds: int, start: Any) -> list[str]:
+    """Per round: at the barrier, start the save_dir replica of a new save ``new-<step>``
+    (re-arming the old save's row, pending or committed); returns the states it left."""
+    states = []
+    with Catalog(url) as catalog:
+        for step in range(rounds):
+            start.wait(60)
+            record = catalog.replica_started(
+                run, step, tier="save_dir", host="", location=f"/c/{run}/save-{step}",
+                save_id=f"new-{step}",
+            )  # fmt: skip
+            states.append(record.state)
+    return states
