@@ -25,7 +25,7 @@ from catalog import (
     StateConflictError,
     plan_retention,
 )
-from storage import CheckpointStore, Fence, StorageError
+from storage import CheckpointStore, Fence, Lineage, StorageError
 from zephon.attempts import fenced, mirror_lineage
 from zephon.errors import StaleAttemptError
 from zephon.locations import RunLocation, run_location
@@ -130,6 +130,7 @@ def gc_run(
     orphans: bool = True,
     report: GcReport | None = None,
     epoch: int | None = None,
+    lineage: Lineage | None = None,
 ) -> GcReport:
     """Apply one run's retention: settle expired pending rows, delete what the policy no
     longer keeps (stale, and corrupt with ``policy.corrupt``; and what a crashed gc left),
@@ -137,13 +138,16 @@ def gc_run(
 
     The checkpoint manager calls this on the main process after each save with its attempt's
     ``epoch``: its claims are then refused (``zephon.StaleAttemptError``) once a newer attempt
-    registered, so a stale attempt's retention never runs.
+    registered, so a stale attempt's retention never runs. It also passes its attempt's own
+    ``lineage`` (``fence.lineage``: what its commit's fence re-check just confirmed), which
+    saves reading the run's lineage from storage (one listing and one GET) after every save;
+    by default it is read.
     """
     report = report or GcReport(dry_run=dry_run)
     name, store, storage_run = location.name, location.store, location.storage_run
     if epoch is not None:
         _check_current(catalog, name, epoch)  # also when there is nothing to claim
-    lineage = store.lineage(storage_run)
+    lineage = lineage if lineage is not None else store.lineage(storage_run)
     if not dry_run and orphans:
         # Markers the catalog never heard of get rows (an abandoned one a stale row, deleted
         # below once past the grace); rows whose marker is gone are marked deleted.
@@ -292,7 +296,9 @@ def apply_retention(
     claims; without one, ``num_to_keep`` and ``keep_every_steps`` over storage. Returns the
     deleted steps."""
     if catalog is not None:
-        report = gc_run(catalog, location, orphans=False, epoch=fence.epoch)
+        # The attempt's own lineage: its commit re-checked the fence just before the marker,
+        # and the claims below are fenced by its epoch in their transaction.
+        report = gc_run(catalog, location, orphans=False, epoch=fence.epoch, lineage=fence.lineage)
         return [deleted["step"] for deleted in report.deleted]
     if num_to_keep is None and keep_every_steps is None:
         return []
