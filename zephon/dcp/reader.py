@@ -145,6 +145,18 @@ def _group_reads(reads: list[_Read], max_bytes: int, max_gap: int) -> list[_Grou
     return groups
 
 
+def _read_whole(reader: CheckpointReader, name: str) -> bytes:
+    """One whole file, checked against the manifest's size and CRC32C, in one request: a
+    ranged read of the size the manifest records (plus one byte, so a longer file is caught),
+    where a plain whole-file read costs object stores a HEAD first."""
+    entry = reader.manifest.file(name)
+    if entry is None:
+        return reader.read_bytes(name)  # raises, naming the files the checkpoint has
+    data = reader.read_range(name, 0, entry.size + 1)
+    reader.check(name, data)
+    return data
+
+
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
@@ -211,6 +223,7 @@ class ZephonStorageReader(StorageReader):
         self._reader: CheckpointReader | None = None
         self._metadata: Metadata | None = None
         self._slices: dict[Any, ShardSlice] = {}
+        self._known: Manifest | None = None
         self._lock = threading.Lock()
         self.load_id = uuid.uuid4().hex
 
@@ -263,9 +276,9 @@ class ZephonStorageReader(StorageReader):
     def _open(self) -> Metadata:
         if self._metadata is not None:
             return self._metadata
-        reader = self.store.reader(self.run, self.step)
+        reader = self._checkpoint_reader()
         name = self.metadata_name
-        metadata = decode_metadata(reader.read_bytes(name), where=f"{reader.url}/{name}")
+        metadata = decode_metadata(_read_whole(reader, name), where=f"{reader.url}/{name}")
         self._check_slices(metadata, reader)
         if self.verify and any(s.crc32c is None for s in (metadata.storage_data or {}).values()):
             # The legacy path (format version 1, no per-slice CRC): every file once, up front.
@@ -273,6 +286,20 @@ class ZephonStorageReader(StorageReader):
         self._reader = reader
         self._metadata = metadata
         return metadata
+
+    def _checkpoint_reader(self) -> CheckpointReader:
+        """The committed checkpoint: its marker read now (one GET), or the manifest the caller
+        already read and checked (``use_manifest``)."""
+        known, self._known = self._known, None
+        if known is not None and (known.run, known.step) == (self.run, self.step):
+            return CheckpointReader(self.store, known)
+        return self.store.reader(self.run, self.step)
+
+    def use_manifest(self, manifest: Manifest) -> None:
+        """Open the checkpoint with ``manifest``, the marker of ``(run, step)`` the caller has
+        just read and judged (``zephon.dcp.Reader`` after ``find_latest``), instead of reading
+        it again: one round trip less. Used by the next open only."""
+        self._known = manifest
 
     def _check_slices(self, metadata: Metadata, reader: CheckpointReader) -> None:
         sizes = {entry.name: entry.size for entry in reader.manifest.files}

@@ -200,10 +200,18 @@ class RecordGets:
     def __init__(self, fs) -> None:
         self.fs = fs
         self.ranges: list[str | None] = []
+        #: (object key, Range header) of every GetObject; ``ranges`` those of the shards
+        self.gets: list[tuple[str, str | None]] = []
+        self.heads = 0
 
     def _on_call(self, model, params, **_):
         if model.name == "GetObject":
-            self.ranges.append(params.get("headers", {}).get("Range"))
+            key, wanted = params.get("url_path", ""), params.get("headers", {}).get("Range")
+            self.gets.append((key, wanted))
+            if key.endswith(".distcp"):
+                self.ranges.append(wanted)
+        elif model.name == "HeadObject":
+            self.heads += 1
 
     def __enter__(self):
         self.fs.connect()
@@ -227,6 +235,8 @@ def test_s3_loads_read_only_the_ranges_needed_and_batch_neighbours(s3_backend):
         assert torch.equal(target["small3"], state["small3"])
         shard_gets = [r for r in gets.ranges if r is not None]
         assert len(shard_gets) == 1
+        # the marker and the DCP metadata: one GET each, and no HEAD before either
+        assert len(gets.gets) == 3 and gets.heads == 0
         first, last = (int(x) for x in shard_gets[0].removeprefix("bytes=").split("-"))
         assert last - first + 1 == 1024  # one tensor's bytes, not the 4 MiB shard
 
