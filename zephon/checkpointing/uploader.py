@@ -52,7 +52,7 @@ from zephon.errors import StaleAttemptError, ZephonError
 from zephon.locations import RunLocation
 from zephon.saving import Save
 
-__all__ = ["UploadJob", "Uploader", "UploadError"]
+__all__ = ["UploadError", "UploadJob", "Uploader", "copy_verified"]
 
 log = logging.getLogger("zephon")
 
@@ -253,12 +253,12 @@ class Uploader:
                 assert save is not None and manifest is not None
                 others = {e["name"] for entries in everything[1:] for e in entries}
                 own = [e for e in manifest.files if e.name not in others]
-                self._copy(own, self.tier.payload_path(manifest), save.writer)
+                copy_verified(own, self.tier.payload_path(manifest), save.writer)
             else:
                 writer = self.remote.store.attach(
                     self.remote.storage_run, step, save_id=head["save_id"], fence=head["fence"]
                 )
-                self._copy(job.own, job.local_payload, writer)
+                copy_verified(job.own, job.local_payload, writer)
         except Exception as exc:
             error = exc
             damaged = isinstance(exc, CorruptCheckpointError)
@@ -409,33 +409,6 @@ class Uploader:
             protected.discard(drop)
         return self.tier.doomed(protected, attempt.epoch)
 
-    def _copy(self, files: list[FileEntry], local_payload: str, writer: CheckpointWriter) -> None:
-        """Stream each local file into ``writer``, refusing one whose bytes are not the local
-        manifest's (checked before the object is completed, so it is never published)."""
-        for entry in files:
-            path = f"{local_payload}/{entry.name}"
-            try:
-                source = open(path, "rb")  # noqa: SIM115 - closed below
-            except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    f"local file {path} of step {writer.step} is missing; it cannot be uploaded",
-                    run=writer.run,
-                    step=writer.step,
-                    problems=[f"{entry.name}: missing"],
-                ) from None
-            with source, writer.open(entry.name) as out:
-                while chunk := source.read(_CHUNK):
-                    out.write(chunk)
-                if out.crc.size != entry.size or out.crc.encoded() != entry.crc32c:
-                    raise CorruptCheckpointError(
-                        f"local file {path} of step {writer.step} has {out.crc.size} bytes with "
-                        f"CRC32C {out.crc.encoded()}, its manifest says {entry.size} bytes "
-                        f"{entry.crc32c}: the local copy is damaged and is not uploaded",
-                        run=writer.run,
-                        step=writer.step,
-                        problems=[f"{entry.name}: checksum mismatch"],
-                    )
-
     def _log_failure(self, step: int, error: str) -> None:
         log.error(
             "zephon: upload of step %d to %s failed: %s",
@@ -443,3 +416,32 @@ class Uploader:
             self.remote.checkpoint_url(step),
             error.splitlines()[0][:300] if error else "",
         )
+
+
+def copy_verified(files: list[FileEntry], local_payload: str, writer: CheckpointWriter) -> None:
+    """Stream each local file of ``local_payload`` into ``writer``, refusing one whose bytes
+    are not its entry's (size and CRC32C, checked before the object is completed, so a local
+    file damaged on disk is never published)."""
+    for entry in files:
+        path = f"{local_payload}/{entry.name}"
+        try:
+            source = open(path, "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"local file {path} of step {writer.step} is missing; it cannot be uploaded",
+                run=writer.run,
+                step=writer.step,
+                problems=[f"{entry.name}: missing"],
+            ) from None
+        with source, writer.open(entry.name) as out:
+            while chunk := source.read(_CHUNK):
+                out.write(chunk)
+            if out.crc.size != entry.size or out.crc.encoded() != entry.crc32c:
+                raise CorruptCheckpointError(
+                    f"local file {path} of step {writer.step} has {out.crc.size} bytes with "
+                    f"CRC32C {out.crc.encoded()}, its manifest says {entry.size} bytes "
+                    f"{entry.crc32c}: the local copy is damaged and is not uploaded",
+                    run=writer.run,
+                    step=writer.step,
+                    problems=[f"{entry.name}: checksum mismatch"],
+                )

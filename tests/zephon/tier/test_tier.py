@@ -1,0 +1,312 @@
+"""The local tier in one process: a local_dir beside a real S3 save_dir (moto's server) and a
+SQLite or PostgreSQL catalog. Saves commit locally, uploads commit the same bytes under
+save_dir, local retention keeps what is not uploaded, resume prefers a complete local copy.
+The multi-process runs are in test_tier_distributed.py."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import s3fs
+import torch
+from torch import nn
+
+from catalog import Catalog
+from storage import CheckpointStore, CorruptCheckpointError
+from tests.conftest import Backend
+from zephon import StaleAttemptError
+from zephon.attempts import register
+from zephon.checkpointing import CheckpointManager
+from zephon.checkpointing.uploader import copy_verified
+from zephon.config import CheckpointingConfig, load_job_config
+from zephon.errors import ConfigError
+from zephon.locations import RunLocation
+
+RUN = "tiered"
+
+
+def model_at(step: int) -> nn.Module:
+    torch.manual_seed(step)
+    return nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+
+
+def state_at(step: int) -> dict:
+    return {"model": model_at(step), "notes": {"step": step}}
+
+
+def config(backend: Backend, local: Path, catalog_url: str | None, **extra) -> CheckpointingConfig:
+    return CheckpointingConfig(
+        save_dir=backend.url,
+        storage_options=backend.storage_options,
+        local_dir=str(local),
+        catalog_url=catalog_url,
+        **extra,
+    )
+
+
+def files_of(store: CheckpointStore, step: int) -> dict[str, bytes]:
+    reader = store.reader(RUN, step)
+    return {name: reader.read_bytes(name) for name in reader.names}
+
+
+def loads(manager: CheckpointManager, step: int):
+    """load_latest into a model of other values; the resume and whether it holds step's."""
+    target = {"model": model_at(1000), "notes": None}
+    resume = manager.load_latest(target)
+    expected = model_at(step).state_dict()
+    equal = all(torch.equal(v, expected[k]) for k, v in target["model"].state_dict().items())
+    return resume, equal
+
+
+class BucketAway:
+    """The save_dir's bucket taken away (every object kept aside) and brought back: uploads
+    in between fail as they would against a bucket that refuses them."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.fs = s3fs.S3FileSystem(skip_instance_cache=True, **backend.storage_options)
+        self.bucket = backend.bucket
+        self.kept: dict[str, bytes] = {}
+
+    def __enter__(self) -> BucketAway:
+        self.kept = {path: self.fs.cat_file(path) for path in self.fs.find(self.bucket)}
+        self.fs.rm(list(self.kept))
+        self.fs.rmdir(self.bucket)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.fs.mkdir(self.bucket)
+        for path, data in self.kept.items():
+            self.fs.pipe_file(path, data)
+
+
+def test_a_url_local_dir_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as caught:
+        CheckpointingConfig(save_dir="s3://b/ckpt", local_dir="s3://b/local")
+    assert "trainer.checkpointing.local_dir" in str(caught.value)
+    assert "\n" not in str(caught.value)
+    for key in ("local_num_to_keep", "max_pending_uploads"):
+        with pytest.raises(ConfigError, match=f"trainer.checkpointing.{key} = 0"):
+            CheckpointingConfig(save_dir="x", local_dir="/tmp/x", **{key: 0})
+    job = load_job_config(
+        {
+            "run": {"name": RUN},
+            "trainer": {
+                "checkpointing": {
+                    "save_dir": "s3://b/ckpt",
+                    "local_dir": "file:///local_nvme/ckpt",
+                    "local_num_to_keep": 2,
+                    "max_pending_uploads": 3,
+                }
+            },
+        }
+    )
+    loaded = job.checkpointing
+    assert (loaded.local_dir, loaded.local_num_to_keep, loaded.max_pending_uploads) == (
+        "/local_nvme/ckpt",
+        2,
+        3,
+    )
+    defaults = CheckpointingConfig(save_dir="x", local_dir="/tmp/x")
+    assert (defaults.local_num_to_keep, defaults.max_pending_uploads) == (1, 2)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_the_upload_commits_the_local_files_with_replica_rows_and_timings(
+    s3_backend, tmp_path, catalog_url, async_save
+):
+    local = CheckpointStore(str(tmp_path / "local"))
+    remote = s3_backend.open_store()
+    cfg = config(s3_backend, tmp_path / "local", catalog_url, async_save=async_save)
+    with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
+        manager.save(1, state_at(1))
+        manager.wait()
+        assert local.committed_steps(RUN) == [1]
+        assert remote.committed_steps(RUN) == [1]
+        mine, theirs = local.read_manifest(RUN, 1), remote.read_manifest(RUN, 1)
+        assert {(f.name, f.size, f.crc32c) for f in mine.files} == {
+            (f.name, f.size, f.crc32c) for f in theirs.files
+        }
+        assert files_of(local, 1) == files_of(remote, 1)
+        assert theirs.save_id != mine.save_id and theirs.epoch == mine.epoch == 1
+        manager.save(2, state_at(2))
+        manager.wait()
+    assert local.committed_steps(RUN) == [2]  # local_num_to_keep 1: step 1 was uploaded
+    assert remote.committed_steps(RUN) == [1, 2]
+    with Catalog(catalog_url) as catalog:
+        row = catalog.get_checkpoint(RUN, 2)
+        assert row.state == "committed" and row.save_id == remote.read_manifest(RUN, 2).save_id
+        phases = {"stall_s", "local_s", "upload_s", "total_s"} | (
+            {"stage_s"} if async_save else set()
+        )
+        assert phases <= set(row.timings or {}), row.timings
+        replicas = {(r.step, r.tier): r for r in catalog.replicas(RUN)}
+    assert replicas[(1, "local")].state == "deleted"
+    assert replicas[(2, "local")].state == "committed"
+    assert replicas[(2, "local")].save_id == local.read_manifest(RUN, 2).save_id
+    for step in (1, 2):
+        uploaded = replicas[(step, "save_dir")]
+        assert (uploaded.state, uploaded.host) == ("committed", "")
+        assert uploaded.bytes == remote.read_manifest(RUN, step).total_bytes
+        assert {"upload_s", "total_s"} <= set(uploaded.timings or {})
+
+
+def test_local_retention_keeps_what_is_not_uploaded(s3_backend, tmp_path, catalog_url, caplog):
+    local = CheckpointStore(str(tmp_path / "local"))
+    remote = s3_backend.open_store()
+    cfg = config(s3_backend, tmp_path / "local", catalog_url, max_pending_uploads=1)
+    manager = CheckpointManager(cfg, run_name=RUN, total_steps=10)
+    manager.save(1, state_at(1))
+    manager.wait()
+    with BucketAway(s3_backend), caplog.at_level(logging.ERROR, logger="zephon"):
+        manager.save(2, state_at(2))
+        manager.save(3, state_at(3))  # waits for step 2's upload (max_pending_uploads 1)
+        assert manager.uploader.pending <= 1
+        with pytest.raises(Exception) as caught:
+            manager.wait()  # both uploads failed: the first failure is raised
+        assert "1 more upload(s) failed" in " ".join(getattr(caught.value, "__notes__", []))
+    failures = [r.getMessage() for r in caplog.records if "upload of step" in r.getMessage()]
+    assert len(failures) == 2 and all("\n" not in line for line in failures)
+    assert local.committed_steps(RUN) == [2, 3]  # never uploaded: kept beyond num_to_keep 1
+    manager.save(4, state_at(4))  # the bucket is back
+    manager.wait()
+    assert remote.committed_steps(RUN) == [1, 4]
+    assert local.committed_steps(RUN) == [2, 3, 4]
+    with Catalog(catalog_url) as catalog:
+        states = {(r.step, r.tier): r.state for r in catalog.replicas(RUN)}
+        assert catalog.get_checkpoint(RUN, 2).state == "failed"
+    assert states[(2, "save_dir")] == states[(3, "save_dir")] == "failed"
+    assert states[(4, "save_dir")] == "committed" and states[(1, "local")] == "deleted"
+    manager.close()
+
+
+def test_resume_from_the_local_tier_reads_no_payload_of_save_dir(s3_backend, tmp_path):
+    cfg = config(s3_backend, tmp_path / "local", None)
+    with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
+        manager.save(3, state_at(3))
+    remote = s3_backend.open_store()
+    manifest = remote.read_manifest(RUN, 3)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_backend.storage_options)
+    payload = f"{remote.checkpoint_path(RUN, 3)}/{manifest.payload}"
+    fs.rm(payload, recursive=True)  # a load from save_dir could not succeed now
+    with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
+        resume, equal = loads(manager, 3)
+    assert (resume.step, equal, resume.values["notes"]) == (3, True, {"step": 3})
+    assert resume.url == CheckpointStore(str(tmp_path / "local")).checkpoint_url(RUN, 3)
+
+
+@pytest.mark.parametrize("damage", ["missing", "flipped"])
+def test_resume_from_save_dir_when_the_local_copy_is_missing_or_damaged(
+    s3_backend, tmp_path, catalog_url, damage, caplog
+):
+    cfg = config(s3_backend, tmp_path / "local", catalog_url)
+    with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
+        manager.save(2, state_at(2))
+    local = CheckpointStore(str(tmp_path / "local"))
+    if damage == "missing":
+        shutil.rmtree(tmp_path / "local")
+    else:
+        manifest = local.read_manifest(RUN, 2)
+        shard = max((f for f in manifest.files if f.name.endswith(".distcp")), key=lambda f: f.size)
+        path = Path(local.checkpoint_path(RUN, 2)) / manifest.payload / shard.name
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    with (
+        caplog.at_level(logging.WARNING, logger="zephon"),
+        CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager,
+    ):
+        resume, equal = loads(manager, 2)
+    assert (resume.step, equal) == (2, True)
+    assert resume.url == s3_backend.open_store().checkpoint_url(RUN, 2)
+    with Catalog(catalog_url) as catalog:
+        assert catalog.get_checkpoint(RUN, 2).state == "committed"  # never quarantined
+    if damage == "flipped":
+        assert [step for step, _ in local.condemned(RUN)] == [2]
+        assert any("local checkpoint" in r.getMessage() for r in caplog.records)
+
+
+def test_a_newer_local_step_is_resumed_and_uploaded_by_the_next_attempt(
+    s3_backend, tmp_path, catalog_url
+):
+    cfg = config(s3_backend, tmp_path / "local", catalog_url, local_num_to_keep=2)
+    manager = CheckpointManager(cfg, run_name=RUN, total_steps=10)
+    manager.save(1, state_at(1))
+    manager.wait()
+    with BucketAway(s3_backend):
+        manager.save(2, state_at(2))  # never uploaded: the attempt "dies" with it local only
+        with pytest.raises(Exception):  # noqa: B017 - whatever the missing bucket raises
+            manager.close()
+    remote = s3_backend.open_store()
+    assert remote.committed_steps(RUN) == [1]
+    with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
+        resume, equal = loads(manager, 2)  # L = 2 > R = 1
+        assert (resume.step, equal) == (2, True)
+        manager.wait()
+        assert manager.attempt.resumed_from == 2
+        epoch = manager.attempt.epoch
+    assert remote.committed_steps(RUN) == [1, 2]
+    assert remote.read_manifest(RUN, 2).epoch == epoch == 2
+    assert files_of(remote, 2) == files_of(CheckpointStore(str(tmp_path / "local")), 2)
+    with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
+        shutil.rmtree(tmp_path / "local")
+        resume, equal = loads(manager, 2)  # now from save_dir
+        assert (resume.step, equal) == (2, True)
+
+
+def test_a_stale_attempts_uploads_are_refused(s3_backend, tmp_path, catalog_url):
+    cfg = config(s3_backend, tmp_path / "local", catalog_url)
+    old = CheckpointManager(cfg, run_name=RUN, total_steps=10)
+    old.save(1, state_at(1))
+    old.wait()
+    remote = s3_backend.open_store()
+    with Catalog(catalog_url) as catalog:  # a new start of the run, while `old` still runs
+        location = RunLocation(RUN, remote, RUN)
+        register(location, catalog, lineage=remote.lineage(RUN), resumed_from=1)
+    old.save(2, state_at(2))  # commits locally; its upload is refused
+    with pytest.raises(StaleAttemptError):
+        old.wait()
+    with pytest.raises(StaleAttemptError):
+        old.save(3, state_at(3))  # the job must stop
+    old.close()
+    assert remote.committed_steps(RUN) == [1]
+    with Catalog(catalog_url) as catalog:
+        assert catalog.get_checkpoint(RUN, 1).state == "committed"
+        uploads = catalog.replicas(RUN, step=2, tier="save_dir")
+        assert all(r.state != "committed" for r in uploads)
+
+
+def test_a_local_file_that_changed_on_disk_is_never_uploaded(s3_backend, tmp_path):
+    local = CheckpointStore(str(tmp_path / "local"))
+    with local.begin(RUN, 1) as writer:
+        entry = writer.write_bytes("blob.bin", b"x" * 100_000)
+        writer.commit()
+    manifest = local.read_manifest(RUN, 1)
+    path = Path(local.checkpoint_path(RUN, 1)) / manifest.payload / "blob.bin"
+    path.write_bytes(b"x" * 50_000 + b"y" + b"x" * 49_999)
+    remote = s3_backend.open_store()
+    target = remote.begin(RUN, 1)
+    with pytest.raises(CorruptCheckpointError, match="blob.bin"):
+        copy_verified([entry], str(path.parent), target)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_backend.storage_options)
+    assert not fs.exists(f"{target.payload_path}/blob.bin")
+    path.write_bytes(b"x" * 100_000)
+    copy_verified([entry], str(path.parent), target)  # the intact file goes out as it is
+    target.add_entries([entry])
+    target.commit()
+    assert remote.reader(RUN, 1).read_bytes("blob.bin") == b"x" * 100_000
+
+
+def test_without_a_catalog_everything_works_untracked(s3_backend, tmp_path):
+    cfg = config(s3_backend, tmp_path / "local", None, num_to_keep=1)
+    with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, state_at(step))
+        manager.finish()
+    assert s3_backend.open_store().committed_steps(RUN) == [3]
+    assert CheckpointStore(str(tmp_path / "local")).committed_steps(RUN) == [3]
+    with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
+        resume, equal = loads(manager, 3)
+    assert (resume.step, equal) == (3, True)
