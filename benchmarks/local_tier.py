@@ -2,7 +2,8 @@
 background upload's own time, and resume from the local tier vs from S3.
 
     python benchmarks/local_tier.py [--delay-ms 30] [--mib 256] [--tensors 50] [--saves 3]
-                                    [--train-s 3] [--repeats 3] [--no-two-ranks]
+                                    [--train-s S] [--local-root DIR] [--repeats 3]
+                                    [--no-two-ranks]
 
 moto's S3 server on 127.0.0.1 behind ``latency_proxy.LatencyProxy`` adding ``--delay-ms`` to
 every request (a far-away object store), a SQLite catalog, and a state of ``--mib`` MiB per
@@ -12,8 +13,9 @@ run, on one process and on 2 gloo ranks:
 (a) blocked: ``CheckpointManager.save`` (sync) with ``local_dir`` (a temporary directory: the
     save commits there, the upload to S3 goes on in the background) vs the same manager
     without one (the save writes to S3 and commits there before it returns), ``--saves``
-    saves each, ``--train-s`` seconds of simulated training before each, so the uploads
-    proceed meanwhile. The time is each save's call, the slowest rank's. Goal: <= 0.1x.
+    saves each, ``--train-s`` seconds of simulated training before each (default: 1.5 times
+    the median save straight to S3, measured first), so the uploads keep up meanwhile. The
+    time is each save's call, the slowest rank's. Goal: <= 0.1x.
 (b) upload: the upload's own time per save (``upload_s`` from the catalog's row, else "-"),
     and how long ``wait()`` still waited after the last save.
 (c) resume: ``load_latest`` of the same checkpoint, from the local tier (the manager with the
@@ -94,7 +96,8 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
 
     model = build_model(config["mib"], config["tensors"], world)
     state = {"model": model}
-    local_dir = os.path.join(config["tmp"], f"local-{world}-r{rank}")
+    # one node: its ranks share the local directory
+    local_dir = os.path.join(config["local_root"], f"local-{config['tag']}-{world}")
     run = f"tier-{config['tag']}-{world}"
 
     def manager_for(variant: str, run_name: str) -> CheckpointManager:
@@ -108,13 +111,13 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
         )
         return CheckpointManager(checkpointing, run_name=run_name, total_steps=10_000)
 
-    out: dict = {"blocked": {}, "tail_wait": {}}
+    out: dict = {"blocked": {}, "tail_wait": {}, "train_s": config["train_s"]}
     for variant in ("s3", "local"):
         name = run if variant == "local" else f"{run}-s3"
         manager = manager_for(variant, name)
         blocked = []
         for step in range(1, config["saves"] + 1):
-            time.sleep(config["train_s"])  # training: the uploads go on meanwhile
+            time.sleep(out["train_s"] or 0.0)  # training: the uploads go on meanwhile
             with torch.no_grad():
                 for p in model.parameters():
                     (p.to_local() if hasattr(p, "to_local") else p).add_(1.0)
@@ -122,6 +125,8 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
             blocked.append(slowest(timed(lambda s=step, m=manager: m.save(s, state))))
         out["blocked"][variant] = blocked
         out["tail_wait"][variant] = slowest(timed(manager.wait))
+        if out["train_s"] is None:  # save less often than a save to S3 takes: uploads keep up
+            out["train_s"] = round(1.5 * statistics.median(blocked), 2)
         manager.close()
 
     if rank == 0:  # the phases the save path recorded on each row (older rows are deleted)
@@ -182,10 +187,11 @@ def rows_for(world: int, result: dict) -> list[tuple]:
     return [
         (f"save blocked ({label})", f"{s3:.3f}", f"{local:.3f}", f"{local / s3:.3f}x", "<= 0.1x"),
         (f"  per save, local ({label})", "", each, "", ""),
+        (f"  upload per save, in the background ({label})", "", upload, "", ""),
         (
-            f"upload per save; wait() after the last ({label})",
+            f"  wait() after the last save ({label})",
             f"{result['tail_wait']['s3']:.3f}",
-            f"{upload}; {result['tail_wait']['local']:.3f}",
+            f"{result['tail_wait']['local']:.3f}",
             "",
             "",
         ),
@@ -205,7 +211,17 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=256, help="state per rank")
     parser.add_argument("--tensors", type=int, default=50)
     parser.add_argument("--saves", type=int, default=3)
-    parser.add_argument("--train-s", type=float, default=3.0, help="training before each save")
+    parser.add_argument(
+        "--train-s",
+        type=float,
+        default=None,
+        help="training before each save (default: 1.5x the median save straight to S3)",
+    )
+    parser.add_argument(
+        "--local-root",
+        default=None,
+        help="where local_dir goes (default: a temporary directory; /dev/shm for a RAM disk)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="resumes from each tier")
     parser.add_argument("--no-two-ranks", action="store_true", help="skip the 2-rank case")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
@@ -226,7 +242,7 @@ def main() -> None:
         config = {
             "endpoint": proxy.url,
             "catalog_url": f"sqlite:///{tmp}/catalog.db",
-            "tmp": tmp,
+            "local_root": args.local_root or tmp,
             "mib": args.mib,
             "tensors": args.tensors,
             "saves": args.saves,
@@ -234,13 +250,17 @@ def main() -> None:
             "repeats": args.repeats,
             "tag": uuid.uuid4().hex[:8],
         }
+        trained = []
         for world in (1,) if args.no_two_ranks else (1, 2):
-            rows += rows_for(world, run_workers(world, config))
+            result = run_workers(world, config)
+            rows += rows_for(world, result)
+            trained.append(f"{result['train_s']:g} s ({world})")
             loads.append(os.getloadavg()[0])
     print(
         f"{dt.date.today()}: moto S3 on 127.0.0.1 behind a proxy adding {args.delay_ms:g} ms per "
         f"request, SQLite catalog; {args.mib:g} MiB per rank in {args.tensors} tensors; "
-        f"{args.saves} saves after {args.train_s:g} s of training each; resume median of "
+        f"local_dir in {args.local_root or 'a temporary directory'}; {args.saves} saves, "
+        f"training before each {', '.join(trained)} rank(s); resume median of "
         f"{args.repeats}; load average {' -> '.join(f'{x:.2f}' for x in loads)} (1 min)"
     )
     headers = ("operation", "straight to S3 (s)", "with local_dir (s)", "ratio", "goal")
