@@ -43,9 +43,8 @@ from zephon.checkpointing.files import (
 )
 from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
 from zephon.checkpointing.source import load_frozen_from_source
-from zephon.checkpointing.tier import LocalTier
-from zephon.checkpointing.tracking import LOCAL, Tracker, record_committed
-from zephon.checkpointing.uploader import Uploader, UploadJob
+from zephon.checkpointing.tiering import Tiering
+from zephon.checkpointing.tracking import record_committed
 from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError, ZephonError
 from zephon.gc import apply_retention
@@ -149,33 +148,25 @@ class CheckpointManager:
             if config.resolved_catalog_url:
                 self.catalog = self._open_catalog(config.resolved_catalog_url)
 
-        self.tier: LocalTier | None = None
-        self.uploader: Uploader | None = None
+        #: the local tier (``local_dir``) and its uploads, if configured
+        self.tier: Tiering | None = None
         try:
             self.coll.from_main(open_catalog_on_main, "set up checkpointing")
             if config.local_dir is not None:
-                self._start_tier(config.local_dir)
+                self.tier = Tiering(
+                    config,
+                    self.coll,
+                    self.location,
+                    self.catalog,
+                    attempt=self._current_attempt,
+                    retain=self.apply_retention,
+                )
         except BaseException:
             self.coll.destroy()
             raise
         self._background: Future | None = None
         self._async_stager: zdcp.ZephonStager | None = None
         self._background_lock = threading.Lock()
-
-    def _start_tier(self, local_dir: str) -> None:
-        """Every rank: the local tier and this rank's uploader thread (docs/manager.md)."""
-        self.tracker = Tracker(self.catalog, self.name)
-        self.tier = LocalTier(
-            local_dir, self.name, self.run, self.coll, self.config.local_num_to_keep
-        )
-        self.uploader = Uploader(
-            self.coll,
-            self.tier,
-            self.location,
-            tracker=self.tracker if self.coll.is_main else None,
-            attempt=self._current_attempt,
-            retain=self.apply_retention,
-        )
 
     def _open_catalog(self, url: str) -> Catalog:
         catalog = Catalog(url)
@@ -223,10 +214,8 @@ class CheckpointManager:
         """
         started = time.monotonic()
         self._wait_background()
-        if self.uploader is not None:
-            if self.uploader.stale is not None:
-                raise self.uploader.stale
-            self.uploader.wait_below(self.config.max_pending_uploads)  # backpressure
+        if self.tier is not None:
+            self.tier.before_save()  # backpressure; a stale attempt stops here
         #: the phases of this save, completed as they happen (the catalog row gets them)
         timings: dict[str, float] = {}
         prepared, problem = None, None
@@ -243,7 +232,7 @@ class CheckpointManager:
             try:
                 attempt = self._current_attempt()
                 if self.tier is not None:
-                    save = self.tier.begin(attempt, step, self.tracker)
+                    save = self.tier.begin(attempt, step)
                 else:
                     save = Save.begin(attempt, step, catalog=self.catalog)
                 primary = save.writer
@@ -373,20 +362,12 @@ class CheckpointManager:
         """Every rank, after the marker. Without a local tier, rank 0 records the commit (with
         its timings) and applies retention; with one, the local commit is recorded and every
         rank queues the upload of what it wrote."""
-        if self.tier is None or self.uploader is None:
-            if self.coll.is_main:
-                assert save is not None
-                record_committed(save, timings)
-                self.apply_retention()
-            return
-        timings["local_s"] = time.monotonic() - started
-        if self.coll.is_main:
+        if self.tier is not None:
+            self.tier.committed(step, save, writer, timings, started)
+        elif self.coll.is_main:
             assert save is not None
-            manifest = save.committed()
-            self.tracker.committed(step, LOCAL, manifest, {"local_s": timings["local_s"]})
-        own = [] if self.coll.is_main else writer.entries  # a secondary writer's are its own
-        job = UploadJob(step, writer.payload_path, own, timings, started, writer.save_id)
-        self.uploader.submit(job)
+            record_committed(save, timings)
+            self.apply_retention()
 
     def _failed(self, writer: CheckpointWriter, save: Save | None, exc: BaseException) -> None:
         if not self.coll.is_main:
@@ -394,7 +375,7 @@ class CheckpointManager:
         if save is not None:
             save.failed(exc)
             if self.tier is not None:
-                self.tracker.failed(save.step, LOCAL, save.save_id, f"{type(exc).__name__}: {exc}")
+                self.tier.failed(save, exc)
         else:
             with contextlib.suppress(Exception):
                 writer.abort()
@@ -456,8 +437,8 @@ class CheckpointManager:
         """Wait for a background save and every pending upload; raise a failure, if one
         failed."""
         self._wait_background()
-        if self.uploader is not None:
-            self.uploader.wait_all()
+        if self.tier is not None:
+            self.tier.wait()
 
     def _wait_background(self) -> None:
         with self._background_lock:
@@ -482,7 +463,7 @@ class CheckpointManager:
         complete one is loaded, unless ``on_corrupt`` is ``"fail"``.
         """
         self.wait()
-        local = self._local_candidate()
+        local = self.tier.candidate(lambda: self.store.lineage(self.run)) if self.tier else None
         while True:
             # One process asks the catalog and reads the small JSON; the others get the answer.
             answer = self.coll.from_main(
@@ -513,7 +494,7 @@ class CheckpointManager:
                 if problem is not None:
                     raise problem
                 if found.get("upload"):  # never uploaded (the last attempt died): now, fenced
-                    self._upload_resumed(step)
+                    self.tier.upload_resumed(step)
                 return Resume(
                     step=step,
                     next_step=step + 1,
@@ -524,7 +505,7 @@ class CheckpointManager:
                 )
             if found.get("local"):  # a damaged local copy: condemned there only, save_dir next
                 if self.coll.is_main and self.tier is not None:
-                    self.tier.condemn(step, damaged)
+                    self.tier.damaged(step, damaged)
                 local = None
                 continue
             if self.config.on_corrupt == "fail":
@@ -533,28 +514,6 @@ class CheckpointManager:
                 raise ZephonError(f"checkpoint {found['url']} could not be loaded: {damaged}")
             if self.coll.is_main:
                 self._set_aside(step, damaged)
-
-    def _local_candidate(self) -> int | None:
-        """Collective: the local tier's newest checkpoint of the run's history, if every rank
-        holds it in full in its own local_dir (else None: save_dir is loaded)."""
-        tier = self.tier
-        if tier is None:
-            return None
-
-        def newest() -> int | None:
-            manifest = tier.candidate(self.store.lineage(self.run))
-            return manifest.step if manifest is not None else None
-
-        step = self.coll.from_main(newest, "look at the local tier")
-        if step is None or not all(self.coll.all_gather(tier.holds(step))):
-            return None
-        return step
-
-    def _upload_resumed(self, step: int) -> None:
-        """Every rank: queue the upload of the local checkpoint resumed from (rank 0 holds
-        every file of it and uploads them all)."""
-        assert self.uploader is not None and self.tier is not None
-        self.uploader.submit(UploadJob(step, "", [], {}, time.monotonic()))
 
     def _resume_point_on_main(
         self, local: int | None = None
@@ -575,10 +534,8 @@ class CheckpointManager:
                     on_corrupt=self._on_damaged,
                 )
                 remote = latest.step if latest is not None else None
-                if local is not None and self.tier is not None:
-                    mine = self.tier.candidate(lineage)
-                    if mine is not None and mine.step == local and (remote or 0) <= local:
-                        return local, (latest, True)
+                if self.tier is not None and self.tier.prefers(local, lineage, remote):
+                    return local, (latest, True)
                 return remote, (latest, False)
 
             self.attempt, (latest, use_local) = register_resuming(
@@ -588,7 +545,7 @@ class CheckpointManager:
                 try:
                     meta = self._read_meta(local, self.tier.store)
                 except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                    self.tier.condemn(local, str(exc))
+                    self.tier.damaged(local, str(exc))
                     local = None
                     continue
                 url = self.tier.checkpoint_url(local)
@@ -768,9 +725,6 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            if self.uploader is not None:
-                self.uploader.close()
-                self.uploader = None
             if self.tier is not None:
                 self.tier.close()
                 self.tier = None

@@ -163,7 +163,7 @@ def test_local_retention_keeps_what_is_not_uploaded(s3_backend, tmp_path, catalo
     with BucketAway(s3_backend), caplog.at_level(logging.ERROR, logger="zephon"):
         manager.save(2, state_at(2))
         manager.save(3, state_at(3))  # waits for step 2's upload (max_pending_uploads 1)
-        assert manager.uploader.pending <= 1
+        assert manager.tier.uploader.pending <= 1
         with pytest.raises(Exception) as caught:
             manager.wait()  # both uploads failed: the first failure is raised
         assert "1 more upload(s) failed" in " ".join(getattr(caught.value, "__notes__", []))
