@@ -44,7 +44,6 @@ from zephon.checkpointing.files import (
 from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
 from zephon.checkpointing.source import load_frozen_from_source
 from zephon.checkpointing.tiering import Tiering
-from zephon.checkpointing.tracking import record_committed
 from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError, ZephonError
 from zephon.gc import apply_retention
@@ -366,7 +365,7 @@ class CheckpointManager:
             self.tier.committed(step, save, writer, timings, started)
         elif self.coll.is_main:
             assert save is not None
-            record_committed(save, timings)
+            save.committed(timings=timings)
             self.apply_retention()
 
     def _failed(self, writer: CheckpointWriter, save: Save | None, exc: BaseException) -> None:

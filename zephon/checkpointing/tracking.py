@@ -1,7 +1,7 @@
-"""What the checkpoint manager tells the catalog about its tiers and timings: the replica rows
-of a checkpoint's copies (``local`` on a node, ``save_dir``) and the phases a save took.
+"""What the checkpoint manager tells the catalog about its tiers: the replica rows of a
+checkpoint's copies (``local`` on a node, ``save_dir``), with their sizes and timings.
 
-These records describe copies and durations; they never decide what a checkpoint is (the
+These records describe copies; they never decide what a checkpoint is (the
 marker, the lineage and the ``checkpoints`` row do, ``zephon.reconcile``). So a record that
 cannot be written is one warning on the ``zephon`` logger, never a failed save; without a
 catalog nothing is recorded and everything works the same.
@@ -9,7 +9,6 @@ catalog nothing is recorded and everything works the same.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import socket
 from collections.abc import Mapping
@@ -18,35 +17,14 @@ from typing import Any
 from catalog import Catalog, InvalidTransitionError
 from storage import Manifest
 from storage.redact import redact
-from zephon.saving import Save
 
-__all__ = ["LOCAL", "SAVE_DIR", "Tracker", "record_committed"]
+__all__ = ["LOCAL", "SAVE_DIR", "Tracker"]
 
 log = logging.getLogger("zephon")
 
 #: replica tiers: a node's local disk (host = its hostname) and the job's save_dir (host "")
 LOCAL = "local"
 SAVE_DIR = "save_dir"
-
-
-def _takes_timings(method: Any) -> bool:
-    try:
-        return "timings" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def record_committed(save: Save, timings: Mapping[str, float] | None) -> Manifest:
-    """``save.committed()`` with the phases the caller measured (``stall_s``, ``stage_s``,
-    ``local_s``, ``upload_s``, ``total_s``) merged into the row's timings."""
-    if timings and _takes_timings(save.committed):
-        return save.committed(timings=dict(timings))
-    manifest = save.committed()
-    if timings and save.catalog is not None:
-        Tracker(save.catalog, save.attempt.location.name).add_timings(
-            save.step, save.save_id, timings
-        )
-    return manifest
 
 
 class Tracker:
@@ -60,9 +38,7 @@ class Tracker:
     def _call(self, method: str, step: int, *args: Any, **kwargs: Any) -> Any:
         if self.catalog is None:
             return None
-        call = getattr(self.catalog, method, None)
-        if call is None:  # a catalog without replica records: untracked
-            return None
+        call = getattr(self.catalog, method)
         try:
             return call(self.name, step, *args, **kwargs)
         except InvalidTransitionError as exc:
@@ -121,6 +97,3 @@ class Tracker:
 
     def deleted(self, step: int, tier: str) -> None:
         self._call("replica_deleted", step, tier=tier, host=self.host_of(tier))
-
-    def add_timings(self, step: int, save_id: str, timings: Mapping[str, float]) -> None:
-        self._call("add_timings", step, save_id, dict(timings))

@@ -8,7 +8,8 @@ loop's or the manager's collectives. For each step, in the same order on every r
 1. rank 0 begins the save_dir save through the one save path (``Save.begin``: the catalog row
    ``pending``, refused there for a stale attempt) with a fresh save id, and plans local
    retention; one all-gather hands every rank rank 0's answer and rank 0 every rank's file
-   names. Rank 0 begins before any rank writes, so nothing is uploaded for a refused attempt;
+   entries (names, sizes, CRC32C). Rank 0 begins before any rank writes, so nothing is
+   uploaded for a refused attempt;
 2. every rank streams the files it wrote from its local directory into the save_dir payload
    (``attach``), checking that the CRC32C of what went out is the local manifest's: a local
    file that changed on disk is never uploaded (its upload fails before the object is
@@ -47,7 +48,7 @@ from storage.redact import redact
 from zephon.attempts import Attempt, as_zephon_error
 from zephon.checkpointing.collectives import Collectives
 from zephon.checkpointing.tier import LocalTier
-from zephon.checkpointing.tracking import LOCAL, SAVE_DIR, Tracker, record_committed
+from zephon.checkpointing.tracking import LOCAL, SAVE_DIR, Tracker
 from zephon.errors import StaleAttemptError, ZephonError
 from zephon.locations import RunLocation
 from zephon.saving import Save
@@ -349,7 +350,7 @@ class Uploader:
                 now = time.monotonic()
                 timings["upload_s"] = now - began
                 timings["total_s"] = now - job.started
-                committed = record_committed(save, timings)
+                committed = save.committed(timings=timings)
             except Exception as exc:
                 error = as_zephon_error(exc)
                 failed = [(0, _reason(error))]
