@@ -35,9 +35,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import heapq
 import re
 import signal
 import threading
+import time
 import urllib.parse
 
 __all__ = ["LatencyProxy"]
@@ -56,8 +58,8 @@ class LatencyProxy:
     code under test (sync or async, in this process or in others) talks to ``url`` as to any
     server. ``delay_ms`` may be changed while it runs (it applies to requests from then on).
     ``requests`` and ``by_method`` count the requests seen since start or ``reset()``,
-    ``request_lines`` says which they were and ``peak_in_flight`` how many were under way at
-    once.
+    ``request_lines`` says which they were, ``peak_in_flight`` how many were under way at
+    once and ``longest_chain`` how many went out one after another.
     """
 
     def __init__(self, upstream: str, delay_ms: float = 0.0, port: int = 0) -> None:
@@ -78,6 +80,8 @@ class LatencyProxy:
         self._peak_in_flight = 0
         self._by_method: collections.Counter[str] = collections.Counter()
         self._lines: collections.deque[str] = collections.deque(maxlen=_LOGGED)
+        #: [seen, answered] monotonic times of each request (answered: inf until it is)
+        self._spans: collections.deque[list[float]] = collections.deque(maxlen=_LOGGED)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
@@ -110,6 +114,25 @@ class LatencyProxy:
             return dict(self._by_method)
 
     @property
+    def longest_chain(self) -> int:
+        """The most requests since start or ``reset()`` that went out one after another: the
+        longest sequence in which each request was seen only after the one before it was
+        answered. Sequential code makes a chain as long as its requests; requests sent
+        together (under way at once) add one link; uploads in waves through a pool add one per
+        wave. Unlike a time difference, this does not grow when the machine is busy, as long
+        as requests sent together reach the proxy within ``delay_ms`` of each other."""
+        with self._lock:
+            spans = sorted((seen, answered) for seen, answered in self._spans)
+        pending: list[tuple[float, int]] = []  # (answered, depth) of the requests seen so far
+        done = longest = 0  # the longest chain among those answered before ``seen``, overall
+        for seen, answered in spans:
+            while pending and pending[0][0] <= seen:
+                done = max(done, heapq.heappop(pending)[1])
+            heapq.heappush(pending, (answered, done + 1))
+            longest = max(longest, done + 1)
+        return longest
+
+    @property
     def request_lines(self) -> list[str]:
         """The request lines (``GET /bucket/key?query``) seen since start or ``reset()``, in
         order (the newest 10,000), to tell what kind of request each was."""
@@ -123,6 +146,7 @@ class LatencyProxy:
             self._peak_in_flight = self._in_flight
             self._by_method.clear()
             self._lines.clear()
+            self._spans.clear()
 
     # -- running -------------------------------------------------------------------------------
 
@@ -191,7 +215,7 @@ class LatencyProxy:
             return
         # True when the next request-looking client read is a new request: at the start and
         # after every response byte the server sent (one flag per connection, no pipelining).
-        state = {"new_request": True, "answered": True}
+        state: dict = {"new_request": True, "answered": True, "span": None}
         upstream = asyncio.ensure_future(self._client_to_server(client_r, server_w, state))
         downstream = asyncio.ensure_future(self._server_to_client(server_r, client_w, state))
         try:
@@ -219,6 +243,8 @@ class LatencyProxy:
                     self._in_flight += 1
                     self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
                     state["answered"] = False
+                    state["span"] = [time.monotonic(), float("inf")]
+                    self._spans.append(state["span"])
                     self._by_method[method] += 1
                     self._lines.append(f"{method} {rest.rsplit(' ', 1)[0]}")
                 if self.delay_ms > 0:
@@ -232,6 +258,7 @@ class LatencyProxy:
             if not state["answered"]:
                 with self._lock:
                     state["answered"] = True
+                    state["span"][1] = time.monotonic()
                     self._in_flight -= 1
             writer.write(data)
             await writer.drain()

@@ -10,7 +10,11 @@ through two ``latency_proxy.LatencyProxy`` in front of the same moto server, one
 and one adding ``--delay-ms`` to every request, alternating per repeat so that the load of a
 shared machine hits both alike. The extra time divided by the delay is the number of requests
 on the critical path one after another: ``round trips = (t_delay - t_0) / delay``. The proxy
-also counts the requests (the total, parallel ones included).
+also counts the requests (the total, parallel ones included) and reports the *chain*: the
+longest sequence of requests through the delaying proxy of which each went out only after the
+one before was answered (``LatencyProxy.longest_chain``, median over the repeats). It counts
+the same thing from the requests' order instead of from time, so it stays put when a shared
+machine is busy, where the time difference swings by several round trips either way.
 
 Operations:
 
@@ -77,7 +81,12 @@ def s3_kind(line: str) -> str:
 def sample(proxy: LatencyProxy, seconds: float) -> dict:
     """One timed run: its seconds and the requests the proxy saw (in all, and per kind)."""
     kinds = collections.Counter(s3_kind(line) for line in proxy.request_lines)
-    return {"t": seconds, "requests": proxy.requests, "methods": dict(kinds)}
+    return {
+        "t": seconds,
+        "requests": proxy.requests,
+        "chain": proxy.longest_chain,
+        "methods": dict(kinds),
+    }
 
 
 def summarise(samples: list[dict]) -> dict:
@@ -85,6 +94,7 @@ def summarise(samples: list[dict]) -> dict:
     return {
         "t": statistics.median(s["t"] for s in samples),
         "requests": int(statistics.median(s["requests"] for s in samples)),
+        "chain": statistics.median(s["chain"] for s in samples),
         "methods": samples[-1]["methods"],
     }
 
@@ -326,7 +336,8 @@ def main() -> None:
         t0, t1 = pair[0]["t"], pair[1]["t"]
         trips = (t1 - t0) / (args.delay_ms / 1000)
         requests = "/".join(str(p["requests"]) for p in pair)
-        rows.append((name, requests, f"{t0:.3f}", f"{t1:.3f}", f"{trips:.1f}", goal(name)))
+        chain = f"{pair[1]['chain']:g}"
+        rows.append((name, requests, f"{t0:.3f}", f"{t1:.3f}", f"{trips:.1f}", chain, goal(name)))
         by_method = ", ".join(f"{m} {n}" for m, n in sorted(pair[1]["methods"].items()))
         methods.append(f"  {name}: {by_method}")
 
@@ -364,6 +375,7 @@ def main() -> None:
         "t at 0 ms (s)",
         f"t at {args.delay_ms:g} ms (s)",
         "round trips",
+        "chain",
         "goal",
     )
     print(table(rows, headers))
