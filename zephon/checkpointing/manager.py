@@ -213,12 +213,12 @@ class CheckpointManager:
         """
         started = time.monotonic()
         self._wait_background()
-        if self.tier is not None:
-            self.tier.before_save()  # backpressure; a stale attempt stops here
         #: the phases of this save, completed as they happen (the catalog row gets them)
         timings: dict[str, float] = {}
         prepared, problem = None, None
         try:
+            if self.tier is not None:
+                self.tier.before_save()  # backpressure; a stale attempt stops here
             prepared = self._prepare(state, rank_state)
         except Exception as exc:
             problem = exc

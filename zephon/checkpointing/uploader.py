@@ -286,9 +286,10 @@ class Uploader:
         self, job: UploadJob
     ) -> tuple[dict[str, Any], Save | None, Manifest | None, BaseException | None]:
         """Rank 0: read the local manifest, begin the save_dir save, plan local retention."""
-        attempt = self._attempt()
         doomed: list[int] = []
+        attempt: Attempt | None = None
         try:
+            attempt = self._attempt()
             manifest = self.tier.manifest(job.step)
             save_id = new_save_id(attempt.fence)
             save = Save.begin(
@@ -302,8 +303,9 @@ class Uploader:
             exc = as_zephon_error(exc)
             for_good = isinstance(exc, StaleAttemptError | CorruptCheckpointError)
             self._settle_local(job, exc, for_good)
-            with contextlib.suppress(Exception):
-                doomed = self._plan(attempt, drop=job.step if for_good else None)
+            if attempt is not None:
+                with contextlib.suppress(Exception):
+                    doomed = self._plan(attempt, drop=job.step if for_good else None)
             head = {
                 "ok": False,
                 "error": _reason(exc),
