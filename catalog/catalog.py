@@ -320,8 +320,8 @@ class Catalog(replicas.ReplicaMethods):
             return RunRecord.of(runs.require(session, self.url, name))
 
     def list_runs(self, *, status: str | None = None) -> list[RunSummary]:
-        """Every run by name, with committed count/bytes, latest step, pending count and last
-        activity, computed in one query (``zephon runs``)."""
+        """Every run by name, with committed count/bytes, latest step (and its timings),
+        pending count and last activity, computed in one query (``zephon runs``)."""
         if status is not None:
             status = validate.status(status)
         with self._db.read("list runs") as session:
@@ -333,6 +333,7 @@ class Catalog(replicas.ReplicaMethods):
                     latest_step=row.latest_step,
                     pending_count=row.pending_count,
                     last_activity=max(filter(None, (row.run.updated_at, row.last_update))),
+                    latest_timings=row.latest_timings,
                 )
                 for row in runs.summaries(session, status)
             ]

@@ -64,7 +64,9 @@ class RunRecord(_Record):
 class RunSummary(_Record):
     """A run plus aggregates over its checkpoints, as ``zephon runs`` shows it.
 
-    ``last_activity`` is the newest ``updated_at`` of the run or any of its checkpoints.
+    ``last_activity`` is the newest ``updated_at`` of the run or any of its checkpoints;
+    ``latest_timings`` the timings of the latest committed checkpoint (None: none, or not
+    timed).
     """
 
     run: RunRecord
@@ -73,6 +75,7 @@ class RunSummary(_Record):
     latest_step: int | None
     pending_count: int
     last_activity: datetime
+    latest_timings: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         values = self.run.to_dict()
@@ -82,6 +85,7 @@ class RunSummary(_Record):
             latest_step=self.latest_step,
             pending_count=self.pending_count,
             last_activity=_jsonable(self.last_activity),
+            latest_timings=self.latest_timings,
         )
         return values
 

@@ -21,9 +21,9 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, Final, Literal
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, and_, func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from catalog.errors import RunConflictError, RunExistsError, RunNotFoundError
 from catalog.models import Checkpoint, CheckpointState, Run
@@ -135,6 +135,7 @@ class SummaryRow:
     latest_step: int | None
     pending_count: int
     last_update: datetime | None
+    latest_timings: dict[str, Any] | None = None
 
 
 def summaries(session: Session, status: str | None = None) -> list[SummaryRow]:
@@ -152,9 +153,13 @@ def summaries(session: Session, status: str | None = None) -> list[SummaryRow]:
         .group_by(Checkpoint.run_id)
         .subquery()
     )
+    # The latest committed row's timings (``zephon runs`` shows its stall): one more outer
+    # join on the unique (run_id, step), still one statement.
+    latest = aliased(Checkpoint)
     statement = (
-        select(Run, aggregates)
+        select(Run, aggregates, latest.timings.label("latest_timings"))
         .outerjoin(aggregates, aggregates.c.run_id == Run.id)
+        .outerjoin(latest, and_(latest.run_id == Run.id, latest.step == aggregates.c.latest_step))
         .order_by(Run.name)
     )
     if status is not None:
@@ -168,6 +173,7 @@ def summaries(session: Session, status: str | None = None) -> list[SummaryRow]:
             latest_step=row.latest_step,
             pending_count=row.pending or 0,
             last_update=row.last_update,
+            latest_timings=row.latest_timings,
         )
         for row in session.execute(statement)
     ]

@@ -58,15 +58,16 @@ def test_runs_fit_80_columns_one_line_a_run(cli, narrow, wide_world):
     title, header, *rows = lines_of(out)
     assert code == 0 and len(rows) == 2  # one line a run: nothing wraps
     assert all(len(line) <= 80 for line in (title, header, *rows)), out
+    # kind is the detail that gives way first (--wide shows it), so the stall still fits
     assert header.split() == [
         "run",
-        "kind",
         "status",
         "ckpts",
         "size",
         "latest",
         "pending",
         "keep",
+        "stall",
         "storage",
     ]
     long_row = next(row for row in rows if row.startswith("llama"))
@@ -82,6 +83,9 @@ def test_wide_prints_every_value_whole(cli, narrow, wide_world):
     code, out, _ = cli("runs", "--wide")
     assert code == 0 and LONG_RUN in out and wide_world.url in out and "…" not in out
     assert len(lines_of(out)) == 4  # still one line a run, however long
+    assert lines_of(out)[1].split() == [
+        "run", "kind", "status", "ckpts", "size", "latest", "pending", "keep", "stall", "storage",
+    ]  # fmt: skip
     code, out, _ = cli("checkpoints", LONG_RUN, "--wide")
     assert code == 0 and f"{LONG_RUN}/save-{BIG_STEP}" in out and wide_world.url in out
     assert "+00:00" in out  # the full timestamp

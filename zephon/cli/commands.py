@@ -21,13 +21,13 @@ from typing import Any, TypeVar
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import catalog as catalog_pkg
-from catalog import Catalog, CatalogError, CheckpointState, RunNotFoundError
+from catalog import Catalog, CatalogError, CheckpointState, ReplicaRecord, RunNotFoundError
 from storage import CheckpointStore, CorruptCheckpointError, StorageError
 from storage.backend import backend_errors
 from storage.errors import BackendUnavailableError, StorageOptionsRefusedError
 from storage.layout import MARKER_NAME
 from storage.location import Location, mask_url
-from zephon.cli import render, storage_options_object
+from zephon.cli import render, storage_options_object, timing
 from zephon.cli.render import Column, human_bytes, print_json, print_table, say
 from zephon.errors import ConfigError, ZephonError
 from zephon.gc import GcPolicy, collect_garbage
@@ -85,13 +85,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
         f"{len(summaries)} run(s) in {cat.url}",
         [
             Column("run", flex=True, priority=1),
-            "kind",
+            Column("kind", drop=2),
             "status",
             Column("ckpts", numeric=True),
             Column("size", numeric=True),
             Column("latest", numeric=True),
             Column("pending", numeric=True),
             Column("keep", numeric=True),
+            Column("stall", numeric=True, drop=1),
             Column("storage", flex=True),
         ],
         [
@@ -104,6 +105,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 s.latest_step,
                 s.pending_count,
                 "all" if s.run.num_to_keep is None else s.run.num_to_keep,
+                timing.stall(s.latest_timings),
                 s.run.storage_url,
             )
             for s in summaries
@@ -123,8 +125,16 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     with open_catalog(args) as cat:
         record = cat.get_run(args.run)
         rows = cat.list_checkpoints(args.run, states=states)
+        copies: dict[int, list[ReplicaRecord]] = {}
+        for replica in cat.replicas(args.run):
+            copies.setdefault(replica.step, []).append(replica)
     if args.json:
-        print_json([r.to_dict() for r in rows])
+        print_json(
+            [
+                {**r.to_dict(), "replicas": [c.to_dict() for c in copies.get(r.step, [])]}
+                for r in rows
+            ]
+        )
         return EXIT_OK
 
     def committed(at: dt.datetime | None) -> str | None:
@@ -138,11 +148,14 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         [
             Column("step", numeric=True),
             "state",
-            Column("epoch", numeric=True),
+            Column("epoch", numeric=True, drop=3),
             Column("size", numeric=True),
-            Column("files", numeric=True),
-            "pin",
-            "committed (UTC)",
+            Column("files", numeric=True, drop=4),
+            Column("duration", numeric=True),
+            Column("MB/s", numeric=True),
+            Column("tiers", flex=True, priority=1),
+            Column("pin", drop=1),
+            Column("committed (UTC)", drop=2),
             Column("path", flex=True),
         ],
         [
@@ -152,6 +165,9 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                 r.epoch,
                 human_bytes(r.bytes),
                 r.file_count,
+                timing.duration(r.timings),
+                timing.rate(r.bytes, r.timings),
+                timing.tiers(r, copies.get(r.step, ())),
                 "yes" if r.pinned else "",
                 committed(r.committed_at),
                 _relative(r.path, record.storage_url),

@@ -2,8 +2,10 @@
 
 A table fits the terminal (``console.width``): every row is one line, numbers and short values
 are shown whole, and long text (names, URLs, paths: columns made with ``flex=True``) is
-shortened in the middle, where a path says least (``s3://bucket/…/run``). ``wide=True``
-(``--wide``) shows every value whole and lets lines run as long as they need. Text from
+shortened in the middle, where a path says least (``s3://bucket/…/run``); columns made with
+``drop=N`` are details left out, highest ``N`` first, when the table would not fit otherwise.
+``wide=True`` (``--wide``) shows every column and every value whole and lets lines run as long
+as they need. Text from
 storage or the catalog is printed literally: no rich markup or emoji codes are interpreted, and
 control characters are escaped so that nothing can break a line or move the cursor.
 """
@@ -24,6 +26,8 @@ __all__ = [
     "Column",
     "console",
     "human_bytes",
+    "human_rate",
+    "human_seconds",
     "print_json",
     "print_table",
     "say",
@@ -42,12 +46,15 @@ _GAP = "  "
 @dataclass(frozen=True, slots=True)
 class Column:
     """A table column: ``numeric`` ones are right-aligned; only ``flex`` ones are shortened,
-    those of a lower ``priority`` first (a run's name outlasts its storage URL)."""
+    those of a lower ``priority`` first (a run's name outlasts its storage URL). A column with
+    ``drop`` (1, 2, ...) is a detail: left out, highest ``drop`` first, while the table does
+    not fit the terminal with every flex column at its floor (``--wide`` keeps it)."""
 
     header: str
     numeric: bool = False
     flex: bool = False
     priority: int = 0
+    drop: int = 0
 
 
 def print_json(value: Any) -> None:
@@ -63,6 +70,32 @@ def human_bytes(value: int | None) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return str(value)
+
+
+def human_seconds(value: float | None) -> str:
+    """``0.42s``, ``12.3s``, ``2m03s``, ``1h02m``; ``-`` for None (not timed)."""
+    if value is None:
+        return "-"
+    if value < 10:
+        return f"{value:.2f}s"
+    if value < 60:
+        return f"{value:.1f}s"
+    minutes, seconds = divmod(round(value), 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def human_rate(size: int | None, seconds: float | None) -> str:
+    """Megabytes (10**6 bytes) per second, 3 significant digits or whole; ``-`` when either
+    is unknown or the time is 0."""
+    if size is None or not seconds:
+        return "-"
+    rate = size / seconds / 1e6
+    if rate >= 100:
+        return f"{rate:.0f}"
+    return f"{rate:.1f}" if rate >= 10 else f"{rate:.2f}"
 
 
 def printable(value: object) -> str:
@@ -140,11 +173,13 @@ def print_table(
     """A title line, a bold header line and one line per row (``None`` cells print ``-``)."""
     cols = [c if isinstance(c, Column) else Column(c) for c in columns]
     cells = [["-" if v is None else printable(v) for v in row] for row in rows]
+    width = console.width
+    if not wide:
+        cols, cells = _drop_details(cols, cells, width)
     natural = [
         max([cell_len(c.header)] + [cell_len(row[i]) for row in cells]) for i, c in enumerate(cols)
     ]
     widths = natural
-    width = console.width
     if not wide:
         widths = _fit(natural, cols, width - len(_GAP) * (len(cols) - 1))
         title = shorten(printable(title), width)
@@ -156,6 +191,27 @@ def print_table(
     say(_line([c.header for c in cols], cols, widths), bold=True)
     for row in cells:
         say(_line(row, cols, widths))
+
+
+def _drop_details(
+    cols: list[Column], cells: list[list[str]], width: int
+) -> tuple[list[Column], list[list[str]]]:
+    """Leave out detail columns (``drop``), highest first, until the narrowest layout fits."""
+
+    def narrowest(kept: list[int]) -> int:
+        total = len(_GAP) * (len(kept) - 1)
+        for i in kept:
+            natural = max([cell_len(cols[i].header)] + [cell_len(row[i]) for row in cells])
+            floor = max(MIN_FLEX_WIDTH, cell_len(cols[i].header))
+            total += min(natural, floor) if cols[i].flex else natural
+        return total
+
+    kept = list(range(len(cols)))
+    for drop in sorted({c.drop for c in cols if c.drop}, reverse=True):
+        if narrowest(kept) <= width:
+            break
+        kept = [i for i in kept if cols[i].drop != drop]
+    return [cols[i] for i in kept], [[row[i] for i in kept] for row in cells]
 
 
 def _line(values: Sequence[str], cols: Sequence[Column], widths: Sequence[int]) -> str:
