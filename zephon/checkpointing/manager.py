@@ -475,6 +475,8 @@ class CheckpointManager:
             saved_total = meta.get("total_steps")
             if self.total_steps is not None and step >= self.total_steps:
                 log.info(ALREADY_COMPLETE[self.kind])
+                if found.get("upload"):  # the last step, never uploaded: upload it now
+                    self.tier.upload_resumed(step)
                 return Resume(
                     step=step,
                     next_step=step + 1,

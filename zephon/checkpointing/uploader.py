@@ -413,6 +413,8 @@ class Uploader:
         return self.tier.doomed(protected, attempt.epoch)
 
     def _log_failure(self, step: int, error: str) -> None:
+        if not self.is_main:  # one line per failed upload, not one per rank
+            return
         log.error(
             "zephon: upload of step %d to %s failed: %s",
             step,

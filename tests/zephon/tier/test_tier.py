@@ -310,3 +310,22 @@ def test_without_a_catalog_everything_works_untracked(s3_backend, tmp_path):
     with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
         resume, equal = loads(manager, 3)
     assert (resume.step, equal) == (3, True)
+
+
+def test_a_finished_run_uploads_its_last_step_if_only_the_local_tier_has_it(s3_backend, tmp_path):
+    cfg = config(s3_backend, tmp_path / "local", None)
+    manager = CheckpointManager(cfg, run_name=RUN, total_steps=2)
+    manager.save(1, state_at(1))
+    manager.wait()
+    with BucketAway(s3_backend):
+        manager.save(2, state_at(2))
+        with pytest.raises(Exception):  # noqa: B017 - whatever the missing bucket raises
+            manager.close()
+    remote = s3_backend.open_store()
+    assert remote.committed_steps(RUN) == [1]
+    with CheckpointManager(cfg, run_name=RUN, total_steps=2) as manager:
+        resume = manager.load_latest({"model": model_at(1000), "notes": None})
+        assert (resume.step, resume.finished) == (2, True)
+        manager.finish()
+    assert remote.committed_steps(RUN) == [1, 2]
+    assert files_of(remote, 2) == files_of(CheckpointStore(str(tmp_path / "local")), 2)
