@@ -1,19 +1,41 @@
 """Finding the latest complete checkpoint of a run: with a catalog, one indexed query plus a
 probe of the few rows above it; without one, a storage scan. Both judge every step by the one
 rule of ``zephon.reconcile``: a checkpoint of an abandoned history, an unregistered attempt or
-a condemned save is never latest, whatever its marker says."""
+a condemned save is never latest, whatever its marker says.
+
+With a catalog the answer is the catalog's newest committed row, and what storage must still
+say about it is checked where its marker is read anyway (docs/fencing.md, "What latest trusts
+the catalog for"): by ``find_latest`` itself with ``confirm`` (a job start, which records the
+step as its resume point, or ``zephon.dcp.Reader``, which then opens the checkpoint with that
+marker), else when ``LatestCheckpoint.manifest`` is first read. The check is one round trip of
+independent requests: the marker (compared with the row's save and manifest checksum), the
+save's ``_CORRUPT`` record and, unless the caller read the lineage, a listing of the run's
+attempts (storage may know an attempt the catalog missed). A row that fails it is reconciled
+(marked deleted, corrupt or stale) and never answered again, so no restart loop can follow.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from catalog import Catalog, RunNotFoundError
-from storage import Lineage, Manifest
+from catalog import Catalog, CheckpointRecord, RunNotFoundError
+from storage import CheckpointNotFoundError, Lineage, Manifest
+from storage.lineage import newer_epochs
 from zephon.attempts import mirror_lineage
 from zephon.errors import ZephonError
 from zephon.locations import RunLocation
-from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
+from zephon.reconcile import (
+    Examined,
+    Judgement,
+    Verdict,
+    judge,
+    probe,
+    quarantine,
+    record_history,
+    repair,
+)
 
 __all__ = ["LatestCheckpoint", "find_latest"]
 
@@ -23,13 +45,21 @@ _PROBED_STATES = ("pending", "failed", "deleted")
 _MAX_SET_ASIDE = 1000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class LatestCheckpoint:
-    """The newest complete checkpoint: its step, URL, manifest and how it was found."""
+    """The newest complete checkpoint: its step, URL, manifest and how it was found.
+
+    ``manifest`` may be lazy: an answer the catalog gave without reading storage
+    (``find_latest`` without ``confirm``) reads and checks its marker when ``manifest`` is
+    first read (one round trip). If storage does not bear the row out (the marker vanished,
+    names another save or an abandoned history, its save was condemned), the row is
+    reconciled so no later lookup answers it again, and ``manifest`` raises
+    ``storage.CheckpointNotFoundError`` naming the step: look the latest up again.
+    ``confirmed`` says whether the marker was read and judged already.
+    """
 
     step: int
     url: str
-    manifest: Manifest
     source: str  # "catalog" or "storage"
     #: steps whose rows were promoted or repaired because their marker was complete
     promoted: tuple[int, ...] = field(default=())
@@ -37,6 +67,24 @@ class LatestCheckpoint:
     missing: tuple[int, ...] = field(default=())
     #: steps set aside on the way: (step, why) for corrupt or abandoned ones
     set_aside: tuple[tuple[int, str], ...] = field(default=())
+    #: the catalog row's save (None from a storage scan: the manifest says)
+    save_id: str | None = None
+    _manifest: list[Manifest] = field(default_factory=list, repr=False)
+    _check: Callable[[], Manifest] | None = field(default=None, repr=False)
+
+    @property
+    def confirmed(self) -> bool:
+        """Whether the marker was read and judged (``manifest`` costs nothing more)."""
+        return bool(self._manifest)
+
+    @property
+    def manifest(self) -> Manifest:
+        """The checkpoint's manifest, read from its marker and checked on first use if the
+        catalog's answer was taken without reading storage (see the class docstring)."""
+        if not self._manifest:
+            assert self._check is not None
+            self._manifest.append(self._check())
+        return self._manifest[0]
 
 
 def find_latest(
@@ -45,31 +93,42 @@ def find_latest(
     catalog: Catalog | None = None,
     lineage: Lineage | None = None,
     on_corrupt: Callable[[int, str], None] | None = None,
+    confirm: bool | None = None,
 ) -> LatestCheckpoint | None:
     """The latest complete checkpoint of the run, or None if it has none.
 
-    ``lineage`` is the run's lineage if the caller already read it (one listing and one GET
-    otherwise). With a catalog: the newest committed row (one indexed query), after probing
-    the rows above it (pending, failed, deleted: normally none or one) for a complete marker
-    of the current history, which is promoted (a crash between marker and catalog update) or,
-    for a failed or deleted row, verified deeply and then promoted. A committed row whose
-    marker is gone is marked deleted, a corrupt one quarantined, an abandoned one staled, and
-    the next one tried. A run unknown to the catalog falls back to the storage scan.
+    ``lineage`` is the run's lineage if the caller already read it. With a catalog: the newest
+    committed row (one indexed query), after probing the rows above it (pending, failed,
+    deleted: normally none) for a complete marker of the current history, which is promoted
+    (a crash between marker and catalog update) or, for a failed or deleted row, verified
+    deeply and then promoted. A run unknown to the catalog falls back to the storage scan.
+
+    ``confirm`` (default: when ``lineage`` is given, i.e. for a job start that records the
+    answer as its resume point): read and judge the row's marker before answering (one round
+    trip); a committed row whose marker is gone is marked deleted, a corrupt one quarantined,
+    an abandoned one staled, and the next one tried. Without it the catalog's row is the
+    answer, with no storage request in the common case, and ``manifest`` does that check when
+    first read (``LatestCheckpoint``): callers that load the step must read ``manifest`` (or
+    confirm) first, so a row storage does not bear out is set aside instead of loaded again.
     ``on_corrupt(step, why)`` is told of every checkpoint found damaged on the way, before it
     is quarantined (it may raise to stop there).
     """
     store, storage_run = location.store, location.storage_run
-    lineage = lineage if lineage is not None else store.lineage(storage_run)
     if catalog is not None:
         try:
-            return _from_catalog(location, catalog, lineage, on_corrupt or _ignore)
+            rule = _Rule(location, catalog, lineage, on_corrupt or _ignore)
+            return rule.latest(lineage is not None if confirm is None else confirm)
         except RunNotFoundError:
             pass
     manifest = store.latest(storage_run, lineage=lineage, on_corrupt=on_corrupt)
     if manifest is None:
         return None
     return LatestCheckpoint(
-        manifest.step, location.checkpoint_url(manifest.step), manifest, "storage"
+        manifest.step,
+        location.checkpoint_url(manifest.step),
+        "storage",
+        save_id=manifest.save_id,
+        _manifest=[manifest],
     )
 
 
@@ -77,76 +136,187 @@ def _ignore(step: int, why: str) -> None:
     pass
 
 
-def _from_catalog(
-    location: RunLocation,
-    catalog: Catalog,
-    lineage: Lineage,
-    on_corrupt: Callable[[int, str], None],
-) -> LatestCheckpoint | None:
-    name = location.name
-    mirror_lineage(catalog, location, lineage)
-    promoted: list[int] = []
-    missing: list[int] = []
-    set_aside: list[tuple[int, str]] = []
+class _Rule:
+    """One lookup through the catalog: the lineage it judges by (the caller's, the catalog's
+    when it is up to date, or storage's, read at most once and mirrored into the catalog),
+    and what it did on the way."""
 
-    def found(step: int, manifest: Manifest) -> LatestCheckpoint:
+    def __init__(
+        self,
+        location: RunLocation,
+        catalog: Catalog,
+        lineage: Lineage | None,
+        on_corrupt: Callable[[int, str], None],
+    ) -> None:
+        self.location, self.catalog, self.on_corrupt = location, catalog, on_corrupt
+        self.name = location.name
+        self._lineage = lineage
+        self.promoted: list[int] = []
+        self.missing: list[int] = []
+        self.set_aside: list[tuple[int, str]] = []
+        #: why the last row ``settle`` looked at was not borne out
+        self.why = ""
+        if lineage is not None:
+            mirror_lineage(catalog, location, lineage)  # costs nothing when up to date
+            self.known_epoch = lineage.epoch
+        else:
+            current = catalog.current_attempt(self.name)
+            if current is None or not current.decided:
+                self.lineage()  # no fenced attempt yet, or one deciding now: ask storage
+            self.known_epoch = current.epoch if current is not None else 0
+
+    def lineage(self) -> Lineage:
+        """Storage's lineage (the caller's if given), mirrored into the catalog."""
+        if self._lineage is None:
+            self._lineage = self.location.store.lineage(self.location.storage_run)
+            mirror_lineage(self.catalog, self.location, self._lineage)
+        return self._lineage
+
+    def found(self, step: int, save_id: str, manifest: Manifest | None) -> LatestCheckpoint:
         return LatestCheckpoint(
             step,
-            location.checkpoint_url(step),
-            manifest,
+            self.location.checkpoint_url(step),
             "catalog",
-            tuple(promoted),
-            tuple(missing),
-            tuple(set_aside),
+            tuple(self.promoted),
+            tuple(self.missing),
+            tuple(self.set_aside),
+            save_id=manifest.save_id if manifest is not None else save_id,
+            _manifest=[manifest] if manifest is not None else [],
         )
 
-    while len(missing) + len(set_aside) <= _MAX_SET_ASIDE:
-        newest = catalog.latest_committed(name)
-        above = newest.step if newest is not None else None
-        for row in catalog.rows_after(name, above, states=_PROBED_STATES):
-            seen = examine(location, lineage, row.step, row)
-            verdict = seen.judgement.verdict
-            if verdict is Verdict.HISTORY and seen.manifest is not None:
-                if record_history(catalog, location, seen.manifest).value != "stale":
-                    promoted.append(row.step)
-                    return found(row.step, seen.manifest)
-            elif verdict is Verdict.REPAIR and repair(catalog, location, seen):
-                promoted.append(row.step)
-                assert seen.manifest is not None
-                return found(row.step, seen.manifest)
-            elif verdict is Verdict.CORRUPT and seen.manifest is not None:
-                # (a damaged marker above a pending row may be a live save's to supersede)
-                on_corrupt(row.step, seen.judgement.reason)
-                quarantine(
-                    catalog, location, row.step, seen.judgement.reason, manifest=seen.manifest
-                )
-        if newest is None:
-            return None
-        seen = examine(location, lineage, newest.step, newest)
-        verdict = seen.judgement.verdict
+    def latest(self, confirm: bool) -> LatestCheckpoint | None:
+        catalog, name = self.catalog, self.name
+        while len(self.missing) + len(self.set_aside) <= _MAX_SET_ASIDE:
+            newest = catalog.latest_committed(name)
+            above = newest.step if newest is not None else None
+            for row in catalog.rows_after(name, above, states=_PROBED_STATES):
+                manifest = self.probe_above(row)
+                if manifest is not None:
+                    self.promoted.append(row.step)
+                    return self.found(row.step, row.save_id, manifest)
+            if newest is None:
+                return None
+            if not confirm:
+                answer = self.found(newest.step, newest.save_id, None)
+                check = functools.partial(self.resolve, newest)
+                object.__setattr__(answer, "_check", check)
+                return answer
+            manifest = self.settle(newest)
+            if manifest is not None:
+                return self.found(newest.step, newest.save_id, manifest)
+        raise ZephonError(
+            f"run {name}: {_MAX_SET_ASIDE} checkpoints were set aside (missing, corrupt or "
+            "abandoned) looking for the latest; run `zephon sync` to bring the catalog up to "
+            "date with storage"
+        )
+
+    def probe_above(self, row: CheckpointRecord) -> Manifest | None:
+        """A pending, failed or deleted row above the newest committed one: its complete marker
+        of the current history is promoted (repaired first if the row disagrees)."""
+        lineage = self.lineage()
+        seen, _ = probe(self.location, row.step, save_id=row.save_id)
+        judgement = judge(
+            lineage=lineage,
+            marker=seen.manifest,
+            damaged=seen.damaged,
+            condemned=seen.condemned,
+            row=row,
+        )
+        examined = Examined(row.step, seen.manifest, judgement)
+        verdict = judgement.verdict
         if verdict is Verdict.HISTORY and seen.manifest is not None:
-            return found(newest.step, seen.manifest)
-        if verdict is Verdict.REPAIR and repair(catalog, location, seen):
-            assert seen.manifest is not None
-            return found(newest.step, seen.manifest)
-        if verdict is Verdict.MISSING:
-            catalog.mark_missing(name, newest.step)
-            missing.append(newest.step)
-            continue
-        set_aside.append((newest.step, seen.judgement.reason))
-        if verdict is Verdict.CORRUPT:
-            on_corrupt(newest.step, seen.judgement.reason)
+            if record_history(self.catalog, self.location, seen.manifest).value != "stale":
+                return seen.manifest
+        elif verdict is Verdict.REPAIR and repair(self.catalog, self.location, examined):
+            return seen.manifest
+        elif verdict is Verdict.CORRUPT and seen.manifest is not None:
+            # (a damaged marker above a pending row may be a live save's to supersede)
+            self.on_corrupt(row.step, judgement.reason)
             quarantine(
-                catalog,
-                location,
-                newest.step,
-                seen.judgement.reason,
-                manifest=seen.manifest,
-                save_id=newest.save_id,
+                self.catalog, self.location, row.step, judgement.reason, manifest=seen.manifest
+            )
+        return None
+
+    def settle(self, row: CheckpointRecord) -> Manifest | None:
+        """Check a committed row against storage (one round trip): its manifest if storage
+        bears it out (or it was repaired); else the row is reconciled, ``self.why`` says why,
+        and None is returned."""
+        examined = self.examine(row)
+        verdict, reason = examined.judgement.verdict, examined.judgement.reason
+        self.why = reason
+        if verdict is Verdict.HISTORY and examined.manifest is not None:
+            return examined.manifest
+        if verdict is Verdict.REPAIR and repair(self.catalog, self.location, examined):
+            return examined.manifest
+        if verdict is Verdict.MISSING:
+            self.catalog.mark_missing(self.name, row.step)
+            self.missing.append(row.step)
+            return None
+        self.set_aside.append((row.step, reason))
+        if verdict is Verdict.CORRUPT:
+            self.on_corrupt(row.step, reason)
+            quarantine(
+                self.catalog,
+                self.location,
+                row.step,
+                reason,
+                manifest=examined.manifest,
+                save_id=row.save_id,
             )
         else:
-            catalog.mark_stale(name, newest.step, newest.save_id, seen.judgement.reason)
-    raise ZephonError(
-        f"run {name}: {_MAX_SET_ASIDE} checkpoints were set aside (missing, corrupt or abandoned) "
-        "looking for the latest; run `zephon sync` to bring the catalog up to date with storage"
-    )
+            self.catalog.mark_stale(self.name, row.step, row.save_id, reason)
+        return None
+
+    def examine(self, row: CheckpointRecord) -> Examined:
+        """The verdict for a committed row: its marker, its save's condemnation and (when the
+        lineage is the catalog's) whether storage knows a newer attempt, all at once."""
+        location = self.location
+        store, storage_run = location.store, location.storage_run
+        also = []
+        if self._lineage is None:
+            run_path = store.run_path(storage_run)
+            also.append(functools.partial(newer_epochs, store.location, run_path, self.known_epoch))
+        seen, extra = probe(location, row.step, save_id=row.save_id, also=also)
+        current = row
+        if extra and extra[0] is not None:
+            self.lineage()  # an attempt the catalog missed: mirrored (it may stale this row)
+            current = self.catalog.get_checkpoint(self.name, row.step)
+        manifest = seen.manifest
+        bears_out = (
+            manifest is not None
+            and manifest.save_id == row.save_id
+            and manifest.epoch == row.epoch
+            and (row.manifest_checksum is None or manifest.checksum() == row.manifest_checksum)
+        )
+        if self._lineage is None and bears_out and not seen.condemned:
+            # The catalog is up to date with storage's attempts, and its committed rows are
+            # already judged by them (a decision stales what it abandons, in one transaction).
+            return Examined(row.step, manifest, Judgement(Verdict.HISTORY, "complete"))
+        judgement = judge(
+            lineage=self.lineage(),
+            marker=manifest,
+            damaged=seen.damaged,
+            condemned=seen.condemned,
+            row=current,
+        )
+        if judgement.verdict is Verdict.HISTORY and not bears_out:
+            # the same save, but the marker is not the one the row recorded
+            judgement = Judgement(
+                Verdict.REPAIR, "the marker differs from the one the catalog recorded"
+            )
+        return Examined(row.step, manifest, judgement)
+
+    def resolve(self, row: CheckpointRecord) -> Manifest:
+        """``LatestCheckpoint.manifest`` of an answer taken from the catalog alone."""
+        manifest = self.settle(row)
+        if manifest is not None:
+            return manifest
+        url = self.location.checkpoint_url(row.step)
+        why = self.why
+        raise CheckpointNotFoundError(
+            f"{url}, the catalog's latest checkpoint, is not one to resume from ({why}); it was "
+            "set aside: look the latest checkpoint up again",
+            url=url,
+            run=self.location.storage_run,
+            step=row.step,
+        )

@@ -28,21 +28,27 @@ in the lineage                           same save, failed/deleted   REPAIR (ver
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
 from catalog import Catalog, CheckpointRecord, SyncOutcome
-from storage import CheckpointNotFoundError, CorruptCheckpointError, Lineage, Manifest
+from storage import CorruptCheckpointError, Lineage, Manifest
+from storage.parallel import concurrently
 from zephon.locations import RunLocation
 from zephon.saving import manifest_facts
 
 __all__ = [
     "Examined",
     "Judgement",
+    "Probed",
     "Verdict",
     "examine",
     "judge",
+    "probe",
     "quarantine",
     "record_history",
     "repair",
@@ -131,6 +137,52 @@ class Examined:
     judgement: Judgement
 
 
+@dataclass(frozen=True, slots=True)
+class Probed:
+    """What storage holds at one step: the parsed marker (None when absent or damaged), why
+    it is damaged, and whether a ``_CORRUPT`` record condemns the marker's save."""
+
+    manifest: Manifest | None
+    damaged: str | None
+    condemned: bool
+
+
+def probe(
+    location: RunLocation,
+    step: int,
+    *,
+    save_id: str | None = None,
+    condemned: frozenset[str] | None = None,
+    also: Sequence[Callable[[], Any]] = (),
+) -> tuple[Probed, list[Any]]:
+    """Read the step's marker and whether its save is condemned, in one round trip when the
+    save is known in advance (``save_id``, e.g. the catalog row's: the condemnation check goes
+    out with the GET; a marker of another save costs one more request) or a listing already
+    said (``condemned``). ``also``: more independent requests sent at the same time; their
+    results are returned in order."""
+    store, storage_run = location.store, location.storage_run
+    calls: list[Callable[[], Any]] = [functools.partial(store.marker_bytes, storage_run, step)]
+    if condemned is None and save_id is not None:
+        calls.append(functools.partial(store.is_condemned, storage_run, step, save_id))
+    results = concurrently(*calls, *also)
+    data, extra = results[0], results[len(calls) :]
+    manifest, damaged = None, None
+    if data is not None:
+        try:
+            manifest = store.parse_marker(storage_run, step, data)
+        except CorruptCheckpointError as exc:
+            damaged = "; ".join(exc.problems[:1]) or str(exc)
+    is_condemned = False
+    if manifest is not None:
+        if condemned is not None:
+            is_condemned = manifest.save_id in condemned
+        elif save_id is not None and manifest.save_id == save_id:
+            is_condemned = bool(results[1])
+        else:
+            is_condemned = store.is_condemned(storage_run, step, manifest.save_id)
+    return Probed(manifest, damaged, is_condemned), extra
+
+
 def examine(
     location: RunLocation,
     lineage: Lineage,
@@ -139,27 +191,20 @@ def examine(
     *,
     condemned: frozenset[str] | None = None,
 ) -> Examined:
-    """Read the step's marker (one GET) and whether its save is condemned (one request, unless
-    a listing already said: ``condemned``), and judge it."""
-    store, storage_run = location.store, location.storage_run
-    manifest, damaged = None, None
-    try:
-        manifest = store.read_manifest(storage_run, step)
-    except CheckpointNotFoundError:
-        pass
-    except CorruptCheckpointError as exc:
-        damaged = "; ".join(exc.problems[:1]) or str(exc)
-    is_condemned = False
-    if manifest is not None:
-        is_condemned = (
-            manifest.save_id in condemned
-            if condemned is not None
-            else store.is_condemned(storage_run, step, manifest.save_id)
-        )
-    verdict = judge(
-        lineage=lineage, marker=manifest, damaged=damaged, condemned=is_condemned, row=row
+    """Read the step's marker and whether its save is condemned (``probe``: one round trip
+    with a row, whose save is the one to ask about, or a listing that already said:
+    ``condemned``), and judge it."""
+    seen, _ = probe(
+        location, step, save_id=row.save_id if row is not None else None, condemned=condemned
     )
-    return Examined(step, manifest, verdict)
+    verdict = judge(
+        lineage=lineage,
+        marker=seen.manifest,
+        damaged=seen.damaged,
+        condemned=seen.condemned,
+        row=row,
+    )
+    return Examined(step, seen.manifest, verdict)
 
 
 def record_history(catalog: Catalog, location: RunLocation, manifest: Manifest) -> SyncOutcome:

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 import pytest
 
 from catalog import Catalog, CheckpointRecord
-from storage import AttemptRecord, Lineage, Manifest
+from storage import AttemptRecord, CheckpointNotFoundError, Lineage, Manifest
 from tests.zephon.saves import crash_after_marker, save_step, start
 from tests.zephon.test_composition import make_run
 from zephon.gc import GcPolicy, gc_run
@@ -157,7 +157,14 @@ def test_an_attempt_that_ran_without_the_catalog_is_mirrored_into_it(catalog, lo
         save_step(old, step, catalog)
     offline = start(location, None, resumed_from=10)  # a start that could not reach the catalog
     save_step(offline, 12)
-    latest = find_latest(location, catalog=catalog)
+    # the catalog alone still answers 20; reading its marker finds the attempt it missed
+    trusted = find_latest(location, catalog=catalog)
+    assert (trusted.step, trusted.confirmed) == (20, False)
+    with pytest.raises(CheckpointNotFoundError, match="abandoned"):
+        _ = trusted.manifest
+    assert catalog.current_attempt("r").epoch == offline.epoch
+    assert catalog.get_checkpoint("r", 20).state == "stale"
+    latest = find_latest(location, catalog=catalog, confirm=True)
     assert catalog.current_attempt("r").epoch == offline.epoch
     assert catalog.get_checkpoint("r", 20).state == "stale"
     # storage's answer and the catalog's agree; the offline save is found by the probe-free

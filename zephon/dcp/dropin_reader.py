@@ -24,7 +24,7 @@ from zephon.dcp.dropin import CatalogArg, check_step, parse_run_url, step_of_che
 from zephon.dcp.errors import DCPError
 from zephon.dcp.reader import MAX_REQUEST_BYTES, ZephonStorageReader
 from zephon.errors import ConfigError
-from zephon.latest import find_latest
+from zephon.latest import LatestCheckpoint, find_latest
 from zephon.locations import RunLocation
 
 __all__ = ["Reader", "ReaderDisagreementError"]
@@ -126,12 +126,18 @@ class Reader(ZephonStorageReader):
 
     def _open(self) -> Metadata:
         if self.step is None:
-            self._bind(self._find_latest())
+            latest = self._find_latest()
+            self._bind(latest.step)
+            self.use_manifest(latest.manifest)  # read and judged already: not read again
         return super()._open()
 
-    def _find_latest(self) -> int:
+    def _find_latest(self) -> LatestCheckpoint:
+        """The latest checkpoint, its marker read and judged in one round trip (with a
+        catalog: the catalog's answer, checked against the marker, its save's ``_CORRUPT``
+        record and the run's attempts together; a row storage does not bear out is set aside
+        and the next one taken)."""
         catalog = self._open_catalog()
-        latest = find_latest(self.location, catalog=catalog)
+        latest = find_latest(self.location, catalog=catalog, confirm=True)
         if latest is None:
             run_url = self.store.location.display(self.store.run_path(self.run))
             raise CheckpointNotFoundError(
@@ -140,7 +146,7 @@ class Reader(ZephonStorageReader):
                 url=run_url,
                 run=self.run,
             )
-        return latest.step
+        return latest
 
     def _open_catalog(self) -> Catalog | None:
         if self._catalog is None and isinstance(self._catalog_arg, str):
