@@ -217,12 +217,27 @@ def test_per_node_local_dirs_upload_every_ranks_files_and_resume_from_save_dir(
     ranks_of = {n.split("/")[1].split(".")[0] for n in names if n.startswith("ranks/")}
     assert ranks_of == {"0", "1"}
 
-    # The same node-local dirs: rank 1 holds only its own files, so step 2 loads from save_dir.
-    for local_dir in (str(tmp_path / "node{rank}"), str(tmp_path / "fresh{rank}")):
+    # The same node-local dirs (no disk holds the whole checkpoint), then fresh ones: both
+    # starts load step 2 from save_dir.
+    proxy.reset()
+    script = [["load", "a"], ["signal", "same"], ["await", "counted"]]
+    script += [["reopen", str(tmp_path / "fresh{rank}")], ["load", "a"]]
+    sync_dir = tmp_path / "sync"
+    sync_dir.mkdir()
+    again = {**config, "sync_dir": str(sync_dir), "script": script}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        job = start_in_background(pool, monkeypatch, via(bucket, proxy), again)
+        wait_for(sync_dir, "same")
+        assert payload_gets(proxy, remote, run, 2), "the same local dirs"
         proxy.reset()
-        again = {**config, "local_dir": local_dir, "script": [["load", "a"]]}
-        assert_loaded(start(monkeypatch, via(bucket, proxy), again), 2)
-        assert payload_gets(proxy, remote, run, 2), local_dir
+        (sync_dir / "counted").touch()
+        ranks = job.result()
+    assert payload_gets(proxy, remote, run, 2), "fresh local dirs"
+    succeeded(ranks)
+    for record in ranks:
+        loads = [a["ok"] for a in record["actions"] if a["action"][0] == "load"]
+        assert [got["step"] for got in loads] == [2, 2]
+        assert all(got["differing"] == [] for got in loads), loads
 
 
 # -- a node dies with an upload pending --------------------------------------------------------

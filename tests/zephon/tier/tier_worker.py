@@ -21,10 +21,13 @@ script's actions in order, each recorded as ``{"action", "ok": value}`` or ``{"a
     await <name>           wait until the test created ``<sync_dir>/<name>``
     kill                   a barrier, then SIGKILL this process (pending uploads and all)
     close                  ``manager.close()``
+    reopen <local_dir>     close the manager and open another with this local_dir (a new
+                           start of the job in the same processes: e.g. on fresh local disks)
 
 A script with ``kill`` runs in a child process of this one (same arguments, ``ZEPHON_TIER_CHILD``
 set): the child dies as a preempted rank does; this process reports the child's exit code and
-what it recorded before dying (one JSON line per action, flushed as it goes).
+what it recorded before dying (one JSON line per action, flushed as it goes). That parent only
+waits, so it runs before torch is imported (the imports below it are deliberately late).
 
 Each process prints one line ``RESULT <json>``; the test asserts on it.
 """
@@ -43,13 +46,41 @@ import warnings
 import zlib
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_module, init_device_mesh
 
-from tests.zephon.dcp.worker import error_record
-from zephon import CheckpointingConfig, CheckpointManager
+def run_child() -> dict[str, Any]:
+    """Run this rank's script in a child process that will SIGKILL itself; what it did."""
+    argv = [sys.executable, "-m", "tests.zephon.tier.tier_worker", *sys.argv[1:]]
+    done = subprocess.run(
+        argv,
+        env={**os.environ, "ZEPHON_TIER_CHILD": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    records = [
+        json.loads(line[len("ACTION ") :])
+        for line in done.stdout.splitlines()
+        if line.startswith("ACTION ")
+    ]
+    return {"child_returncode": done.returncode, "actions": records, "stderr": done.stderr[-3000:]}
+
+
+def kills_itself() -> bool:
+    script = json.loads(os.environ["ZEPHON_TIER_TEST"])["script"]
+    return any(action == "kill" for action, *_ in script)
+
+
+if __name__ == "__main__" and "ZEPHON_TIER_CHILD" not in os.environ and kills_itself():
+    print("RESULT " + json.dumps({"rank": int(sys.argv[1]), **run_child()}), flush=True)
+    sys.exit(0)
+
+import torch  # noqa: E402  (after the parent above, which never needs it)
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard, distribute_module, init_device_mesh  # noqa: E402
+
+from tests.zephon.dcp.worker import error_record  # noqa: E402
+from zephon import CheckpointingConfig, CheckpointManager  # noqa: E402
 
 #: how long ``await`` waits for the test before giving up
 AWAIT_TIMEOUT_S = 90
@@ -122,23 +153,26 @@ class Job:
     def __init__(self, rank: int, world: int, config: dict[str, Any], save_dir: dict) -> None:
         self.rank, self.world, self.config = rank, world, config
         self.sync_dir = config.get("sync_dir")
-        local_dir = config.get("local_dir")
+        self.save_dir = save_dir
+        self.model = build_model(world)
+        self.manager = self.open(config.get("local_dir"))
+        self.closed = False
+
+    def open(self, local_dir: str | None) -> CheckpointManager:
         options: dict[str, Any] = {}
         if local_dir is not None:
-            options["local_dir"] = local_dir.replace("{rank}", str(rank))
+            options["local_dir"] = local_dir.replace("{rank}", str(self.rank))
         for key in ("local_num_to_keep", "max_pending_uploads"):
-            if key in config:
-                options[key] = config[key]
+            if key in self.config:
+                options[key] = self.config[key]
         checkpointing = CheckpointingConfig(
-            save_dir=save_dir["url"],
-            storage_options=save_dir["storage_options"],
-            catalog_url=config.get("catalog_url"),
-            num_to_keep=config.get("num_to_keep"),
+            save_dir=self.save_dir["url"],
+            storage_options=self.save_dir["storage_options"],
+            catalog_url=self.config.get("catalog_url"),
+            num_to_keep=self.config.get("num_to_keep"),
             **options,
         )
-        self.model = build_model(world)
-        self.manager = CheckpointManager(checkpointing, run_name=config["run"], total_steps=100)
-        self.closed = False
+        return CheckpointManager(checkpointing, run_name=self.config["run"], total_steps=100)
 
     def state(self, tag: str, step: int) -> dict[str, Any]:
         return {"model": self.model, "extra": {"rank": self.rank, "tag": tag, "step": step}}
@@ -200,23 +234,11 @@ class Job:
         self.closed = True
         self.manager.close()
 
-
-def run_child() -> dict[str, Any]:
-    """Run this rank's script in a child process that will SIGKILL itself; what it did."""
-    argv = [sys.executable, "-m", "tests.zephon.tier.tier_worker", *sys.argv[1:]]
-    done = subprocess.run(
-        argv,
-        env={**os.environ, "ZEPHON_TIER_CHILD": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    records = [
-        json.loads(line[len("ACTION ") :])
-        for line in done.stdout.splitlines()
-        if line.startswith("ACTION ")
-    ]
-    return {"child_returncode": done.returncode, "actions": records, "stderr": done.stderr[-3000:]}
+    def do_reopen(self, local_dir: str) -> None:
+        if not self.closed:
+            self.manager.close()
+        self.manager = self.open(local_dir)
+        self.closed = False
 
 
 def main(rank: int, world: int, port: int) -> None:
@@ -224,10 +246,6 @@ def main(rank: int, world: int, port: int) -> None:
     config = json.loads(os.environ["ZEPHON_TIER_TEST"])
     script = config["script"]
     out: dict[str, Any] = {"rank": rank}
-    if any(action == "kill" for action, *_ in script) and "ZEPHON_TIER_CHILD" not in os.environ:
-        out.update(run_child())
-        print("RESULT " + json.dumps(out), flush=True)
-        return
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
