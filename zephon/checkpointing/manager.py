@@ -462,7 +462,7 @@ class CheckpointManager:
         complete one is loaded, unless ``on_corrupt`` is ``"fail"``.
         """
         self.wait()
-        local = self.tier.candidate(lambda: self.store.lineage(self.run)) if self.tier else None
+        local = self.tier.candidate() if self.tier is not None else None
         while True:
             # One process asks the catalog and reads the small JSON; the others get the answer.
             answer = self.coll.from_main(

@@ -142,6 +142,23 @@ class LocalTier:
             log.warning("zephon: the local tier %s cannot be read: %s", self.store.url, exc)
             return None
 
+    def newest(self) -> int | None:
+        """Rank 0: the newest local step whose marker parses and is not condemned, judged by
+        no lineage yet (local disk only: the resume choice judges it after the claim)."""
+        try:
+            for listing in reversed(self.store.list_steps(self.run)):
+                if not listing.committed:
+                    continue
+                try:
+                    manifest = self.store.read_manifest(self.run, listing.step)
+                except (CheckpointNotFoundError, CorruptCheckpointError):
+                    continue
+                if manifest.save_id not in listing.condemned:
+                    return listing.step
+        except StorageError as exc:
+            log.warning("zephon: the local tier %s cannot be read: %s", self.store.url, exc)
+        return None
+
     def holds(self, step: int) -> bool:
         """Whether this process's local directory holds ``step`` in full (its marker, every
         file with its size)."""

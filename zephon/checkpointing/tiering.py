@@ -98,15 +98,11 @@ class Tiering:
 
     # -- resuming ----------------------------------------------------------------------------
 
-    def candidate(self, lineage: Callable[[], Lineage]) -> int | None:
-        """Collective: the local tier's newest checkpoint of the run's history, if every rank
-        holds it in full in its own local_dir (else None: save_dir is loaded)."""
-
-        def newest() -> int | None:
-            manifest = self.tier.candidate(lineage())
-            return manifest.step if manifest is not None else None
-
-        step = self.coll.from_main(newest, "look at the local tier")
+    def candidate(self) -> int | None:
+        """Collective: the local tier's newest checkpoint, if every rank holds it in full in
+        its own local_dir (else None: save_dir is loaded). Whether the run's history admits
+        it is judged when the resume point is chosen (``prefers``)."""
+        step = self.coll.from_main(self.tier.newest, "look at the local tier")
         if step is None or not all(self.coll.all_gather(self.tier.holds(step))):
             return None
         return step
