@@ -291,6 +291,7 @@ class Uploader:
         try:
             attempt = self._attempt()
             manifest = self.tier.manifest(job.step)
+            job.local_save_id = job.local_save_id or manifest.save_id
             save_id = new_save_id(attempt.fence)
             save = Save.begin(
                 attempt,
@@ -403,7 +404,7 @@ class Uploader:
     def _settle_local(self, job: UploadJob, exc: BaseException, for_good: bool) -> None:
         """Rank 0: an upload refused for good marks the local replica failed with the reason
         (its files are then removable)."""
-        if for_good and self.tracker is not None:
+        if for_good and self.tracker is not None and job.local_save_id:
             self.tracker.failed(job.step, LOCAL, job.local_save_id, _reason(exc))
 
     def _plan(self, attempt: Attempt, drop: int | None = None) -> list[int]:
