@@ -21,6 +21,7 @@ from storage import (
     CheckpointStore,
     CheckpointWriter,
     CorruptCheckpointError,
+    Fence,
     FileEntry,
     Lineage,
     Manifest,
@@ -99,24 +100,31 @@ class LocalTier:
 
     # -- retention ---------------------------------------------------------------------------
 
-    def doomed(self, protected: Iterable[int], epoch: int) -> list[int]:
-        """Rank 0: the local checkpoints beyond the newest ``keep``, except ``protected`` ones
-        (their upload has not committed and was not refused for good) and any written by a
-        newer attempt than ``epoch`` (a stale attempt never touches its successor's)."""
+    def doomed(self, protected: Iterable[int], fence: Fence) -> list[int]:
+        """Rank 0: the local checkpoints to delete. Kept: the newest ``keep`` of the history
+        of ``fence``'s lineage, the ``protected`` ones (their upload has not committed and was
+        not refused for good), and any written by a newer attempt (a stale attempt never
+        touches its successor's). A checkpoint of an abandoned history goes whatever its step,
+        so a stale attempt's late local save never crowds out the current one's."""
         keepers = set(protected)
-        mine: list[int] = []
+        history: list[int] = []
+        junk: list[int] = []
         for step in self.store.committed_steps(self.run):
             try:
                 manifest = self.store.read_manifest(self.run, step)
             except CheckpointNotFoundError:
                 continue
             except CorruptCheckpointError:
-                mine.append(step)  # a damaged local marker is never loaded nor uploaded
+                junk.append(step)  # a damaged local marker is never loaded nor uploaded
                 continue
-            if manifest.epoch <= epoch:
-                mine.append(step)
-        newest = sorted(mine)[-self.keep :] if self.keep else []
-        return [s for s in sorted(mine) if s not in keepers and s not in newest]
+            if manifest.epoch > fence.epoch:
+                continue
+            if fence.lineage.admits(manifest.epoch, manifest.step):
+                history.append(step)
+            else:
+                junk.append(step)
+        newest = set(sorted(history)[-self.keep :])
+        return sorted(s for s in history + junk if s not in keepers and s not in newest)
 
     def delete(self, steps: list[int], tracker: Tracker | None) -> None:
         """Node leaders: delete these local checkpoints (idempotent, marker first). A failure

@@ -411,7 +411,7 @@ class Uploader:
         protected = self._protected()
         if drop is not None:
             protected.discard(drop)
-        return self.tier.doomed(protected, attempt.epoch)
+        return self.tier.doomed(protected, attempt.fence)
 
     def _log_failure(self, step: int, error: str) -> None:
         if not self.is_main:  # one line per failed upload, not one per rank

@@ -329,3 +329,30 @@ def test_a_finished_run_uploads_its_last_step_if_only_the_local_tier_has_it(s3_b
         manager.finish()
     assert remote.committed_steps(RUN) == [1, 2]
     assert files_of(remote, 2) == files_of(CheckpointStore(str(tmp_path / "local")), 2)
+
+
+def test_a_stale_attempt_never_touches_the_current_ones_local_checkpoints(
+    s3_backend, tmp_path, catalog_url
+):
+    cfg = config(s3_backend, tmp_path / "local", catalog_url)  # one local_dir for both
+    local = CheckpointStore(str(tmp_path / "local"))
+    old = CheckpointManager(cfg, run_name=RUN, total_steps=20)
+    old.save(2, state_at(2))
+    old.wait()
+    new = CheckpointManager(cfg, run_name=RUN, total_steps=20)
+    resume, equal = loads(new, 2)
+    assert (resume.step, equal, resume.url) == (2, True, local.checkpoint_url(RUN, 2))
+    new.save(3, state_at(3))
+    new.wait()
+    assert local.committed_steps(RUN) == [3]
+    old.save(10, state_at(10))  # the old attempt, still running: local commit, upload refused
+    with pytest.raises(StaleAttemptError):
+        old.wait()
+    assert local.committed_steps(RUN) == [3, 10]  # the new attempt's 3 is untouched
+    new.save(4, state_at(4))
+    new.wait()
+    # 10 is of an abandoned history: it goes, and never counts as the newest local checkpoint
+    assert local.committed_steps(RUN) == [4]
+    assert s3_backend.open_store().committed_steps(RUN) == [2, 3, 4]
+    old.close()
+    new.close()
