@@ -43,6 +43,9 @@ MODULE = "tests.zephon.tier.tier_worker"
 WORLD = 2
 #: added to every S3 request while an upload must stay pending
 SLOW_MS = 200
+#: the old attempt's delay while the new one starts: its upload's ~15 requests one after
+#: another cannot finish before a start, however loaded the machine
+HELD_MS = 5000
 
 pytestmark = pytest.mark.slow
 
@@ -343,7 +346,7 @@ def test_an_old_attempt_with_uploads_pending_commits_nothing_after_a_new_one_reg
         old_config = {**config, "local_dir": str(tmp_path / "old"), "script": old_script}
         old = start_in_background(pool, monkeypatch, via(bucket, old_proxy), old_config)
         wait_for(sync_dir, "uploaded1")
-        old_proxy.delay_ms = 1500  # the old attempt's upload of step 2 stays pending meanwhile
+        old_proxy.delay_ms = HELD_MS  # the old attempt's upload of step 2 stays pending
         (sync_dir / "slow").touch()
         wait_for(sync_dir, "pending2")
         remote = bucket.open_store()
