@@ -14,7 +14,8 @@ are; ``catalog.py`` keeps the rest of the facade.
 
       (none) --started--> pending --committed--> committed --deleted--> deleted
                           pending --failed-----> failed
-      pending | failed | deleted | committed (of another save) --started (new save)--> pending
+      failed | deleted --started (a retry of the save, or a new save)--> pending
+      pending | committed of another save --started (a new save of the step)--> pending
 
 Every transition is one guarded ``UPDATE ... WHERE state = <expected> AND save_id = <mine>
 RETURNING``, as in ``catalog.transitions``: the database decides who wins a race (an old
@@ -99,10 +100,24 @@ def _guarded_update(
     return session.scalars(statement).one_or_none()
 
 
+def _locked(session: Session, conditions: list[ColumnElement[bool]]) -> Checkpoint | None:
+    """The checkpoint row, read under a row lock on PostgreSQL (``FOR NO KEY UPDATE``; SQLite
+    writers are serialised already): a read-modify-write of its timings must not lose a
+    concurrent one."""
+    statement = (
+        select(Checkpoint)
+        .where(*conditions)
+        .with_for_update(key_share=True)
+        .execution_options(populate_existing=True)
+    )
+    return session.scalars(statement).one_or_none()
+
+
 def merge_timings(session: Session, row: Checkpoint, timings: dict[str, float]) -> Checkpoint:
-    """Merge ``timings`` into the checkpoint row (keys present are overwritten), in the
-    caller's transaction, which already holds the row (its guarded update, or a lock)."""
-    merged = {**(row.timings or {}), **timings}
+    """Merge ``timings`` into the checkpoint row of ``row.save_id`` (keys present are
+    overwritten), re-read under its lock in the caller's transaction."""
+    current = _locked(session, [Checkpoint.id == row.id]) or row
+    merged = {**(current.timings or {}), **timings}
     moved = (
         session.execute(
             update(Checkpoint)
@@ -149,17 +164,17 @@ def start(
             except IntegrityError:
                 continue
             return fresh, "replica_begun", None
-        if row.save_id == save_id:
-            if row.state == PENDING:
-                return row, None, None
+        if row.save_id == save_id and row.state == PENDING:
+            return row, None, None
+        if row.save_id == save_id and row.state == COMMITTED:
             raise InvalidTransitionError(
                 url,
                 run.name,
                 step,
                 row.state,
                 f"start the {_label(tier, host)} of",
-                f"save {save_id}'s copy is {row.state} already; a new save of the step "
-                f"comes with a new save id",
+                f"save {save_id}'s copy is committed already; a new save of the step comes "
+                f"with a new save id",
             )
         previous = {"state": row.state, "save_id": row.save_id}
         moved = _guarded_update(
@@ -282,13 +297,7 @@ class ReplicaMethods:
             )
         with self._db.write(f"add timings to run {run!r} step {step}") as session:
             owner = runs.require(session, self.url, run)
-            statement = (
-                select(Checkpoint)
-                .where(Checkpoint.run_id == owner.id, Checkpoint.step == step)
-                .with_for_update(key_share=True)
-                .execution_options(populate_existing=True)
-            )
-            row = session.scalars(statement).one_or_none()
+            row = _locked(session, [Checkpoint.run_id == owner.id, Checkpoint.step == step])
             if row is None or row.save_id != save_id:
                 raise CheckpointNotFoundError(
                     self.url,
@@ -310,11 +319,12 @@ class ReplicaMethods:
     ) -> ReplicaRecord:
         """A copy of save ``save_id`` of ``step`` is being written to ``tier`` on ``host``
         (``""`` for ``save_dir``) at ``location`` (its checkpoint URL, credentials masked:
-        one with a password is refused). Creates the row ``pending``, or re-arms a
-        ``pending``/``failed``/``deleted`` row, or a ``committed`` one of another save (a new
-        save of that step), clearing what the older save recorded. Idempotent while the row
-        is pending for this save; ``InvalidTransitionError`` if this save's replica is
-        already committed, failed or deleted. ``RunNotFoundError`` without the run."""
+        one with a password is refused). Creates the row ``pending``, or re-arms it,
+        clearing what the earlier attempt recorded: a ``failed`` or ``deleted`` row (a
+        retried upload of the same save, or a new save), a ``pending`` or ``committed`` row
+        of another save (a new save of that step). Idempotent while the row is pending for
+        this save; ``InvalidTransitionError`` if this save's replica is committed already.
+        ``RunNotFoundError`` without the run."""
         run, step = validate.run_name(run), validate.step(step)
         tier = validate.tier(tier)
         values = {

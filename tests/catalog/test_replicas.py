@@ -238,6 +238,32 @@ def test_a_failed_or_deleted_replica_is_rearmed_by_a_retried_or_new_save(catalog
     ]
 
 
+@pytest.mark.parametrize("setup", [["fail"], ["commit", "delete"]])
+def test_a_failed_or_deleted_copy_is_retried_under_the_same_save(catalog, run, setup):
+    started(catalog)
+    for action in setup:
+        if action == "delete":
+            assert catalog.replica_deleted("r", 5, **LOCAL)
+        elif action == "commit":
+            committed(catalog, timings={"local_s": 1})
+        else:
+            failed(catalog)
+    retry = started(catalog, location="/local/r/save-5-again")
+    assert (retry.state, retry.save_id, retry.location) == (
+        "pending",
+        "s1",
+        "/local/r/save-5-again",
+    )
+    assert (retry.bytes, retry.timings, retry.failure_reason, retry.committed_at) == (
+        None, None, None, None,
+    )  # fmt: skip
+    assert committed(catalog, size=7).state == "committed"
+    previous = [
+        e.detail["previous"] for e in catalog.events(run="r") if e.action == "replica_rearmed"
+    ]
+    assert previous == [{"state": "deleted" if "delete" in setup else "failed", "save_id": "s1"}]
+
+
 def test_a_new_save_of_the_step_rearms_a_committed_replica_and_the_old_upload_loses(catalog, run):
     started(catalog, where=SHARED, location="s3://b/r/save-5")
     committed(catalog, where=SHARED)
@@ -255,10 +281,8 @@ def test_a_new_save_of_the_step_rearms_a_committed_replica_and_the_old_upload_lo
 @pytest.mark.parametrize(
     ("setup", "call", "state"),
     [
-        # replica_started with the row's own save id once it left pending
+        # replica_started with the row's own save id once it is committed
         (["commit"], "start", "committed"),
-        (["fail"], "start", "failed"),
-        (["commit", "delete"], "start", "deleted"),
         # commit / fail of a row of this save that is not pending
         (["fail"], "commit", "failed"),
         (["commit", "delete"], "commit", "deleted"),
@@ -476,3 +500,36 @@ def test_an_old_upload_committing_races_a_new_save_and_one_wins_cleanly(postgres
             assert rearmed[step] == {"state": "pending", "save_id": f"old-{step}"}
             assert step not in commits
     assert saves == ["pending"] * ROUNDS
+
+
+def test_concurrent_add_timings_lose_no_phase(catalog_url):
+    import threading
+
+    from catalog import Catalog
+
+    with Catalog(catalog_url) as catalog:
+        catalog.ensure_run("r", "/c")
+        row = catalog.begin_checkpoint("r", 1, "/c/r/save-1")
+    catalogs = [Catalog(catalog_url) for _ in TIMING_PHASES]
+    barrier = threading.Barrier(len(catalogs))
+    errors = []
+
+    def add(index: int) -> None:
+        try:
+            barrier.wait(30)
+            for _ in range(5):
+                catalogs[index].add_timings("r", 1, row.save_id, {TIMING_PHASES[index]: index})
+        except Exception as exc:  # reported below: the assertion names it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(len(catalogs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for opened in catalogs:
+        opened.close()
+    assert errors == []
+    with Catalog(catalog_url) as catalog:
+        timings = catalog.get_checkpoint("r", 1).timings
+    assert timings == {phase: float(i) for i, phase in enumerate(TIMING_PHASES)}
