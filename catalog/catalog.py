@@ -43,7 +43,7 @@ from catalog import (
 from catalog.audit import default_actor, record_event
 from catalog.engine import Database
 from catalog.errors import CheckpointNotFoundError, InvalidValueError
-from catalog.models import CheckpointState, Event, RunKind, RunStatus
+from catalog.models import Checkpoint, CheckpointState, Event, RunKind, RunStatus
 from catalog.records import (
     AttemptRecord,
     AttemptRegistration,
@@ -532,14 +532,14 @@ class Catalog(replicas.ReplicaMethods):
             done = transitions.committed_by(session, owner.id, step, save_id)
             if done is not None:
                 if phases:
-                    done = replicas.merge_timings(session, done, phases)
+                    done = replicas.merge_timings(session, [Checkpoint.id == done.id], phases)
                 return CheckpointRecord.of(done, run)
             attempts.check_current(session, self.url, owner, epoch)
+            if phases:  # merged in the commit's own guarded UPDATE
+                facts["timings"] = replicas.merged_timings(session, phases)
             row, moved = transitions.commit(
                 session, self.url, owner, step, save_id, epoch, facts, _now()
             )
-            if phases:
-                row = replicas.merge_timings(session, row, phases)
             if moved:
                 detail: dict[str, Any] = {
                     "save_id": save_id,
