@@ -23,6 +23,7 @@ tests assert on what the ranks reported, on both stores and on the catalog:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import shutil
 import time
@@ -77,13 +78,22 @@ def start(monkeypatch, backend: Backend, config: dict[str, Any]) -> list[dict]:
     return launch(backend, WORLD, module=MODULE)
 
 
-def start_in_background(
-    pool: concurrent.futures.ThreadPoolExecutor, monkeypatch, backend: Backend, config: dict
-) -> concurrent.futures.Future:
-    """``start`` in a thread. ``launch`` reads the environment when it starts the processes: the
-    caller changes ZEPHON_TIER_TEST again only after those reported something."""
+@contextlib.contextmanager
+def running(monkeypatch, backend: Backend, config: dict) -> Iterator[concurrent.futures.Future]:
+    """``start`` in a thread, its ranks' records the future's result. On the way out, also
+    after a failed assertion, every file the script awaits is created (so its ranks finish
+    instead of waiting out their timeout) and the start is waited for. ``launch`` reads the
+    environment as it starts the processes: change ZEPHON_TIER_TEST again only after they
+    reported something."""
     monkeypatch.setenv("ZEPHON_TIER_TEST", json.dumps(config))
-    return pool.submit(launch, backend, WORLD, MODULE)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(launch, backend, WORLD, MODULE)
+        try:
+            yield future
+        finally:
+            for action, *args in config["script"]:
+                if action == "await":
+                    (Path(config["sync_dir"]) / args[0]).touch()
 
 
 def wait_for(sync_dir: Path, name: str, timeout: float = 90) -> None:
@@ -175,22 +185,33 @@ def test_a_shared_local_dir_uploads_equal_copies_and_resumes_without_reading_sav
 ):
     run, local_dir = "shared", tmp_path / "local"
     catalog_url = f"sqlite:///{tmp_path / 'catalog.db'}"
-    config = {"run": run, "catalog_url": catalog_url, "local_dir": str(local_dir)}
-    succeeded(start(monkeypatch, via(bucket, proxy), {**config, "script": save_script(1, 2)}))
+    sync_dir = tmp_path / "sync"
+    sync_dir.mkdir()
+    config = {
+        "run": run,
+        "catalog_url": catalog_url,
+        "local_dir": str(local_dir),
+        "sync_dir": str(sync_dir),
+    }
+    script = [*save_script(1, 2), ["signal", "saved"], ["await", "deleted"]]
+    script += [["reopen", str(local_dir)], ["load", "a"]]  # a new start of the job
+    with running(monkeypatch, via(bucket, proxy), {**config, "script": script}) as job:
+        wait_for(sync_dir, "saved")
+        remote, local = bucket.open_store(), CheckpointStore(str(local_dir))
+        assert remote.committed_steps(run) == [1, 2]
+        assert local.committed_steps(run) == [2]  # local_num_to_keep: 1, and 1 was uploaded
+        every_ranks_files(same_files(local, remote, run, 2))
+        assert remote.verify(run, 2, deep=True).ok
+        assert replica_states(catalog_url, run, "save_dir") == {1: "committed", 2: "committed"}
+        assert replica_states(catalog_url, run, "local") == {1: "deleted", 2: "committed"}
 
-    remote, local = bucket.open_store(), CheckpointStore(str(local_dir))
-    assert remote.committed_steps(run) == [1, 2]
-    assert local.committed_steps(run) == [2]  # local_num_to_keep: 1, and 1 was uploaded
-    every_ranks_files(same_files(local, remote, run, 2))
-    assert remote.verify(run, 2, deep=True).ok
-    assert replica_states(catalog_url, run, "save_dir") == {1: "committed", 2: "committed"}
-    assert replica_states(catalog_url, run, "local") == {1: "deleted", 2: "committed"}
-
-    # Without its payload on save_dir, step 2 can only load from the local tier.
-    manifest = remote.read_manifest(run, 2)
-    remote.location.fs.rm(f"{remote.checkpoint_path(run, 2)}/{manifest.payload}", recursive=True)
-    proxy.reset()
-    ranks = start(monkeypatch, via(bucket, proxy), {**config, "script": [["load", "a"]]})
+        # Without its payload on save_dir, step 2 can only load from the local tier.
+        payload = remote.read_manifest(run, 2).payload
+        remote.location.fs.rm(f"{remote.checkpoint_path(run, 2)}/{payload}", recursive=True)
+        proxy.reset()
+        (sync_dir / "deleted").touch()
+        ranks = job.result()
+    succeeded(ranks)
     assert_loaded(ranks, 2)
     assert payload_gets(proxy, remote, run, 2) == []
 
@@ -228,8 +249,7 @@ def test_per_node_local_dirs_upload_every_ranks_files_and_resume_from_save_dir(
     sync_dir = tmp_path / "sync"
     sync_dir.mkdir()
     again = {**config, "sync_dir": str(sync_dir), "script": script}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        job = start_in_background(pool, monkeypatch, via(bucket, proxy), again)
+    with running(monkeypatch, via(bucket, proxy), again) as job:
         wait_for(sync_dir, "same")
         assert payload_gets(proxy, remote, run, 2), "the same local dirs"
         proxy.reset()
@@ -267,10 +287,7 @@ def test_sigkill_with_an_upload_pending_resumes_from_what_survived(
         ["save", 2, "a"],
         ["kill"],
     ]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        job = start_in_background(
-            pool, monkeypatch, via(bucket, proxy), {**config, "script": script}
-        )
+    with running(monkeypatch, via(bucket, proxy), {**config, "script": script}) as job:
         wait_for(sync_dir, "uploaded1")
         proxy.delay_ms = SLOW_MS  # step 2's upload takes many requests: seconds
         (sync_dir / "slow").touch()
@@ -334,17 +351,21 @@ def test_an_old_attempt_with_uploads_pending_commits_nothing_after_a_new_one_reg
         ["wait"],
         ["save", 3, "b"],
         ["wait"],
-        ["close"],
+        ["signal", "saved"],
+        ["await", "checked"],  # then a third start of the job, on fresh local disks
+        ["reopen", str(tmp_path / "third")],
+        ["load", "b"],
     ]
     with (
         database_url("postgresql", request, tmp_path) as catalog_url,
         LatencyProxy(s3.endpoint_url, 0) as old_proxy,
         LatencyProxy(s3.endpoint_url, 0) as new_proxy,
-        concurrent.futures.ThreadPoolExecutor(2) as pool,
+        contextlib.ExitStack() as stack,
     ):
         config = {"run": run, "catalog_url": catalog_url, "sync_dir": str(sync_dir)}
         old_config = {**config, "local_dir": str(tmp_path / "old"), "script": old_script}
-        old = start_in_background(pool, monkeypatch, via(bucket, old_proxy), old_config)
+        old = stack.enter_context(running(monkeypatch, via(bucket, old_proxy), old_config))
+        stack.callback(setattr, old_proxy, "delay_ms", 0)  # a failure below: let it finish
         wait_for(sync_dir, "uploaded1")
         old_proxy.delay_ms = HELD_MS  # the old attempt's upload of step 2 stays pending
         (sync_dir / "slow").touch()
@@ -352,14 +373,12 @@ def test_an_old_attempt_with_uploads_pending_commits_nothing_after_a_new_one_reg
         remote = bucket.open_store()
         assert remote.committed_steps(run) == [1]
         new_config = {**config, "local_dir": str(tmp_path / "new"), "script": new_script}
-        new = start_in_background(pool, monkeypatch, via(bucket, new_proxy), new_config)
+        new = stack.enter_context(running(monkeypatch, via(bucket, new_proxy), new_config))
         wait_for(sync_dir, "registered")
         old_proxy.delay_ms = 0  # the old attempt's uploads go on: every one must be refused
         (sync_dir / "go").touch()
-        old_ranks, new_ranks = old.result(), new.result()
-
-        assert_loaded(new_ranks, 1)
-        succeeded(new_ranks)
+        wait_for(sync_dir, "saved")
+        old_ranks = old.result()
         # The old attempt learns it was fenced out: its pending uploads failed (raised by its
         # wait, or already by the next save or by close).
         old_done = old_ranks[0]["actions"]
@@ -378,10 +397,10 @@ def test_an_old_attempt_with_uploads_pending_commits_nothing_after_a_new_one_reg
                 row = catalog.get_checkpoint(run, step)
                 assert row.state == "committed"
                 assert row.save_id == remote.read_manifest(run, step).save_id
+        (sync_dir / "checked").touch()
+        new_ranks = new.result()
 
-        resumed = start(
-            monkeypatch,
-            bucket,
-            {**config, "local_dir": str(tmp_path / "third"), "script": [["load", "b"]]},
-        )
-        assert_loaded(resumed, 3)
+    succeeded(new_ranks)
+    for record in new_ranks:  # resumed from step 1, the old attempt's; then step 3, its own
+        loads = [a for a in record["actions"] if a["action"][0] == "load"]
+        assert [(a["ok"]["step"], a["ok"]["differing"]) for a in loads] == [(1, []), (3, [])]

@@ -181,10 +181,12 @@ class Job:
         done = []
         for action, *args in script:
             record: dict[str, Any] = {"action": [action, *args]}
+            began = time.monotonic()
             try:
                 record["ok"] = getattr(self, f"do_{action}")(*args)
             except Exception as exc:  # recorded: the test says which failures it expects
                 record["error"] = error_record(exc)
+            record["seconds"] = round(time.monotonic() - began, 3)
             done.append(record)
             log(record)
         if not self.closed:
