@@ -1,4 +1,4 @@
-"""Sequential round trips per operation on S3, measured with added latency (issue 12's baseline).
+"""Sequential round trips per operation on S3, measured with added latency.
 
     python benchmarks/round_trips.py [--delay-ms 30] [--files 32] [--file-kib 2048]
                                      [--small-kib 4] [--many-files 128]
@@ -30,7 +30,7 @@ Operations:
   ``store.latest`` without a catalog.
 
 The DCP cases run in worker processes (gloo; rank 0 runs the proxies); the storage cases in
-this one. Times are medians of ``--repeats``. Goals are issue 12's: commit of N files
+this one. Times are medians of ``--repeats``. The goals: commit of N files
 <= 4 + ceil(N / 32) (a pool of >= 32 connections), DCP save <= 6, load <= 3, latest through
 the catalog 0 storage requests, begin <= 1.
 """
@@ -55,7 +55,7 @@ from _common import REPO, servers, table, timed
 from latency_proxy import LatencyProxy
 
 BUCKET = "round-trips"
-POOL = 32  # the connection pool issue 12's commit goal assumes
+POOL = 32  # the S3 connection pool the commit goal assumes (storage's default)
 
 #: a case: (setup, fn, teardown) for one store endpoint, each called once per repeat
 Case = tuple[Callable[[], object], Callable[[], object], Callable[[], object]]
@@ -289,7 +289,7 @@ def run_workers(world: int, config: dict) -> dict[str, list[dict]]:
 
 
 def goal(name: str) -> str:
-    """Issue 12's goal for an operation, by its label."""
+    """The goal for an operation, by its label."""
     if name.startswith("commit, "):
         n = int(name.split()[1])
         return f"<= {4 + math.ceil(n / POOL)}"
