@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -133,7 +134,8 @@ def test_common_options_may_come_before_the_command(catalog_url, populated, caps
 @pytest.mark.parametrize(
     ("options", "detail"),
     [
-        ('{"client_kwargs": 5}', "AttributeError"),
+        # the error the backend raises depends on the botocore version
+        ('{"client_kwargs": 5}', "(AttributeError|TypeError: 'int' object is not a mapping)"),
         ('{"bogus_option": 1}', "unexpected keyword argument 'bogus_option'"),
     ],
 )
@@ -141,7 +143,7 @@ def test_storage_options_the_backend_refuses_are_a_storage_error(
     cli, catalog, s3_backend, options, detail
 ):
     code, _, err = cli("latest", "r", "--save-dir", s3_backend.url, "--storage-options", options)
-    assert code == 4 and s3_backend.url in one_line(err) and detail in err
+    assert code == 4 and s3_backend.url in one_line(err) and re.search(detail, err)
     assert "fix --storage-options" in err
     code, _, err = cli("sync", s3_backend.url, "--storage-options", options)
     assert code == 4 and s3_backend.url in one_line(err)
@@ -151,7 +153,7 @@ def test_storage_options_the_backend_refuses_are_a_storage_error(
     code, out, err = cli("gc", "--storage-options", options)
     assert (code, err) == (3, "")
     problem = next(line for line in out.splitlines() if line.startswith("problem: run on-s3:"))
-    assert s3_backend.url in problem and detail in problem and "storage options" in problem
+    assert s3_backend.url in problem and re.search(detail, problem) and "storage options" in problem
 
 
 def test_storage_options_from_the_environment_are_named_as_such(cli, s3_backend, monkeypatch):
