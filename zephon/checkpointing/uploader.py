@@ -288,6 +288,7 @@ class Uploader:
         """Rank 0: read the local manifest, begin the save_dir save, plan local retention."""
         doomed: list[int] = []
         attempt: Attempt | None = None
+        save_id = ""
         try:
             attempt = self._attempt()
             manifest = self.tier.manifest(job.step)
@@ -304,6 +305,10 @@ class Uploader:
             exc = as_zephon_error(exc)
             for_good = isinstance(exc, StaleAttemptError | CorruptCheckpointError)
             self._settle_local(job, exc, for_good)
+            if save_id and self.tracker is not None:  # the upload was refused as it began
+                url = self.remote.checkpoint_url(job.step)
+                self.tracker.started(job.step, SAVE_DIR, url, save_id)
+                self.tracker.failed(job.step, SAVE_DIR, save_id, _reason(exc))
             if attempt is not None:
                 with contextlib.suppress(Exception):
                     doomed = self._plan(attempt, drop=job.step if for_good else None)

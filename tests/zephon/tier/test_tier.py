@@ -275,7 +275,8 @@ def test_a_stale_attempts_uploads_are_refused(s3_backend, tmp_path, catalog_url)
     with Catalog(catalog_url) as catalog:
         assert catalog.get_checkpoint(RUN, 1).state == "committed"
         uploads = catalog.replicas(RUN, step=2, tier="save_dir")
-        assert all(r.state != "committed" for r in uploads)
+        assert [r.state for r in uploads] == ["failed"]
+        assert "StaleAttemptError" in (uploads[0].failure_reason or "")
 
 
 def test_a_local_file_that_changed_on_disk_is_never_uploaded(s3_backend, tmp_path):
