@@ -22,6 +22,7 @@ from catalog.engine import Database
 
 INITIAL = "a1bd075f368c"
 EPOCHS = "fbbf4a6c29ae"
+EVENTS_AT = "3a0e83d9015e"
 HEAD = catalog.head_revision()
 
 
@@ -90,6 +91,22 @@ def test_a_table_dropped_by_hand_is_named(catalog_url):
     for error in _refusals(catalog_url, SchemaDriftError):
         assert error.differences == ("missing table attempts",)
         assert error.fix_sql == ()
+
+
+def test_a_dropped_replicas_table_or_timings_column_is_named(catalog_url):
+    Catalog(catalog_url).close()
+    _execute(catalog_url, "DROP TABLE checkpoint_replicas")
+    for error in _refusals(catalog_url, SchemaDriftError):
+        assert error.differences == ("missing table checkpoint_replicas",)
+    _drop_column(catalog_url, "checkpoints", "timings")
+    # Without both, the tables are exactly the previous revision's: record it, then upgrade.
+    error = _refusals(catalog_url, SchemaDriftError)[0]
+    assert error.matches == EVENTS_AT
+    assert error.fix_sql == (f"UPDATE alembic_version SET version_num = '{EVENTS_AT}'",)
+    assert "zephon db upgrade" in str(error)
+    _execute(catalog_url, *error.fix_sql)
+    assert catalog.upgrade(catalog_url) == (EVENTS_AT, HEAD)
+    _works(catalog_url)
 
 
 def test_a_missing_index_comes_with_the_create_index_that_repairs_it(catalog_url):
