@@ -6,12 +6,13 @@ Each start of the job is ``tests/zephon/tier/tier_worker.py`` on 2 processes (st
 ``tests.zephon.dcp.test_distributed.launch``), running a script of saves, waits and loads; the
 tests assert on what the ranks reported, on both stores and on the catalog:
 
-- one node, a shared local_dir: every save is committed locally and uploaded; the save_dir copy
-  equals the local one byte for byte; a resume loads from the local tier without one GET of the
-  save_dir's payload (deleted before the resume: a load from save_dir could not succeed);
+- one node, a shared local_dir (sync and async saves): every save is committed locally and
+  uploaded; the save_dir copy equals the local one byte for byte; a resume loads from the local
+  tier without one GET of the save_dir's payload (deleted before the resume: a load from
+  save_dir could not succeed);
 - two "nodes" (rank r's local_dir is ``node<r>``): the upload commits every rank's files; a
-  resume loads from save_dir, with the same local_dirs (no rank but 0 holds a marker) and with
-  fresh ones;
+  resume loads from save_dir, with the same local_dirs (no disk holds the whole checkpoint) and
+  with fresh ones;
 - both ranks SIGKILLed while the upload of their last step is pending (the proxy adds 200 ms to
   every request): the next start resumes from the newest step held locally when the local_dir
   survived (L > R, and uploads it), from the newest uploaded one when it did not; the catalog's
@@ -180,8 +181,9 @@ def save_script(*steps: int, tag: str = "a") -> list[list[Any]]:
 # -- one node, a shared local_dir --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_shared_local_dir_uploads_equal_copies_and_resumes_without_reading_save_dir(
-    monkeypatch, bucket, proxy, tmp_path
+    monkeypatch, bucket, proxy, tmp_path, async_save
 ):
     run, local_dir = "shared", tmp_path / "local"
     catalog_url = f"sqlite:///{tmp_path / 'catalog.db'}"
@@ -192,6 +194,7 @@ def test_a_shared_local_dir_uploads_equal_copies_and_resumes_without_reading_sav
         "catalog_url": catalog_url,
         "local_dir": str(local_dir),
         "sync_dir": str(sync_dir),
+        "async_save": async_save,
     }
     script = [*save_script(1, 2), ["signal", "saved"], ["await", "deleted"]]
     script += [["reopen", str(local_dir)], ["load", "a"]]  # a new start of the job
