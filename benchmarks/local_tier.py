@@ -31,6 +31,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -253,6 +254,8 @@ def main() -> None:
         trained = []
         for world in (1,) if args.no_two_ranks else (1, 2):
             result = run_workers(world, config)
+            # the local tier of this case (under --local-root it outlives the temporary dir)
+            shutil.rmtree(os.path.join(config["local_root"], f"local-{config['tag']}-{world}"))
             rows += rows_for(world, result)
             trained.append(f"{result['train_s']:g} s ({world})")
             loads.append(os.getloadavg()[0])
