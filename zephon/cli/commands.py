@@ -222,7 +222,7 @@ def choose_checkpoint(
         with located(args) as (location, cat):
             if args.step is not None:
                 return location.store, location.storage_run, args.step
-            latest = find_latest(location, catalog=cat)
+            latest = find_latest(location, catalog=cat, confirm=True)
     except RunNotFoundError as exc:
         return _unknown_run(args, exc)
     if latest is None:
@@ -242,7 +242,7 @@ def with_progress(label: str, work: Callable[[Callable[[str], None]], T]) -> T:
 def cmd_latest(args: argparse.Namespace) -> int:
     try:
         with located(args) as (location, cat):
-            latest = find_latest(location, catalog=cat)
+            latest = find_latest(location, catalog=cat, confirm=True)
     except RunNotFoundError as exc:
         return _unknown_run(args, exc)
     if latest is None:

@@ -274,7 +274,7 @@ def fetch_latest(
     location = RunLocation(run_name, store, run_name)
     try:
         while True:
-            latest = find_latest(location, catalog=cat, on_corrupt=_warn_damaged)
+            latest = find_latest(location, catalog=cat, on_corrupt=_warn_damaged, confirm=True)
             if latest is None:
                 return None
             try:

@@ -277,7 +277,7 @@ def latest_ckpt_path(
     store = CheckpointStore(os.fspath(save_dir), dict(storage_options or {}))
     opened = Catalog(catalog) if isinstance(catalog, str) else catalog
     try:
-        latest = find_latest(RunLocation(run_name, store, run_name), catalog=opened)
+        latest = find_latest(RunLocation(run_name, store, run_name), catalog=opened, confirm=True)
     except Exception as exc:
         raise ZephonError(
             f"cannot find the latest checkpoint of run {run_name} in "

@@ -169,7 +169,7 @@ class ZephonCheckpointManager(CheckpointManager):
             catalog = None
             try:
                 catalog = Catalog(self.catalog_url) if self.catalog_url else None
-                latest = find_latest(self.writer.location, catalog=catalog)
+                latest = find_latest(self.writer.location, catalog=catalog, confirm=True)
                 found[0] = latest.step if latest is not None else None
             except Exception as exc:
                 failure = exc
