@@ -192,8 +192,8 @@ def attach_ranks(
     The coordinator rank (``coordinator`` within ``process_group``) passes the primary writer it
     got from ``store.begin(run, step)``, or None if ``begin`` failed (every rank then raises);
     the other ranks pass None and get ``store.attach(...)`` with the coordinator's save id.
-    The broadcast orders ``begin`` (which removes a leftover of the step) before any other
-    rank's first write. Without torch.distributed, returns ``primary``.
+    The broadcast hands out the save id ``begin`` drew, so no rank writes before ``begin``
+    checked the fence and settled a marker already at the step. Without torch.distributed, returns ``primary``.
     """
     if not _distributed():
         if primary is None:

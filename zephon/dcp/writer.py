@@ -125,8 +125,8 @@ class ZephonStorageWriter(StorageWriter):
     Construct one per rank per save. The coordinator rank (rank 0 of the process group) passes
     the *primary* writer from ``store.begin(run, step)``; every other rank passes a *secondary*
     one from ``store.attach(run, step, save_id=primary.save_id)``. The caller must make
-    sure ``begin`` has returned before any other rank writes (a barrier), because ``begin``
-    removes an uncommitted leftover of the same step.
+    sure ``begin`` has returned before any other rank writes (``attach_ranks`` does): ``begin``
+    checks the fence, so a stale attempt stops before any rank writes a byte.
 
     ``commit_metadata`` (a mapping, or a function of the DCP ``Metadata`` returning one) is
     merged into the marker's metadata; the key ``"dcp"`` is reserved for this writer's own
