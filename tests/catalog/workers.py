@@ -104,12 +104,16 @@ def ensure_run(url: str, run: str, start: Any) -> str:
         return catalog.ensure_run(run, f"/c/{run}", num_to_keep=2).name
 
 
-def stress_committer(url: str, run: str, first_step: int, seconds: float, start: Any):
-    """Commit increasing steps until time is up; every 5th step is begun and left pending.
+def stress_committer(
+    url: str, run: str, first_step: int, seconds: float, least: int, done: str, start: Any
+):
+    """Commit increasing steps for ``seconds`` and at least ``least`` commits (however slow
+    the machine), then create the file ``done``; every 5th step is begun and left pending.
 
     Returns ``(commits, pending)``: ``commits`` as ``(step, call started, call ended)``,
     ``pending`` as ``(step, save_id)``.
     """
+    import pathlib
     import random
     import time
 
@@ -118,7 +122,7 @@ def stress_committer(url: str, run: str, first_step: int, seconds: float, start:
         start.wait(60)
         deadline = time.time() + seconds
         step = first_step
-        while time.time() < deadline:
+        while time.time() < deadline or len(commits) < least:
             begun = catalog.begin_checkpoint(run, step, f"/c/{run}/save-{step}")
             if step % 5 == 0:
                 pending.append((step, begun.save_id))
@@ -130,25 +134,29 @@ def stress_committer(url: str, run: str, first_step: int, seconds: float, start:
                 commits.append((step, started, time.time()))
             step += 1
             time.sleep(random.uniform(0, 0.01))
+    pathlib.Path(done).touch()
     return commits, pending
 
 
-def stress_gc(url: str, run: str, seconds: float, greedy: bool, start: Any):
-    """Plan, claim and delete until time is up, like `zephon gc` in a loop.
+def stress_gc(url: str, run: str, done: str, greedy: bool, start: Any):
+    """Plan, claim and delete, like `zephon gc` in a loop, until the committer created the
+    file ``done``, then once more.
 
     A ``greedy`` gc asks to claim every committed step, so only the claim's own re-check
     stands between it and the rows retention must keep.
 
     Returns ``[(step, token, claim call started, claim call ended, mark_deleted result)]``.
     """
+    import os
     import random
     import time
 
     deleted = []
     with Catalog(url) as catalog:
         start.wait(60)
-        deadline = time.time() + seconds
-        while time.time() < deadline:
+        last = False
+        while not last:
+            last = os.path.exists(done)
             if greedy:
                 wanted = [c.step for c in catalog.list_checkpoints(run, states="committed")]
             else:
