@@ -14,6 +14,7 @@ are; ``catalog.py`` keeps the rest of the facade.
 
       (none) --started--> pending --committed--> committed --deleted--> deleted
                           pending --failed-----> failed
+      committed (tier "local" only: a copy that can never be uploaded) --failed--> failed
       failed | deleted --started (a retry of the save, or a new save)--> pending
       pending | committed of another save --started (a new save of the step)--> pending
 
@@ -55,6 +56,11 @@ FAILED = ReplicaState.FAILED
 DELETED = ReplicaState.DELETED
 
 _RETRIES = 5
+
+#: the states ``replica_failed`` moves from, per tier (default: pending only). A committed
+#: local copy is failed when it can never be uploaded (its attempt went stale): the copy is
+#: still on the disk, but it is only a removable leftover now, and the row says why.
+_FAILABLE: dict[str, tuple[ReplicaState, ...]] = {"local": (PENDING, COMMITTED)}
 
 # What one save's copy recorded; re-arming clears it so nothing of the previous save survives.
 _CLEARED_ON_REARM: dict[str, Any] = {
@@ -211,13 +217,19 @@ def finish(
     target: ReplicaState,
     values: dict[str, Any],
 ) -> tuple[Replica, bool]:
-    """``pending -> target`` (committed or failed) for this save; ``(row, moved)``.
-    Idempotent for the same save; ``StateConflictError`` when another save re-armed the row,
-    ``InvalidTransitionError`` when this save's row is in another state."""
+    """``pending -> target`` (committed or failed) for this save; ``(row, moved)``; also
+    ``committed -> failed`` for a ``local`` replica (``_FAILABLE``). Idempotent for the same
+    save; ``StateConflictError`` when another save re-armed the row, ``InvalidTransitionError``
+    when this save's row is in another state."""
     verb = "commit" if target == COMMITTED else "fail"
+    sources = _FAILABLE.get(tier, (PENDING,)) if target == FAILED else (PENDING,)
     moved = _guarded_update(
         session,
-        [*_where(run.id, step, tier, host), Replica.state == PENDING, Replica.save_id == save_id],
+        [
+            *_where(run.id, step, tier, host),
+            Replica.state.in_(sources),
+            Replica.save_id == save_id,
+        ],
         {**values, "state": target},
     )
     if moved is not None:
@@ -230,13 +242,14 @@ def finish(
         raise StateConflictError(url, run.name, step, row.state, action, save_id, row.save_id)
     if row.state == target:
         return row, False
+    which = " or ".join(str(s) for s in sources)
     raise InvalidTransitionError(
         url,
         run.name,
         step,
         row.state,
         action,
-        f"only a pending replica is {target}; a new save of the step re-arms it with "
+        f"only a {which} replica is {target}; a new save of the step re-arms it with "
         f"replica_started",
     )
 
@@ -399,8 +412,10 @@ class ReplicaMethods:
         self, run: str, step: int, *, tier: str, host: str, save_id: str, reason: str
     ) -> ReplicaRecord:
         """``pending -> failed``: the copy of save ``save_id`` could not be completed
-        (``reason``, stored as ``failure_reason``). Idempotent for the same save; errors as
-        ``replica_committed`` (a committed replica is not failed: ``replica_deleted``)."""
+        (``reason``, stored as ``failure_reason``); for ``tier="local"`` also ``committed ->
+        failed``: a local copy that can never be uploaded (its attempt went stale). Idempotent
+        for the same save; errors as ``replica_committed`` (another committed replica is not
+        failed: ``replica_deleted``)."""
         run, step = validate.run_name(run), validate.step(step)
         tier = validate.tier(tier)
         host = validate.replica_host(tier, host)

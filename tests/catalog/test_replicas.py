@@ -279,33 +279,59 @@ def test_a_new_save_of_the_step_rearms_a_committed_replica_and_the_old_upload_lo
 
 
 @pytest.mark.parametrize(
-    ("setup", "call", "state"),
+    ("setup", "call", "state", "where"),
     [
         # replica_started with the row's own save id once it is committed
-        (["commit"], "start", "committed"),
+        (["commit"], "start", "committed", LOCAL),
+        (["commit"], "start", "committed", SHARED),
         # commit / fail of a row of this save that is not pending
-        (["fail"], "commit", "failed"),
-        (["commit", "delete"], "commit", "deleted"),
-        (["commit"], "fail", "committed"),
-        (["commit", "delete"], "fail", "deleted"),
+        (["fail"], "commit", "failed", LOCAL),
+        (["commit", "delete"], "commit", "deleted", LOCAL),
+        # a committed copy is failed only on the local tier (below): never on save_dir
+        (["commit"], "fail", "committed", SHARED),
+        (["commit", "delete"], "fail", "deleted", LOCAL),
+        (["commit", "delete"], "fail", "deleted", SHARED),
     ],
 )
-def test_illegal_transitions_are_refused_naming_the_state(catalog, run, setup, call, state):
-    started(catalog)
+def test_illegal_transitions_are_refused_naming_the_state(catalog, run, setup, call, state, where):
+    started(catalog, where=where)
     steps = {"commit": committed, "fail": failed}
     for action in setup:
         if action == "delete":
-            assert catalog.replica_deleted("r", 5, **LOCAL)
+            assert catalog.replica_deleted("r", 5, **where)
         else:
-            steps[action](catalog)
+            steps[action](catalog, where=where)
     before = catalog.replicas("r")
     attempt = {"start": started, "commit": committed, "fail": failed}[call]
     with pytest.raises(InvalidTransitionError) as caught:
-        attempt(catalog)
+        attempt(catalog, where=where)
     assert not isinstance(caught.value, StateConflictError)
     assert caught.value.state == state
-    assert "local replica on host node-1" in str(caught.value)
+    label = "local replica on host node-1" if where is LOCAL else "save_dir replica"
+    assert label in str(caught.value)
     assert catalog.replicas("r") == before
+
+
+def test_a_committed_local_replica_is_failed_with_its_reason(catalog, run):
+    """A local copy that can never be uploaded (its attempt went stale): committed -> failed,
+    once, with the reason; it keeps its size and commit time; another save's is refused."""
+    started(catalog)
+    done = committed(catalog, timings={"local_s": 0.5})
+    row = failed(catalog, reason="StaleAttemptError: attempt epoch 1 is no longer current")
+    assert (row.state, row.failure_reason) == (
+        "failed",
+        "StaleAttemptError: attempt epoch 1 is no longer current",
+    )
+    assert (row.bytes, row.committed_at, row.timings) == (100, done.committed_at, {"local_s": 0.5})
+    assert failed(catalog, reason="again").failure_reason == row.failure_reason  # idempotent
+    with pytest.raises(StateConflictError):
+        failed(catalog, save_id="s2")
+    assert catalog.replica_deleted("r", 5, **LOCAL) is False  # a failed row is not deleted
+    assert [a for a, _, _ in replica_events(catalog)] == [
+        "replica_begun", "replica_committed", "replica_failed",
+    ]  # fmt: skip
+    again = started(catalog, save_id="s2")  # a new save of the step re-arms it
+    assert (again.state, again.failure_reason, again.bytes) == ("pending", None, None)
 
 
 @pytest.mark.parametrize("setup", [[], ["fail"], ["commit", "delete"]])

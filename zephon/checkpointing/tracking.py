@@ -42,7 +42,8 @@ class Tracker:
         try:
             return call(self.name, step, *args, **kwargs)
         except InvalidTransitionError as exc:
-            # e.g. failing a local replica already committed: the row keeps what it says
+            # e.g. failing a save_dir replica already committed, or a row a newer save
+            # re-armed: the row keeps what it says
             log.debug("zephon: run %s step %d: %s not recorded: %s", self.name, step, method, exc)
             return None
         except Exception as exc:  # noqa: BLE001 - a record, never a reason to fail a save
