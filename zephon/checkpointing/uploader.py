@@ -81,6 +81,10 @@ class UploadJob:
     started: float = field(default_factory=time.monotonic)
     #: the local save id (for its replica row)
     local_save_id: str = ""
+    #: rank 0: the local save never committed (its other ranks had already queued their
+    #: part, e.g. the drop-in ``zephon.dcp.Writer``'s, which queue as their write ends): the
+    #: job only keeps every rank's uploader in step; nothing is uploaded, nothing reported
+    void: bool = False
 
 
 @dataclass
@@ -230,11 +234,15 @@ class Uploader:
         manifest: Manifest | None = None
         error: BaseException | None = None
         head: dict[str, Any] | None = None
-        if self.is_main:
+        if self.is_main and job.void:
+            head = {"ok": False, "void": True, "doomed": []}
+        elif self.is_main:
             head, save, manifest, error = self._begin(job)
         mine = [e.to_dict() for e in job.own]
         everything = self._all_gather(head if self.is_main else mine)
         head = everything[0]
+        if head.get("void"):
+            return _Outcome(ok=True), None
         self.tier.delete(head["doomed"], self.tracker)
         if not head["ok"]:
             outcome = _Outcome(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,10 @@ from storage import CheckpointStore, CheckpointWriter, Manifest
 from storage.layout import parse_step_dirname, validate_run, validate_step
 from storage.redact import mask_url
 from zephon.attempts import Attempt, as_zephon_error, fenced, register_resuming
+from zephon.checkpointing.collectives import Collectives
+from zephon.checkpointing.tiering import Tiering
+from zephon.checkpointing.uploader import UploadJob
+from zephon.config import CheckpointingConfig
 from zephon.dcp.errors import WriterSetupError, portable
 from zephon.dcp.writer import CommitMetadata, ZephonStorageWriter, _FilePrefix
 from zephon.errors import ConfigError
@@ -150,6 +155,13 @@ class Writer(ZephonStorageWriter):
     ``commit_metadata`` and ``on_commit`` are ``ZephonStorageWriter``'s. One save at a time:
     wait for an ``async_save`` future before the next save.
 
+    ``local_dir`` (a node-local path) adds the checkpoint manager's local tier: a save commits
+    into ``local_dir`` and returns, and this Writer's uploader copies each checkpoint to ``url``
+    in the background, in step order, through the one save path (``local_num_to_keep`` and
+    ``max_pending_uploads`` mean what the manager's config keys do). ``wait_uploads`` waits
+    for them and raises an upload's failure; ``close`` waits too. With ``local_dir`` the
+    Writer is a collective object: construct it on every rank at the same point.
+
     Failures: plain ``dcp.save`` raises DCP's ``CheckpointException`` (a BaseException) whose
     ``failures`` hold Zephon's errors; ``zephon.dcp.save``/``async_save`` raise Zephon's error
     itself, or use ``zephon.dcp.as_zephon_error``. The save of a failed call is marked failed
@@ -169,6 +181,9 @@ class Writer(ZephonStorageWriter):
         subdir: str = "",
         commit_metadata: CommitMetadata | None = None,
         on_commit: Callable[[Manifest], None] | None = None,
+        local_dir: str | os.PathLike | None = None,
+        local_num_to_keep: int = 1,
+        max_pending_uploads: int = 2,
     ) -> None:
         StorageWriter.__init__(self)  # ZephonStorageWriter's own __init__ needs a bound writer
         self.target = parse_run_url(url, "Writer")
@@ -198,8 +213,53 @@ class Writer(ZephonStorageWriter):
         #: coordinator: the job's attempt, registered by the first save
         self.attempt: Attempt | None = None
         self._save: Save | None = None
-        #: coordinator: the steps this Writer committed, in order
+        #: coordinator: the steps this Writer committed, in order (with ``local_dir``: into
+        #: the local tier; their uploads follow)
         self.committed_steps: list[int] = []
+        self._started = time.monotonic()
+        #: the local tier and its uploader (``local_dir``), shared with the checkpoint manager
+        self.tiering: Tiering | None = None
+        self._coll: Collectives | None = None
+        if local_dir is not None:
+            self._set_up_tier(local_dir, local_num_to_keep, max_pending_uploads)
+
+    def _set_up_tier(self, local_dir: str | os.PathLike, keep: int, max_pending: int) -> None:
+        """Every rank: the manager's local tier (``Tiering``) for this Writer's run, checked
+        as the manager's config keys are; the catalog is opened on rank 0 (it records the
+        replicas)."""
+        config = CheckpointingConfig(
+            save_dir=self.target.root,
+            local_dir=os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir,
+            local_num_to_keep=keep,
+            max_pending_uploads=max_pending,
+            prefix="Writer",
+        )
+        coll = Collectives()
+
+        def open_catalog_on_main() -> None:
+            self._open_catalog()
+
+        try:
+            coll.from_main(open_catalog_on_main, "open the catalog")
+            self.tiering = Tiering(
+                config,
+                coll,
+                self.location,
+                self._catalog if coll.is_main else None,
+                attempt=self._tier_attempt,
+                retain=self.apply_retention,
+            )
+        except BaseException:
+            coll.destroy()
+            self.store.close()
+            raise
+        self._coll = coll
+
+    def _tier_attempt(self) -> Attempt:
+        """The uploader's (rank 0) attempt: the one this Writer's first save registered."""
+        if self.attempt is None:
+            raise WriterSetupError(f"no attempt registered for {self.url}: save first")
+        return self.attempt
 
     # -- identity -------------------------------------------------------------------------
 
@@ -241,6 +301,8 @@ class Writer(ZephonStorageWriter):
         self._settle_unfinished(None)
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
+        if self.tiering is not None:
+            self.tiering.before_save()  # a stale attempt stops here; else backpressure
         self.writer = None
         self.manifest = None
         if not kwargs.get("use_collectives", True):
@@ -286,7 +348,12 @@ class Writer(ZephonStorageWriter):
             )
         try:
             catalog = self._open_catalog()
-            self._save = Save.begin(self._current_attempt(catalog), step, catalog=catalog)
+            attempt = self._current_attempt(catalog)
+            self._started = time.monotonic()
+            if self.tiering is not None:
+                self._save = self.tiering.begin(attempt, step)
+            else:
+                self._save = Save.begin(attempt, step, catalog=catalog)
         except Exception as exc:
             translated = portable(exc)
             if translated is exc:
@@ -317,10 +384,25 @@ class Writer(ZephonStorageWriter):
         except BaseException as exc:
             self._settle_unfinished(exc)
             raise
+        finally:
+            if self.tiering is not None and not self.is_coordinator:
+                self._queue_upload(target.step)
+
+    def _queue_upload(self, step: int) -> None:
+        """A non-coordinator rank of a tiered save, its write done (or failed): queue its part
+        of the upload. Its uploader waits in the upload's first collective for rank 0, which
+        queues the step once the local marker is committed (or a void job if it never is)."""
+        writer = self.writer
+        own = list(writer.entries) if writer is not None else []
+        payload = writer.payload_path if writer is not None else ""
+        save_id = writer.save_id if writer is not None else ""
+        assert self.tiering is not None
+        self.tiering.uploader.submit(UploadJob(step, payload, own, {}, self._started, save_id))
 
     def _attach(self, target: _SaveTarget) -> CheckpointWriter:
-        """A secondary writer into the coordinator's save."""
-        return self.store.attach(self.run, target.step, save_id=target.save_id)
+        """A secondary writer into the coordinator's save (the local tier's, with one)."""
+        store = self.tiering.store if self.tiering is not None else self.store
+        return store.attach(self.run, target.step, save_id=target.save_id)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator, after every rank wrote: the metadata, the marker (fenced), the catalog
@@ -331,7 +413,8 @@ class Writer(ZephonStorageWriter):
         try:
             with fenced():
                 super().finish(metadata, results)
-            save.committed()
+            if self.tiering is None:
+                save.committed()
         except BaseException as exc:
             self._settle_unfinished(exc)
             translated = portable(as_zephon_error(exc))
@@ -340,7 +423,11 @@ class Writer(ZephonStorageWriter):
             raise
         self._save = None
         self.committed_steps.append(save.step)
-        self.apply_retention()
+        if self.tiering is not None:
+            # the local replica recorded, the upload queued; save_dir retention follows it
+            self.tiering.committed(save.step, save, save.writer, {}, self._started)
+        else:
+            self.apply_retention()
 
     def apply_retention(self) -> list[int]:
         """Coordinator: the checkpoint manager's retention (``zephon.gc``): with a catalog the
@@ -360,7 +447,13 @@ class Writer(ZephonStorageWriter):
         removed (``Save.failed`` never raises)."""
         save, self._save = self._save, None
         if save is not None and save.writer.manifest is None:
-            save.failed(exc or RuntimeError("the DCP save did not finish"))
+            exc = exc or RuntimeError("the DCP save did not finish")
+            save.failed(exc)
+            if self.tiering is not None:
+                self.tiering.failed(save, exc)
+                # the other ranks queued their part as their write ended: keep them in step
+                job = UploadJob(save.step, "", [], {}, self._started, save.save_id, void=True)
+                self.tiering.uploader.submit(job)
 
     def _open_catalog(self) -> Catalog | None:
         """Coordinator: the catalog (opened from its URL here, once) with this run in it."""
@@ -388,9 +481,33 @@ class Writer(ZephonStorageWriter):
             self.attempt, _ = register_resuming(self.location, catalog, continue_latest)
         return self.attempt
 
+    def wait_uploads(self) -> None:
+        """Every rank (with ``local_dir``): wait until every queued upload to ``url`` is done;
+        raise the first that failed (``zephon.StaleAttemptError`` for a stale attempt's).
+        Without ``local_dir``, nothing to wait for."""
+        if self.tiering is not None:
+            self.tiering.wait()
+
     def close(self) -> None:
-        """Settle an unfinished save, close a catalog opened from its URL, and the store."""
+        """Settle an unfinished save, wait for the uploads (raising the first failure, after
+        everything is closed), close a catalog opened from its URL, and the store."""
         self._settle_unfinished(None)
+        failure: BaseException | None = None
+        if self.tiering is not None:
+            try:
+                self.tiering.wait()
+            except BaseException as exc:  # noqa: BLE001 - raised once everything is closed
+                failure = exc
+            self.tiering.close()
+            self.tiering = None
+            if self._coll is not None:
+                self._coll.destroy()
+                self._coll = None
+        self._close_rest()
+        if failure is not None:
+            raise failure
+
+    def _close_rest(self) -> None:
         if self._catalog is not None and isinstance(self._catalog_arg, str):
             with contextlib.suppress(Exception):
                 self._catalog.close()

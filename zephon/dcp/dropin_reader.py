@@ -4,6 +4,8 @@
 latest complete checkpoint (or ``step=``), found as every Zephon reader finds it
 (``zephon.latest.find_latest``: the catalog first, a storage scan without one), with every byte
 checked against its CRC32C by ``ZephonStorageReader``. ``reader.step`` then says which step.
+With ``local_dir`` (the Writer's local tier) the latest checkpoint is read from the local copy
+when that copy is the run's newest under its current lineage and this process holds it in full.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from catalog import Catalog
-from storage import CheckpointNotFoundError, CheckpointStore
+from storage import CheckpointNotFoundError, CheckpointStore, Manifest, StorageError
+from zephon.config import CheckpointingConfig
 from zephon.dcp.dropin import CatalogArg, check_step, parse_run_url, step_of_checkpoint_id
 from zephon.dcp.errors import DCPError
 from zephon.dcp.reader import MAX_REQUEST_BYTES, ZephonStorageReader
@@ -75,8 +78,10 @@ class Reader(ZephonStorageReader):
         thread_count: int | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         max_gap_bytes: int = 1 << 20,
+        local_dir: str | os.PathLike | None = None,
     ) -> None:
         self.target = parse_run_url(url, "Reader")
+        local = _local_dir(local_dir)
         step = check_step(step, "Reader")
         if catalog is not None and not isinstance(catalog, Catalog | str):
             raise ConfigError(
@@ -101,6 +106,11 @@ class Reader(ZephonStorageReader):
         self._catalog: Catalog | None = catalog if isinstance(catalog, Catalog) else None
         self.location = RunLocation(self.target.run, store, self.target.run)
         self.rank = 0
+        #: the run's store at ``url`` (``self.store`` is the local tier's while reading from it)
+        self.remote = store
+        self.local_store = CheckpointStore(local) if local is not None else None
+        #: whether the checkpoint opened was read from ``local_dir``
+        self.from_local = False
 
     # -- which checkpoint -------------------------------------------------------------------
 
@@ -110,8 +120,9 @@ class Reader(ZephonStorageReader):
         self.load_id = os.urandom(16).hex()
         if checkpoint_id is None:
             return
-        step = step_of_checkpoint_id(checkpoint_id, self.target, self.store, "Reader")
-        if step != self.step:
+        step = step_of_checkpoint_id(checkpoint_id, self.target, self.remote, "Reader")
+        if step != self.step or self.from_local:
+            self.store, self.from_local = self.remote, False  # a named step is read from url
             self._bind(step)
 
     def _bind(self, step: int | None) -> None:
@@ -126,27 +137,57 @@ class Reader(ZephonStorageReader):
 
     def _open(self) -> Metadata:
         if self.step is None:
-            latest = self._find_latest()
-            self._bind(latest.step)
-            self.use_manifest(latest.manifest)  # read and judged already: not read again
+            lineage = self.remote.lineage(self.run) if self.local_store is not None else None
+            try:
+                manifest: Manifest | None = self._find_latest(lineage).manifest
+            except CheckpointNotFoundError:
+                if lineage is None:
+                    raise
+                manifest = None  # the local tier may hold one not uploaded yet
+            local = self._local_copy(lineage, manifest.step if manifest is not None else -1)
+            if local is not None:
+                self.store, self.from_local, manifest = self.local_store, True, local
+            elif manifest is None:
+                raise self._none_found()
+            self._bind(manifest.step)
+            self.use_manifest(manifest)  # read and judged already: not read again
         return super()._open()
 
-    def _find_latest(self) -> LatestCheckpoint:
+    def _local_copy(self, lineage: Any, remote_step: int) -> Manifest | None:
+        """The local tier's newest checkpoint under the run's current ``lineage``, if it is at
+        least ``url``'s latest and this process holds every file of it (marker, sizes); else
+        None (``url`` is read). The copy's bytes are checked while reading, as any others."""
+        if self.local_store is None or lineage is None:
+            return None
+        try:
+            manifest = self.local_store.latest(self.run, lineage=lineage)
+            if manifest is None or manifest.step < remote_step:
+                return None
+            if not self.local_store.verify(self.run, manifest.step).ok:
+                return None
+        except StorageError:
+            return None
+        return manifest
+
+    def _find_latest(self, lineage: Any = None) -> LatestCheckpoint:
         """The latest checkpoint, its marker read and judged in one round trip (with a
         catalog: the catalog's answer, checked against the marker, its save's ``_CORRUPT``
         record and the run's attempts together; a row storage does not bear out is set aside
         and the next one taken)."""
         catalog = self._open_catalog()
-        latest = find_latest(self.location, catalog=catalog, confirm=True)
+        latest = find_latest(self.location, catalog=catalog, lineage=lineage, confirm=True)
         if latest is None:
-            run_url = self.store.location.display(self.store.run_path(self.run))
-            raise CheckpointNotFoundError(
-                f"run {self.run!r} at {run_url} has no complete checkpoint to load: save one "
-                "first, or check the Reader's url (and catalog)",
-                url=run_url,
-                run=self.run,
-            )
+            raise self._none_found()
         return latest
+
+    def _none_found(self) -> CheckpointNotFoundError:
+        run_url = self.remote.location.display(self.remote.run_path(self.run))
+        return CheckpointNotFoundError(
+            f"run {self.run!r} at {run_url} has no complete checkpoint to load: save one "
+            "first, or check the Reader's url (and catalog)",
+            url=run_url,
+            run=self.run,
+        )
 
     def _open_catalog(self) -> Catalog | None:
         if self._catalog is None and isinstance(self._catalog_arg, str):
@@ -159,7 +200,7 @@ class Reader(ZephonStorageReader):
         manifest = self.manifest
         reads = _RankReads(
             self.rank,
-            self.store.location.canonical_url,
+            self.remote.location.canonical_url,  # a local copy's files are url's, byte for byte
             self.run,
             self.step if self.step is not None else -1,
             manifest.save_id if manifest is not None else "",
@@ -174,7 +215,7 @@ class Reader(ZephonStorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator: refuse a load whose ranks would read different checkpoints."""
-        mine = (self.store.location.canonical_url, self.run, self.step)
+        mine = (self.remote.location.canonical_url, self.run, self.step)
         wrong = []
         for i, plan in enumerate(plans):
             reads = plan.storage_data
@@ -196,10 +237,21 @@ class Reader(ZephonStorageReader):
             with contextlib.suppress(Exception):
                 self._catalog.close()
             self._catalog = None
-        self.store.close()
+        self.remote.close()
+        if self.local_store is not None:
+            self.local_store.close()
 
     def __enter__(self) -> Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _local_dir(local_dir: str | os.PathLike | None) -> str | None:
+    """A Reader's ``local_dir``, checked as the Writer's (the manager's config key) is."""
+    if local_dir is None:
+        return None
+    given = os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir
+    config = CheckpointingConfig(save_dir="unused", local_dir=given, prefix="Reader")
+    return config.local_dir
