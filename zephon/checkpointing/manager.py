@@ -528,6 +528,21 @@ class CheckpointManager:
             def choose(
                 lineage, local=local
             ) -> tuple[int | None, tuple[LatestCheckpoint | None, bool]]:
+                if local is not None and self.tier is not None and self.catalog is not None:
+                    # The catalog's newest committed row at or below L: L wins (judged by the
+                    # lineage the claim read) and R's marker is not read, since R is not loaded.
+                    latest = find_latest(
+                        self.location,
+                        catalog=self.catalog,
+                        lineage=lineage,
+                        on_corrupt=self._on_damaged,
+                        confirm=False,
+                    )
+                    remote = latest.step if latest is not None else None
+                    if (remote is None or remote <= local) and self.tier.prefers(
+                        local, lineage, remote
+                    ):
+                        return local, (latest, True)
                 latest = find_latest(
                     self.location,
                     catalog=self.catalog,
