@@ -163,7 +163,7 @@ class Reader(ZephonStorageReader):
             manifest = self.local_store.latest(self.run, lineage=lineage)
             if manifest is None or manifest.step < remote_step:
                 return None
-            if not self.local_store.verify(self.run, manifest.step).ok:
+            if not _whole(manifest) or not self.local_store.verify(self.run, manifest.step).ok:
                 return None
         except StorageError:
             return None
@@ -255,3 +255,14 @@ def _local_dir(local_dir: str | os.PathLike | None) -> str | None:
     given = os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir
     config = CheckpointingConfig(save_dir="unused", local_dir=given, prefix="Reader")
     return config.local_dir
+
+
+def _whole(manifest: Manifest) -> bool:
+    """Whether a local marker lists every rank's shard files: with local directories not
+    shared, each lists only the files on its own disk (docs/tiers.md), which is not a
+    checkpoint this process can load on its own."""
+    dcp_facts = manifest.metadata.get("dcp") if isinstance(manifest.metadata, dict) else None
+    wanted = dcp_facts.get("shard_files") if isinstance(dcp_facts, dict) else None
+    if not isinstance(wanted, int):
+        return False
+    return sum(1 for f in manifest.files if f.name.endswith(".distcp")) == wanted

@@ -216,3 +216,44 @@ def test_bad_tier_arguments_get_the_managers_one_line_errors(tmp_path):
             make()
         message = str(info.value)
         assert words in message and "\n" not in message, message
+
+
+# -- two gloo ranks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-local-dir", "local-dir-per-rank"])
+def test_two_ranks_upload_in_step_past_a_failed_save_and_load_the_latest(
+    s3_backend, tmp_path, catalog_url, shared
+):
+    from tests.zephon.dcp.dropin_tier_worker import RUN as WORKER_RUN
+    from tests.zephon.dcp.test_dropin import launch_with
+
+    config = {
+        "url": s3_backend.url,
+        "storage_options": s3_backend.storage_options,
+        "catalog": catalog_url,
+        "local": str(tmp_path / "local"),
+        "shared": shared,
+    }
+    ranks = launch_with(config, 2, "tests.zephon.dcp.dropin_tier_worker")
+    for record in ranks:
+        failure = record["write_failure"]
+        assert failure["type"] == "BackendUnavailableError", failure
+        assert "simulated" in failure["message"]
+        assert record["upload_error"] is None, record["upload_error"]
+        assert record["latest_step"] == 4 and record["latest_equal"], record
+        # a shared local_dir holds the whole checkpoint; one per rank holds only its files
+        assert record["from_local"] is shared, record
+    assert ranks[0]["committed"] == [1, 2, 4] and ranks[1]["committed"] == []
+    remote = s3_backend.open_store()
+    assert remote.committed_steps(WORKER_RUN) == [1, 2, 4]
+    assert remote.verify(WORKER_RUN, 4, deep=True).ok
+    names = {f.name for f in remote.read_manifest(WORKER_RUN, 4).files}
+    assert {"__0_0.distcp", "__1_0.distcp"} <= names
+    local = CheckpointStore(str(tmp_path / "local" / ("" if shared else "rank0")))
+    assert local.committed_steps(WORKER_RUN) == [4]  # local_num_to_keep=1
+    with Catalog(catalog_url) as catalog:
+        states = {row.step: row.state for row in catalog.list_checkpoints(WORKER_RUN)}
+        timings = catalog.get_checkpoint(WORKER_RUN, 4).timings or {}
+    assert states == {1: "committed", 2: "committed", 4: "committed"}, states
+    assert {"local_s", "upload_s", "total_s"} <= set(timings), timings
