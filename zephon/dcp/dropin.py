@@ -416,6 +416,11 @@ class Writer(ZephonStorageWriter):
             if self.tiering is None:
                 save.committed()
         except BaseException as exc:
+            if self.tiering is not None and save.writer.manifest is not None:
+                # the local marker is committed (``on_commit`` raised after it): a checkpoint,
+                # uploaded like any other; the other ranks queued their part already
+                self._save = None
+                self.tiering.committed(save.step, save, save.writer, {}, self._started)
             self._settle_unfinished(exc)
             translated = portable(as_zephon_error(exc))
             if translated is not exc:

@@ -203,6 +203,22 @@ def test_a_stale_writers_pending_upload_is_refused_and_the_new_writers_are_intac
     assert refused, "the stale upload left no failed save_dir replica row"
 
 
+def test_a_local_checkpoint_whose_on_commit_raised_is_still_uploaded(s3_backend, tmp_path):
+    url = f"{s3_backend.url}/{RUN}"
+
+    def refuse(manifest):
+        raise RuntimeError("on_commit says no")
+
+    remote = s3_backend.open_store()
+    options = s3_backend.storage_options
+    with zd.Writer(url, storage_options=options, local_dir=tmp_path, on_commit=refuse) as w:
+        with pytest.raises(zd.DistributedCheckpointError, match="on_commit says no"):
+            zd.save(state_at(1), w, checkpoint_id=f"{url}/save-1")
+        w.wait_uploads()
+    assert remote.committed_steps(RUN) == [1]  # the local marker was committed: a checkpoint
+    assert files_of(remote, 1) == files_of(CheckpointStore(str(tmp_path)), 1)
+
+
 def test_bad_tier_arguments_get_the_managers_one_line_errors(tmp_path):
     url = f"{tmp_path}/r"
     cases = [
