@@ -193,7 +193,8 @@ def attach_ranks(
     got from ``store.begin(run, step)``, or None if ``begin`` failed (every rank then raises);
     the other ranks pass None and get ``store.attach(...)`` with the coordinator's save id.
     The broadcast hands out the save id ``begin`` drew, so no rank writes before ``begin``
-    checked the fence and settled a marker already at the step. Without torch.distributed, returns ``primary``.
+    checked the fence and settled a marker already at the step. Without torch.distributed,
+    returns ``primary``.
     """
     if not _distributed():
         if primary is None:
