@@ -721,9 +721,11 @@ class Catalog(replicas.ReplicaMethods):
         reason = validate.reason("reason", reason)
         with self._db.write(f"mark run {run!r} step {step} missing") as session:
             owner = runs.require(session, self.url, run, lock="update")
-            row = repairs.mark_missing(session, owner, step, reason, _now())
+            now = _now()
+            row = repairs.mark_missing(session, owner, step, reason, now)
             if row is not None:
                 self._event(session, "marked_missing", run, step, {"reason": reason})
+                replicas.save_dir_copy_gone(session, owner.id, step, now)
             return row is not None
 
     def mark_corrupt(self, run: str, step: int, save_id: str, reason: str) -> bool:
@@ -870,9 +872,11 @@ class Catalog(replicas.ReplicaMethods):
         claim_token = validate.text("claim_token", claim_token, maximum=255)
         with self._db.write(f"mark run {run!r} step {step} deleted") as session:
             owner = runs.require(session, self.url, run)
-            row = claims.finish(session, owner, step, claim_token, _now())
+            now = _now()
+            row = claims.finish(session, owner, step, claim_token, now)
             if row is not None:
                 self._event(session, "deleted", run, step, {"claim": claim_token})
+                replicas.save_dir_copy_gone(session, owner.id, step, now)
             return row is not None
 
     def expired_claims(

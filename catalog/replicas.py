@@ -48,7 +48,7 @@ from catalog.errors import (
 from catalog.models import Checkpoint, JsonDocument, Replica, ReplicaState, Run
 from catalog.records import ReplicaRecord
 
-__all__ = ["ReplicaMethods", "merge_timings", "merged_timings"]
+__all__ = ["ReplicaMethods", "merge_timings", "merged_timings", "save_dir_copy_gone"]
 
 PENDING = ReplicaState.PENDING
 COMMITTED = ReplicaState.COMMITTED
@@ -106,6 +106,18 @@ def _guarded_update(
         .execution_options(synchronize_session=False, populate_existing=True)
     )
     return session.scalars(statement).one_or_none()
+
+
+def save_dir_copy_gone(session: Session, run_id: int, step: int, now: datetime) -> bool:
+    """``committed -> deleted`` for the step's ``save_dir`` replica, in the transaction that
+    marks its checkpoint row deleted (gc's delete, a marker found missing): the two say the
+    same thing about the same copy, so they move together. True if a row moved."""
+    moved = _guarded_update(
+        session,
+        [*_where(run_id, step, "save_dir", ""), Replica.state == COMMITTED],
+        {"state": DELETED, "updated_at": now},
+    )
+    return moved is not None
 
 
 def merged_timings(session: Session, timings: dict[str, float]) -> ColumnElement[Any]:

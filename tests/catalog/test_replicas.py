@@ -347,6 +347,27 @@ def test_only_a_committed_replica_is_deleted(catalog, run, setup):
     assert catalog.replicas("r") == before
 
 
+@pytest.mark.parametrize("how", ["gc", "missing"])
+def test_the_save_dir_copy_goes_with_its_checkpoint_row_and_the_local_copy_stays(catalog, run, how):
+    for step in (5, 6):
+        commit_step(catalog, run, step)
+        for where in (LOCAL, SHARED):
+            started(catalog, step=step, where=where)
+            committed(catalog, step=step, where=where)
+    if how == "gc":
+        (claimed,) = catalog.claim_for_deletion(run, [5], requested=True)
+        assert catalog.mark_deleted(run, 5, claimed.claimed_by)
+    else:
+        assert catalog.mark_missing(run, 5)
+    states = {(r.step, r.tier): r.state for r in catalog.replicas(run)}
+    assert states == {
+        (5, "local"): "committed",  # a node's own disk: its tier deletes and records it
+        (5, "save_dir"): "deleted",
+        (6, "local"): "committed",
+        (6, "save_dir"): "committed",
+    }
+
+
 def test_commit_or_fail_without_a_start_is_replica_not_found(catalog, run):
     for call in (committed, failed):
         with pytest.raises(ReplicaNotFoundError) as caught:
