@@ -357,3 +357,26 @@ def test_a_stale_attempt_never_touches_the_current_ones_local_checkpoints(
     assert s3_backend.open_store().committed_steps(RUN) == [2, 3, 4]
     old.close()
     new.close()
+
+
+def test_files_upload_several_at_once_and_one_damaged_file_fails_the_copy(s3_backend, tmp_path):
+    local = CheckpointStore(str(tmp_path / "local"))
+    blobs = {f"shard-{i}.bin": bytes([i]) * (50_000 + i) for i in range(12)}
+    with local.begin(RUN, 1) as writer:
+        entries = [writer.write_bytes(name, data) for name, data in blobs.items()]
+        writer.commit()
+    payload = Path(local.checkpoint_path(RUN, 1)) / local.read_manifest(RUN, 1).payload
+    remote = s3_backend.open_store()
+    target = remote.begin(RUN, 1)
+    copy_verified(entries, str(payload), target, threads=4)
+    target.add_entries(entries)
+    target.commit()
+    reader = remote.reader(RUN, 1)
+    assert {name: reader.read_bytes(name) for name in blobs} == blobs
+
+    (payload / "shard-5.bin").write_bytes(b"\xff" * len(blobs["shard-5.bin"]))
+    again = remote.begin(RUN, 2)
+    with pytest.raises(CorruptCheckpointError, match="shard-5.bin"):
+        copy_verified(entries, str(payload), again, threads=4)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_backend.storage_options)
+    assert not fs.exists(f"{again.payload_path}/shard-5.bin")
