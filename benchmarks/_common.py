@@ -6,8 +6,10 @@ is shared and absolute numbers drift from run to run.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -84,3 +86,26 @@ def table(rows: list[tuple], headers: tuple) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def run_ranks(script: str, world: int, config: dict, what: str) -> dict:
+    """Run ``script --worker <rank> <world> <port> <config json>`` as ``world`` processes (a
+    rendezvous port for torch.distributed on 127.0.0.1) and return the JSON that rank 0
+    prints on a line ``RESULT <json>``. ``what`` names the case if a rank fails."""
+    port = servers.free_port()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    argv = [sys.executable, os.path.abspath(script), "--worker"]
+    procs = [
+        subprocess.Popen(
+            [*argv, str(rank), str(world), str(port), json.dumps(config)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = [p.communicate()[0] for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        raise SystemExit(f"{what} on {world} process(es): a rank exited with an error")
+    line = next(x for x in outputs[0].splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])

@@ -33,14 +33,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 import warnings
 
-from _common import REPO, servers, table, timed
+from _common import run_ranks, servers, table, timed
 from latency_proxy import LatencyProxy
 
 BUCKET = "local-tier"
@@ -154,23 +152,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
 
 
 def run_workers(world: int, config: dict) -> dict:
-    port = servers.free_port()
-    env = {**os.environ, "PYTHONPATH": REPO}
-    argv = [sys.executable, os.path.abspath(__file__), "--worker"]
-    procs = [
-        subprocess.Popen(
-            [*argv, str(rank), str(world), str(port), json.dumps(config)],
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = [p.communicate()[0] for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        raise SystemExit(f"local tier on {world} process(es): a rank exited with an error")
-    line = next(x for x in outputs[0].splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_ranks(__file__, world, config, "local tier")
 
 
 # -- report --------------------------------------------------------------------------------------
