@@ -122,6 +122,45 @@ def test_checkpoints_json_has_timings_and_replicas(cli, tiered):
     assert replicas[0]["location"] == "/t/local/r/save-5"
 
 
+@pytest.fixture
+def local_only(tiered):
+    """Beside ``tiered``: step 7 committed on a local disk and step 8 being saved there, both
+    without a checkpoint row (their uploads never began), and step 9 a local copy since
+    deleted."""
+    _replica(tiered, 7, "local-7", "local", "committed")
+    _replica(tiered, 8, "local-8", "local", "pending")
+    _replica(tiered, 9, "local-9", "local", "committed")
+    tiered.replica_deleted("r", 9, tier="local", host="node-1")
+    return tiered
+
+
+def test_steps_only_a_local_tier_holds_are_listed_in_order(cli, local_only):
+    code, out, err = cli("checkpoints", "r", "--wide")
+    assert (code, err) == (0, "")
+    rows = _rows(out)
+    assert list(rows) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert (rows[7]["state"], rows[7]["tiers"], rows[7]["path"]) == (
+        "local only",
+        "local (upload not begun)",
+        "/t/local/r/save-7",
+    )
+    assert rows[7]["committed (UTC)"] != ""
+    assert (rows[8]["state"], rows[8]["tiers"]) == ("local only", "local (saving)")
+
+    code, out, _ = cli("checkpoints", "r", "--json")
+    by_step = {c["step"]: c for c in json.loads(out)}
+    assert sorted(by_step) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert by_step[7]["state"] == "local only"
+    assert [(r["tier"], r["state"]) for r in by_step[7]["replicas"]] == [("local", "committed")]
+
+    code, out, _ = cli("checkpoints", "r", "--state", "committed", "--json")
+    assert 7 not in {c["step"] for c in json.loads(out)}  # not a checkpoint state
+    code, out, _ = cli("checkpoints", "r", "--all", "--json")
+    assert {7, 8} <= {c["step"] for c in json.loads(out)} and 9 not in {
+        c["step"] for c in json.loads(out)
+    }
+
+
 def test_runs_show_the_latest_saves_stall(cli, tiered, narrow):
     tiered.ensure_run("quiet", "/c")
     code, out, _ = cli("runs")

@@ -128,12 +128,29 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         copies: dict[int, list[ReplicaRecord]] = {}
         for replica in cat.replicas(args.run):
             copies.setdefault(replica.step, []).append(replica)
+        # Steps only a local tier holds (their upload never began) have no checkpoint row;
+        # shown unless a --state filter asks for checkpoint states.
+        local_only: dict[int, list[ReplicaRecord]] = {}
+        if not args.state:
+            known = {r.step for r in cat.list_checkpoints(args.run)} if states else None
+            local_only = timing.local_only(copies, known or {r.step for r in rows})
     if args.json:
         print_json(
-            [
-                {**r.to_dict(), "replicas": [c.to_dict() for c in copies.get(r.step, [])]}
-                for r in rows
-            ]
+            sorted(
+                [
+                    {**r.to_dict(), "replicas": [c.to_dict() for c in copies.get(r.step, [])]}
+                    for r in rows
+                ]
+                + [
+                    {
+                        "step": step,
+                        "state": timing.LOCAL_ONLY,
+                        "replicas": [c.to_dict() for c in held],
+                    }
+                    for step, held in local_only.items()
+                ],
+                key=lambda entry: entry["step"],
+            )
         )
         return EXIT_OK
 
@@ -158,22 +175,26 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             Column("committed (UTC)", drop=2),
             Column("path", flex=True),
         ],
-        [
-            (
-                r.step,
-                r.state,
-                r.epoch,
-                human_bytes(r.bytes),
-                r.file_count,
-                timing.duration(r.timings),
-                timing.rate(r.bytes, r.timings),
-                timing.tiers(r, copies.get(r.step, ())),
-                "yes" if r.pinned else "",
-                committed(r.committed_at),
-                _relative(r.path, record.storage_url),
-            )
-            for r in rows
-        ],
+        sorted(
+            [
+                (
+                    r.step,
+                    r.state,
+                    r.epoch,
+                    human_bytes(r.bytes),
+                    r.file_count,
+                    timing.duration(r.timings),
+                    timing.rate(r.bytes, r.timings),
+                    timing.tiers(r, copies.get(r.step, ())),
+                    "yes" if r.pinned else "",
+                    committed(r.committed_at),
+                    _relative(r.path, record.storage_url),
+                )
+                for r in rows
+            ]
+            + [timing.local_only_row(step, held, committed) for step, held in local_only.items()],
+            key=lambda row: row[0],
+        ),
         wide=args.wide,
     )
     return EXIT_OK

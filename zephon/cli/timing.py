@@ -7,12 +7,25 @@ A row nobody timed (older rows, a tool that does not time) shows ``-``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
 
 from catalog import CheckpointRecord, ReplicaRecord
-from zephon.cli.render import human_rate, human_seconds
+from zephon.cli.render import human_bytes, human_rate, human_seconds
 
-__all__ = ["duration", "duration_s", "rate", "stall", "tiers"]
+__all__ = [
+    "LOCAL_ONLY",
+    "duration",
+    "duration_s",
+    "local_only",
+    "local_only_row",
+    "rate",
+    "stall",
+    "tiers",
+]
+
+#: the state ``zephon checkpoints`` shows for a step only a local tier holds (no checkpoint row)
+LOCAL_ONLY = "local only"
 
 #: checkpoint states whose copies the tiers column describes (the others are gone, going,
 #: or not a checkpoint)
@@ -67,3 +80,45 @@ def tiers(row: CheckpointRecord, replicas: Iterable[ReplicaRecord]) -> str:
         upload = [r.state for r in copies if r.tier == "save_dir"]
         return "local (upload failed)" if upload == ["failed"] else "local (upload pending)"
     return ", ".join(on) or "-"
+
+
+def local_only(
+    copies: Mapping[int, Iterable[ReplicaRecord]], known: set[int]
+) -> dict[int, list[ReplicaRecord]]:
+    """Steps without a checkpoint row (not in ``known``) that a local tier holds or is
+    writing: a local save whose upload never began (a node that died right after its local
+    commit, or uploads queued behind backpressure). Ordered by step."""
+    held: dict[int, list[ReplicaRecord]] = {}
+    for step in sorted(copies):
+        replicas = list(copies[step])
+        if step not in known and any(
+            r.tier == "local" and r.state in ("pending", "committed") for r in replicas
+        ):
+            held[step] = replicas
+    return held
+
+
+def local_only_row(
+    step: int,
+    replicas: Iterable[ReplicaRecord],
+    committed: Callable[[datetime | None], str | None],
+) -> tuple:
+    """The ``zephon checkpoints`` row of such a step, in the table's columns: its size and
+    local timings from the newest local replica, the tiers ``local (upload not begun)`` or
+    ``local (saving)``, its commit time as ``committed`` shows it, and the local copy's
+    location as its path."""
+    local = [r for r in replicas if r.tier == "local" and r.state in ("pending", "committed")]
+    copy = max(local, key=lambda r: r.updated_at)
+    return (
+        step,
+        LOCAL_ONLY,
+        None,
+        human_bytes(copy.bytes),
+        None,
+        human_seconds((copy.timings or {}).get("local_s")),
+        "-",
+        "local (upload not begun)" if copy.state == "committed" else "local (saving)",
+        "",
+        committed(copy.committed_at),
+        copy.location,
+    )
