@@ -237,6 +237,11 @@ def status(value: str) -> str:
 
 
 def states(values: object) -> list[str] | None:
+    return _states(values, CheckpointState)
+
+
+def _states(values: object, enum: type) -> list[str] | None:
+    """A state filter: None (every state), one state, or an iterable of states of ``enum``."""
     if values is None:
         return None
     if isinstance(values, str):
@@ -245,7 +250,7 @@ def states(values: object) -> list[str] | None:
         items = list(values)  # type: ignore[call-overload]
     except TypeError:
         raise InvalidValueError("states", values, "expected a state or a list of states") from None
-    return [_member("state", v, CheckpointState) for v in items]
+    return [_member("state", v, enum) for v in items]
 
 
 def _member(argument: str, value: str, enum: type) -> str:
@@ -299,12 +304,4 @@ def replica_host(tier_: str, value: str) -> str:
 
 
 def replica_states(values: object) -> list[str] | None:
-    if values is None:
-        return None
-    if isinstance(values, str):
-        values = [values]
-    try:
-        items = list(values)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidValueError("states", values, "expected a state or a list of states") from None
-    return [_member("state", v, ReplicaState) for v in items]
+    return _states(values, ReplicaState)
