@@ -42,7 +42,7 @@ from catalog import (
 )
 from catalog.audit import default_actor, record_event
 from catalog.engine import Database
-from catalog.errors import CheckpointNotFoundError, InvalidValueError
+from catalog.errors import CheckpointRecordNotFoundError, InvalidValueError
 from catalog.models import Checkpoint, CheckpointState, Event, RunKind, RunStatus
 from catalog.records import (
     AttemptRecord,
@@ -520,7 +520,7 @@ class Catalog(replicas.ReplicaMethods):
         epoch. Raises ``StateConflictError`` when the row is no longer this save's pending row
         (re-armed by a newer save, failed by gc after the grace period),
         ``InvalidTransitionError`` when the save was begun by another attempt (only the
-        attempt that began a save commits it), ``CheckpointNotFoundError`` without a row.
+        attempt that began a save commits it), ``CheckpointRecordNotFoundError`` without a row.
         """
         run, step = validate.run_name(run), validate.step(step)
         save_id = validate.token("save_id", save_id)
@@ -625,13 +625,13 @@ class Catalog(replicas.ReplicaMethods):
             return [CheckpointRecord.of(row, run) for row in session.scalars(statement)]
 
     def get_checkpoint(self, run: str, step: int) -> CheckpointRecord:
-        """One checkpoint row in any state (``CheckpointNotFoundError`` if none)."""
+        """One checkpoint row in any state (``CheckpointRecordNotFoundError`` if none)."""
         run, step = validate.run_name(run), validate.step(step)
         with self._db.read(f"read run {run!r} step {step}") as session:
             owner = runs.require(session, self.url, run)
             row = transitions.load(session, owner.id, step)
             if row is None:
-                raise CheckpointNotFoundError(self.url, run, step)
+                raise CheckpointRecordNotFoundError(self.url, run, step)
             return CheckpointRecord.of(row, run)
 
     # -- pins ------------------------------------------------------------------------------

@@ -282,9 +282,12 @@ class RunConflictError(CatalogError):
         )
 
 
-class CheckpointNotFoundError(CatalogError):
-    """No row for this (run, step); with ``save_id`` (``add_timings``), no row of that save:
-    ``found_save`` is the save the row holds instead (None: no row at all)."""
+class CheckpointRecordNotFoundError(CatalogError):
+    """No checkpoint record (row) for this (run, step); with ``save_id`` (``add_timings``), no
+    row of that save: ``found_save`` is the save the row holds instead (None: no row at all).
+
+    A missing catalog row, not a missing checkpoint: the project's one "no such checkpoint"
+    error is ``storage.CheckpointNotFoundError``, which ``zephon`` raises to users."""
 
     def __init__(
         self,
@@ -311,7 +314,10 @@ class CheckpointNotFoundError(CatalogError):
         )
 
 
-class ReplicaNotFoundError(CheckpointNotFoundError):
+CheckpointNotFoundError = CheckpointRecordNotFoundError  # removed once zephon moved
+
+
+class ReplicaNotFoundError(CheckpointRecordNotFoundError):
     """No replica row for this (run, step, tier, host): ``replica_started`` was never called."""
 
     def __init__(self, url: str, run: str, step: int, tier: str, host: str) -> None:

@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session
 
 from catalog import runs, validate
 from catalog.errors import (
-    CheckpointNotFoundError,
+    CheckpointRecordNotFoundError,
     InvalidTransitionError,
     InvalidValueError,
     ReplicaNotFoundError,
@@ -309,7 +309,7 @@ class ReplicaMethods:
     def add_timings(self, run: str, step: int, save_id: str, timings: Mapping[str, float]) -> None:
         """Merge phases into the row of save ``save_id`` (keys already there are overwritten):
         for phases measured after the commit, such as an async save's stall or the upload of
-        a local save. Any state; ``CheckpointNotFoundError`` when the step has no row or a row
+        a local save. Any state; ``CheckpointRecordNotFoundError`` when the step has no row or a row
         of another save (``found_save``: a newer save re-armed it). Phases are those of
         ``catalog.validate.TIMING_PHASES``, finite seconds >= 0 (``InvalidValueError``
         otherwise). Does not touch ``updated_at`` (retention's clock for stale rows)."""
@@ -337,7 +337,7 @@ class ReplicaMethods:
                         Checkpoint.run_id == owner.id, Checkpoint.step == step
                     )
                 ).one_or_none()
-                raise CheckpointNotFoundError(
+                raise CheckpointRecordNotFoundError(
                     self.url, run, step, save_id=save_id, found_save=other
                 )
             if checked:
@@ -392,7 +392,7 @@ class ReplicaMethods:
         ``upload_s``...). Idempotent for the same save. ``StateConflictError`` (an
         ``InvalidTransitionError``) when another save re-armed the row since (the upload
         of an older save finished late), ``InvalidTransitionError`` when this save's row is
-        failed or deleted, ``ReplicaNotFoundError`` (a ``CheckpointNotFoundError``)
+        failed or deleted, ``ReplicaNotFoundError`` (a ``CheckpointRecordNotFoundError``)
         without ``replica_started``."""
         run, step = validate.run_name(run), validate.step(step)
         tier = validate.tier(tier)

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from catalog.errors import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
+    CheckpointRecordNotFoundError,
     InvalidTransitionError,
     StateConflictError,
 )
@@ -208,7 +208,7 @@ def _finish_save(
         return moved[0], True
     row = load(session, run.id, step)
     if row is None:
-        raise CheckpointNotFoundError(url, run.name, step)
+        raise CheckpointRecordNotFoundError(url, run.name, step)
     if row.state == target and row.save_id == save_id:
         # Already done by this save: a retried call, or the marker probe promoted it.
         return row, False
@@ -266,7 +266,7 @@ def set_pinned(
         return moved[0], True
     row = load(session, run.id, step)
     if row is None:
-        raise CheckpointNotFoundError(url, run.name, step)
+        raise CheckpointRecordNotFoundError(url, run.name, step)
     if row.pinned == pinned:
         return row, False
     raise InvalidTransitionError(

@@ -12,7 +12,7 @@ from sqlalchemy import create_engine, text
 
 from catalog import (
     TIMING_PHASES,
-    CheckpointNotFoundError,
+    CheckpointRecordNotFoundError,
     InvalidTransitionError,
     InvalidValueError,
     ReplicaNotFoundError,
@@ -95,7 +95,7 @@ def test_commit_records_timings_and_add_timings_merges_later_ones(catalog, run):
 
 
 def test_add_timings_needs_the_row_of_that_save(catalog, run):
-    with pytest.raises(CheckpointNotFoundError) as caught:
+    with pytest.raises(CheckpointRecordNotFoundError) as caught:
         catalog.add_timings(run, 9, "nope", {"stall_s": 1})
     assert caught.value.found_save is None
     first = catalog.begin_checkpoint(run, 9, "/c/r/save-9")
@@ -103,7 +103,7 @@ def test_add_timings_needs_the_row_of_that_save(catalog, run):
     catalog.mark_failed(run, 9, first.save_id, "crashed")
     second = catalog.begin_checkpoint(run, 9, "/c/r/save-9")
     assert catalog.get_checkpoint(run, 9).timings is None  # re-arming clears them
-    with pytest.raises(CheckpointNotFoundError) as caught:
+    with pytest.raises(CheckpointRecordNotFoundError) as caught:
         catalog.add_timings(run, 9, first.save_id, {"stall_s": 1})
     assert caught.value.found_save == second.save_id
     assert first.save_id in str(caught.value) and second.save_id in str(caught.value)
@@ -372,7 +372,7 @@ def test_commit_or_fail_without_a_start_is_replica_not_found(catalog, run):
     for call in (committed, failed):
         with pytest.raises(ReplicaNotFoundError) as caught:
             call(catalog)
-        assert isinstance(caught.value, CheckpointNotFoundError)
+        assert isinstance(caught.value, CheckpointRecordNotFoundError)
         assert (caught.value.tier, caught.value.host, caught.value.step) == ("local", "node-1", 5)
         assert "replica_started" in str(caught.value)
 

@@ -8,7 +8,7 @@ import pytest
 
 from catalog import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
+    CheckpointRecordNotFoundError,
     InvalidTransitionError,
     InvalidValueError,
     RunNotFoundError,
@@ -141,11 +141,11 @@ def test_failed_then_commit_by_the_same_attempt_is_a_conflict(catalog, run):
 
 
 def test_transitions_on_missing_rows_and_runs_name_them(catalog, run):
-    with pytest.raises(CheckpointNotFoundError) as caught:
+    with pytest.raises(CheckpointRecordNotFoundError) as caught:
         catalog.mark_committed(run, 9, "a", bytes=1, file_count=1, manifest_checksum=None)
     assert (caught.value.run, caught.value.step) == (run, 9)
     assert "zephon checkpoints r" in str(caught.value)
-    with pytest.raises(CheckpointNotFoundError):
+    with pytest.raises(CheckpointRecordNotFoundError):
         catalog.get_checkpoint(run, 9)
     with pytest.raises(RunNotFoundError):
         catalog.begin_checkpoint("ghost", 1, "/c")
@@ -223,7 +223,7 @@ def test_pin_and_unpin_are_idempotent_and_audited(catalog, run):
     catalog.unpin(run, 2)
     with pytest.raises(InvalidTransitionError, match="is failed"):
         catalog.pin(run, 2)
-    with pytest.raises(CheckpointNotFoundError):
+    with pytest.raises(CheckpointRecordNotFoundError):
         catalog.pin(run, 99)
 
 
