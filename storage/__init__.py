@@ -2,8 +2,28 @@
 commit marker holding a manifest of every file (sizes and CRC32C).
 
 Knows nothing of the catalog or torch.
+
+Besides checkpoints, the public API offers what a layer that keeps its own small files on a
+``Location`` needs (``zephon.pipeline``'s aggregation, ``zephon.dcp``'s reader): the backend
+primitives of ``storage.backend`` (``list_files``, ``read_small``, ``create_exclusive``, ...,
+each a call of the location's ``Backend``), ``backend_errors`` (backend failures as
+``BackendUnavailableError``) and the CRC32C helpers of ``storage.checksum``.
 """
 
+from storage.backend import (
+    ListedFile,
+    backend_errors,
+    create_exclusive,
+    file_exists,
+    list_files,
+    make_dirs,
+    put_small,
+    read_small,
+    remove_empty_dirs,
+    remove_files,
+)
+from storage.backends import Backend
+from storage.checksum import Crc32c, crc32c_extend, crc32c_of, decode_crc32c, encode_crc32c
 from storage.errors import (
     BackendUnavailableError,
     CheckpointNotFoundError,
@@ -55,4 +75,22 @@ __all__ = [
     "open_location",
     "validate_run",
     "validate_step",
+    # backends and their primitives (storage.backends, storage.backend)
+    "Backend",
+    "ListedFile",
+    "backend_errors",
+    "create_exclusive",
+    "file_exists",
+    "list_files",
+    "make_dirs",
+    "put_small",
+    "read_small",
+    "remove_empty_dirs",
+    "remove_files",
+    # CRC32C (storage.checksum)
+    "Crc32c",
+    "crc32c_extend",
+    "crc32c_of",
+    "decode_crc32c",
+    "encode_crc32c",
 ]

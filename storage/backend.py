@@ -1,38 +1,43 @@
-"""The boundary between the storage layer and fsspec: backend errors translated once, listing
-entries normalised, and the few primitive operations whose behaviour differs per backend.
+"""The boundary between the storage layer and fsspec: backend errors translated once, and the
+few primitive operations whose behaviour differs per backend, each a call of the location's
+``Backend`` (``storage.backends``: one class per family of filesystems, chosen once when the
+location was opened). Everything in the storage layer (and zephon, through ``storage``) calls
+these functions; what differs between backends lives only in the backend classes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import errno
-import functools
-import inspect
-import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from storage.backends.base import ListedFile, mtime_of
 from storage.errors import BackendUnavailableError, StorageError, StorageOptionsRefusedError
-from storage.location import Location
 from storage.redact import redact
+
+if TYPE_CHECKING:
+    from storage.location import Location
 
 __all__ = [
     "ListedFile",
     "backend_errors",
+    "create_exclusive",
+    "file_exists",
     "list_files",
+    "make_dirs",
     "mtime_of",
     "multipart_options",
-    "read_small",
+    "put_small",
     "read_ranges",
-    "file_exists",
+    "read_small",
+    "remove_dir",
     "remove_empty_dirs",
     "remove_files",
+    "sync_dirs",
 ]
 
 _PASSTHROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
-#: backends whose listings filter by key prefix on the server, and whose uploads can be chunked
-SERVER_SIDE_PREFIX = frozenset({"s3", "s3a", "gs", "gcs"})
 _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "requests", "urllib3")
 #: libraries whose own code raising a TypeError or AttributeError means unusable options
 _BACKEND_MODULES = (*_NETWORK_MODULES, "s3fs", "gcsfs", "adlfs", "fsspec.implementations")
@@ -88,135 +93,78 @@ def backend_errors(location: Location, action: str) -> Iterator[None]:
         raise BackendUnavailableError(f"{what}; {fix}", url=location.url) from exc
 
 
-@dataclass(frozen=True, slots=True)
-class ListedFile:
-    """One object or file from a listing: path in the filesystem's form, size, mtime (epoch s)."""
-
-    path: str
-    size: int
-    mtime: float | None
+# -- the primitives: each asks the location's backend (storage.backends), chosen when the
+# location was opened. One call style everywhere: ``operation(location, path, ...)``.
 
 
-def mtime_of(info: dict) -> float | None:
-    """Modification time of a listing entry, across the keys each backend uses."""
-    for key in ("mtime", "LastModified", "updated", "created"):
-        value = info.get(key)
-        if value is None or value == "":
-            continue
-        if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, dt.datetime):
-            return value.timestamp()
-        if isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    return None
-
-
-def list_files(location: Location, path: str) -> list[ListedFile]:
+def list_files(location: Location, path: str, *, prefix: str = "") -> list[ListedFile]:
     """Every file below ``path`` with one listing where the backend allows it (object stores
-    list a prefix recursively in pages); an absent path lists as empty."""
-    fs = location.fs
-    try:
-        if location.protocol in SERVER_SIDE_PREFIX:
-            # Listing <parent> with prefix "<name>/" is one paged LIST; listing <path> itself
-            # would add a HEAD and a second LIST whenever the directory is empty.
-            parent, _, name = path.rstrip("/").rpartition("/")
-            found = fs.find(parent, detail=True, withdirs=False, prefix=f"{name}/")
-        else:
-            found = fs.find(path, detail=True, withdirs=False)
-    except FileNotFoundError:
-        return []
-    out = []
-    for name, info in found.items():
-        if info.get("type") == "directory":
-            continue
-        out.append(ListedFile(name, int(info.get("size") or 0), mtime_of(info)))
-    return out
+    list a prefix recursively in pages); an absent path lists as empty. ``prefix`` keeps only
+    the files whose first path component below ``path`` starts with it (filtered by the server
+    where it can)."""
+    return location.backend.list_files(path, prefix=prefix)
 
 
 def remove_files(location: Location, paths: Iterable[str]) -> int:
     """Delete files in as few requests as the backend allows (S3 DeleteObjects: 1000 keys each,
     GCS batch: 100); missing ones are ignored. Returns how many paths were passed."""
-    paths = list(paths)
-    if not paths:
-        return 0
-    fs = location.fs
-    if location.is_local:
-        for path in paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        return len(paths)
-    try:
-        fs.rm(paths)
-    except FileNotFoundError:
-        # Some backends refuse the whole batch when one key is already gone; finish one by one.
-        for path in paths:
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm_file(path)
-    return len(paths)
+    return location.backend.remove_files(paths)
 
 
 def remove_empty_dirs(location: Location, top: str) -> None:
-    """Remove now-empty directories under and including ``top`` (POSIX and memory only: object
-    stores have no directories to remove)."""
-    if location.is_local:
-        for dirpath, _dirs, _files in os.walk(top, topdown=False):
-            with contextlib.suppress(OSError):
-                os.rmdir(dirpath)
-    elif location.protocol == "memory":
-        with contextlib.suppress(FileNotFoundError, OSError):
-            location.fs.rm(top, recursive=True)
+    """Remove now-empty directories under and including ``top`` (where the backend has
+    directories: object stores have none to remove)."""
+    location.backend.remove_empty_dirs(top)
+
+
+def remove_dir(location: Location, path: str) -> None:
+    """Remove ``path`` if it is an empty directory (where the backend has directories)."""
+    location.backend.remove_dir(path)
+
+
+def make_dirs(location: Location, path: str, *, durable: bool = False) -> None:
+    """Make directory ``path`` and its parents where the backend needs them before a file is
+    written into it (local disk); ``durable``: the new entries survive a power loss."""
+    location.backend.make_dirs(path, durable=durable)
+
+
+def sync_dirs(location: Location, paths: Iterable[str]) -> None:
+    """Make the entries of these directories durable (local disk: fsync); a no-op elsewhere."""
+    location.backend.sync_dirs(paths)
 
 
 def multipart_options(location: Location, part_size: int) -> dict:
     """Keyword arguments that make ``pipe_file`` split data of at least two parts into a
     multipart (S3) or resumable (GCS) upload of ``part_size`` parts; s3fs sends the parts
     concurrently. Other backends take a single write."""
-    return {"chunksize": part_size} if location.protocol in SERVER_SIDE_PREFIX else {}
+    return location.backend.multipart_options(part_size)
 
 
 def read_small(location: Location, path: str) -> bytes:
-    """The whole content of a small object (a marker) in one GET; s3fs releases that take
-    ``max_concurrency`` would otherwise HEAD first to decide whether to download in concurrent
-    ranges (older ones, such as the 2026.2 that ``datasets`` pins, do one GET anyway)."""
-    if location.protocol in {"s3", "s3a"} and _takes_max_concurrency(type(location.fs)):
-        return location.fs.cat_file(path, max_concurrency=1)
-    return location.fs.cat_file(path)
-
-
-@functools.cache
-def _takes_max_concurrency(filesystem: type) -> bool:
-    method = getattr(filesystem, "_cat_file", None) or filesystem.cat_file
-    try:
-        return "max_concurrency" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
+    """The whole content of a small object (a marker) in one GET (on S3 without the HEAD that
+    newer s3fs releases send first to decide on concurrent ranges)."""
+    return location.backend.read_small(path)
 
 
 def file_exists(location: Location, path: str) -> bool:
     """Whether one file exists, in one request. (s3fs's ``exists`` follows a missing key's HEAD
     with a LIST to see whether it is a directory.)"""
-    if location.is_local:
-        return os.path.isfile(path)
-    if location.protocol in SERVER_SIDE_PREFIX:
-        parent, _, name = path.rpartition("/")
-        try:
-            return path in location.fs.find(parent, prefix=name, withdirs=False)
-        except FileNotFoundError:
-            return False
-    return location.fs.isfile(path)
+    return location.backend.file_exists(path)
 
 
 def read_ranges(location: Location, path: str, size: int, chunk: int) -> Iterator[bytes]:
     """A file of known size as consecutive chunks, without first asking the backend its size."""
-    if location.is_local:
-        with open(path, "rb") as handle:
-            while piece := handle.read(chunk):
-                yield piece
-        return
-    if size == 0:
-        yield read_small(location, path)
-        return
-    for start in range(0, size, chunk):
-        yield location.fs.cat_file(path, start=start, end=min(start + chunk, size))
+    return location.backend.read_ranges(path, size, chunk)
+
+
+def create_exclusive(location: Location, path: str, data: bytes) -> None:
+    """Create ``path`` holding ``data`` or raise ``FileExistsError`` if it exists; a reader
+    never sees it partly written. Exclusive (a race has exactly one winner) where
+    ``location.backend.exclusive_create``: local disk (temp file + hard link), S3 and GCS
+    (create-only PUT), memory; elsewhere check-then-put, where the last of two racers wins."""
+    location.backend.create_exclusive(path, data)
+
+
+def put_small(location: Location, path: str, data: bytes) -> None:
+    """Write a small file with one plain write: not atomic, not exclusive, not synced."""
+    location.backend.put_small(path, data)

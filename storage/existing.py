@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from typing import TYPE_CHECKING
 
 from storage.backend import (
     backend_errors,
+    create_exclusive,
     file_exists,
     list_files,
+    make_dirs,
     remove_empty_dirs,
     remove_files,
+    sync_dirs,
 )
 from storage.checksum import crc32c_of
-from storage.commit import fsync_dir, marker_protocol_for
 from storage.errors import CommitConflictError, CorruptCheckpointError, StaleAttemptError
 from storage.layout import CORRUPT_PREFIX
 from storage.lineage import AttemptRecord, Fence, Lineage, newer_epochs
@@ -145,8 +146,7 @@ def replace_marker(
             key = manifest.save_id if manifest is not None else f"marker-{crc32c_of(data)}"
             write_record(store, run, step, key, why, data)
         remove_files(location, [store.marker_path(run, step)])
-        if location.is_local:
-            fsync_dir(step_path)
+        sync_dirs(location, [step_path])
         if not keep and manifest is not None and manifest.payload:
             payload = f"{step_path}/{manifest.payload}"
             remove_files(location, [f.path for f in list_files(location, payload)])
@@ -173,10 +173,9 @@ def write_record(
     path = f"{store.checkpoint_path(run, step)}/{CORRUPT_PREFIX}{key}"
     location = store.location
     with backend_errors(location, f"condemning {store.checkpoint_url(run, step)}"):
-        if location.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+        make_dirs(location, store.checkpoint_path(run, step))
         with contextlib.suppress(FileExistsError):
-            marker_protocol_for(location).create(location.fs, path, record)
+            create_exclusive(location, path, record)
 
 
 def is_condemned(store: CheckpointStore, run: str | None, step: int, save_id: str) -> bool:

@@ -3,14 +3,12 @@ loose files of uncommitted steps, and condemned saves kept for inspection."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from storage.backend import backend_errors, list_files, remove_empty_dirs, remove_files
+from storage.backend import backend_errors, list_files, remove_dir, remove_empty_dirs, remove_files
 from storage.errors import CheckpointNotFoundError, CorruptCheckpointError
 from storage.layout import CORRUPT_PREFIX, MARKER_NAME
 
@@ -94,9 +92,7 @@ def remove_orphan(store: CheckpointStore, orphan: Orphan) -> None:
                 and not f.path.rsplit("/", 1)[-1].startswith(CORRUPT_PREFIX)
             ]
             remove_files(location, loose)
-        if location.is_local:
-            with contextlib.suppress(OSError):
-                os.rmdir(store.checkpoint_path(orphan.run, orphan.step))
+        remove_dir(location, store.checkpoint_path(orphan.run, orphan.step))  # if now empty
 
 
 def condemned_saves(store: CheckpointStore, run: str | None) -> list[tuple[int, str]]:
@@ -120,6 +116,4 @@ def remove_condemned(store: CheckpointStore, run: str | None, step: int, save_id
         remove_files(location, [f.path for f in list_files(location, payload)])
         remove_empty_dirs(location, payload)
         remove_files(location, [f"{step_path}/{CORRUPT_PREFIX}{save_id}"])
-        if location.is_local:
-            with contextlib.suppress(OSError):
-                os.rmdir(step_path)
+        remove_dir(location, step_path)  # if now empty

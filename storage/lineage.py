@@ -34,8 +34,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from storage.backend import backend_errors, list_files, read_small
-from storage.commit import marker_protocol_for
+from storage.backend import backend_errors, create_exclusive, list_files, make_dirs, read_small
 from storage.errors import CorruptCheckpointError, StaleAttemptError
 from storage.layout import ATTEMPTS_DIR
 from storage.location import Location
@@ -359,10 +358,9 @@ def _create(
     directory = attempts_path(location, run_path)
     path = f"{directory}/{name}"
     with backend_errors(location, f"registering attempt {epoch} of {location.display(run_path)}"):
-        if location.is_local:
-            os.makedirs(directory, exist_ok=True)
+        make_dirs(location, directory)
         try:
-            marker_protocol_for(location).create(location.fs, path, record.to_json())
+            create_exclusive(location, path, record.to_json())
         except FileExistsError:
             holder = newer_epochs(location, run_path, epoch - 1)
             raise StaleAttemptError(

@@ -110,7 +110,7 @@ class CheckpointReader:
         """The file's path on a local (POSIX) file system, for callers that read it in place
         (e.g. straight into tensor memory); None on object stores."""
         target = self._target(name)
-        return target if self._store.location.is_local else None
+        return target if self._store.location.backend.posix_paths else None
 
     def missing(self, name: str) -> CorruptCheckpointError:
         """The error for a listed file that is not on storage."""

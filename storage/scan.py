@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from storage.backend import SERVER_SIDE_PREFIX, backend_errors, list_files, mtime_of
+from storage.backend import backend_errors, list_files
 from storage.layout import CORRUPT_PREFIX, MARKER_NAME, STEP_PREFIX, parse_step_dirname
 from storage.location import Location
 from storage.manifest import SAVE_ID
@@ -57,7 +57,7 @@ def scan_steps(location: Location, base: str, *, detail: bool = False) -> list[S
     always have them, free with the listing); ``condemned`` is always filled.
     """
     with backend_errors(location, f"listing {location.display(base)}"):
-        if location.is_local:
+        if location.backend.posix_paths:  # a directory read and a stat per step: microseconds
             return _scan_posix(base, detail)
         return _scan_listing(location, base)
 
@@ -130,17 +130,8 @@ def _scan_posix(base: str, detail: bool) -> list[StepListing]:
 
 
 def _scan_listing(location: Location, base: str) -> list[StepListing]:
-    fs = location.fs
-    if location.protocol in SERVER_SIDE_PREFIX:
-        # Only keys under <base>/save-..., filtered by the server.
-        try:
-            found = fs.find(base, detail=True, withdirs=False, prefix=STEP_PREFIX)
-        except FileNotFoundError:
-            found = {}
-        files = [(name, info) for name, info in found.items() if info.get("type") != "directory"]
-        listed = [(name, mtime_of(info)) for name, info in files]
-    else:
-        listed = [(f.path, f.mtime) for f in list_files(location, base)]
+    # Only keys under <base>/save-..., filtered by the server where it can.
+    listed = [(f.path, f.mtime) for f in list_files(location, base, prefix=STEP_PREFIX)]
     prefix = base.rstrip("/") + "/"
     steps: dict[int, list[tuple[str, float | None]]] = {}
     for name, mtime in listed:

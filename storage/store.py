@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -20,11 +19,13 @@ from storage.backend import (
     backend_errors,
     file_exists,
     list_files,
+    make_dirs,
     read_small,
     remove_empty_dirs,
     remove_files,
+    sync_dirs,
 )
-from storage.commit import fsync_dir
+from storage.backends import Backend, PosixBackend
 from storage.errors import (
     CheckpointNotFoundError,
     CommitConflictError,
@@ -56,7 +57,7 @@ from storage.lineage import (
     read_lineage,
     read_records,
 )
-from storage.location import DEFAULT_POOL_CONNECTIONS, Location, open_location
+from storage.location import Location, open_location
 from storage.manifest import Manifest, validate_save_id
 from storage.parallel import concurrently
 from storage.reader import CheckpointReader
@@ -66,9 +67,11 @@ from storage.writer import CheckpointWriter
 
 __all__ = ["CheckpointStore", "Orphan", "new_save_id"]
 
-#: ``CheckpointStore.max_workers`` by default on local disk, and on every other backend
-LOCAL_WORKERS = 8
-REMOTE_WORKERS = DEFAULT_POOL_CONNECTIONS
+#: ``CheckpointStore.max_workers`` by default on local disk, and on the other backends (each
+#: backend class says its own ``default_workers``)
+LOCAL_WORKERS = PosixBackend.default_workers
+REMOTE_WORKERS = Backend.default_workers
+
 #: how often ``begin`` supersedes a marker that keeps reappearing before it gives up
 _SUPERSEDE_TRIES = 5
 
@@ -101,13 +104,11 @@ class CheckpointStore:
         if max_workers is not None and max_workers < 1:
             raise ValueError(f"max_workers={max_workers} must be at least 1 (or None: default)")
         self.location: Location = open_location(url, dict(storage_options or {}))
-        #: threads writing or reading files of one checkpoint in parallel. By default
-        #: ``LOCAL_WORKERS`` on local disk (bound by the disk and the CPU) and
-        #: ``REMOTE_WORKERS`` elsewhere, where each upload mostly waits for its answer (as many
-        #: as the S3 connection pool, ``storage.location.DEFAULT_POOL_CONNECTIONS``).
-        self.max_workers = max_workers or (
-            LOCAL_WORKERS if self.location.is_local else REMOTE_WORKERS
-        )
+        #: threads writing or reading files of one checkpoint in parallel. By default the
+        #: backend's ``default_workers``: 8 on local disk (bound by the disk and the CPU), 32
+        #: elsewhere, where each upload mostly waits for its answer (as many as the S3
+        #: connection pool, ``storage.backends.DEFAULT_POOL_CONNECTIONS``).
+        self.max_workers = max_workers or self.location.backend.default_workers
         #: bytes per multipart part; files of at least two parts upload in parts. A file being
         #: written holds about three parts in memory (upload buffer, request body, socket
         #: buffer), so this bounds what an upload costs beyond the data itself. S3 allows 10,000
@@ -262,9 +263,10 @@ class CheckpointStore:
         writer = CheckpointWriter(
             self, run, step, save_id, primary=True, fence=fence, metadata=metadata
         )
-        if self.location.is_local:
-            with backend_errors(self.location, f"preparing {self.checkpoint_url(run, step)}"):
-                self._make_local_dirs(writer.payload_path)
+        with backend_errors(self.location, f"preparing {self.checkpoint_url(run, step)}"):
+            # Local disk: made durably, so a power loss cannot drop the step directory out
+            # from under a committed marker. Object stores have no directories to make.
+            make_dirs(self.location, writer.payload_path, durable=True)
         return writer
 
     def supersede(self, run: str | None, step: int, fence: Fence) -> None:
@@ -295,21 +297,6 @@ class CheckpointStore:
         validate_run(run)
         validate_step(step)
         return CheckpointWriter(self, run, step, save_id, primary=False, fence=fence)
-
-    def _make_local_dirs(self, path: str) -> None:
-        # Make the new directory entries durable up to the first one that already existed, so a
-        # power loss cannot drop the step directory out from under a committed marker.
-        missing = []
-        probe = path
-        while not os.path.isdir(probe):
-            missing.append(probe)
-            parent = os.path.dirname(probe)
-            if parent == probe:
-                break
-            probe = parent
-        os.makedirs(path, exist_ok=True)
-        for directory in missing[1:] + [probe]:
-            fsync_dir(directory)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -389,7 +376,7 @@ class CheckpointStore:
             condemned = manifest.save_id in listing.condemned
             return None if self.judge(lineage, manifest, condemned=condemned) else manifest
 
-        return [m for m in self._executor().map(read, listings) if m is not None]
+        return [m for m in self.executor().map(read, listings) if m is not None]
 
     def marker_bytes(self, run: str | None, step: int) -> bytes | None:
         """The raw bytes of the step's marker (one GET), or None if there is none."""
@@ -446,7 +433,7 @@ class CheckpointStore:
             reader.manifest,
             url=self.checkpoint_url(run, step),
             deep=deep,
-            executor_factory=self._executor,
+            executor_factory=self.executor,
         )
 
     # -- deleting and gc -----------------------------------------------------------------------
@@ -476,9 +463,8 @@ class CheckpointStore:
         )
         with backend_errors(location, f"deleting {where}"):
             remove_files(location, [self.marker_path(run, step) for step in steps])
-            if location.is_local:
-                for step in steps:  # the markers' removal is durable before any payload goes
-                    fsync_dir(self.checkpoint_path(run, step))
+            # the markers' removal is durable before any payload goes (local disk: fsync)
+            sync_dirs(location, [self.checkpoint_path(run, step) for step in steps])
             payload = self._payload_of(run, steps)
             remove_files(location, [path for paths in payload.values() for path in paths])
             for step in steps:
@@ -495,7 +481,7 @@ class CheckpointStore:
         base = self.run_path(run)
         listing = (
             list_files(location, base)
-            if run is not None or location.is_local
+            if run is not None or location.backend.posix_paths
             else [
                 f for step in steps for f in list_files(location, self.checkpoint_path(run, step))
             ]
@@ -554,16 +540,19 @@ class CheckpointStore:
         step's, its payload directory, then its record."""
         remove_condemned(self, run, step, save_id)
 
-    # -- internals -----------------------------------------------------------------------------
+    # -- for the writers and readers of this store ----------------------------------------------
 
-    def _describe_commit(self, run: str | None, step: int) -> str:
-        """ " (by host pid at time, epoch, save)" for messages about an existing commit."""
+    def describe_commit(self, run: str | None, step: int) -> str:
+        """``" (by host pid at time, epoch, save)"`` of the step's marker, for messages about
+        an existing commit ("" if it cannot be read)."""
         try:
             return describe(self.read_manifest(run, step))
         except Exception:
             return ""
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def executor(self) -> ThreadPoolExecutor:
+        """The store's thread pool (``max_workers`` threads, made on first use), shared by its
+        writers' ``write_many`` and its parallel reads; shut down by ``close``."""
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(

@@ -22,13 +22,16 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from storage.backend import (
     backend_errors,
+    create_exclusive,
+    file_exists,
     list_files,
-    multipart_options,
+    make_dirs,
+    remove_dir,
     remove_empty_dirs,
     remove_files,
+    sync_dirs,
 )
 from storage.checksum import Crc32c
-from storage.commit import fsync_dir, marker_protocol_for
 from storage.errors import (
     BackendUnavailableError,
     CommitConflictError,
@@ -41,6 +44,7 @@ from storage.parallel import concurrently
 from storage.writeback import WRITEBACK_EVERY, start_writeback
 
 if TYPE_CHECKING:
+    from storage.backends import Backend
     from storage.lineage import Fence
     from storage.store import CheckpointStore
 
@@ -63,9 +67,10 @@ class _RecordingFile:
     local disk it also starts the writeback of what it wrote every few MiB, so the fsync at the
     end finds little left to do."""
 
-    def __init__(self, handle: IO[bytes], local: bool, part_size: int = 0) -> None:
+    def __init__(self, handle: IO[bytes], backend: Backend, part_size: int = 0) -> None:
         self._handle = handle
-        self._local = local
+        self._backend = backend
+        self._local = backend.posix_paths  # an OS file: writeback can be started on it
         self._part_size = part_size
         self.crc = Crc32c()
         self._written = 0
@@ -132,14 +137,10 @@ class _RecordingFile:
             start += room
 
     def finish(self) -> None:
-        if self._local:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-        self._handle.close()
+        self._backend.finish_write(self._handle)
 
     def discard(self) -> None:
-        with contextlib.suppress(Exception):
-            self._handle.close()
+        self._backend.discard_write(self._handle)
 
 
 class CheckpointWriter:
@@ -182,14 +183,10 @@ class CheckpointWriter:
         self._lock = threading.Lock()
         self._dirs: set[str] = {self.payload_path, self.path}
         self._state = "open"
+        self._present_only = False  # keep_present_only()
         self._created_at = _now()
         #: the committed manifest, once ``commit`` succeeded
         self.manifest: Manifest | None = None
-
-    @property
-    def is_local(self) -> bool:
-        """Whether the checkpoint is on a local (POSIX) file system."""
-        return self._store.location.is_local
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -204,16 +201,15 @@ class CheckpointWriter:
         target = self._claim(name)
         location = self._store.location
         with self._guard(name):
-            if location.is_local:
-                with self._open_local(target) as out:
+            if location.backend.posix_paths:
+                # An OS file: written and checksummed in writeback pieces, while they are hot.
+                with self._open_file(target) as out:
                     out.write(data)
                 return self._record(name, out.crc)
             crc = Crc32c()
             crc.update(data)
             payload = data if isinstance(data, bytes) else bytes(data)
-            location.fs.pipe_file(
-                target, payload, **multipart_options(location, self._store.part_size)
-            )
+            location.backend.put_bytes(target, payload, self._store.part_size)
             return self._record(name, crc)
 
     def write_stream(self, name: str, stream: BinaryIO) -> FileEntry:
@@ -235,10 +231,8 @@ class CheckpointWriter:
         Large files on object stores go out as multipart uploads as the buffer fills.
         """
         target = self._claim(name)
-        location = self._store.location
         with self._guard(name):
-            cm = self._open_local(target) if location.is_local else self._open_remote(target)
-            with cm as out:
+            with self._open_file(target) as out:
                 yield out
             self._record(name, out.crc)
 
@@ -248,7 +242,7 @@ class CheckpointWriter:
         On the first failure the remaining writes still finish or fail, then the first error
         is raised; the checkpoint stays uncommitted either way.
         """
-        pool: ThreadPoolExecutor = self._store._executor()
+        pool: ThreadPoolExecutor = self._store.executor()
         futures = [pool.submit(self._write_any, name, payload) for name, payload in files.items()]
         results, first_error = [], None
         for future in futures:
@@ -260,12 +254,26 @@ class CheckpointWriter:
             raise first_error
         return results
 
+    def keep_present_only(self) -> None:
+        """From now on ``add_entries`` keeps only the entries whose file is in this save's
+        payload directory as this writer sees it, so the marker lists the files present on
+        this storage and no others. For a payload directory that is not shared by every
+        writer (a local disk per node, whose other writers' files go elsewhere); the commit
+        still checks that every listed file is there. Costs one existence check per entry."""
+        self._present_only = True
+
     def add_entries(self, entries: Iterable[FileEntry]) -> None:
-        """Include files that another writer (another process or rank) wrote into this step."""
+        """Include files that another writer (another process or rank) wrote into this step
+        (only those present here after ``keep_present_only``)."""
         self._check_open()
+        entries = list(entries)
+        for entry in entries:
+            validate_file_name(entry.name)
+        if self._present_only:
+            location = self._store.location
+            entries = [e for e in entries if file_exists(location, f"{self.payload_path}/{e.name}")]
         with self._lock:
             for entry in entries:
-                validate_file_name(entry.name)
                 known = self._entries.get(entry.name)
                 if known is not None and known != entry:
                     raise InvalidNameError(
@@ -299,9 +307,7 @@ class CheckpointWriter:
             )
         location = self._store.location
         entries = self.entries
-        if location.is_local:
-            for directory in sorted(self._dirs, key=len, reverse=True):
-                fsync_dir(directory)
+        sync_dirs(location, sorted(self._dirs, key=len, reverse=True))  # local disk: fsync
         # The payload listing and the fence re-check are independent: they go out together
         # and the marker goes out only once both passed (a missing file is reported first).
         # The re-check narrows the window in which a stale attempt can still publish a
@@ -324,11 +330,10 @@ class CheckpointWriter:
             committed_at=_now(),
         )
         marker = f"{self.path}/{MARKER_NAME}"
-        protocol = marker_protocol_for(location)
         for _ in range(_COMMIT_TRIES):
             try:
                 with backend_errors(location, f"committing {self.url}"):
-                    protocol.create(location.fs, marker, manifest.to_json())
+                    create_exclusive(location, marker, manifest.to_json())
                 break
             except FileExistsError:
                 # Someone created the marker while this save was written. A stale attempt's
@@ -336,7 +341,7 @@ class CheckpointWriter:
                 # superseded and the commit tried again; anything else is a real conflict.
                 self._state = "lost"
                 if self.fence is None:
-                    holder = self._store._describe_commit(self.run, self.step)
+                    holder = self._store.describe_commit(self.run, self.step)
                     raise CommitConflictError(
                         f"{self.url} is already committed{holder}; a committed step is never "
                         "overwritten: save under a new step, or delete that checkpoint first",
@@ -369,9 +374,7 @@ class CheckpointWriter:
             if self.primary:
                 remove_files(location, [f.path for f in list_files(location, self.payload_path)])
                 remove_empty_dirs(location, self.payload_path)
-                if location.is_local:
-                    with contextlib.suppress(OSError):
-                        os.rmdir(self.path)  # only if nothing else is in the step directory
+                remove_dir(location, self.path)  # only if nothing else is in it
             else:
                 with self._lock:
                     own = [f"{self.payload_path}/{n}" for n in self._own]
@@ -416,13 +419,14 @@ class CheckpointWriter:
                 )
             self._own.add(name)
         target = f"{self.payload_path}/{name}"
-        if self._store.location.is_local:
-            parent = os.path.dirname(target)
-            os.makedirs(parent, exist_ok=True)
-            with self._lock:
+        location = self._store.location
+        if location.backend.has_directories:
+            parent = target.rsplit("/", 1)[0]
+            make_dirs(location, parent)
+            with self._lock:  # the directories whose entries the commit makes durable
                 while parent.startswith(self.payload_path) and parent not in self._dirs:
                     self._dirs.add(parent)
-                    parent = os.path.dirname(parent)
+                    parent = parent.rsplit("/", 1)[0]
         return target
 
     @contextlib.contextmanager
@@ -454,29 +458,17 @@ class CheckpointWriter:
         return entry
 
     @contextlib.contextmanager
-    def _open_local(self, target: str) -> Iterator[_RecordingFile]:
-        out = _RecordingFile(open(target, "wb"), local=True)  # noqa: SIM115 - closed in finish
+    def _open_file(self, target: str) -> Iterator[_RecordingFile]:
+        """The payload file ``target`` open for writing through the backend: completed (local
+        disk: fsynced; object stores: the upload finished) when the block exits cleanly,
+        abandoned without publishing anything otherwise."""
+        backend = self._store.location.backend
+        part_size = self._store.part_size
+        out = _RecordingFile(backend.open_write(target, part_size), backend, part_size)
         try:
             yield out
         except BaseException:
             out.discard()
-            raise
-        out.finish()
-
-    @contextlib.contextmanager
-    def _open_remote(self, target: str) -> Iterator[_RecordingFile]:
-        fs = self._store.location.fs
-        handle = fs.open(target, "wb", block_size=self._store.part_size)
-        out = _RecordingFile(handle, local=False, part_size=self._store.part_size)
-        try:
-            yield out
-        except BaseException:
-            # Closing would publish a partial object: drop the upload and mark the handle
-            # closed so neither close() nor its finaliser flushes what was buffered.
-            with contextlib.suppress(Exception):
-                handle.discard()
-            with contextlib.suppress(Exception):
-                handle.closed = True
             raise
         out.finish()
 

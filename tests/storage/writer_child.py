@@ -18,7 +18,10 @@ import sys
 import time
 
 from storage import CheckpointStore, CommitConflictError, WriteAbortedError
-from storage import commit as commit_module
+from storage.backends import ObjectStoreBackend, PosixBackend
+
+#: the backend classes whose marker create the kill points wrap (S3 and GCS share theirs)
+MARKER_CLASSES = (PosixBackend, ObjectStoreBackend)
 
 
 def say(event: str) -> None:
@@ -33,8 +36,8 @@ def install_kill_point(kill_at: str | None) -> None:
     if kill_at is None:
         return
     if kill_at == "before-marker":
-        for cls in (commit_module.PosixLinkProtocol, commit_module.ConditionalPutProtocol):
-            cls.create = lambda self, fs, path, data: die()
+        for cls in MARKER_CLASSES:
+            cls.create_exclusive = lambda self, path, data: die()
         return
     if kill_at == "marker-in-flight":
         real_link = os.link
@@ -44,17 +47,17 @@ def install_kill_point(kill_at: str | None) -> None:
             return real_link(src, dst, *a, **k)
 
         os.link = link_then_die
-        commit_module.ConditionalPutProtocol.create = lambda self, fs, path, data: die()
+        ObjectStoreBackend.create_exclusive = lambda self, path, data: die()
         return
     if kill_at == "after-marker":
-        for cls in (commit_module.PosixLinkProtocol, commit_module.ConditionalPutProtocol):
-            real = cls.create
+        for cls in MARKER_CLASSES:
+            real = cls.create_exclusive
 
-            def create_then_die(self, fs, path, data, _real=real):
-                _real(self, fs, path, data)
+            def create_then_die(self, path, data, _real=real):
+                _real(self, path, data)
                 die()
 
-            cls.create = create_then_die
+            cls.create_exclusive = create_then_die
         return
     raise SystemExit(f"unknown kill_at {kill_at!r}")
 

@@ -22,7 +22,6 @@ from storage import (
     CheckpointWriter,
     CorruptCheckpointError,
     Fence,
-    FileEntry,
     Lineage,
     Manifest,
     StorageError,
@@ -80,14 +79,8 @@ class LocalTier:
         """Rank 0, local directories not shared: the local marker lists the files on this
         disk only (the commit checks that every listed file is there); the other directories'
         ranks hand their entries to the upload instead."""
-        if self.shared:
-            return
-        add = writer.add_entries
-
-        def add_present(entries: Iterable[FileEntry]) -> None:
-            add(e for e in entries if os.path.exists(f"{writer.payload_path}/{e.name}"))
-
-        writer.add_entries = add_present  # type: ignore[method-assign]
+        if not self.shared:
+            writer.keep_present_only()
 
     def payload_path(self, manifest: Manifest) -> str:
         return f"{self.store.checkpoint_path(self.run, manifest.step)}/{manifest.payload}"

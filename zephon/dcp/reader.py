@@ -29,9 +29,16 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from storage import CheckpointReader, CheckpointStore, CorruptCheckpointError, Manifest
-from storage.backend import backend_errors
-from storage.checksum import crc32c_extend, decode_crc32c, encode_crc32c
+from storage import (
+    CheckpointReader,
+    CheckpointStore,
+    CorruptCheckpointError,
+    Manifest,
+    backend_errors,
+    crc32c_extend,
+    decode_crc32c,
+    encode_crc32c,
+)
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_from_name
 from zephon.dcp.writer import METADATA_FILE, shard_prefix
 
@@ -208,7 +215,7 @@ class ZephonStorageReader(StorageReader):
         self.step = step
         self.prefix = shard_prefix(subdir)
         self.verify = verify
-        local = store.location.is_local
+        local = store.location.backend.posix_paths
         self.thread_count = thread_count or THREAD_COUNT
         self.max_request_bytes = max_request_bytes
         # Local reads land straight in the destination tensors, so gaps are never worth reading.
@@ -370,7 +377,7 @@ class ZephonStorageReader(StorageReader):
                 )
             reads.append(_plan_read(req, where, check=self.verify))
         groups = _group_reads(reads, self.max_request_bytes, self.max_gap_bytes)
-        local = self.store.location.is_local
+        local = self.store.location.backend.posix_paths
         run_group: Callable[[_Group, LoadPlanner], None] = (
             self._read_local if local else self._read_remote
         )

@@ -310,7 +310,7 @@ def _materialize(
             "or use another run_name"
         )
     reader = store.reader(run, manifest.step)
-    if local_dir is None and store.location.is_local:
+    if local_dir is None and store.location.backend.posix_paths:
         store.verify(run, manifest.step, deep=True).raise_for_problems()
         return reader.path
     base = local_dir if local_dir is not None else tempfile.mkdtemp(prefix=f"zephon-{run}-")

@@ -39,16 +39,23 @@ One checkpoint, in order:
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
-from storage.backend import backend_errors, list_files, read_small, remove_empty_dirs, remove_files
-from storage.commit import marker_protocol_for
-from storage.errors import StorageError
-from storage.location import open_location
+from storage import (
+    StorageError,
+    backend_errors,
+    create_exclusive,
+    list_files,
+    make_dirs,
+    open_location,
+    put_small,
+    read_small,
+    remove_empty_dirs,
+    remove_files,
+)
 from zephon.pipeline.errors import AggregationError, AggregationTimeoutError
 from zephon.pipeline.state import Identity, merge_parts
 
@@ -91,7 +98,6 @@ class Aggregator:
     ) -> None:
         self.location = open_location(url, storage_options)
         self.url = self.location.url
-        self._create = marker_protocol_for(self.location).create
         self.run_id = run_id
         self.world_size = world_size
         self.rank = rank
@@ -131,15 +137,14 @@ class Aggregator:
     def _create_replacing(self, path: str, data: bytes, what: str) -> None:
         location = self.location
         with backend_errors(location, f"writing {what} {path}"):
-            if location.is_local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+            make_dirs(location, path.rsplit("/", 1)[0])
             try:
-                self._create(location.fs, path, data)
+                create_exclusive(location, path, data)
             except FileExistsError:
                 # A leftover of an earlier attempt under the same key: never this checkpoint's,
                 # since every checkpoint() call takes a new key.
                 remove_files(location, [path])
-                self._create(location.fs, path, data)
+                create_exclusive(location, path, data)
 
     def write_part(self, key: str, part: dict[str, Any]) -> None:
         """Publish this rank's part for ``key``."""
@@ -303,11 +308,7 @@ class Aggregator:
             with backend_errors(location, f"acknowledging {directory}"):
                 # A plain write: an ack has no content to tear, and a temp file beside it could
                 # keep the last reader from removing the directory.
-                if location.is_local:
-                    with open(ack, "wb"):
-                        pass
-                else:
-                    location.fs.pipe_file(ack, b"")
+                put_small(location, ack, b"")
                 location.fs.invalidate_cache(directory)
                 files = [f.path for f in list_files(location, directory)]
                 acks = [p for p in files if p.rsplit("/", 1)[-1].startswith(prefix)]

@@ -1,0 +1,224 @@
+"""The generic backend: any fsspec filesystem, through fsspec calls alone.
+
+A ``Backend`` holds one fsspec filesystem and carries out the few primitive operations the
+storage layer needs (list, delete, read small, read in ranges, check existence, write a file,
+create a marker exclusively). Subclasses for particular families of filesystems override the
+primitives they can do better and set the capability flags that say so; callers ask the flags
+("can a marker race have two winners?"), never the protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import IO, Any, ClassVar
+
+from fsspec.spec import AbstractFileSystem
+
+from storage.redact import mask_url
+
+__all__ = ["Backend", "ListedFile", "mtime_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class ListedFile:
+    """One object or file from a listing: path in the filesystem's form, size, mtime (epoch s)."""
+
+    path: str
+    size: int
+    mtime: float | None
+
+
+def mtime_of(info: Mapping[str, Any]) -> float | None:
+    """Modification time of a listing entry, across the keys each backend uses."""
+    for key in ("mtime", "LastModified", "updated", "created"):
+        value = info.get(key)
+        if value is None or value == "":
+            continue
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, dt.datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def _listed(found: Mapping[str, Mapping[str, Any]]) -> list[ListedFile]:
+    return [
+        ListedFile(name, int(info.get("size") or 0), mtime_of(info))
+        for name, info in found.items()
+        if info.get("type") != "directory"
+    ]
+
+
+class Backend:
+    """Any fsspec filesystem: check-then-put markers (not exclusive), fsspec calls throughout.
+
+    Subclass it for a family of filesystems, override the primitives it does better, set the
+    flags, and register the class in ``storage.backends.registry``.
+    """
+
+    #: the fsspec protocols this class serves (the registry's keys)
+    protocols: ClassVar[tuple[str, ...]] = ()
+    #: the package providing the fsspec implementation, for the install hint
+    package: ClassVar[str | None] = None
+    #: the storage options that take credentials, for backends that read none from the URL
+    #: (a ``user:pw@`` there would become part of the bucket name): such URLs are refused
+    url_credentials_go_in: ClassVar[str | None] = None
+
+    # -- capability flags: what callers may ask -----------------------------------------------
+
+    #: the backend itself refuses a second create of a marker: a race has exactly one winner
+    exclusive_create: ClassVar[bool] = False
+    #: paths are plain OS paths: ``os`` calls, hard links and fsync may be used on them
+    posix_paths: ClassVar[bool] = False
+    #: directories are real entries, left behind when their files go (so they are removed)
+    has_directories: ClassVar[bool] = False
+    #: a listing can filter by key prefix on the server (one paged LIST for a whole subtree)
+    server_side_prefix: ClassVar[bool] = False
+    #: large writes go out in parts of ``part_size`` (multipart or resumable uploads)
+    multipart_uploads: ClassVar[bool] = False
+    #: other processes (and machines) see what this process writes
+    cross_process: ClassVar[bool] = True
+    #: ``CheckpointStore.max_workers`` by default: threads per checkpoint read or write. Where
+    #: each request mostly waits for its answer, as many as the connection pool.
+    default_workers: ClassVar[int] = 32
+
+    def __init__(self, fs: AbstractFileSystem, protocol: str) -> None:
+        self.fs = fs
+        self.protocol = protocol
+
+    def __repr__(self) -> str:
+        # Never the filesystem: its attributes hold credentials.
+        return f"{type(self).__name__}({self.protocol!r})"
+
+    @classmethod
+    def default_options(cls, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``storage_options`` with this backend's defaults added where the user set nothing
+        (before the filesystem is made)."""
+        return dict(storage_options or {})
+
+    @classmethod
+    def normalise_root(cls, fs: AbstractFileSystem, root: str) -> str:
+        """The root path as ``url_to_fs`` returned it, in the form every other path takes."""
+        return root
+
+    # -- paths ---------------------------------------------------------------------------------
+
+    def display(self, path: str) -> str:
+        """A full, credential-free URL for a path of this filesystem, for messages."""
+        if "://" in path:  # HTTP keeps whole URLs as paths
+            return mask_url(path)
+        return mask_url(f"{self.protocol}://{path.lstrip('/')}")
+
+    def make_dirs(self, path: str, *, durable: bool = False) -> None:
+        """Make the directory ``path`` and its parents where the backend needs them before
+        files are written into it (``durable``: survive a power loss); a no-op elsewhere."""
+
+    def sync_dirs(self, paths: Iterable[str]) -> None:
+        """Make the entries of these directories durable (POSIX fsync); a no-op elsewhere."""
+
+    def remove_dir(self, path: str) -> None:
+        """Remove ``path`` if it is an empty directory; nothing else is ever removed."""
+
+    def remove_empty_dirs(self, top: str) -> None:
+        """Remove now-empty directories under and including ``top`` once their files went."""
+
+    # -- listing and reading -------------------------------------------------------------------
+
+    def list_files(self, path: str, *, prefix: str = "") -> list[ListedFile]:
+        """Every file below ``path`` (only those whose first path component below it starts
+        with ``prefix``), with one listing where the backend allows; absent lists as empty."""
+        try:
+            found = self.fs.find(path, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return []
+        listed = _listed(found)
+        if not prefix:
+            return listed
+        head = f"{path.rstrip('/')}/{prefix}"
+        return [f for f in listed if f.path.startswith(head)]
+
+    def file_exists(self, path: str) -> bool:
+        """Whether one file exists, in one request."""
+        return self.fs.isfile(path)
+
+    def read_small(self, path: str) -> bytes:
+        """The whole content of a small file (a marker) in one request."""
+        return self.fs.cat_file(path)
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a file in one ranged request (fewer at its end)."""
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def read_ranges(self, path: str, size: int, chunk: int) -> Iterator[bytes]:
+        """A file of known ``size`` as consecutive chunks, without asking its size first."""
+        if size == 0:
+            yield self.read_small(path)
+            return
+        for start in range(0, size, chunk):
+            yield self.read_range(path, start, min(start + chunk, size))
+
+    # -- writing and deleting ------------------------------------------------------------------
+
+    def multipart_options(self, part_size: int) -> dict[str, Any]:
+        """Keyword arguments for ``pipe_file`` that upload data of two parts or more in parts
+        of ``part_size``; empty where the backend takes a single write."""
+        return {}
+
+    def put_bytes(self, path: str, data: bytes, part_size: int) -> None:
+        """Write one whole file from memory (durable when this returns)."""
+        self.fs.pipe_file(path, data, **self.multipart_options(part_size))
+
+    def put_small(self, path: str, data: bytes) -> None:
+        """Write a small file with one plain write: not atomic, not exclusive, not synced
+        (an acknowledgement, whose content nobody reads)."""
+        self.fs.pipe_file(path, data)
+
+    def open_write(self, path: str, part_size: int) -> IO[bytes]:
+        """A file to stream one payload file into; ``finish_write`` or ``discard_write`` it."""
+        return self.fs.open(path, "wb", block_size=part_size)
+
+    def finish_write(self, handle: IO[bytes]) -> None:
+        """Complete a file from ``open_write``: durable and visible when this returns."""
+        handle.close()
+
+    def discard_write(self, handle: IO[bytes]) -> None:
+        """Abandon a file from ``open_write`` without publishing what was buffered."""
+        # Closing would publish a partial object: drop the upload and mark the handle closed
+        # so neither close() nor its finaliser flushes what was buffered.
+        with contextlib.suppress(Exception):
+            handle.discard()  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):
+            handle.closed = True  # type: ignore[misc]
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """Create ``path`` holding ``data``, or raise ``FileExistsError`` if it exists; a
+        reader never sees it partly written.
+
+        Here: check, then write. Two creators racing inside the gap can both succeed (the last
+        write wins): ``exclusive_create`` is False. Use S3, GCS or a POSIX file system where
+        that matters.
+        """
+        if self.fs.exists(path):
+            raise FileExistsError(path)
+        self.fs.pipe_file(path, data)
+
+    def remove_files(self, paths: Iterable[str]) -> int:
+        """Delete files in as few requests as the backend allows; missing ones are ignored.
+        Returns how many paths were passed."""
+        paths = list(paths)
+        if not paths:
+            return 0
+        try:
+            self.fs.rm(paths)
+        except FileNotFoundError:
+            # Some backends refuse the whole batch when one is already gone: one by one.
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(path)
+        return len(paths)

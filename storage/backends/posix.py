@@ -1,0 +1,160 @@
+"""Local disk (and any POSIX mount): ``os`` calls, fsync, and a hard link for the marker."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import IO, ClassVar
+
+from fsspec.spec import AbstractFileSystem
+
+from storage.backends.base import Backend
+
+__all__ = ["PosixBackend", "fsync_dir"]
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries durable (POSIX); a no-op where directories can't be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems (e.g. certain FUSE mounts) refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+class PosixBackend(Backend):
+    """fsspec's local filesystem, used through ``os`` directly: files are fsynced before they
+    count as written, directory entries are fsynced before a commit, empty directories are
+    removed, and the marker is a temp file hard-linked to its name (exclusive and atomic)."""
+
+    protocols = ("file", "local")
+    exclusive_create = True
+    posix_paths = True
+    has_directories = True
+    #: bound by the disk and the CPU, not by waiting for answers
+    default_workers: ClassVar[int] = 8
+
+    @classmethod
+    def normalise_root(cls, fs: AbstractFileSystem, root: str) -> str:
+        return fs._strip_protocol(root)
+
+    def display(self, path: str) -> str:
+        return path
+
+    # -- directories ---------------------------------------------------------------------------
+
+    def make_dirs(self, path: str, *, durable: bool = False) -> None:
+        if not durable:
+            os.makedirs(path, exist_ok=True)
+            return
+        # Make the new directory entries durable up to the first one that already existed, so
+        # a power loss cannot drop the step directory out from under a committed marker.
+        missing = []
+        probe = path
+        while not os.path.isdir(probe):
+            missing.append(probe)
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        os.makedirs(path, exist_ok=True)
+        for directory in missing[1:] + [probe]:
+            fsync_dir(directory)
+
+    def sync_dirs(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            fsync_dir(path)
+
+    def remove_dir(self, path: str) -> None:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+    def remove_empty_dirs(self, top: str) -> None:
+        for dirpath, _dirs, _files in os.walk(top, topdown=False):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
+
+    # -- listing and reading -------------------------------------------------------------------
+
+    def file_exists(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def read_ranges(self, path: str, size: int, chunk: int) -> Iterator[bytes]:
+        with open(path, "rb") as handle:
+            while piece := handle.read(chunk):
+                yield piece
+
+    # -- writing and deleting ------------------------------------------------------------------
+
+    def put_bytes(self, path: str, data: bytes, part_size: int) -> None:
+        with open(path, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def put_small(self, path: str, data: bytes) -> None:
+        with open(path, "wb") as handle:
+            handle.write(data)
+
+    def open_write(self, path: str, part_size: int) -> IO[bytes]:
+        return open(path, "wb")  # noqa: SIM115 - closed by finish_write or discard_write
+
+    def finish_write(self, handle: IO[bytes]) -> None:
+        handle.flush()
+        os.fsync(handle.fileno())
+        handle.close()
+
+    def discard_write(self, handle: IO[bytes]) -> None:
+        with contextlib.suppress(Exception):
+            handle.close()
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """Write a temp file, fsync it, then ``link`` it to the marker name.
+
+        ``link`` fails with EEXIST if the marker exists, so it is exclusive and atomic; the
+        marker appears with its full content at once. Where hard links are not supported (some
+        network file systems), an ``O_EXCL`` claim file serialises creators and ``rename``
+        publishes.
+        """
+        directory = os.path.dirname(path)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:
+                self._claim_then_rename(tmp, path)
+                tmp = ""
+        finally:
+            if tmp:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        fsync_dir(directory)
+
+    @staticmethod
+    def _claim_then_rename(tmp: str, path: str) -> None:
+        claim = f"{path}.claim"
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # FileExistsError
+        os.close(fd)
+        if os.path.exists(path):
+            raise FileExistsError(path)
+        os.rename(tmp, path)
+
+    def remove_files(self, paths: Iterable[str]) -> int:
+        paths = list(paths)
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return len(paths)
