@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from storage.backends import BACKEND_CLASSES, backend_for
+from storage.backends import Backend as StorageBackend
 from tests import servers
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
@@ -97,7 +99,47 @@ class Backend:
             ]
 
 
-BACKENDS = ["local", "memory", "s3", "gcs"]
+#: the protocol of each test backend's root (``make_backend``); every registered backend class
+#: needs one (tests/storage/test_backend_conformance.py checks)
+TEST_PROTOCOLS = {"local": "file", "memory": "memory", "s3": "s3", "gcs": "gs"}
+#: test backends whose server accepts but ignores create-only preconditions (the GCS emulator)
+PRECONDITIONS_IGNORED = frozenset({"gcs"})
+
+
+def backend_class(name: str) -> type[StorageBackend]:
+    """The storage backend class a test backend's root opens with."""
+    return backend_for(TEST_PROTOCOLS[name])
+
+
+def backends_with(*, one_winner_races: bool | None = None, **flags: bool) -> list[str]:
+    """The test backends whose class has every capability flag given (e.g.
+    ``exclusive_create=True``, ``cross_process=True``), in registry order.
+    ``one_winner_races=True`` keeps those where a marker race really has exactly one winner
+    here: an exclusive class whose test server enforces the precondition."""
+    chosen = []
+    for name in BACKENDS:
+        cls = backend_class(name)
+        if any(getattr(cls, flag) != value for flag, value in flags.items()):
+            continue
+        one_winner = cls.exclusive_create and name not in PRECONDITIONS_IGNORED
+        if one_winner_races is not None and one_winner != one_winner_races:
+            continue
+        chosen.append(name)
+    return chosen
+
+
+#: one test backend per registered backend class, in registry order
+BACKENDS = [
+    name
+    for cls in BACKEND_CLASSES
+    for name, protocol in TEST_PROTOCOLS.items()
+    if backend_for(protocol) is cls
+]
+#: local disk and an object store: for suites whose code takes one path or the other
+DISK_AND_OBJECT_STORE = [
+    backends_with(posix_paths=True)[0],
+    backends_with(server_side_prefix=True)[0],
+]
 
 
 def make_backend(name: str, request: pytest.FixtureRequest, tmp_path) -> Backend:

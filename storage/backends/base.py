@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
-from fsspec.spec import AbstractFileSystem
+from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from storage.redact import mask_url
 
@@ -188,13 +188,22 @@ class Backend:
         handle.close()
 
     def discard_write(self, handle: IO[bytes]) -> None:
-        """Abandon a file from ``open_write`` without publishing what was buffered."""
-        # Closing would publish a partial object: drop the upload and mark the handle closed
-        # so neither close() nor its finaliser flushes what was buffered.
+        """Abandon a file from ``open_write``, leaving nothing of it behind."""
+        if isinstance(handle, AbstractBufferedFile):  # nothing is published before close
+            # Closing would publish a partial object: drop the upload and mark the handle
+            # closed so neither close() nor its finaliser flushes what was buffered.
+            with contextlib.suppress(Exception):
+                handle.discard()
+            with contextlib.suppress(Exception):
+                handle.closed = True  # type: ignore[misc]
+            return
+        # A file that exists from the moment it is opened (memory, local): remove it.
         with contextlib.suppress(Exception):
-            handle.discard()  # type: ignore[attr-defined]
-        with contextlib.suppress(Exception):
-            handle.closed = True  # type: ignore[misc]
+            handle.close()
+        path = getattr(handle, "path", None)
+        if isinstance(path, str):
+            with contextlib.suppress(OSError):
+                self.fs.rm_file(path)
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Create ``path`` holding ``data``, or raise ``FileExistsError`` if it exists; a

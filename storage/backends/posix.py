@@ -112,8 +112,11 @@ class PosixBackend(Backend):
         handle.close()
 
     def discard_write(self, handle: IO[bytes]) -> None:
+        # An OS file is visible as soon as it is opened: what was written goes with it.
         with contextlib.suppress(Exception):
             handle.close()
+        with contextlib.suppress(OSError):
+            os.unlink(handle.name)
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Write a temp file, fsync it, then ``link`` it to the marker name.

@@ -21,7 +21,7 @@ from storage import (
     WriteAbortedError,
 )
 from storage.checksum import crc32c_of
-from tests.conftest import random_payload
+from tests.conftest import backends_with, random_payload
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ def test_the_marker_is_the_only_create_only_write(store, backend):
         store.begin("r", 1)
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=backends_with(one_winner_races=True))
 def exclusive_store(request, tmp_path):
     """Backends whose server enforces create-only writes (the GCS emulator does not; the test
     above checks that the GCS request carries the precondition)."""

@@ -9,6 +9,7 @@ import pytest
 
 from catalog import Catalog
 from storage.backend import list_files
+from tests.conftest import DISK_AND_OBJECT_STORE
 from tests.zephon.saves import crash_after_marker, crash_before_marker, save_step, start
 from zephon.gc import GcPolicy, collect_garbage, gc_run, retain_without_catalog
 from zephon.latest import find_latest
@@ -17,7 +18,7 @@ from zephon.saving import Save
 from zephon.sync import sync_storage
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=DISK_AND_OBJECT_STORE)
 def store_backend(request, tmp_path):
     from tests.conftest import make_backend
 
