@@ -19,7 +19,14 @@ class CatalogError(Exception):
 
     Picklable whatever the subclass's constructor takes (a distributed job sends the error one
     rank met to the others): rebuilt from its message and attributes, not by calling
-    ``__init__`` again."""
+    ``__init__`` again.
+
+    ``CatalogError(message, **fields)`` also sets each field as an attribute: subclasses
+    build their one-line message from their fields and hand both over."""
+
+    def __init__(self, *args: object, **fields: Any) -> None:
+        super().__init__(*args)
+        self.__dict__.update(fields)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_unpickle_error, (type(self), self.args, dict(self.__dict__)))
@@ -40,10 +47,12 @@ class InvalidValueError(CatalogError, ValueError):
     """
 
     def __init__(self, argument: str, value: object, allowed: str) -> None:
-        self.argument = argument
-        self.value = value
-        self.allowed = allowed
-        super().__init__(f"invalid {argument} {_shown(value)}: {allowed}")
+        super().__init__(
+            f"invalid {argument} {_shown(value)}: {allowed}",
+            argument=argument,
+            value=value,
+            allowed=allowed,
+        )
 
 
 _SHOWN = 120
@@ -70,9 +79,11 @@ class CatalogUnavailableError(CatalogError):
     )
 
     def __init__(self, url: str, reason: str, fix: str | None = None) -> None:
-        self.url = url
-        self.reason = reason
-        super().__init__(f"catalog {url} is unavailable: {reason}; {fix or self.DEFAULT_FIX}")
+        super().__init__(
+            f"catalog {url} is unavailable: {reason}; {fix or self.DEFAULT_FIX}",
+            url=url,
+            reason=reason,
+        )
 
 
 class CatalogDatabaseError(CatalogError):
@@ -82,21 +93,20 @@ class CatalogDatabaseError(CatalogError):
     """
 
     def __init__(self, url: str, action: str, reason: str) -> None:
-        self.url = url
-        self.action = action
-        self.reason = reason
         super().__init__(
             f"catalog {url} failed to {action}: {reason}; check the schema with "
-            f"`zephon db current --catalog {url}` and report this if it persists"
+            f"`zephon db current --catalog {url}` and report this if it persists",
+            url=url,
+            action=action,
+            reason=reason,
         )
 
 
 class SchemaError(CatalogError):
     """The database's schema is not one this code can work with."""
 
-    def __init__(self, url: str, message: str) -> None:
-        self.url = url
-        super().__init__(message)
+    def __init__(self, url: str, message: str, **fields: Any) -> None:
+        super().__init__(message, url=url, **fields)
 
 
 class SchemaOutdatedError(SchemaError):
@@ -108,9 +118,6 @@ class SchemaOutdatedError(SchemaError):
     """
 
     def __init__(self, url: str, current: str | None, head: str, *, known: bool) -> None:
-        self.current = current
-        self.head = head
-        self.known = known
         upgrade = f"`zephon db upgrade --catalog {url}`"
         if known:
             found = "no revision" if current is None else f"revision {current}"
@@ -124,7 +131,7 @@ class SchemaOutdatedError(SchemaError):
                 f"does not know: it was probably written by a newer Zephon; upgrade the zephon "
                 f"package, then run {upgrade} if the database is still behind"
             )
-        super().__init__(url, message)
+        super().__init__(url, message, current=current, head=head, known=known)
 
 
 class SchemaUnversionedError(SchemaError):
@@ -243,15 +250,27 @@ class SchemaDriftError(SchemaError):
         super().__init__(url, message)
 
 
+class MigrationsNotFoundError(CatalogError):
+    """The catalog's Alembic migrations (``location``) hold no revision: a broken install, or
+    a ``script_location`` that is not a migrations directory. No catalog can be opened."""
+
+    def __init__(self, location: str) -> None:
+        super().__init__(
+            f"no catalog schema revisions in {location}; reinstall the zephon package (it "
+            f"ships the migrations) or point script_location at its migrations directory",
+            location=location,
+        )
+
+
 class RunNotFoundError(CatalogError):
     """No run of this name is in the catalog."""
 
     def __init__(self, url: str, run: str) -> None:
-        self.url = url
-        self.run = run
         super().__init__(
             f"run {run!r} is not in catalog {url}; list runs with `zephon runs`, or index "
-            f"existing checkpoints with `zephon sync <storage URL>`"
+            f"existing checkpoints with `zephon sync <storage URL>`",
+            url=url,
+            run=run,
         )
 
 
@@ -259,11 +278,11 @@ class RunExistsError(CatalogError):
     """``create_run`` was asked for a name that is already taken."""
 
     def __init__(self, url: str, run: str) -> None:
-        self.url = url
-        self.run = run
         super().__init__(
             f"run {run!r} already exists in catalog {url}; choose another name or use "
-            f"ensure_run to reuse it"
+            f"ensure_run to reuse it",
+            url=url,
+            run=run,
         )
 
 
@@ -271,14 +290,14 @@ class RunConflictError(CatalogError):
     """A run name is already registered with a different identity (storage URL or kind)."""
 
     def __init__(self, url: str, run: str, field: str, existing: object, wanted: object) -> None:
-        self.url = url
-        self.run = run
-        self.field = field
-        self.existing = existing
-        self.wanted = wanted
         super().__init__(
             f"run {run!r} in catalog {url} has {field} {existing!r}, not {wanted!r}; a run "
-            f"name belongs to one {field}: use another run name, or the original {field}"
+            f"name belongs to one {field}: use another run name, or the original {field}",
+            url=url,
+            run=run,
+            field=field,
+            existing=existing,
+            wanted=wanted,
         )
 
 
@@ -298,11 +317,6 @@ class CheckpointRecordNotFoundError(CatalogError):
         save_id: str | None = None,
         found_save: str | None = None,
     ) -> None:
-        self.url = url
-        self.run = run
-        self.step = step
-        self.save_id = save_id
-        self.found_save = found_save
         what = f"no checkpoint at step {step}"
         if save_id is not None:
             what += f" of save {save_id}"
@@ -310,7 +324,12 @@ class CheckpointRecordNotFoundError(CatalogError):
                 what += f" (the row holds save {found_save}: a newer save of the step)"
         super().__init__(
             f"run {run!r} has {what} in catalog {url}; list its steps "
-            f"with `zephon checkpoints {run}`"
+            f"with `zephon checkpoints {run}`",
+            url=url,
+            run=run,
+            step=step,
+            save_id=save_id,
+            found_save=found_save,
         )
 
 
@@ -323,21 +342,21 @@ class ReplicaNotFoundError(CheckpointRecordNotFoundError):
     def __init__(self, url: str, run: str, step: int, tier: str, host: str) -> None:
         CatalogError.__init__(
             self,
-            f"run {run!r} has no {_replica(tier, host)} at step {step} in catalog {url}; "
+            f"run {run!r} has no {replica_label(tier, host)} at step {step} in catalog {url}; "
             f"record it with replica_started first, or list the replicas with "
             f"`zephon checkpoints {run} --json`",
+            url=url,
+            run=run,
+            step=step,
+            save_id=None,
+            found_save=None,
+            tier=tier,
+            host=host,
         )
-        self.url = url
-        self.run = run
-        self.step = step
-        self.save_id = None
-        self.found_save = None
-        self.tier = tier
-        self.host = host
 
 
-def _replica(tier: str, host: str) -> str:
-    """``local replica on host n1`` / ``save_dir replica``."""
+def replica_label(tier: str, host: str) -> str:
+    """``local replica on host n1`` / ``save_dir replica``, for messages."""
     return f"{tier} replica on host {host}" if host else f"{tier} replica"
 
 
@@ -348,14 +367,32 @@ class InvalidTransitionError(CatalogError):
     ``pin``...). Deterministic: retrying the same call gives the same answer.
     """
 
-    def __init__(self, url: str, run: str, step: int, state: str, action: str, fix: str) -> None:
-        self.url = url
-        self.run = run
-        self.step = step
-        self.state = state
-        self.action = action
+    def __init__(
+        self, url: str, run: str, step: int, state: str, action: str, fix: str, **fields: Any
+    ) -> None:
         super().__init__(
-            f"cannot {action} run {run!r} step {step} in catalog {url}: it is {state}; {fix}"
+            f"cannot {action} run {run!r} step {step} in catalog {url}: it is {state}; {fix}",
+            url=url,
+            run=run,
+            step=step,
+            state=state,
+            action=action,
+            **fields,
+        )
+
+    @staticmethod
+    def contended(
+        url: str, run: str, step: int, action: str, tries: int, racers: str
+    ) -> InvalidTransitionError:
+        """State ``contended``: ``tries`` rounds of ``racers`` (concurrent begins, saves) kept
+        re-arming the row under the caller, which gives up rather than loop for ever."""
+        return InvalidTransitionError(
+            url,
+            run,
+            step,
+            "contended",
+            action,
+            f"{tries} concurrent {racers} raced for it; check for two jobs saving this run",
         )
 
 
@@ -363,7 +400,6 @@ class CheckpointExistsError(InvalidTransitionError):
     """``begin_checkpoint`` on a step that is already committed: it is never overwritten."""
 
     def __init__(self, url: str, run: str, step: int, path: str) -> None:
-        self.path = path
         super().__init__(
             url,
             run,
@@ -372,6 +408,7 @@ class CheckpointExistsError(InvalidTransitionError):
             "begin",
             f"a committed checkpoint ({path}) is never overwritten: resume from it or save "
             f"under another step",
+            path=path,
         )
 
 
@@ -393,8 +430,6 @@ class StateConflictError(InvalidTransitionError):
         expected_save: str,
         found_save: str | None,
     ) -> None:
-        self.expected_save = expected_save
-        self.found_save = found_save
         if found_save != expected_save:
             why = f"another process took the step over (save {found_save} replaced "
             why += f"{expected_save})"
@@ -407,6 +442,8 @@ class StateConflictError(InvalidTransitionError):
             state,
             action,
             f"{why}; check for two jobs saving the same run with `zephon checkpoints {run}`",
+            expected_save=expected_save,
+            found_save=found_save,
         )
 
 
@@ -422,10 +459,6 @@ class StaleAttemptError(CatalogError):
     """
 
     def __init__(self, url: str, run: str, epoch: int, current: AttemptRecord | None) -> None:
-        self.url = url
-        self.run = run
-        self.epoch = epoch
-        self.current = current
         where = f"run {run!r} in catalog {url}: attempt epoch {epoch}"
         stop = "this process is a stale attempt (a preempted job still running?): stop saving"
         register = "register the attempt with register_attempt before saving"
@@ -441,4 +474,4 @@ class StaleAttemptError(CatalogError):
             message += register
         else:
             message = f"{where} is not registered: the run has no fenced attempt yet; {register}"
-        super().__init__(message)
+        super().__init__(message, url=url, run=run, epoch=epoch, current=current)

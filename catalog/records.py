@@ -8,10 +8,13 @@ A record is a snapshot: the row may have changed since it was read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from enum import Enum
+from typing import Any, Self
 
+from catalog.errors import replica_label
 from catalog.models import Attempt, Checkpoint, Event, Replica, Run
 
 
@@ -19,12 +22,28 @@ def _jsonable(value: Any) -> Any:
     return value.isoformat() if isinstance(value, datetime) else value
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 class _Record:
     __slots__ = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Field name -> value, timestamps as ISO 8601 strings."""
-        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {name: _jsonable(getattr(self, name)) for name in _field_names(type(self))}
+
+    @classmethod
+    def _from_row(cls, row: object, **given: Any) -> Self:
+        """The record of ``row``: each field not ``given`` is the row's attribute of the same
+        name, an enum as its plain string (records hold plain values)."""
+        values = dict(given)
+        for name in _field_names(cls):
+            if name not in values:
+                value = getattr(row, name)
+                values[name] = str(value) if isinstance(value, Enum) else value
+        return cls(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +64,7 @@ class RunRecord(_Record):
 
     @classmethod
     def of(cls, row: Run) -> RunRecord:
-        return cls(
-            name=row.name,
-            storage_url=row.storage_url,
-            kind=str(row.kind),
-            status=str(row.status),
-            total_steps=row.total_steps,
-            num_to_keep=row.num_to_keep,
-            keep_every_steps=row.keep_every_steps,
-            config=row.config,
-            epoch=row.epoch,
-            created_at=row.created_at,
-            updated_at=row.updated_at,
-        )
+        return cls._from_row(row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,26 +129,7 @@ class CheckpointRecord(_Record):
 
     @classmethod
     def of(cls, row: Checkpoint, run: str) -> CheckpointRecord:
-        return cls(
-            run=run,
-            step=row.step,
-            state=str(row.state),
-            path=row.path,
-            save_id=row.save_id,
-            epoch=row.epoch,
-            bytes=row.bytes,
-            file_count=row.file_count,
-            manifest_checksum=row.manifest_checksum,
-            pinned=row.pinned,
-            metadata=row.meta,
-            failure_reason=row.failure_reason,
-            claimed_by=row.claimed_by,
-            claimed_at=row.claimed_at,
-            created_at=row.created_at,
-            committed_at=row.committed_at,
-            updated_at=row.updated_at,
-            timings=row.timings,
-        )
+        return cls._from_row(row, run=run, metadata=row.meta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,26 +159,12 @@ class ReplicaRecord(_Record):
 
     @classmethod
     def of(cls, row: Replica, run: str) -> ReplicaRecord:
-        return cls(
-            run=run,
-            step=row.step,
-            tier=str(row.tier),
-            host=row.host,
-            location=row.location,
-            save_id=row.save_id,
-            state=str(row.state),
-            bytes=row.bytes,
-            timings=row.timings,
-            failure_reason=row.failure_reason,
-            created_at=row.created_at,
-            committed_at=row.committed_at,
-            updated_at=row.updated_at,
-        )
+        return cls._from_row(row, run=run)
 
     @property
     def label(self) -> str:
         """``local replica on host n1`` or ``save_dir replica``, for messages."""
-        return f"local replica on host {self.host}" if self.host else f"{self.tier} replica"
+        return replica_label(self.tier, self.host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,17 +189,7 @@ class AttemptRecord(_Record):
 
     @classmethod
     def of(cls, row: Attempt, run: str) -> AttemptRecord:
-        return cls(
-            run=run,
-            epoch=row.epoch,
-            attempt_id=row.attempt_id,
-            host=row.host,
-            pid=row.pid,
-            started_at=row.started_at,
-            resumed_from=row.resumed_from,
-            registered_at=row.registered_at,
-            decided=row.decided_at is not None,
-        )
+        return cls._from_row(row, run=run, decided=row.decided_at is not None)
 
     @property
     def process(self) -> str:
@@ -264,12 +228,4 @@ class EventRecord(_Record):
 
     @classmethod
     def of(cls, row: Event) -> EventRecord:
-        return cls(
-            id=row.id,
-            at=row.at,
-            actor=row.actor,
-            action=row.action,
-            run=row.run_name,
-            step=row.step,
-            detail=row.detail,
-        )
+        return cls._from_row(row, run=row.run_name)

@@ -120,13 +120,25 @@ def test_catalog_imports_neither_storage_nor_zephon_nor_fsspec_nor_torch():
 def test_catalog_errors_survive_pickling_as_a_distributed_job_sends_them():
     import pickle
 
-    from catalog import CheckpointExistsError, InvalidValueError, StaleAttemptError
+    from catalog import (
+        CheckpointExistsError,
+        CheckpointRecordNotFoundError,
+        InvalidValueError,
+        MigrationsNotFoundError,
+        ReplicaNotFoundError,
+        StaleAttemptError,
+        StateConflictError,
+    )
 
     errors = [
         CheckpointExistsError("sqlite:///c.db", "r", 5, "s3://b/ckpt/r/save-5"),
         StaleAttemptError("sqlite:///c.db", "r", 1, None),
         InvalidValueError("step", -1, "an integer from 0 to 2**63 - 1"),
         CatalogUnavailableError("sqlite:///c.db", "disk full"),
+        CheckpointRecordNotFoundError("sqlite:///c.db", "r", 5, save_id="a", found_save="b"),
+        ReplicaNotFoundError("sqlite:///c.db", "r", 5, "local", "n1"),
+        StateConflictError("sqlite:///c.db", "r", 5, "pending", "commit", "a", "b"),
+        MigrationsNotFoundError("/site-packages/migrations"),
     ]
     for error in errors:
         copy = pickle.loads(pickle.dumps(error))
