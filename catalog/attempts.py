@@ -34,11 +34,11 @@ from typing import Any
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from catalog.errors import StaleAttemptError
+from catalog import guarded
+from catalog.errors import InvalidValueError, StaleAttemptError
 from catalog.models import Attempt, Checkpoint, CheckpointState, Run
 from catalog.records import AttemptRecord
 from catalog.retention import ResumePoint
-from catalog.transitions import guarded_update
 
 # States a newer attempt abandons. Deleting/deleted rows are gc's; corrupt and stale ones are
 # already out of every lineage.
@@ -124,15 +124,17 @@ def decide(
     """The current attempt ``epoch`` resumes from ``resumed_from``: record it and, in the same
     transaction, abandon every older attempt's row above it. ``(attempt, abandoned, changed)``;
     deciding the same again changes nothing. The caller holds the run row's ``update`` lock;
-    a stale ``epoch`` raises ``StaleAttemptError``, another decision ``ValueError``."""
+    a stale ``epoch`` raises ``StaleAttemptError``, another decision ``InvalidValueError``."""
     check_current(session, url, run, epoch)
     attempt = current(session, run)
     assert attempt is not None
     if attempt.decided_at is not None:
         if attempt.resumed_from != resumed_from:
-            raise ValueError(
+            raise InvalidValueError(
+                "resumed_from",
+                resumed_from,
                 f"attempt epoch {epoch} of run {run.name!r} already resumed from "
-                f"{attempt.resumed_from}; a new resume point needs a new attempt"
+                f"{attempt.resumed_from}; a new resume point needs a new attempt",
             )
         return attempt, [], False
     attempt.resumed_from = resumed_from
@@ -160,7 +162,7 @@ def _abandon(
         "failure_reason": abandonment_reason(epoch, resumed_from),
         "updated_at": now,
     }
-    return sorted(row.step for row in guarded_update(session, conditions, values))
+    return sorted(row.step for row in guarded.update(session, Checkpoint, conditions, values))
 
 
 def abandoning(session: Session, run_id: int, epoch: int, step: int) -> Attempt | None:

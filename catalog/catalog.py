@@ -433,12 +433,9 @@ class Catalog(replicas.ReplicaMethods):
         resumed_from = validate.optional_step("resumed_from", resumed_from)
         with self._db.write(f"decide the resume point of run {run!r}") as session:
             owner = runs.require(session, self.url, run, lock="update")
-            try:
-                row, abandoned, changed = attempts.decide(
-                    session, self.url, owner, epoch, resumed_from, _now()
-                )
-            except ValueError as exc:
-                raise InvalidValueError("resumed_from", resumed_from, str(exc)) from None
+            row, abandoned, changed = attempts.decide(
+                session, self.url, owner, epoch, resumed_from, _now()
+            )
             if changed:
                 detail = {"epoch": epoch, "resumed_from": resumed_from, "abandoned": abandoned}
                 self._event(session, "resume_decided", run, detail=detail)

@@ -32,10 +32,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from catalog import attempts, queries
+from catalog import attempts, guarded, queries
 from catalog.models import Checkpoint, CheckpointState, Run
 from catalog.retention import DEFAULT_GRACE, RetentionPlan, plan_retention
-from catalog.transitions import guarded_update
 
 DEFAULT_LEASE = timedelta(hours=1)
 
@@ -127,13 +126,17 @@ def claim(
     values = {"state": DELETING, "claimed_by": token, "claimed_at": now, "updated_at": now}
     won: list[tuple[Checkpoint, str, str]] = []
     if fresh:
-        rows = guarded_update(
-            session, [Checkpoint.id.in_(fresh), Checkpoint.state.in_(deletable_states)], values
+        rows = guarded.update(
+            session,
+            Checkpoint,
+            [Checkpoint.id.in_(fresh), Checkpoint.state.in_(deletable_states)],
+            values,
         )
         won.extend((row, "claimed", was[row.id]) for row in rows)
     if expired:
-        rows = guarded_update(
+        rows = guarded.update(
             session,
+            Checkpoint,
             [
                 Checkpoint.id.in_(expired),
                 Checkpoint.state == DELETING,
@@ -148,8 +151,9 @@ def claim(
 
 def finish(session: Session, run: Run, step: int, token: str, now: datetime) -> Checkpoint | None:
     """deleting -> deleted, only for the holder of ``token``; the moved row or None."""
-    moved = guarded_update(
+    return guarded.update_one(
         session,
+        Checkpoint,
         [
             Checkpoint.run_id == run.id,
             Checkpoint.step == step,
@@ -158,7 +162,6 @@ def finish(session: Session, run: Run, step: int, token: str, now: datetime) -> 
         ],
         {"state": DELETED, "updated_at": now},
     )
-    return moved[0] if moved else None
 
 
 def expired_claims(

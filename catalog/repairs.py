@@ -20,9 +20,9 @@ from typing import Any
 from sqlalchemy import and_, or_
 from sqlalchemy.orm import Session
 
-from catalog import attempts
+from catalog import attempts, guarded
 from catalog.models import Checkpoint, CheckpointState, Run
-from catalog.transitions import guarded_update, insert, load
+from catalog.transitions import insert, load
 
 _RETRIES = 5
 
@@ -91,17 +91,8 @@ def upsert_committed(
     for _ in range(_RETRIES):
         row = load(session, run.id, step)
         if row is None:
-            fresh = Checkpoint(
-                run_id=run.id,
-                step=step,
-                state=COMMITTED,
-                pinned=False,
-                created_at=now,
-                committed_at=committed_at,
-                updated_at=now,
-                **marker,
-            )
-            if insert(session, fresh):
+            fresh = insert(session, run, step, COMMITTED, now, committed_at=committed_at, **marker)
+            if fresh is not None:
                 return fresh, SyncOutcome.INSERTED, True
             continue
         if row.state in (STALE, CORRUPT, DELETING) or (
@@ -130,19 +121,10 @@ def upsert_committed(
             if row.save_id != save_id:
                 values["timings"] = None  # the other save's phases, not this marker's
             outcome = SyncOutcome.PROMOTED
-        moved = guarded_update(session, _unchanged(row), values)
-        if moved:
-            return moved[0], outcome, True
+        moved = guarded.update_one(session, Checkpoint, guarded.unchanged(Checkpoint, row), values)
+        if moved is not None:
+            return moved, outcome, True
     return load(session, run.id, step), SyncOutcome.SKIPPED, False
-
-
-def _unchanged(row: Checkpoint) -> list[Any]:
-    """The guard "the row is still what was read" (state and save)."""
-    return [
-        Checkpoint.id == row.id,
-        Checkpoint.state == row.state,
-        Checkpoint.save_id == row.save_id,
-    ]
 
 
 def _stale_marker(
@@ -163,29 +145,29 @@ def _stale_marker(
     for _ in range(_RETRIES):
         row = load(session, run.id, step)
         if row is None:
-            fresh = Checkpoint(
-                run_id=run.id,
-                step=step,
-                state=STALE,
-                pinned=False,
+            fresh = insert(
+                session,
+                run,
+                step,
+                STALE,
+                now,
                 failure_reason=reason,
-                created_at=now,
                 committed_at=committed_at,
-                updated_at=now,
                 **marker,
             )
-            if insert(session, fresh):
+            if fresh is not None:
                 return fresh, SyncOutcome.STALE, True
             continue
         if not live or row.save_id != save_id or row.state not in attempts.ABANDONABLE:
             return row, SyncOutcome.STALE, False
-        moved = guarded_update(
+        moved = guarded.update_one(
             session,
-            _unchanged(row),
+            Checkpoint,
+            guarded.unchanged(Checkpoint, row),
             {"state": STALE, "failure_reason": reason, "updated_at": now},
         )
-        if moved:
-            return moved[0], SyncOutcome.STALE, True
+        if moved is not None:
+            return moved, SyncOutcome.STALE, True
     return load(session, run.id, step), SyncOutcome.STALE, False
 
 
@@ -197,12 +179,12 @@ def mark_missing(
     The caller holds the run's ``update`` lock (see ``catalog.runs``), because removing a
     committed row can move an older one into the newest ``num_to_keep``.
     """
-    moved = guarded_update(
+    return guarded.update_one(
         session,
+        Checkpoint,
         [Checkpoint.run_id == run.id, Checkpoint.step == step, Checkpoint.state == COMMITTED],
         {"state": DELETED, "failure_reason": reason, "updated_at": now},
     )
-    return moved[0] if moved else None
 
 
 def mark_corrupt(
@@ -220,8 +202,9 @@ def mark_corrupt(
         Checkpoint.state.in_([PENDING, COMMITTED, FAILED]),
         and_(Checkpoint.state == DELETED, Checkpoint.claimed_by.is_(None)),
     )
-    moved = guarded_update(
+    return guarded.update_one(
         session,
+        Checkpoint,
         [
             Checkpoint.run_id == run.id,
             Checkpoint.step == step,
@@ -230,7 +213,6 @@ def mark_corrupt(
         ],
         {"state": CORRUPT, "failure_reason": reason, "updated_at": now},
     )
-    return moved[0] if moved else None
 
 
 def mark_stale(
@@ -240,8 +222,9 @@ def mark_stale(
     attempt the catalog learnt of late, or an unregistered epoch): pending, committed or
     failed rows of that save move; returns the moved row or None. The caller holds the run's
     ``update`` lock: a committed row leaves the retention count."""
-    moved = guarded_update(
+    return guarded.update_one(
         session,
+        Checkpoint,
         [
             Checkpoint.run_id == run.id,
             Checkpoint.step == step,
@@ -250,4 +233,3 @@ def mark_stale(
         ],
         {"state": STALE, "failure_reason": reason, "updated_at": now},
     )
-    return moved[0] if moved else None

@@ -32,18 +32,18 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, Select, cast, func, literal, select, type_coerce, update
+from sqlalchemy import ColumnElement, Select, cast, func, literal, select, type_coerce
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from catalog import runs, validate
+from catalog import guarded, runs, validate
 from catalog.errors import (
     CheckpointRecordNotFoundError,
     InvalidTransitionError,
     InvalidValueError,
     ReplicaNotFoundError,
     StateConflictError,
+    replica_label,
 )
 from catalog.models import Checkpoint, JsonDocument, Replica, ReplicaState, Run
 from catalog.records import ReplicaRecord
@@ -86,34 +86,17 @@ def _where(
     return conditions
 
 
-def _label(tier: str, host: str) -> str:
-    return f"{tier} replica on host {host}" if host else f"{tier} replica"
-
-
 def _load(session: Session, run_id: int, step: int, tier: str, host: str) -> Replica | None:
-    statement = select(Replica).where(*_where(run_id, step, tier, host))
-    return session.scalars(statement.execution_options(populate_existing=True)).one_or_none()
-
-
-def _guarded_update(
-    session: Session, conditions: list[ColumnElement[bool]], values: dict[str, Any]
-) -> Replica | None:
-    statement = (
-        update(Replica)
-        .where(*conditions)
-        .values(**values)
-        .returning(Replica)
-        .execution_options(synchronize_session=False, populate_existing=True)
-    )
-    return session.scalars(statement).one_or_none()
+    return guarded.reread(session, select(Replica).where(*_where(run_id, step, tier, host)))
 
 
 def save_dir_copy_gone(session: Session, run_id: int, step: int, now: datetime) -> bool:
     """``committed -> deleted`` for the step's ``save_dir`` replica, in the transaction that
     marks its checkpoint row deleted (gc's delete, a marker found missing): the two say the
     same thing about the same copy, so they move together. True if a row moved."""
-    moved = _guarded_update(
+    moved = guarded.update_one(
         session,
+        Replica,
         [*_where(run_id, step, "save_dir", ""), Replica.state == COMMITTED],
         {"state": DELETED, "updated_at": now},
     )
@@ -140,14 +123,9 @@ def merge_timings(
 ) -> Checkpoint | None:
     """Merge ``timings`` into the checkpoint row matching ``conditions`` (one statement);
     the row, or None when none matched."""
-    statement = (
-        update(Checkpoint)
-        .where(*conditions)
-        .values(timings=merged_timings(session, timings))
-        .returning(Checkpoint)
-        .execution_options(synchronize_session=False, populate_existing=True)
+    return guarded.update_one(
+        session, Checkpoint, conditions, {"timings": merged_timings(session, timings)}
     )
-    return session.scalars(statement).one_or_none()
 
 
 def start(
@@ -168,20 +146,20 @@ def start(
     for _ in range(_RETRIES):
         row = _load(session, run.id, step, tier, host)
         if row is None:
-            fresh = Replica(
-                run_id=run.id,
-                step=step,
-                state=PENDING,
-                created_at=now,
-                updated_at=now,
-                **values,
+            fresh = guarded.insert(
+                session,
+                Replica(
+                    run_id=run.id,
+                    step=step,
+                    state=PENDING,
+                    created_at=now,
+                    updated_at=now,
+                    **values,
+                ),
             )
-            try:
-                with session.begin_nested():  # losing the unique race keeps the transaction
-                    session.add(fresh)
-            except IntegrityError:
-                continue
-            return fresh, "replica_begun", None
+            if fresh is not None:
+                return fresh, "replica_begun", None
+            continue  # a concurrent start inserted the row: decide again on what it holds
         if row.save_id == save_id and row.state == PENDING:
             return row, None, None
         if row.save_id == save_id and row.state == COMMITTED:
@@ -190,14 +168,15 @@ def start(
                 run.name,
                 step,
                 row.state,
-                f"start the {_label(tier, host)} of",
+                f"start the {replica_label(tier, host)} of",
                 f"save {save_id}'s copy is committed already; a new save of the step comes "
                 f"with a new save id",
             )
         previous = {"state": row.state, "save_id": row.save_id}
-        moved = _guarded_update(
+        moved = guarded.update_one(
             session,
-            [Replica.id == row.id, Replica.state == row.state, Replica.save_id == row.save_id],
+            Replica,
+            guarded.unchanged(Replica, row),
             {
                 **_CLEARED_ON_REARM,
                 **values,
@@ -208,14 +187,8 @@ def start(
         )
         if moved is not None:
             return moved, "replica_rearmed", previous
-    raise InvalidTransitionError(
-        url,
-        run.name,
-        step,
-        "contended",
-        f"start the {_label(tier, host)} of",
-        f"{_RETRIES} concurrent saves raced for it; check for two jobs saving this run",
-    )
+    action = f"start the {replica_label(tier, host)} of"
+    raise InvalidTransitionError.contended(url, run.name, step, action, _RETRIES, "saves")
 
 
 def finish(
@@ -235,8 +208,9 @@ def finish(
     when this save's row is in another state."""
     verb = "commit" if target == COMMITTED else "fail"
     sources = _FAILABLE.get(tier, (PENDING,)) if target == FAILED else (PENDING,)
-    moved = _guarded_update(
+    moved = guarded.update_one(
         session,
+        Replica,
         [
             *_where(run.id, step, tier, host),
             Replica.state.in_(sources),
@@ -247,7 +221,7 @@ def finish(
     if moved is not None:
         return moved, True
     row = _load(session, run.id, step, tier, host)
-    action = f"{verb} the {_label(tier, host)} of"
+    action = f"{verb} the {replica_label(tier, host)} of"
     if row is None:
         raise ReplicaNotFoundError(url, run.name, step, tier, host)
     if row.save_id != save_id:
@@ -451,8 +425,9 @@ class ReplicaMethods:
         host = validate.replica_host(tier, host)
         with self._db.write(f"delete a {tier} replica of run {run!r} step {step}") as session:
             owner = runs.require(session, self.url, run)
-            row = _guarded_update(
+            row = guarded.update_one(
                 session,
+                Replica,
                 [*_where(owner.id, step, tier, host), Replica.state == COMMITTED],
                 {"state": DELETED, "updated_at": _now()},
             )

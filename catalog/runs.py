@@ -22,9 +22,9 @@ from enum import Enum
 from typing import Any, Final, Literal
 
 from sqlalchemy import Select, and_, func, select
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
+from catalog import guarded
 from catalog.errors import RunConflictError, RunExistsError, RunNotFoundError
 from catalog.models import Checkpoint, CheckpointState, Run
 
@@ -70,14 +70,7 @@ def _same_location(a: str, b: str) -> bool:
 
 def _insert(session: Session, name: str, values: dict[str, Any], now: datetime) -> Run | None:
     """Insert a run; ``None`` if a concurrent transaction inserted the same name first."""
-    run = Run(name=name, created_at=now, updated_at=now, **values)
-    try:
-        # A savepoint, so a lost race leaves the outer transaction usable on PostgreSQL.
-        with session.begin_nested():
-            session.add(run)
-    except IntegrityError:
-        return None
-    return run
+    return guarded.insert(session, Run(name=name, created_at=now, updated_at=now, **values))
 
 
 def create(session: Session, url: str, name: str, values: dict[str, Any], now: datetime) -> Run:

@@ -22,10 +22,10 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from catalog import guarded
 from catalog.errors import (
     CheckpointExistsError,
     CheckpointRecordNotFoundError,
@@ -69,33 +69,26 @@ def committed_by(session: Session, run_id: int, step: int, save_id: str) -> Chec
 
 
 def load(session: Session, run_id: int, step: int) -> Checkpoint | None:
+    """The row of ``(run, step)`` as it is now (a retry must not see it as first loaded)."""
     statement = select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.step == step)
-    # populate_existing: a retry must see the row as it is now, not as first loaded.
-    return session.scalars(statement.execution_options(populate_existing=True)).one_or_none()
+    return guarded.reread(session, statement)
 
 
-def guarded_update(
-    session: Session, conditions: list[ColumnElement[bool]], values: dict[str, Any]
-) -> list[Checkpoint]:
-    """Apply ``values`` to the rows matching ``conditions``; returns the rows actually moved."""
-    statement = (
-        update(Checkpoint)
-        .where(*conditions)
-        .values(**values)
-        .returning(Checkpoint)
-        .execution_options(synchronize_session=False, populate_existing=True)
+def insert(
+    session: Session, run: Run, step: int, state: CheckpointState, now: datetime, **values: Any
+) -> Checkpoint | None:
+    """A new unpinned row of ``(run, step)`` in ``state``, created ``now``; None when a
+    concurrent writer inserted the step first (read it again and decide on what it holds)."""
+    row = Checkpoint(
+        run_id=run.id,
+        step=step,
+        state=state,
+        pinned=False,
+        created_at=now,
+        updated_at=now,
+        **values,
     )
-    return list(session.scalars(statement))
-
-
-def insert(session: Session, row: Checkpoint) -> bool:
-    try:
-        # Savepoint: losing the unique (run_id, step) race must not poison the transaction.
-        with session.begin_nested():
-            session.add(row)
-    except IntegrityError:
-        return False
-    return True
+    return guarded.insert(session, row)
 
 
 def begin(
@@ -119,18 +112,8 @@ def begin(
         save = save_id or new_save_id()
         row = load(session, run.id, step)
         if row is None:
-            fresh = Checkpoint(
-                run_id=run.id,
-                step=step,
-                state=PENDING,
-                path=path,
-                save_id=save,
-                epoch=epoch,
-                pinned=False,
-                created_at=now,
-                updated_at=now,
-            )
-            if insert(session, fresh):
+            fresh = insert(session, run, step, PENDING, now, path=path, save_id=save, epoch=epoch)
+            if fresh is not None:
                 return fresh, "begun", None
             continue  # a concurrent begin inserted the row: decide again on what it holds
         if row.state == COMMITTED:
@@ -146,13 +129,10 @@ def begin(
                 f"finishes, or under another step",
             )
         previous = _snapshot(row)
-        moved = guarded_update(
+        moved = guarded.update_one(
             session,
-            [
-                Checkpoint.id == row.id,
-                Checkpoint.state == row.state,
-                Checkpoint.save_id == row.save_id,
-            ],
+            Checkpoint,
+            guarded.unchanged(Checkpoint, row),
             {
                 **_CLEARED_ON_REARM,
                 "state": PENDING,
@@ -163,16 +143,9 @@ def begin(
                 "updated_at": now,
             },
         )
-        if moved:
-            return moved[0], "rearmed", previous
-    raise InvalidTransitionError(
-        url,
-        run.name,
-        step,
-        "contended",
-        "begin",
-        f"{_BEGIN_RETRIES} concurrent begins raced for it; check for two jobs saving this run",
-    )
+        if moved is not None:
+            return moved, "rearmed", previous
+    raise InvalidTransitionError.contended(url, run.name, step, "begin", _BEGIN_RETRIES, "begins")
 
 
 def _snapshot(row: Checkpoint) -> dict[str, Any]:
@@ -203,9 +176,9 @@ def _finish_save(
     ]
     if epoch is not None:
         guard.append(Checkpoint.epoch == epoch)
-    moved = guarded_update(session, guard, {**values, "state": target})
-    if moved:
-        return moved[0], True
+    moved = guarded.update_one(session, Checkpoint, guard, {**values, "state": target})
+    if moved is not None:
+        return moved, True
     row = load(session, run.id, step)
     if row is None:
         raise CheckpointRecordNotFoundError(url, run.name, step)
@@ -261,9 +234,11 @@ def set_pinned(
     ]
     if pinned:
         conditions.append(Checkpoint.state.in_([PENDING, COMMITTED]))
-    moved = guarded_update(session, conditions, {"pinned": pinned, "updated_at": now})
-    if moved:
-        return moved[0], True
+    moved = guarded.update_one(
+        session, Checkpoint, conditions, {"pinned": pinned, "updated_at": now}
+    )
+    if moved is not None:
+        return moved, True
     row = load(session, run.id, step)
     if row is None:
         raise CheckpointRecordNotFoundError(url, run.name, step)

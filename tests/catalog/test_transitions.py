@@ -14,6 +14,7 @@ from catalog import (
     RunNotFoundError,
     StateConflictError,
     SyncOutcome,
+    guarded,
 )
 from tests.catalog.conftest import commit_step
 
@@ -127,6 +128,21 @@ def test_a_step_being_deleted_cannot_be_begun_or_pinned(catalog):
     assert caught.value.state == "deleting" and claimed.claimed_by in str(caught.value)
     with pytest.raises(InvalidTransitionError, match="only pending or committed"):
         catalog.pin("r", 1)
+
+
+def test_a_begin_that_keeps_losing_the_re_arm_race_gives_up_as_contended(catalog, run, monkeypatch):
+    first = catalog.begin_checkpoint(run, 3, "/c/3")
+    catalog.mark_failed(run, 3, first.save_id, "crashed")
+    lost = []
+    # Every guarded re-arm misses, as when another save re-arms the row first each round.
+    monkeypatch.setattr(guarded, "update_one", lambda *args: lost.append(args[1]))
+    with pytest.raises(InvalidTransitionError) as caught:
+        catalog.begin_checkpoint(run, 3, "/c/3")
+    assert caught.value.state == "contended" and caught.value.action == "begin"
+    assert "5 concurrent begins raced for it" in str(caught.value)
+    assert "\n" not in str(caught.value) and len(lost) == 5
+    monkeypatch.undo()
+    assert catalog.get_checkpoint(run, 3).state == "failed"  # the refused begin changed nothing
 
 
 def test_failed_then_commit_by_the_same_attempt_is_a_conflict(catalog, run):
