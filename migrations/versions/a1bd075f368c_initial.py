@@ -4,8 +4,8 @@ Revision ID: a1bd075f368c
 Revises:
 Create Date: 2026-11-29
 
-Types are spelled out here rather than imported from ``catalog.models``: a revision freezes the
-schema as it was, while the models keep changing.
+Types are spelled out (here and in ``migrations.columns``) rather than imported from
+``catalog.models``: a revision freezes the schema as it was, while the models keep changing.
 """
 
 from __future__ import annotations
@@ -14,17 +14,13 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects import postgresql
+
+from migrations.columns import JSON_DOCUMENT, TIMESTAMP
 
 revision: str = "a1bd075f368c"
 down_revision: str | Sequence[str] | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
-
-TIMESTAMP = sa.DateTime(timezone=True)
-JSON_DOCUMENT = sa.JSON(none_as_null=True).with_variant(
-    postgresql.JSONB(none_as_null=True), "postgresql"
-)
 
 
 def upgrade() -> None:

@@ -16,8 +16,8 @@ Both are additions: ``checkpoints.timings`` is a plain ``ADD COLUMN`` (nullable,
 so SQLite does not recreate the table) and every existing row is kept as it is. Downgrading
 drops the table and the column; the timings and replica rows are lost, nothing else.
 
-Types are spelled out rather than imported from ``catalog.models``: a revision freezes the
-schema as it was, while the models keep changing.
+Types are spelled out (here and in ``migrations.columns``) rather than imported from
+``catalog.models``: a revision freezes the schema as it was, while the models keep changing.
 """
 
 from __future__ import annotations
@@ -26,17 +26,13 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects import postgresql
+
+from migrations.columns import JSON_DOCUMENT, TIMESTAMP
 
 revision: str = "c7d2e5a94b10"
 down_revision: str | Sequence[str] | None = "3a0e83d9015e"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
-
-TIMESTAMP = sa.DateTime(timezone=True)
-JSON_DOCUMENT = sa.JSON(none_as_null=True).with_variant(
-    postgresql.JSONB(none_as_null=True), "postgresql"
-)
 
 
 def upgrade() -> None:

@@ -17,8 +17,8 @@ copy is safe with ``foreign_keys=ON``). ``runs`` is referenced by ``checkpoints`
 only ever changed with plain ``ALTER TABLE ... ADD/DROP COLUMN`` (a string server default keeps
 Alembic from recreating it).
 
-Types are spelled out rather than imported from ``catalog.models``: a revision freezes the
-schema as it was, while the models keep changing.
+Types are spelled out (here and in ``migrations.columns``) rather than imported from
+``catalog.models``: a revision freezes the schema as it was, while the models keep changing.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.columns import TIMESTAMP
+
 revision: str = "fbbf4a6c29ae"
 down_revision: str | Sequence[str] | None = "a1bd075f368c"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-TIMESTAMP = sa.DateTime(timezone=True)
 OLD_STATES = "state IN ('pending', 'committed', 'deleting', 'deleted', 'failed')"
 NEW_STATES = (
     "state IN ('pending', 'committed', 'deleting', 'deleted', 'failed', 'corrupt', 'stale')"
