@@ -52,6 +52,7 @@ from catalog.audit import record_event
 from catalog.drift import Fingerprint
 from catalog.engine import Database
 from catalog.errors import (
+    MigrationsNotFoundError,
     SchemaDriftError,
     SchemaError,
     SchemaOutdatedError,
@@ -83,8 +84,8 @@ def head_revision(script_location: str | None = None) -> str:
     """The revision this code's models correspond to."""
     script = _script(script_location)
     head = script.get_current_head()
-    if head is None:  # pragma: no cover - only if the migrations package is broken
-        raise RuntimeError(f"no Alembic revisions in {script.dir}")
+    if head is None:  # a broken install, or a directory without migrations
+        raise MigrationsNotFoundError(script.dir)
     return head
 
 

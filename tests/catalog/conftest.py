@@ -3,11 +3,16 @@ against SQLite (a temporary file) and PostgreSQL (a database of its own per test
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 import pytest
+from alembic import command
+from sqlalchemy import create_engine, text
 
-from catalog import Catalog
+from catalog import Catalog, schema
+from catalog.engine import Database
 
 
 @pytest.fixture
@@ -46,3 +51,38 @@ def register(catalog: Catalog, run: str, epoch: int, resumed_from: int | None = 
         started_at=process.get("started_at", STARTED),
         resumed_from=resumed_from,
     )
+
+
+def execute_sql(url: str, *statements: str) -> None:
+    """Run raw SQL on ``url`` in one transaction, outside the catalog (a hand edit)."""
+    engine = create_engine(url)
+    try:
+        with engine.begin() as connection:
+            for statement in statements:
+                connection.execute(text(statement))
+    finally:
+        engine.dispose()
+
+
+def migrate(url: str, target: str, how=command.upgrade) -> None:
+    """Run the installed migrations to ``target`` on ``url``, as ``catalog.schema`` does."""
+    db = Database(url)
+    try:
+        with db.immediate_connection("migrate") as connection:
+            config = schema.alembic_config()
+            config.attributes["connection"] = connection
+            how(config, target)
+    finally:
+        db.dispose()
+
+
+def in_threads(work: Callable[[int], None], catalogs: Sequence[Catalog]) -> None:
+    """Run ``work(i)`` for each of ``catalogs`` on a thread of its own, wait for them all
+    (60 s each at most), then close the catalogs."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(catalogs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for opened in catalogs:
+        opened.close()

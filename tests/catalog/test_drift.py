@@ -6,7 +6,6 @@ make the catalog usable. On SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import pytest
-from alembic import command
 from sqlalchemy import create_engine, event, text
 
 import catalog
@@ -19,32 +18,12 @@ from catalog import (
     schema,
 )
 from catalog.engine import Database
+from tests.catalog.conftest import execute_sql, migrate
 
 INITIAL = "a1bd075f368c"
 EPOCHS = "fbbf4a6c29ae"
 EVENTS_AT = "3a0e83d9015e"
 HEAD = catalog.head_revision()
-
-
-def _execute(url: str, *statements: str) -> None:
-    engine = create_engine(url)
-    try:
-        with engine.begin() as connection:
-            for statement in statements:
-                connection.execute(text(statement))
-    finally:
-        engine.dispose()
-
-
-def _migrate(url: str, target: str, how=command.upgrade) -> None:
-    db = Database(url)
-    try:
-        with db.immediate_connection("migrate") as connection:
-            config = schema.alembic_config()
-            config.attributes["connection"] = connection
-            how(config, target)
-    finally:
-        db.dispose()
 
 
 def _refusals(url: str, error: type[Exception]) -> list[Exception]:
@@ -62,7 +41,7 @@ def _refusals(url: str, error: type[Exception]) -> list[Exception]:
 
 
 def _drop_column(url: str, table: str, column: str) -> None:
-    _execute(url, f"ALTER TABLE {table} DROP COLUMN {column}")
+    execute_sql(url, f"ALTER TABLE {table} DROP COLUMN {column}")
 
 
 def _works(url: str) -> None:
@@ -87,7 +66,7 @@ def test_a_column_dropped_by_hand_is_named_and_upgrade_is_not_the_advice(catalog
 
 def test_a_table_dropped_by_hand_is_named(catalog_url):
     Catalog(catalog_url).close()
-    _execute(catalog_url, "DROP TABLE attempts")
+    execute_sql(catalog_url, "DROP TABLE attempts")
     for error in _refusals(catalog_url, SchemaDriftError):
         assert error.differences == ("missing table attempts",)
         assert error.fix_sql == ()
@@ -95,7 +74,7 @@ def test_a_table_dropped_by_hand_is_named(catalog_url):
 
 def test_a_dropped_replicas_table_or_timings_column_is_named(catalog_url):
     Catalog(catalog_url).close()
-    _execute(catalog_url, "DROP TABLE checkpoint_replicas")
+    execute_sql(catalog_url, "DROP TABLE checkpoint_replicas")
     for error in _refusals(catalog_url, SchemaDriftError):
         assert error.differences == ("missing table checkpoint_replicas",)
     _drop_column(catalog_url, "checkpoints", "timings")
@@ -104,52 +83,52 @@ def test_a_dropped_replicas_table_or_timings_column_is_named(catalog_url):
     assert error.matches == EVENTS_AT
     assert error.fix_sql == (f"UPDATE alembic_version SET version_num = '{EVENTS_AT}'",)
     assert "zephon db upgrade" in str(error)
-    _execute(catalog_url, *error.fix_sql)
+    execute_sql(catalog_url, *error.fix_sql)
     assert catalog.upgrade(catalog_url) == (EVENTS_AT, HEAD)
     _works(catalog_url)
 
 
 def test_a_missing_index_comes_with_the_create_index_that_repairs_it(catalog_url):
     Catalog(catalog_url).close()
-    _execute(catalog_url, "DROP INDEX ix_events_at")
+    execute_sql(catalog_url, "DROP INDEX ix_events_at")
     errors = _refusals(catalog_url, SchemaDriftError)
     for error in errors:
         assert error.differences == ("missing index ix_events_at on events",)
         assert error.fix_sql == ("CREATE INDEX ix_events_at ON events (at)",)
         assert "repair it with the SQL `CREATE INDEX ix_events_at ON events (at)`" in str(error)
-    _execute(catalog_url, *errors[0].fix_sql)
+    execute_sql(catalog_url, *errors[0].fix_sql)
     _works(catalog_url)
 
 
 def test_a_column_added_by_hand_comes_with_the_drop_column_that_repairs_it(catalog_url):
     Catalog(catalog_url).close()
-    _execute(catalog_url, "ALTER TABLE runs ADD COLUMN note VARCHAR(10) NOT NULL DEFAULT 'x'")
+    execute_sql(catalog_url, "ALTER TABLE runs ADD COLUMN note VARCHAR(10) NOT NULL DEFAULT 'x'")
     error = _refusals(catalog_url, SchemaDriftError)[0]
     assert error.differences == ("unexpected column runs.note",)
     assert error.fix_sql == ("ALTER TABLE runs DROP COLUMN note",)
-    _execute(catalog_url, *error.fix_sql)
+    execute_sql(catalog_url, *error.fix_sql)
     _works(catalog_url)
 
 
 def test_tables_of_another_revision_than_recorded_get_the_statement_recording_it(catalog_url):
     # The initial revision's tables, but alembic_version claims head (a restore of the tables
     # without their version row, say): recording the real revision makes upgrade work.
-    _migrate(catalog_url, INITIAL)
-    _execute(catalog_url, f"UPDATE alembic_version SET version_num = '{HEAD}'")
+    migrate(catalog_url, INITIAL)
+    execute_sql(catalog_url, f"UPDATE alembic_version SET version_num = '{HEAD}'")
     error = _refusals(catalog_url, SchemaDriftError)[0]
     assert "missing table attempts" in error.differences
     assert "unexpected column checkpoints.attempt_id" in error.differences
     assert error.matches == INITIAL
     assert error.fix_sql == (f"UPDATE alembic_version SET version_num = '{INITIAL}'",)
     assert f"then run `zephon db upgrade --catalog {catalog.mask_url(catalog_url)}`" in str(error)
-    _execute(catalog_url, *error.fix_sql)
+    execute_sql(catalog_url, *error.fix_sql)
     assert catalog.current_revision(catalog_url) == INITIAL
     assert catalog.upgrade(catalog_url) == (INITIAL, HEAD)
     _works(catalog_url)
 
 
 def test_an_older_revision_with_drift_is_refused_rather_than_sent_to_upgrade(catalog_url):
-    _migrate(catalog_url, INITIAL)
+    migrate(catalog_url, INITIAL)
     _drop_column(catalog_url, "checkpoints", "bytes")
     for error in _refusals(catalog_url, SchemaDriftError):
         assert error.revision == INITIAL and error.head == HEAD
@@ -158,8 +137,8 @@ def test_an_older_revision_with_drift_is_refused_rather_than_sent_to_upgrade(cat
 
 def test_an_older_revision_whose_index_exists_already_upgrades(catalog_url):
     # An operator created the new index by hand before upgrading: no drift, upgrade works.
-    _migrate(catalog_url, EPOCHS)
-    _execute(catalog_url, "CREATE INDEX ix_events_at ON events (at)")
+    migrate(catalog_url, EPOCHS)
+    execute_sql(catalog_url, "CREATE INDEX ix_events_at ON events (at)")
     with pytest.raises(SchemaOutdatedError) as caught:
         Catalog(catalog_url)
     assert caught.value.known and caught.value.current == EPOCHS
@@ -172,42 +151,42 @@ def test_an_empty_alembic_version_beside_tables_at_head_gets_the_insert_that_rec
     catalog_url,
 ):
     Catalog(catalog_url).close()
-    _execute(catalog_url, "DELETE FROM alembic_version")
+    execute_sql(catalog_url, "DELETE FROM alembic_version")
     errors = _refusals(catalog_url, SchemaUnversionedError)
     for error in errors:
         assert error.version_table and error.matches == HEAD
         assert error.fix_sql == (f"INSERT INTO alembic_version (version_num) VALUES ('{HEAD}')",)
         assert "its alembic_version table has no row" in str(error)
         assert "zephon db upgrade" not in str(error)  # at head: nothing to upgrade after
-    _execute(catalog_url, *errors[0].fix_sql)
+    execute_sql(catalog_url, *errors[0].fix_sql)
     _works(catalog_url)
 
 
 def test_an_empty_alembic_version_beside_older_tables_is_recorded_then_upgraded(catalog_url):
-    _migrate(catalog_url, EPOCHS)
-    _execute(catalog_url, "DELETE FROM alembic_version")
+    migrate(catalog_url, EPOCHS)
+    execute_sql(catalog_url, "DELETE FROM alembic_version")
     error = _refusals(catalog_url, SchemaUnversionedError)[0]
     assert error.matches == EPOCHS
     assert "then run `zephon db upgrade --catalog" in str(error)
-    _execute(catalog_url, *error.fix_sql)
+    execute_sql(catalog_url, *error.fix_sql)
     assert catalog.upgrade(catalog_url) == (EPOCHS, HEAD)
     _works(catalog_url)
 
 
 def test_tables_without_alembic_version_get_the_create_table_and_insert(catalog_url):
-    _migrate(catalog_url, INITIAL)
-    _execute(catalog_url, "DROP TABLE alembic_version")
+    migrate(catalog_url, INITIAL)
+    execute_sql(catalog_url, "DROP TABLE alembic_version")
     error = _refusals(catalog_url, SchemaUnversionedError)[0]
     assert not error.version_table and error.matches == INITIAL
     assert error.fix_sql[0].startswith("CREATE TABLE alembic_version")
-    _execute(catalog_url, *error.fix_sql)
+    execute_sql(catalog_url, *error.fix_sql)
     assert catalog.upgrade(catalog_url) == (INITIAL, HEAD)
     _works(catalog_url)
 
 
 def test_unrecorded_tables_matching_no_revision_are_refused_naming_the_closest(catalog_url):
     Catalog(catalog_url).close()
-    _execute(catalog_url, "DELETE FROM alembic_version")
+    execute_sql(catalog_url, "DELETE FROM alembic_version")
     _drop_column(catalog_url, "events", "detail")
     error = _refusals(catalog_url, SchemaUnversionedError)[0]
     assert (error.matches, error.fix_sql, error.closest) == (None, (), HEAD)
@@ -217,7 +196,7 @@ def test_unrecorded_tables_matching_no_revision_are_refused_naming_the_closest(c
 
 
 def test_an_empty_alembic_version_and_no_tables_is_created_by_upgrade(catalog_url):
-    _execute(catalog_url, "CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
+    execute_sql(catalog_url, "CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
     assert catalog.current_revision(catalog_url) is None
     with pytest.raises(SchemaOutdatedError) as caught:
         Catalog(catalog_url)
@@ -228,7 +207,7 @@ def test_an_empty_alembic_version_and_no_tables_is_created_by_upgrade(catalog_ur
 
 def test_an_unknown_revision_is_refused_by_current_revision_too(catalog_url):
     Catalog(catalog_url).close()
-    _execute(catalog_url, "UPDATE alembic_version SET version_num = '0123456789ab'")
+    execute_sql(catalog_url, "UPDATE alembic_version SET version_num = '0123456789ab'")
     for error in _refusals(catalog_url, SchemaOutdatedError):
         assert not error.known and "newer Zephon" in str(error)
 
@@ -281,7 +260,7 @@ def test_fingerprints_of_every_revision_are_the_same_on_both_backends(catalog_ur
     engine = create_engine(catalog_url)
     try:
         for revision, expected in fingerprints.items():
-            _migrate(catalog_url, revision)
+            migrate(catalog_url, revision)
             with engine.connect() as connection:
                 live, version_table = drift.read_structure(connection)
             assert version_table and live == expected, revision

@@ -12,7 +12,7 @@ import pytest
 
 from catalog import Catalog, StaleAttemptError, StateConflictError, attempts, transitions
 from tests.catalog import workers
-from tests.catalog.conftest import commit_step, register
+from tests.catalog.conftest import commit_step, in_threads, register
 
 
 def test_commit_and_fail_racing_on_one_attempt_move_the_row_once(catalog_url):
@@ -38,13 +38,7 @@ def test_commit_and_fail_racing_on_one_attempt_move_the_row_once(catalog_url):
         except StateConflictError:
             outcomes[index] = "lost"
 
-    threads = [threading.Thread(target=contend, args=(i,)) for i in range(len(catalogs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    for catalog in catalogs:
-        catalog.close()
+    in_threads(contend, catalogs)
 
     with Catalog(catalog_url) as catalog:
         final = catalog.get_checkpoint("r", 1).state

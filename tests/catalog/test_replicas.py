@@ -22,7 +22,7 @@ from catalog import (
     replicas,
 )
 from tests.catalog import workers
-from tests.catalog.conftest import commit_step
+from tests.catalog.conftest import commit_step, in_threads
 
 LOCAL = {"tier": "local", "host": "node-1"}
 SHARED = {"tier": "save_dir", "host": ""}
@@ -569,13 +569,7 @@ def test_concurrent_add_timings_lose_no_phase(catalog_url):
         except Exception as exc:  # reported below: the assertion names it
             errors.append(exc)
 
-    threads = [threading.Thread(target=add, args=(i,)) for i in range(len(catalogs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    for opened in catalogs:
-        opened.close()
+    in_threads(add, catalogs)
     assert errors == []
     with Catalog(catalog_url) as catalog:
         timings = catalog.get_checkpoint("r", 1).timings

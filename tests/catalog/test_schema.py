@@ -15,11 +15,18 @@ from sqlalchemy.exc import IntegrityError
 
 import catalog
 import migrations
-from catalog import Catalog, SchemaOutdatedError, SchemaUnversionedError, schema
+from catalog import (
+    Catalog,
+    MigrationsNotFoundError,
+    SchemaOutdatedError,
+    SchemaUnversionedError,
+    schema,
+)
 from catalog.engine import Database
 from catalog.models import Base, Checkpoint, CheckpointState, Run
 from catalog.queries import latest_committed
 from tests.catalog import workers
+from tests.catalog.conftest import execute_sql, migrate
 
 
 def _diff_against_models(url: str) -> list:
@@ -30,16 +37,6 @@ def _diff_against_models(url: str) -> list:
                 connection, opts={"compare_type": True, "compare_server_default": True}
             )
             return compare_metadata(context, Base.metadata)
-    finally:
-        engine.dispose()
-
-
-def _execute(url: str, *statements: str) -> None:
-    engine = create_engine(url)
-    try:
-        with engine.begin() as connection:
-            for statement in statements:
-                connection.execute(text(statement))
     finally:
         engine.dispose()
 
@@ -64,7 +61,7 @@ def test_reopening_a_catalog_at_head_changes_nothing(catalog_url):
 
 
 def test_an_alembic_version_table_without_a_row_is_behind_and_upgrade_fixes_it(catalog_url):
-    _execute(catalog_url, "CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
+    execute_sql(catalog_url, "CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
     with pytest.raises(SchemaOutdatedError) as caught:
         Catalog(catalog_url)
     error = caught.value
@@ -79,7 +76,7 @@ def test_an_alembic_version_table_without_a_row_is_behind_and_upgrade_fixes_it(c
 
 def test_an_unknown_revision_is_refused_by_open_and_by_upgrade(catalog_url):
     Catalog(catalog_url).close()
-    _execute(catalog_url, "UPDATE alembic_version SET version_num = '0123456789ab'")
+    execute_sql(catalog_url, "UPDATE alembic_version SET version_num = '0123456789ab'")
     for attempt in (lambda: Catalog(catalog_url), lambda: catalog.upgrade(catalog_url)):
         with pytest.raises(SchemaOutdatedError) as caught:
             attempt()
@@ -103,6 +100,18 @@ def _migrations_with_one_more_revision(tmp_path) -> str:
         "    op.drop_index('ix_events_action', table_name='events')\n"
     )
     return str(copy)
+
+
+def test_migrations_without_a_revision_are_a_catalog_error_naming_the_fix(tmp_path):
+    copy = tmp_path / "migrations_empty"
+    shutil.copytree(migrations.LOCATION, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for revision in (copy / "versions").glob("*.py"):
+        revision.unlink()
+    with pytest.raises(MigrationsNotFoundError) as caught:
+        schema.head_revision(str(copy))
+    assert isinstance(caught.value, catalog.CatalogError)
+    assert caught.value.location == str(copy)
+    assert "\n" not in str(caught.value) and "reinstall the zephon package" in str(caught.value)
 
 
 def test_a_database_behind_the_code_is_refused_until_upgraded(catalog_url, tmp_path):
@@ -149,18 +158,6 @@ def test_catalog_tables_without_alembic_version_are_refused(catalog_url):
 INITIAL = "a1bd075f368c"
 
 
-def _migrate(url: str, target: str, how=command.upgrade) -> None:
-    """Run the installed migrations to ``target`` on ``url``, as ``catalog.schema`` does."""
-    db = Database(url)
-    try:
-        with db.immediate_connection("migrate") as connection:
-            config = schema.alembic_config()
-            config.attributes["connection"] = connection
-            how(config, target)
-    finally:
-        db.dispose()
-
-
 _OLD_ROWS = (
     "INSERT INTO runs (id, name, storage_url, kind, status, num_to_keep, created_at, "
     "updated_at) VALUES (1, 'old', '/c/old', 'train', 'active', 2, :at, :at)",
@@ -189,7 +186,7 @@ def _insert_old_rows(url: str) -> None:
 
 
 def test_a_catalog_at_the_initial_revision_upgrades_keeping_its_rows(catalog_url):
-    _migrate(catalog_url, INITIAL)
+    migrate(catalog_url, INITIAL)
     _insert_old_rows(catalog_url)
     with pytest.raises(SchemaOutdatedError) as caught:
         Catalog(catalog_url)
@@ -239,7 +236,7 @@ def test_a_downgrade_to_the_initial_revision_keeps_the_rows_under_their_old_name
             started_at=datetime.now(UTC),
             resumed_from=None,
         )
-    _migrate(catalog_url, INITIAL, how=command.downgrade)
+    migrate(catalog_url, INITIAL, how=command.downgrade)
     engine = create_engine(catalog_url)
     try:
         with engine.connect() as connection:
@@ -254,7 +251,7 @@ def test_a_downgrade_to_the_initial_revision_keeps_the_rows_under_their_old_name
 @pytest.mark.parametrize("upgraded", [False, True], ids=["created-at-head", "upgraded"])
 def test_the_state_constraint_allows_every_state_and_nothing_else(catalog_url, upgraded):
     if upgraded:
-        _migrate(catalog_url, INITIAL)
+        migrate(catalog_url, INITIAL)
     catalog.upgrade(catalog_url)
     with Catalog(catalog_url) as opened:
         opened.ensure_run("r", "/c")
@@ -271,7 +268,7 @@ def test_the_state_constraint_allows_every_state_and_nothing_else(catalog_url, u
 
 
 def test_unrelated_tables_do_not_stop_creation(catalog_url):
-    _execute(catalog_url, "CREATE TABLE someone_elses (id INTEGER PRIMARY KEY)")
+    execute_sql(catalog_url, "CREATE TABLE someone_elses (id INTEGER PRIMARY KEY)")
     with Catalog(catalog_url) as opened:
         assert opened.current_revision() == catalog.head_revision()
 
@@ -353,9 +350,9 @@ EVENTS_AT = "3a0e83d9015e"
 
 
 def test_the_timings_and_replicas_revision_upgrades_keeping_every_row(catalog_url):
-    _migrate(catalog_url, INITIAL)
+    migrate(catalog_url, INITIAL)
     _insert_old_rows(catalog_url)
-    _migrate(catalog_url, EVENTS_AT)
+    migrate(catalog_url, EVENTS_AT)
     with pytest.raises(SchemaOutdatedError) as caught:
         Catalog(catalog_url)
     assert caught.value.current == EVENTS_AT
@@ -390,7 +387,7 @@ def test_a_downgrade_below_timings_and_replicas_drops_only_them(catalog_url):
         opened.replica_started(
             "r", 1, tier="local", host="n1", location="/l/r/save-1", save_id=row.save_id
         )
-    _migrate(catalog_url, EVENTS_AT, how=command.downgrade)
+    migrate(catalog_url, EVENTS_AT, how=command.downgrade)
     engine = create_engine(catalog_url)
     try:
         with engine.connect() as connection:
