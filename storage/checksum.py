@@ -25,6 +25,8 @@ import os
 
 import google_crc32c
 
+from storage.errors import InvalidArgumentError
+
 __all__ = [
     "NATIVE",
     "Crc32c",
@@ -181,9 +183,11 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     whose CRC is already known without reading it again.
     """
     if len_b < 0:
-        raise ValueError(f"len_b must be >= 0, got {len_b}")
+        raise InvalidArgumentError(f"crc32c_combine: len_b must be >= 0, got {len_b}")
     if not 0 <= crc_a <= 0xFFFFFFFF or not 0 <= crc_b <= 0xFFFFFFFF:
-        raise ValueError(f"CRC values must be 32-bit unsigned, got {crc_a:#x} and {crc_b:#x}")
+        raise InvalidArgumentError(
+            f"crc32c_combine: CRC values must be 32-bit unsigned, got {crc_a:#x} and {crc_b:#x}"
+        )
     if len_b == 0:
         return crc_a
     return _multmodp(_shift_for(len_b), crc_a) ^ crc_b
@@ -198,17 +202,17 @@ def encode_crc32c(value: int) -> str:
 
 
 def decode_crc32c(text: str) -> int:
-    """The value ``encode_crc32c`` encoded; ``ValueError`` for anything that is not exactly
-    such an 8-character base64 string."""
+    """The value ``encode_crc32c`` encoded; ``InvalidArgumentError`` (a ``ValueError``) for
+    anything that is not exactly such an 8-character base64 string."""
     if not isinstance(text, str) or len(text) != 8:
-        raise ValueError(f"a CRC32C is 8 base64 characters, got {text!r}")
+        raise InvalidArgumentError(f"a CRC32C is 8 base64 characters, got {str(text)[:40]!r}")
     try:
         raw = base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError):
-        raise ValueError(f"a CRC32C is 8 base64 characters, got {text!r}") from None
+        raise InvalidArgumentError(f"a CRC32C is 8 base64 characters, got {text!r}") from None
     value = int.from_bytes(raw, "big")
     if len(raw) != 4 or encode_crc32c(value) != text:
-        raise ValueError(f"{text!r} is not the base64 of a 4-byte CRC32C")
+        raise InvalidArgumentError(f"{text!r} is not the base64 of a 4-byte CRC32C")
     return value
 
 

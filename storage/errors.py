@@ -36,6 +36,11 @@ class InvalidNameError(StorageError, ValueError):
     """A run name, step or URL that the layout refuses."""
 
 
+class InvalidArgumentError(StorageError, ValueError):
+    """An argument out of range for the call it was passed to (a part size, a worker count, a
+    CRC that is not one, a fence used before it decided where it resumes)."""
+
+
 class BackendUnavailableError(StorageError):
     """The storage backend cannot be used: its package is missing, or it does not answer."""
 

@@ -30,6 +30,7 @@ from storage.errors import (
     CheckpointNotFoundError,
     CommitConflictError,
     CorruptCheckpointError,
+    InvalidArgumentError,
 )
 from storage.existing import (
     UNREAD,
@@ -98,11 +99,13 @@ class CheckpointStore:
         part_size: int = 8 << 20,
     ) -> None:
         if part_size < 5 << 20:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"part_size={part_size} is below S3's 5 MiB minimum multipart part; use >= 5242880"
             )
         if max_workers is not None and max_workers < 1:
-            raise ValueError(f"max_workers={max_workers} must be at least 1 (or None: default)")
+            raise InvalidArgumentError(
+                f"max_workers={max_workers} must be at least 1 (or None: the backend's default)"
+            )
         self.location: Location = open_location(url, dict(storage_options or {}))
         #: threads writing or reading files of one checkpoint in parallel. By default the
         #: backend's ``default_workers``: 8 on local disk (bound by the disk and the CPU), 32
@@ -234,9 +237,11 @@ class CheckpointStore:
         probe = functools.partial(self.marker_bytes, run, step)
         if fence is not None:
             if not fence.record.decided:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"attempt epoch {fence.epoch} of run {run!r} has not decided where it "
-                    "resumes: call decide_resume before saving"
+                    "resumes: call decide_resume before saving",
+                    run=run,
+                    step=step,
                 )
             lineage = fence.lineage
             if recheck:  # a stale attempt learns it before writing, and before superseding

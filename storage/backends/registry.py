@@ -12,6 +12,7 @@ from storage.backends.base import Backend
 from storage.backends.memory import MemoryBackend
 from storage.backends.object_store import GCSBackend, S3Backend
 from storage.backends.posix import PosixBackend
+from storage.errors import InvalidArgumentError
 
 __all__ = ["BACKEND_CLASSES", "PACKAGES", "backend_for", "package_for", "register"]
 
@@ -39,7 +40,10 @@ def register(cls: type[Backend]) -> type[Backend]:
     """Make ``cls`` the backend of every protocol in ``cls.protocols`` (usable as a class
     decorator). A protocol registered twice keeps the newer class."""
     if not cls.protocols:
-        raise TypeError(f"{cls.__name__}.protocols is empty: name the fsspec protocols it serves")
+        raise InvalidArgumentError(
+            f"backend class {cls.__name__} has no protocols: set {cls.__name__}.protocols to "
+            "the fsspec protocols it serves before registering it"
+        )
     if cls not in BACKEND_CLASSES:
         BACKEND_CLASSES.append(cls)
     for protocol in cls.protocols:

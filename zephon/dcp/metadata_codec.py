@@ -29,8 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from storage import CorruptCheckpointError
-from storage.checksum import decode_crc32c
+from storage import CorruptCheckpointError, decode_crc32c
 from zephon import dtypes
 from zephon.dcp.errors import MetadataEncodingError
 

@@ -29,12 +29,12 @@ from storage import (
     CheckpointNotFoundError,
     CheckpointStore,
     CorruptCheckpointError,
+    Crc32c,
     FileEntry,
     InvalidNameError,
     Manifest,
     validate_run,
 )
-from storage.checksum import Crc32c
 from zephon.attempts import Attempt, register_resuming
 from zephon.errors import ConfigError, ZephonError
 from zephon.gc import apply_retention
