@@ -10,6 +10,7 @@ import sys
 import fsspec
 import pytest
 
+from tests.conftest import backends_with
 from tests.zephon.pipeline.agg_worker import build, checkpoint_all, checkpoint_together
 from zephon.pipeline import AggregationTimeoutError
 
@@ -61,7 +62,7 @@ def _expected_states(tmp_path, checkpoints, world_size, dp_degree) -> list[dict]
     return states
 
 
-@pytest.mark.parametrize("backend_name", ["local", "s3"])
+@pytest.mark.parametrize("backend_name", backends_with(cross_process=True, one_winner_races=True))
 def test_separate_processes_assemble_one_state_and_leave_nothing_behind(
     request, tmp_path, backend_name
 ):
