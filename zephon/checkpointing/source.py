@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
-from storage import CheckpointStore
+from storage import CheckpointNotFoundError, CheckpointStore
 from zephon import dcp as zdcp
 from zephon.checkpointing.files import DCP_SUBDIR, META_FILE, decode_json
 from zephon.errors import ZephonError
@@ -29,6 +29,11 @@ __all__ = [
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
+#: the fix when a source checkpoint is not there
+_SOURCE_FIX = (
+    "point model_stage_factory.source_checkpoint (zephon export --source) at the base model: a "
+    ".safetensors file, a zephon export directory or a checkpoint <save_dir>/<run>/save-<step>"
+)
 _STEP_DIR = re.compile(r"^(?P<base>.*?)/save-(?P<step>0|[1-9][0-9]*)/?$")
 
 
@@ -98,10 +103,15 @@ def read_source_tensors(
 ) -> dict[str, torch.Tensor]:
     """Tensors of a model source: a ``.safetensors`` file, a directory with
     ``model.safetensors.index.json`` (or one ``model.safetensors``), or a Zephon checkpoint
-    directory URL."""
+    directory URL. One that does not exist raises ``zephon.CheckpointNotFoundError`` naming
+    it (for a checkpoint URL, caused by storage's own)."""
     from safetensors.torch import load_file
 
     if source.endswith(".safetensors"):
+        if not os.path.isfile(source):
+            raise CheckpointNotFoundError(
+                f"source checkpoint {source!r} does not exist; {_SOURCE_FIX}", url=source
+            )
         return load_file(source)
     if os.path.isdir(source):
         index = os.path.join(source, INDEX_FILE)
@@ -121,7 +131,15 @@ def read_source_tensors(
                 "point it at a Zephon export or checkpoint directory"
             )
     save_dir, run, step = parse_checkpoint_url(source)
-    tensors, _ = read_model_tensors(CheckpointStore(save_dir, storage_options), run, step)
+    try:
+        tensors, _ = read_model_tensors(CheckpointStore(save_dir, storage_options), run, step)
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"source checkpoint {source} cannot be loaded ({exc}); {_SOURCE_FIX}",
+            url=source,
+            run=run,
+            step=step,
+        ) from exc
     return tensors
 
 

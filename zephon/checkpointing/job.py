@@ -1,0 +1,171 @@
+"""One job's checkpointing parts, shared by the saver, the loader and the manager: the checked
+arguments, the store and run location, the manager's process group, the catalog (rank 0), the
+local tier, and the job's attempt (its fencing token).
+
+They live here, apart from what is done with them, so that saving (``saver``), resuming
+(``loader``) and the public methods (``manager``) each read the same parts without reaching
+into one another; ``Job`` opens them in order and closes what it opened if a step fails.
+"""
+
+from __future__ import annotations
+
+from catalog import Catalog
+from storage import CheckpointStore, InvalidNameError, validate_run
+from zephon.attempts import Attempt, register_resuming
+from zephon.checkpointing.collectives import Collectives
+from zephon.checkpointing.damage import report_passed_over
+from zephon.checkpointing.tiering import Tiering
+from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
+from zephon.errors import ConfigError
+from zephon.gc import apply_retention
+from zephon.latest import find_latest
+from zephon.locations import RunLocation, inference_run_name
+
+__all__ = ["ALREADY_COMPLETE", "Job"]
+
+#: the kinds of job, and what ``load_latest`` logs when one already reached ``total_steps``
+ALREADY_COMPLETE = {
+    "train": "Training is already complete, nothing to do",
+    "inference": "Inference is already complete, nothing to do",
+}
+
+
+def check_arguments(kind: str, run_name: str | None, total_steps: int | None) -> None:
+    """Refuse, with a ``ConfigError`` naming the argument, what the manager cannot work with."""
+    if kind not in ALREADY_COMPLETE:
+        raise ConfigError(f"kind = {kind!r} is invalid: use 'train' or 'inference'")
+    if kind == "train" and run_name is None:
+        raise ConfigError("a training job needs run_name (run.name in the job config)")
+    if run_name is not None:
+        try:
+            validate_run(run_name)
+        except InvalidNameError as exc:
+            raise ConfigError(f"run_name: {exc}") from None
+    if kind == "inference" and run_name is not None:
+        raise ConfigError(
+            "an inference job has no run name (it saves to <save_dir>/save-<step>); pass "
+            "catalog_name to name it in the catalog"
+        )
+    if total_steps is not None and (
+        isinstance(total_steps, bool)
+        or not isinstance(total_steps, int)
+        or not 1 <= total_steps <= MAX_STEP
+    ):
+        raise ConfigError(
+            f"total_steps = {total_steps!r} is invalid: use an integer from 1 to {MAX_STEP}"
+        )
+
+
+class Job:
+    """The parts of one job's checkpointing (see the module docstring); construct on every
+    rank at the same point of the program (the process group and the tier are collectives)."""
+
+    def __init__(
+        self,
+        config: CheckpointingConfig,
+        *,
+        run_name: str | None,
+        total_steps: int | None,
+        kind: str,
+        model_stage: ModelStageConfig | None,
+        catalog_name: str | None,
+        save_rng: bool,
+    ) -> None:
+        check_arguments(kind, run_name, total_steps)
+        self.config = config
+        self.kind = kind
+        self.total_steps = total_steps
+        self.model_stage = model_stage or ModelStageConfig()
+        self.save_rng = save_rng
+        self.store = CheckpointStore(config.save_dir, config.storage_options)
+        self.run = run_name
+        self.name = (
+            catalog_name or run_name or inference_run_name(self.store.location.canonical_url)
+        )
+        self.location = RunLocation(self.name, self.store, self.run)
+        self.coll = Collectives()
+        #: rank 0: the catalog, when one is configured
+        self.catalog: Catalog | None = None
+        #: rank 0: this job's attempt, registered by ``load_latest`` (or the first save)
+        self.attempt: Attempt | None = None
+        #: the local tier (``local_dir``) and its uploads, if configured
+        self.tier: Tiering | None = None
+
+        def open_catalog_on_main() -> None:
+            if config.resolved_catalog_url:
+                self.catalog = self._open_catalog(config.resolved_catalog_url)
+
+        try:
+            self.coll.from_main(open_catalog_on_main, "set up checkpointing")
+            if config.local_dir is not None:
+                self.tier = Tiering(
+                    config,
+                    self.coll,
+                    self.location,
+                    self.catalog,
+                    attempt=self.current_attempt,
+                    retain=self.retain,
+                )
+        except BaseException:
+            self.coll.destroy()
+            raise
+
+    def _open_catalog(self, url: str) -> Catalog:
+        catalog = Catalog(url)
+        try:
+            catalog.ensure_run(
+                self.name,
+                self.store.location.canonical_url,
+                kind=self.kind,
+                status="active",
+                total_steps=self.total_steps,
+                num_to_keep=self.config.num_to_keep,
+                keep_every_steps=self.config.keep_every_steps,
+            )
+        except BaseException:
+            catalog.close()
+            raise
+        return catalog
+
+    def current_attempt(self) -> Attempt:
+        """Rank 0: this job's attempt. A job that saves without ``load_latest`` registers one
+        that continues the run's latest checkpoint (it never abandons history implicitly)."""
+        if self.attempt is None:
+
+            def continue_latest(lineage):
+                latest = find_latest(
+                    self.location,
+                    catalog=self.catalog,
+                    lineage=lineage,
+                    on_corrupt=lambda step, why: report_passed_over(self, step, why),
+                )
+                return (latest.step if latest is not None else None), None
+
+            self.attempt, _ = register_resuming(self.location, self.catalog, continue_latest)
+        return self.attempt
+
+    def retain(self) -> list[int]:
+        """Rank 0: delete the checkpoints ``num_to_keep`` no longer keeps (``zephon.gc``'s
+        retention, fenced by this job's attempt). Returns the deleted steps; [] elsewhere."""
+        if not self.coll.is_main:
+            return []
+        return apply_retention(
+            self.location,
+            self.catalog,
+            self.current_attempt().fence,
+            self.config.num_to_keep,
+            self.config.keep_every_steps,
+        )
+
+    def close(self) -> None:
+        """Release the tier, the catalog, the process group and the store (in that order)."""
+        try:
+            if self.tier is not None:
+                self.tier.close()
+                self.tier = None
+            if self.catalog is not None:
+                self.catalog.close()
+                self.catalog = None
+        finally:
+            self.coll.destroy()
+            self.store.close()

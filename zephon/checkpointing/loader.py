@@ -1,0 +1,354 @@
+"""The manager's resume (docs/manager.md, "Resuming"): choose the checkpoint to resume from
+(save_dir's latest complete one, or the local tier's), register the job's attempt as resuming
+from it, plan and run the collective load, and pass over damaged checkpoints as
+``on_corrupt`` says (``damage``). Frozen parameters of a trainable-only checkpoint come from
+the source checkpoint (``source``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from storage import CheckpointStore
+from zephon import dcp as zdcp
+from zephon.attempts import register_resuming
+from zephon.checkpointing.damage import (
+    DAMAGE,
+    damage_on_any_rank,
+    report_passed_over,
+    set_aside,
+)
+from zephon.checkpointing.files import (
+    DCP_SUBDIR,
+    META_FILE,
+    META_VERSION,
+    decode_json,
+    rank_file,
+    restore_rng,
+)
+from zephon.checkpointing.job import ALREADY_COMPLETE, Job
+from zephon.checkpointing.layout import StateLayout
+from zephon.checkpointing.source import load_frozen_from_source
+from zephon.errors import ConfigError, ZephonError
+from zephon.latest import LatestCheckpoint, find_latest
+from zephon.state_tree import join_state, split_state, tensor_keys
+
+__all__ = ["LoadPlan", "Loader", "Resume", "ResumePoint"]
+
+log = logging.getLogger("zephon")
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """What ``load_latest`` found and did.
+
+    ``next_step`` is the first step the job should run (1 for a fresh start); ``finished``
+    means the job already reached its ``total_steps`` and must stop; ``values`` holds the
+    entries that were plain values rather than objects loaded in place.
+    """
+
+    step: int | None
+    next_step: int
+    finished: bool = False
+    url: str | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    rank_state: dict[str, Any] | None = None
+    #: the total_steps the checkpoint was saved under (None for a fresh start)
+    saved_total_steps: int | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.step is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """The checkpoint rank 0 chose to resume from, sent to every rank."""
+
+    step: int
+    url: str
+    #: its ``zephon.json``, read and checked on rank 0
+    meta: dict[str, Any]
+    #: the local tier's copy (every rank reads its own local_dir), not save_dir's
+    local: bool = False
+    #: a local copy newer than save_dir's latest: uploaded once loaded
+    upload: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """This rank's part of a load, ready for the collective DCP load."""
+
+    layout: StateLayout
+    reader: zdcp.ZephonStorageReader
+    #: where DCP loads each tensor: the live objects' tensors, and new ones for this rank's own
+    targets: dict[str, Any]
+    #: the JSON skeleton of the shared entries (``zephon.json``)
+    shared: dict[str, Any]
+    #: the skeleton of this rank's own entries
+    own: dict[str, Any]
+    #: this rank's document (``ranks/<rank>.json``): its state, RNG and ``rank_state``
+    document: dict[str, Any]
+    #: the world size the checkpoint was saved with is this one (RNG and rank_state apply)
+    same_world: bool
+
+
+class Loader:
+    """Resumes one ``Job`` from its latest complete checkpoint."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def load_latest(self, state: Mapping[str, Any], allow_partial_load: bool) -> Resume:
+        """``CheckpointManager.load_latest`` (see there), after background work is done."""
+        job, coll = self.job, self.job.coll
+        local = job.tier.candidate() if job.tier is not None else None
+        while True:
+            # One process asks the catalog and reads the small JSON; the others get the answer.
+            point: ResumePoint | None = coll.from_main(
+                lambda local=local: self._resume_point_on_main(local), "find the latest checkpoint"
+            )
+            if point is None:
+                return Resume(step=None, next_step=1)
+            step = point.step
+            saved_total = point.meta.get("total_steps")
+            if job.total_steps is not None and step >= job.total_steps:
+                log.info(ALREADY_COMPLETE[job.kind])
+                if point.upload:  # the last step, never uploaded: upload it now
+                    job.tier.upload_resumed(step)
+                return Resume(
+                    step=step,
+                    next_step=step + 1,
+                    finished=True,
+                    url=point.url,
+                    saved_total_steps=saved_total,
+                )
+            # Before the damage check: a source that fails is never this checkpoint's damage.
+            self._load_source(point, state)
+            problem: Exception | None = None
+            store = job.tier.store if point.local and job.tier else job.store
+            try:
+                values, rank_state = self._load(point, state, allow_partial_load, store)
+            except Exception as exc:
+                problem = exc
+            damaged = damage_on_any_rank(coll, problem)
+            if damaged is None:
+                if problem is not None:
+                    raise problem
+                if point.upload:  # never uploaded (the last attempt died): now, fenced
+                    job.tier.upload_resumed(step)
+                return Resume(
+                    step=step,
+                    next_step=step + 1,
+                    url=point.url,
+                    values=values,
+                    rank_state=rank_state,
+                    saved_total_steps=saved_total,
+                )
+            if point.local:  # a damaged local copy: condemned there only, save_dir next
+                if coll.is_main and job.tier is not None:
+                    job.tier.damaged(step, damaged)
+                local = None
+                continue
+            if job.config.on_corrupt == "fail":
+                if problem is not None:
+                    raise problem
+                why = damaged.splitlines()[0][:300]
+                raise ZephonError(
+                    f"checkpoint {point.url} could not be loaded on another rank ({why}); "
+                    "inspect it (zephon verify), or set on_corrupt: fallback"
+                )
+            if coll.is_main:
+                set_aside(job, step, damaged)
+
+    # -- choosing the checkpoint (rank 0) -----------------------------------------------------
+
+    def _resume_point_on_main(self, local: int | None = None) -> ResumePoint | None:
+        """Rank 0: find the latest complete checkpoint and register this job's attempt as
+        resuming from it; a checkpoint whose JSON fails verification is set aside and the next
+        one taken. ``local``: the local tier's candidate every rank holds, taken if it is at
+        least save_dir's latest (and uploaded after the load if it is newer)."""
+        job = self.job
+        tier = job.tier
+        while True:
+
+            def passed_over(step: int, why: str) -> None:
+                report_passed_over(job, step, why)
+
+            def choose(
+                lineage, local=local
+            ) -> tuple[int | None, tuple[LatestCheckpoint | None, bool]]:
+                if local is not None and tier is not None and job.catalog is not None:
+                    # The catalog's newest committed row at or below L: L wins (judged by the
+                    # lineage the claim read) and R's marker is not read, since R is not loaded.
+                    latest = find_latest(
+                        job.location,
+                        catalog=job.catalog,
+                        lineage=lineage,
+                        on_corrupt=passed_over,
+                        confirm=False,
+                    )
+                    remote = latest.step if latest is not None else None
+                    if (remote is None or remote <= local) and tier.prefers(local, lineage, remote):
+                        return local, (latest, True)
+                latest = find_latest(
+                    job.location, catalog=job.catalog, lineage=lineage, on_corrupt=passed_over
+                )
+                remote = latest.step if latest is not None else None
+                if tier is not None and tier.prefers(local, lineage, remote):
+                    return local, (latest, True)
+                return remote, (latest, False)
+
+            job.attempt, (latest, use_local) = register_resuming(job.location, job.catalog, choose)
+            if use_local and tier is not None and local is not None:
+                try:
+                    meta = self._read_meta(local, tier.store)
+                except DAMAGE as exc:
+                    tier.damaged(local, str(exc))
+                    local = None
+                    continue
+                newer = latest is None or latest.step < local
+                return ResumePoint(
+                    local, tier.checkpoint_url(local), meta, local=True, upload=newer
+                )
+            if latest is None:
+                return None
+            try:
+                meta = self._read_meta(latest.step, job.store)
+            except DAMAGE as exc:
+                set_aside(job, latest.step, str(exc))
+                continue
+            return ResumePoint(latest.step, latest.url, meta)
+
+    def _read_meta(self, step: int, store: CheckpointStore) -> dict[str, Any]:
+        reader = store.reader(self.job.run, step, verify=self.job.config.verify_on_load)
+        meta = decode_json(reader.read_bytes(META_FILE), f"{reader.url}/{META_FILE}")
+        if meta.get("format_version", 0) > META_VERSION:
+            raise ZephonError(f"{reader.url} was written by a newer Zephon; upgrade to load it")
+        return meta
+
+    # -- loading (every rank) -----------------------------------------------------------------
+
+    def _load(
+        self,
+        point: ResumePoint,
+        state: Mapping[str, Any],
+        allow_partial_load: bool,
+        store: CheckpointStore,
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Collective: load checkpoint ``point`` into ``state``; (plain values, rank_state)."""
+        job, coll = self.job, self.job.coll
+        plan: LoadPlan | None = None
+        problem: Exception | None = None
+        try:
+            plan = self._plan(point, state, allow_partial_load, store)
+        except Exception as exc:
+            problem = exc
+        # Every rank must be ready before the collective load, or the others would wait forever.
+        coll.agree(problem, f"prepare loading step {point.step}")
+        assert plan is not None
+        kinds = plan.layout.kinds()
+        zdcp.load(
+            plan.targets,
+            plan.reader,
+            process_group=coll.io_group,
+            allow_partial_load=allow_partial_load,
+        )
+        tree = join_state({k: v for k, v in plan.shared.items() if k in kinds}, plan.targets)
+        tree.update(join_state(plan.own, plan.targets))
+        values = plan.layout.apply(tree)
+        rank_state = None
+        if plan.same_world:
+            if job.save_rng and "rng" in plan.document:
+                restore_rng(plan.document["rng"])
+            if "rank_state" in plan.document:
+                rank_state = join_state(plan.document["rank_state"], {})
+        return values, rank_state
+
+    def _plan(
+        self,
+        point: ResumePoint,
+        state: Mapping[str, Any],
+        allow_partial_load: bool,
+        store: CheckpointStore,
+    ) -> LoadPlan:
+        """This rank's part of a load, before the collective: check the state against the
+        checkpoint, load frozen parameters from the source, read this rank's JSON."""
+        job, meta, step = self.job, point.meta, point.step
+        layout = StateLayout(state, trainable_only=bool(meta.get("trainable_only")))
+        kinds = layout.kinds()
+        saved_kinds: dict[str, str] = meta["entries"]
+        mismatched = [k for k, kind in kinds.items() if k in saved_kinds and saved_kinds[k] != kind]
+        if mismatched:
+            was = [saved_kinds[k] for k in mismatched]
+            now = [kinds[k] for k in mismatched]
+            raise ZephonError(
+                f"state entries {mismatched} were saved as {was} but are {now} now; pass the "
+                "same kinds of objects that were saved"
+            )
+        url = store.checkpoint_url(job.run, step)
+        checkpoint = store.reader(job.run, step, verify=job.config.verify_on_load)
+        # The same world size gets every rank its own state back; another one (an elastic
+        # resume) gets every rank rank 0's, and no RNG or rank_state.
+        same_world = meta.get("world_size") == job.coll.world_size
+        name = rank_file(job.coll.rank if same_world else 0)
+        document = decode_json(checkpoint.read_bytes(name), f"{checkpoint.url}/{name}")
+        targets, _ = split_state(layout.load_targets())
+        shared = meta["state"]
+        saved = set(tensor_keys({k: v for k, v in shared.items() if k in kinds}))
+        extra = sorted(saved - set(targets))
+        if extra and not allow_partial_load:
+            shown = ", ".join(extra[:10]) + (" ..." if len(extra) > 10 else "")
+            raise zdcp.StateDictMismatchError(
+                f"checkpoint {url} holds {len(extra)} tensor(s) this state has no place for: "
+                f"{shown}; build the model and optimizer as they were when saved"
+            )
+        reader = zdcp.ZephonStorageReader(
+            store, job.run, step, subdir=DCP_SUBDIR, verify=job.config.verify_on_load
+        )
+        own = {k: v for k, v in document["state"].items() if k in kinds}
+        own_keys = tensor_keys(own)
+        if own_keys:  # this rank's own tensors: allocated from the checkpoint's metadata
+            metadata = reader.read_metadata()
+            for key in own_keys:
+                md = metadata.state_dict_metadata[key]
+                targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        return LoadPlan(
+            layout=layout,
+            reader=reader,
+            targets=targets,
+            shared=shared,
+            own=own,
+            document=document,
+            same_world=same_world,
+        )
+
+    def _load_source(self, point: ResumePoint, state: Mapping[str, Any]) -> None:
+        """Collective when ``point`` holds only trainable parameters: the frozen ones, from the
+        source checkpoint, on every rank. Its failure (a ``ConfigError`` without a source, the
+        source's ``CheckpointNotFoundError``...) is raised as it is: the source's problem, not
+        damage of ``point``, which is neither quarantined nor passed over for it."""
+        if not point.meta.get("trainable_only"):
+            return
+        problem: Exception | None = None
+        try:
+            source = self.job.model_stage.source_checkpoint
+            if source is None:
+                raise ConfigError(
+                    f"checkpoint {point.url} holds only trainable parameters; set "
+                    "model_stage_factory.source_checkpoint to load the frozen ones"
+                )
+            layout = StateLayout(state, trainable_only=True)
+            for key in layout.model_keys:
+                entry = next(e for e in layout.entries if e.key == key)
+                value = entry.value
+                modules = [value] if isinstance(value, torch.nn.Module) else list(value)
+                load_frozen_from_source(modules, source, self.job.config.storage_options)
+        except Exception as exc:
+            problem = exc
+        self.job.coll.agree(problem, f"load the frozen parameters of step {point.step}")

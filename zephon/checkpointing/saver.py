@@ -1,0 +1,218 @@
+"""The manager's save sequence (docs/manager.md, "Saving"): prepare the state on every rank,
+begin the fenced save on rank 0 (``zephon.saving.Save``, the one save path, or the local
+tier's), write the JSON files and the DCP shards, commit, then record it and apply retention.
+
+Every step is a collective: a failure on any rank raises on every rank, and the save's own
+files and catalog row are failed and removed (``Save.failed``), never another save's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from storage import CheckpointWriter, FileEntry
+from zephon import dcp as zdcp
+from zephon.attempts import as_zephon_error
+from zephon.checkpointing.background import Background
+from zephon.checkpointing.files import (
+    DCP_SUBDIR,
+    META_FILE,
+    META_VERSION,
+    capture_rng,
+    encode_json,
+    rank_file,
+)
+from zephon.checkpointing.job import Job
+from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
+from zephon.errors import ZephonError
+from zephon.saving import Save
+from zephon.state_tree import split_state, tensor_keys
+
+__all__ = ["PreparedState", "Saver"]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedState:
+    """This rank's part of a save, before anything is written."""
+
+    #: what each state entry is (model, optimizer, stateful, value)
+    layout: StateLayout
+    #: every tensor DCP writes: the shared entries' and this rank's own (under ``rank<r>/``)
+    tensors: dict[str, Any]
+    #: the JSON skeleton of the shared entries (rank 0 writes it into ``zephon.json``)
+    shared: Any
+    #: this rank's own document (``ranks/<rank>.json``): its state, RNG and ``rank_state``
+    own: dict[str, Any]
+
+
+class Saver:
+    """Saves checkpoints of one ``Job``; async saves commit through ``background``."""
+
+    def __init__(self, job: Job, background: Background) -> None:
+        self.job = job
+        self.background = background
+
+    def save(self, step: int, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None):
+        """``CheckpointManager.save`` (see there)."""
+        job, coll = self.job, self.job.coll
+        started = time.monotonic()
+        self.background.wait()
+        #: the phases of this save, completed as they happen (the catalog row gets them)
+        timings: dict[str, float] = {}
+        prepared: PreparedState | None = None
+        problem: Exception | None = None
+        try:
+            if job.tier is not None:
+                job.tier.before_save()  # backpressure; a stale attempt stops here
+            prepared = self.prepare(state, rank_state)
+        except Exception as exc:
+            problem = exc
+        # Doubles as the barrier before the save.
+        coll.agree(problem, f"prepare the state of step {step}")
+        assert prepared is not None
+        store = job.tier.store if job.tier is not None else job.store
+        save: Save | None = None
+        primary: CheckpointWriter | None = None
+        if coll.is_main:
+            try:
+                attempt = job.current_attempt()
+                if job.tier is not None:
+                    save = job.tier.begin(attempt, step)
+                else:
+                    save = Save.begin(attempt, step, catalog=job.catalog)
+                primary = save.writer
+            except Exception as exc:
+                problem = exc
+        try:
+            writer = zdcp.attach_ranks(store, job.run, step, primary, process_group=coll.group)
+        except Exception:
+            if problem is not None:
+                raise problem from None
+            raise
+        try:
+            self._write_json(writer, step, prepared)
+            storage_writer = zdcp.ZephonStorageWriter(
+                writer, subdir=DCP_SUBDIR, commit_metadata={"step": step, "kind": job.kind}
+            )
+            if job.config.async_save:
+                staging = time.monotonic()
+                future = zdcp.async_save(
+                    prepared.tensors,
+                    storage_writer,
+                    process_group=coll.io_group,
+                    stager=self.background.stager(),
+                )
+                timings["stage_s"] = time.monotonic() - staging
+                returned = threading.Event()  # the commit records stall_s, known once we return
+                self.background.start(
+                    step,
+                    future,
+                    returned,
+                    commit=lambda: self._committed(step, save, writer, timings, started),
+                    fail=lambda exc: self._failed(writer, save, exc),
+                )
+                try:
+                    coll.barrier()
+                    timings["stall_s"] = time.monotonic() - started
+                finally:
+                    returned.set()
+                return
+            zdcp.save(prepared.tensors, storage_writer, process_group=coll.io_group)
+        except BaseException as exc:
+            self._failed(writer, save, exc)
+            translated = as_zephon_error(exc)
+            if translated is not exc:  # the commit met a newer attempt
+                raise translated from exc
+            raise
+        timings["stall_s"] = time.monotonic() - started
+        self._committed(step, save, writer, timings, started)
+        coll.barrier()
+
+    def prepare(
+        self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None
+    ) -> PreparedState:
+        """This rank's part of a save, before anything is written: classify the state, split
+        tensors from JSON, and build this rank's own JSON document."""
+        job = self.job
+        layout = StateLayout(
+            state, trainable_only=job.model_stage.checkpoint_only_trainable_parameters
+        )
+        # Models and optimizers are shared by all ranks (DCP reshards them); every other entry
+        # is this rank's own, its tensors keyed under rank<r>/ so DCP keeps every rank's copy.
+        tensors, shared = split_state(layout.state_tree(IN_PLACE))
+        own_tensors, own = split_state(layout.state_tree(PER_RANK), (f"rank{job.coll.rank}",))
+        tensors.update(own_tensors)
+        document: dict[str, Any] = {"state": own}
+        if job.save_rng:
+            document["rng"] = capture_rng()
+        if rank_state is not None:
+            _, rank_skeleton = split_state(dict(rank_state))
+            if tensor_keys(rank_skeleton):
+                raise ZephonError("rank_state holds tensors: keep per-rank state to JSON values")
+            document["rank_state"] = rank_skeleton
+        return PreparedState(layout=layout, tensors=tensors, shared=shared, own=document)
+
+    def _write_json(self, writer: CheckpointWriter, step: int, prepared: PreparedState) -> None:
+        """Every rank writes ``ranks/<rank>.json`` (rank 0 also ``zephon.json``); rank 0 then
+        records every rank's file in the manifest."""
+        job, coll = self.job, self.job.coll
+        entry, problem = None, None
+        try:
+            entry = writer.write_bytes(rank_file(coll.rank), encode_json(prepared.own))
+            if coll.is_main:
+                meta = {
+                    "format_version": META_VERSION,
+                    "run": job.run,
+                    "name": job.name,
+                    "kind": job.kind,
+                    "step": step,
+                    "total_steps": job.total_steps,
+                    "world_size": coll.world_size,
+                    "entries": prepared.layout.kinds(),
+                    "trainable_only": prepared.layout.trainable_only,
+                    "state": prepared.shared,
+                }
+                writer.write_bytes(META_FILE, encode_json(meta))
+        except Exception as exc:
+            problem = exc
+        coll.agree(problem, f"write its state of step {step}")
+        gathered = coll.gather(entry.to_dict())
+        if coll.is_main:
+            writer.add_entries(FileEntry(**e) for e in gathered or [])
+
+    def _committed(
+        self,
+        step: int,
+        save: Save | None,
+        writer: CheckpointWriter,
+        timings: dict[str, float],
+        started: float,
+    ) -> None:
+        """Every rank, after the marker. Without a local tier, rank 0 records the commit (with
+        its timings) and applies retention; with one, the local commit is recorded and every
+        rank queues the upload of what it wrote."""
+        job = self.job
+        if job.tier is not None:
+            job.tier.committed(step, save, writer, timings, started)
+        elif job.coll.is_main:
+            assert save is not None
+            save.committed(timings=timings)
+            job.retain()
+
+    def _failed(self, writer: CheckpointWriter, save: Save | None, exc: BaseException) -> None:
+        """Rank 0: the save did not complete: fail it (its files and row), or abort the writer
+        when no save began."""
+        if not self.job.coll.is_main:
+            return
+        if save is not None:
+            save.failed(exc)
+            if self.job.tier is not None:
+                self.job.tier.failed(save, exc)
+        else:
+            with contextlib.suppress(Exception):
+                writer.abort()
