@@ -2,6 +2,10 @@
 
 Names are resolved lazily so that ``import zephon`` (and the ``zephon`` command's catalog and gc
 subcommands) work without torch and stay fast; torch is imported only where tensors are handled.
+
+The errors are imported eagerly: the three roots (``ZephonError``, ``StorageError``,
+``CatalogError``) cover everything Zephon raises on purpose, and ``CheckpointNotFoundError``
+(a ``StorageError``) is the one error for "there is no such checkpoint", wherever it is asked.
 """
 
 from __future__ import annotations
@@ -10,8 +14,15 @@ import importlib
 from typing import Any
 
 from catalog.errors import CatalogError
-from storage.errors import StorageError
-from zephon.errors import ConfigError, StaleAttemptError, ZephonError
+from storage.errors import CheckpointNotFoundError, StorageError
+from zephon.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    NotCommittedError,
+    StaleAttemptError,
+    UsageError,
+    ZephonError,
+)
 
 __version__ = "0.1.0"
 
@@ -41,10 +52,14 @@ _LAZY = {
 }
 
 __all__ = [
+    "ArgumentTypeError",
     "CatalogError",
+    "CheckpointNotFoundError",
     "ConfigError",
+    "NotCommittedError",
     "StaleAttemptError",
     "StorageError",
+    "UsageError",
     "ZephonError",
     "__version__",
     *_LAZY,

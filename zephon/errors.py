@@ -22,3 +22,18 @@ class StaleAttemptError(ZephonError):
     def __init__(self, message: str, *, current: object | None = None) -> None:
         super().__init__(message)
         self.current = current
+
+
+class UsageError(ZephonError, ValueError):
+    """A Zephon API was given a value it cannot take: the message names the argument, the
+    value and what is allowed (a ``ValueError``, as such mistakes are elsewhere)."""
+
+
+class ArgumentTypeError(ZephonError, TypeError):
+    """A Zephon API was given an object of a kind it cannot take: the message names it and
+    what is needed (a ``TypeError``, as such mistakes are elsewhere)."""
+
+
+class NotCommittedError(ZephonError, RuntimeError):
+    """A save was recorded or closed before ``writer.commit()`` created its marker: call it
+    once every file is written (a ``RuntimeError``: the calls came in the wrong order)."""

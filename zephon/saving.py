@@ -32,6 +32,7 @@ from catalog import Catalog, InvalidTransitionError
 from storage import CheckpointWriter, Manifest, new_save_id
 from storage.redact import redact
 from zephon.attempts import Attempt, as_zephon_error, fenced
+from zephon.errors import NotCommittedError
 
 __all__ = ["Save", "manifest_facts"]
 
@@ -151,7 +152,7 @@ class Save:
         here wins over the measured one). ``self.timings`` holds the result."""
         manifest = self.writer.manifest
         if manifest is None:
-            raise RuntimeError(
+            raise NotCommittedError(
                 f"checkpoint {self.writer.url} was not committed: call writer.commit() once "
                 "every file is written"
             )
@@ -173,8 +174,8 @@ class Save:
     def add_timings(self, timings: Mapping[str, float]) -> None:
         """Merge phases measured after the commit (an async save's stall, an upload) into
         ``self.timings`` and the save's catalog row. Raises the catalog's
-        ``CheckpointNotFoundError`` when the row belongs to a newer save of the step now,
-        ``InvalidValueError`` for an unknown phase."""
+        ``CheckpointRecordNotFoundError`` when the row belongs to a newer save of the step now,
+        ``InvalidValueError`` for an unknown phase (both ``zephon.CatalogError``)."""
         if self.catalog is not None:
             self.catalog.add_timings(
                 self.attempt.location.name, self.step, self.save_id, dict(timings)
@@ -214,7 +215,7 @@ class Save:
                 raise translated
             return
         if self.writer.manifest is None:
-            error = RuntimeError(
+            error = NotCommittedError(
                 f"checkpoint {self.writer.url} was not committed inside the block; call "
                 "writer.commit() once every file is written"
             )

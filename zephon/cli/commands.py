@@ -21,8 +21,15 @@ from typing import Any, TypeVar
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import catalog as catalog_pkg
-from catalog import Catalog, CatalogError, CheckpointState, ReplicaRecord, RunNotFoundError
-from storage import CheckpointStore, CorruptCheckpointError, StorageError
+from catalog import (
+    Catalog,
+    CatalogError,
+    CheckpointRecordNotFoundError,
+    CheckpointState,
+    ReplicaRecord,
+    RunNotFoundError,
+)
+from storage import CheckpointNotFoundError, CheckpointStore, CorruptCheckpointError, StorageError
 from storage.backend import backend_errors
 from storage.errors import BackendUnavailableError, StorageOptionsRefusedError
 from storage.layout import MARKER_NAME
@@ -416,7 +423,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def cmd_pin(args: argparse.Namespace) -> int:
     with open_catalog(args) as cat:
-        row = cat.pin(args.run, args.step) if args.pin else cat.unpin(args.run, args.step)
+        try:
+            row = cat.pin(args.run, args.step) if args.pin else cat.unpin(args.run, args.step)
+        except CheckpointRecordNotFoundError as exc:
+            # no such checkpoint: the one error for it (exit 4), the catalog's row as its cause
+            raise CheckpointNotFoundError(str(exc), run=exc.run, step=exc.step) from exc
     if args.json:
         print_json(row.to_dict())
     else:

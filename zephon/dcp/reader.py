@@ -39,8 +39,10 @@ from storage import (
     decode_crc32c,
     encode_crc32c,
 )
+from zephon.dcp.errors import StateDictMismatchError
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_from_name
 from zephon.dcp.writer import METADATA_FILE, shard_prefix
+from zephon.errors import UsageError
 
 __all__ = ["MAX_REQUEST_BYTES", "THREAD_COUNT", "ZephonStorageReader"]
 
@@ -93,9 +95,10 @@ def _plan_read(req: ReadItem, where: ShardSlice, *, check: bool) -> _Read:
     if len(offsets) != len(shape) or any(
         o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape, strict=True)
     ):
-        raise ValueError(
+        raise StateDictMismatchError(
             f"read of {req.storage_index.fqn!r} at {list(offsets)} size {list(lengths)} lies "
-            f"outside the saved chunk of shape {list(shape)}"
+            f"outside the saved chunk of shape {list(shape)}: load into a state shaped as the "
+            "one saved"
         )
     if not shape:
         return _Read(req, where.file, where.offset, where.length, dtype, shape, crc=crc)
@@ -207,9 +210,11 @@ class ZephonStorageReader(StorageReader):
     ) -> None:
         super().__init__()
         if thread_count is not None and thread_count < 1:
-            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+            raise UsageError(f"thread_count = {thread_count!r} is invalid: use an integer >= 1")
         if max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+            raise UsageError(
+                f"max_request_bytes = {max_request_bytes!r} is invalid: use an integer >= 1"
+            )
         self.store = store
         self.run = run
         self.step = step
@@ -256,7 +261,7 @@ class ZephonStorageReader(StorageReader):
         given = os.fspath(checkpoint_id).rstrip("/")
         path = self.store.checkpoint_path(self.run, self.step)
         if given not in {self.url.rstrip("/"), path.rstrip("/")}:
-            raise ValueError(
+            raise UsageError(
                 f"this ZephonStorageReader reads {self.url}, not {given!r}; call dcp.load with "
                 "storage_reader= only, and make a new reader for another checkpoint"
             )
@@ -529,9 +534,10 @@ class ZephonStorageReader(StorageReader):
         with self._lock:
             target = planner.resolve_tensor(r.req).detach()
         if tuple(target.shape) != tuple(r.req.lengths):
-            raise ValueError(
+            raise StateDictMismatchError(
                 f"cannot load {r.req.dest_index.fqn!r}: the destination slice has shape "
-                f"{list(target.shape)}, the checkpoint provides {list(r.req.lengths)}"
+                f"{list(target.shape)}, the checkpoint provides {list(r.req.lengths)}: load into "
+                "a state shaped as the one saved"
             )
         return target
 

@@ -31,6 +31,7 @@ from storage.checksum import crc32c_extend, encode_crc32c
 from storage.layout import validate_file_name
 from zephon.dcp.errors import WriterSetupError
 from zephon.dcp.metadata_codec import FORMAT_VERSION, ShardSlice, dtype_name, encode_metadata
+from zephon.errors import ArgumentTypeError, UsageError
 
 __all__ = ["METADATA_FILE", "ZephonStorageWriter", "shard_prefix"]
 
@@ -82,7 +83,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[memoryview, torch.dtype, tuple[
     contiguous, not on the CPU, or a lazy conjugate/negative view)."""
     t = tensor.detach()
     if t.layout != torch.strided or t.is_quantized:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"cannot save a {t.layout} {'quantized ' if t.is_quantized else ''}tensor: Zephon "
             "writes dense tensors; convert it (e.g. .to_dense() or .dequantize()) first"
         )
@@ -148,7 +149,7 @@ class ZephonStorageWriter(StorageWriter):
     ) -> None:
         super().__init__()
         if not isinstance(writer, CheckpointWriter):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"ZephonStorageWriter needs a storage.CheckpointWriter (from store.begin or "
                 f"store.attach), got {type(writer).__name__}"
             )
@@ -165,7 +166,7 @@ class ZephonStorageWriter(StorageWriter):
         """The settings every writer of this class holds (shared with ``zephon.dcp.Writer``,
         which binds its ``CheckpointWriter`` per save)."""
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
-            raise ValueError(f"thread_count must be an integer >= 1, got {thread_count!r}")
+            raise UsageError(f"thread_count = {thread_count!r} is invalid: use an integer >= 1")
         self.prefix = shard_prefix(subdir)
         self.thread_count = thread_count
         self._commit_metadata = commit_metadata
@@ -322,9 +323,9 @@ class ZephonStorageWriter(StorageWriter):
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     if not isinstance(data, io.BytesIO):
-                        raise TypeError(
+                        raise ArgumentTypeError(
                             f"planner resolved bytes item {item.index.fqn!r} to "
-                            f"{type(data).__name__}, expected io.BytesIO"
+                            f"{type(data).__name__}: its resolve_data must return io.BytesIO"
                         )
                     view = data.getbuffer()
                     try:
@@ -334,9 +335,9 @@ class ZephonStorageWriter(StorageWriter):
                     where = ShardSlice(name, position, length, "bytes", crc32c=crc)
                 else:
                     if not isinstance(data, torch.Tensor):
-                        raise TypeError(
+                        raise ArgumentTypeError(
                             f"planner resolved tensor item {item.index.fqn!r} to "
-                            f"{type(data).__name__}, expected a torch.Tensor"
+                            f"{type(data).__name__}: its resolve_data must return a torch.Tensor"
                         )
                     view, dtype, shape = _tensor_bytes(data)
                     length, crc = emit(view)

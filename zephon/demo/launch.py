@@ -13,6 +13,7 @@ from dataclasses import asdict
 from typing import Any
 
 from zephon.demo.job import JobSpec
+from zephon.errors import ZephonError
 
 __all__ = ["Ranks", "free_port", "read_losses"]
 
@@ -59,7 +60,9 @@ class Ranks:
         ]
         if failed:
             rank, code, err = failed[0]
-            raise RuntimeError(f"rank {rank} exited with {code}:\n{err[-4000:]}")
+            raise ZephonError(
+                f"demo rank {rank} exited with {code}; the end of its stderr: {_tail(err)}"
+            )
         return json.loads(outputs[0][0].strip().splitlines()[-1])
 
     def kill_after_step(self, step: int, timeout: float = 300) -> int:
@@ -73,9 +76,9 @@ class Ranks:
                 break
             if any(p.poll() is not None for p in self.procs):
                 self.kill()
-                raise RuntimeError(
-                    f"a rank exited before step {step}: "
-                    f"{[p.communicate()[1][-2000:] for p in self.procs]}"
+                raise ZephonError(
+                    f"a demo rank exited before step {step}; the end of their stderr: "
+                    + " || ".join(_tail(p.communicate()[1]) for p in self.procs)
                 )
             if time.monotonic() > deadline:
                 self.kill()
@@ -104,3 +107,8 @@ def read_losses(path: str) -> dict[int, Any]:
                 record = json.loads(line)
                 out[record["step"]] = record.get("loss", record.get("ids"))
     return out
+
+
+def _tail(err: str, lines: int = 20) -> str:
+    """The last ``lines`` lines of a rank's stderr on one line (an error message is one)."""
+    return " | ".join(line.strip() for line in err.strip().splitlines()[-lines:])[-4000:]

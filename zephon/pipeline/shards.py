@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from zephon.errors import ArgumentTypeError
 from zephon.pipeline.errors import DataSourceError
 
 __all__ = ["InMemoryShard", "JsonlShard", "ParquetShard", "Shard"]
@@ -34,7 +35,7 @@ class InMemoryShard:
 
     def __init__(self, rows: Sequence[Any]) -> None:
         if isinstance(rows, (str, bytes)) or not hasattr(rows, "__len__"):
-            raise TypeError(
+            raise ArgumentTypeError(
                 "InMemoryShard needs a sequence of records (e.g. a list), got "
                 f"{type(rows).__name__}"
             )

@@ -18,6 +18,7 @@ from typing import Any
 # importing it (``zephon.PipelineStateful``) fails here, at once, as documented.
 import torch  # noqa: F401
 
+from zephon.errors import ArgumentTypeError
 from zephon.pipeline.errors import PipelineStateError
 from zephon.pipeline.pipeline import Pipeline
 
@@ -36,7 +37,10 @@ class PipelineStateful:
 
     def __init__(self, pipeline: Pipeline) -> None:
         if not isinstance(pipeline, Pipeline):
-            raise TypeError(f"PipelineStateful wraps a zephon.Pipeline, got {type(pipeline)!r}")
+            raise ArgumentTypeError(
+                f"PipelineStateful wraps a zephon.Pipeline, got {type(pipeline).__name__}: "
+                "pass the Pipeline itself"
+            )
         self.pipeline = pipeline
 
     def state_dict(self) -> dict[str, Any]:
