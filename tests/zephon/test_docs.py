@@ -1,55 +1,107 @@
-"""Every printed example in docs/ runs as printed: each ``python`` block followed by "prints" and
-an output block must print exactly that output, in a fresh interpreter. The one runner for every
-page (docs/pipeline.md's quick start and state table are also checked by
-tests/zephon/pipeline/test_docs.py)."""
+"""Every fenced block of README.md and docs/*.md is run or checked by one test of its own.
+
+Blocks are found on every page (a glob, so a new page is covered at once) and dispatched by
+kind:
+
+- ``python``: run as printed in a fresh interpreter in a temporary directory (PYTHONPATH = the
+  repository); a block followed by "prints" and an output block must print exactly that. A
+  block naming ``s3://`` runs against the moto server (endpoint and keys from the environment,
+  as s3fs reads them) with the buckets it names created.
+- ``yaml``: loaded with ``zephon.load_job_config``; README's is examples/job.yaml.
+- ``bash``/``sh``, ``json``, ``sql``, ``cron`` and untyped output blocks: a checker of their
+  own in ``CHECKS`` (tests/zephon/doc_checks.py), which says what it runs.
+- ``text``: a figure (layout, state machine, message sequence); nothing to run, the paths it
+  names are checked by tests/zephon/test_doc_paths.py.
+
+Anything else fails, unless it is in ``ALLOWED`` with the reason it cannot run here; an entry
+that no longer names the block it was written for fails too.
+"""
 
 from __future__ import annotations
 
+import glob
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# a python block (no other block inside it) followed by "prints" and its output block
-_EXAMPLE = re.compile(
-    r"```python\n(?P<code>(?:(?!```).)*?)```\n\nprints\n\n```\n(?P<out>.*?)```", re.S
-)
+from tests.zephon import doc_checks
+from tests.zephon.doc_blocks import REPO, Block, all_blocks, block, output_of
+
+BLOCKS = all_blocks()
+
+#: (page, block number) -> (the start of the block's first line, why it is not run here)
+ALLOWED: dict[tuple[str, int], tuple[str, str]] = {
+    ("docs/torchtitan.md", 1): (
+        "torchrun --nproc_per_node 8 -m torchtitan.train --module llama3 --config llama3_8b \\",
+        "8 GPU ranks of llama3 8B; block 3 runs the same --override.imports on 2 CPU ranks",
+    ),
+    ("docs/torchtitan.md", 3): (
+        ". .venv-torchtitan/bin/activate",
+        "needs .venv-torchtitan (torchtitan caps fsspec below this environment's);"
+        " .ci/torchtitan runs tests/zephon/integrations/test_torchtitan.py, which runs it",
+    ),
+    ("docs/torchtitan.md", 4): ("2", "the output of block 3, see there"),
+}
+
+#: (page, block number) -> (the start of the block's first line, the checker)
+CHECKS = doc_checks.CHECKS
 
 
-def examples(page: str) -> list[tuple[str, str]]:
-    with open(os.path.join(REPO, page)) as handle:
-        text = handle.read()
-    return [(m.group("code"), m.group("out")) for m in _EXAMPLE.finditer(text)]
+@pytest.fixture(scope="module")
+def readme_workdir(tmp_path_factory):
+    """README's training example, run once for the blocks that use its checkpoints."""
+    from tests.zephon.doc_readme import train
+
+    return train(tmp_path_factory.mktemp("readme"))
 
 
-PAGES = [
-    "docs/fencing.md",
-    "docs/dcp.md",
-    "docs/huggingface.md",
-    "docs/lightning.md",
-    "docs/multinode.md",
-    "docs/pipeline.md",
-    "docs/tiers.md",
-]
+def _key(b: Block) -> tuple[str, int]:
+    return (b.page, b.number)
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_every_printed_example_prints_what_the_page_says(page, tmp_path):
-    found = examples(page)
-    assert found, f"{page} has no example with printed output"
-    for code, expected in found:
-        script = tmp_path / "example.py"
-        script.write_text(code)
-        done = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": REPO},
-            capture_output=True,
-            text=True,
-            timeout=240,
+@pytest.mark.parametrize("doc", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_block(doc: Block, request: pytest.FixtureRequest, tmp_path) -> None:
+    key = _key(doc)
+    if key in ALLOWED:
+        pytest.skip(f"allow-listed: {ALLOWED[key][1]}")
+    if key in CHECKS:
+        CHECKS[key][1](doc, request, tmp_path)
+        return
+    if doc.output_of is not None:
+        shown = block(doc.page, doc.output_of)
+        assert _key(shown) in CHECKS or shown.lang == "python", (
+            f"{doc.id} is shown as the output of {shown.id}, which nothing runs"
         )
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout == expected
+        return  # compared by the test of the block that prints it
+    if doc.lang == "python":
+        doc_checks.run_python(doc, request, tmp_path)
+    elif doc.lang == "yaml":
+        doc_checks.load_yaml(doc, tmp_path)
+    elif doc.lang == "text":
+        assert output_of(doc) is None, f"{doc.id}: a figure has no output"
+    else:
+        pytest.fail(
+            f"{doc.id} (```{doc.lang}, line {doc.line}) is run by nothing: give it a checker in "
+            "tests/zephon/doc_checks.py CHECKS, or an ALLOWED entry with the reason",
+            pytrace=False,
+        )
+
+
+@pytest.mark.parametrize("table", ["ALLOWED", "CHECKS"])
+def test_every_listed_block_still_exists(table):
+    listed = ALLOWED if table == "ALLOWED" else CHECKS
+    by_key = {_key(b): b for b in BLOCKS}
+    for key, (first_line, *_rest) in listed.items():
+        assert key in by_key, f"{table} names {key}, which is no block any more"
+        assert by_key[key].first_line.startswith(first_line), (
+            f"{table} entry {key} was written for a block starting {first_line!r}; that block "
+            f"now starts {by_key[key].first_line!r}: renumber the entry"
+        )
+
+
+def test_every_example_program_is_run_by_a_block():
+    """examples/*.py run as README's blocks 5 (training) and 9 (pipeline) print them."""
+    run = block("README.md", 5).code + block("README.md", 9).code
+    for path in sorted(glob.glob(os.path.join(REPO, "examples", "*.py"))):
+        name = f"examples/{os.path.basename(path)}"
+        assert f"python {name}" in run, f"{name} is run by no block of README.md"
