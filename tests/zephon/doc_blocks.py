@@ -45,7 +45,11 @@ def pages() -> list[str]:
 
 def page_blocks(page: str) -> list[Block]:
     with open(os.path.join(REPO, page), encoding="utf-8") as handle:
-        text = handle.read()
+        return parse(page, handle.read())
+
+
+def parse(page: str, text: str) -> list[Block]:
+    """The fenced blocks of ``text`` (the page ``page``), in order."""
     blocks: list[Block] = []
     end = 0
     for number, match in enumerate(_FENCE.finditer(text), start=1):

@@ -25,7 +25,7 @@ import os
 import pytest
 
 from tests.zephon import doc_checks
-from tests.zephon.doc_blocks import REPO, Block, all_blocks, block, output_of
+from tests.zephon.doc_blocks import REPO, Block, all_blocks, block, output_of, parse
 
 BLOCKS = all_blocks()
 
@@ -105,3 +105,24 @@ def test_every_example_program_is_run_by_a_block():
     for path in sorted(glob.glob(os.path.join(REPO, "examples", "*.py"))):
         name = f"examples/{os.path.basename(path)}"
         assert f"python {name}" in run, f"{name} is run by no block of README.md"
+
+
+def test_the_parser_numbers_blocks_and_finds_shown_output():
+    text = (
+        "Intro.\n\n```python\nprint(1)\n```\n\nprints\n\n```\n1\n```\n\n"
+        "A figure:\n\n```text\na -> b\n```\n\n`x.py` prints on rank 0\n\n```\n2\n```\n"
+    )
+    found = parse("p.md", text)
+    assert [(b.number, b.lang, b.code, b.output_of) for b in found] == [
+        (1, "python", "print(1)\n", None),
+        (2, "", "1\n", 1),
+        (3, "text", "a -> b\n", None),
+        (4, "", "2\n", 3),
+    ]
+    assert found[0].line == 3 and found[0].id == "p.md#1"
+
+
+def test_a_block_of_a_kind_nothing_runs_fails(request, tmp_path):
+    unknown = Block(page="p.md", number=1, lang="toml", code="a = 1\n", line=1, lead="")
+    with pytest.raises(pytest.fail.Exception, match="is run by nothing"):
+        test_block(unknown, request, tmp_path)
