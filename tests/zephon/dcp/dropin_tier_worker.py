@@ -1,6 +1,6 @@
 """One rank of the drop-in local tier tests: ``python -m tests.zephon.dcp.dropin_tier_worker
-RANK WORLD PORT``, launched by ``test_dropin.launch_with``. Configuration in ``ZEPHON_DCP_TEST``
-(JSON: ``url`` the save_dir, ``storage_options``, ``catalog``, ``local`` the local root,
+RANK WORLD PORT``, started by ``tests.ranks.launch``. Configuration: ``url`` the save_dir,
+``storage_options``, ``catalog``, ``local`` the local root,
 ``shared`` whether every rank uses that one directory, else ``<local>/rank<r>``).
 
 Steps, every rank through ``zephon.dcp.Writer(local_dir=)`` and torch DCP:
@@ -11,17 +11,10 @@ Steps, every rank through ``zephon.dcp.Writer(local_dir=)`` and torch DCP:
 
 from __future__ import annotations
 
-import datetime as dt
-import json
-import os
-import sys
-import traceback
-import warnings
-
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tests.ranks import serve
 from tests.zephon.dcp.dropin_worker import FailingWriter, attempt, empty_at, equal, state_at
 from zephon import dcp as zd
 
@@ -61,20 +54,5 @@ def scenario(rank: int, world: int, config: dict) -> dict:
     return out
 
 
-def main(rank: int, world: int, port: int) -> None:
-    config = json.loads(os.environ["ZEPHON_DCP_TEST"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=dt.timedelta(seconds=90))
-    out: dict = {"rank": rank}
-    try:
-        out.update(scenario(rank, world, config))
-    except BaseException:
-        out["crash"] = traceback.format_exc()
-    print("RESULT " + json.dumps(out, default=str), flush=True)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    serve(scenario)

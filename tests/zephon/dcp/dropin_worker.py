@@ -1,6 +1,6 @@
 """One rank of the drop-in Writer/Reader tests: ``python -m tests.zephon.dcp.dropin_worker RANK
-WORLD PORT``. Configuration in ``ZEPHON_DCP_TEST`` (JSON: ``url`` the save_dir,
-``storage_options``, ``catalog`` a catalog URL or null, ``scenario`` "main" or "kill").
+WORLD PORT``, started by ``tests.ranks.launch``. Configuration: ``url`` the save_dir,
+``storage_options``, ``catalog`` a catalog URL or null, ``scenario`` "main" or "kill".
 
 Ranks use ``torch.distributed.checkpoint`` itself with ``zephon.dcp.Writer``/``Reader`` (the
 drop-in path) and print one line ``RESULT <json>`` of what they saw.
@@ -20,19 +20,16 @@ kill, run ``dropin``: step 1 saved, then the last rank SIGKILLs itself inside wr
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import os
 import signal
-import sys
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+from tests.ranks import rank_config, serve
+from tests.zephon.dcp.worker import FailingOpen
 from zephon import dcp as zd
 from zephon.dcp.api import as_zephon_error
 
@@ -82,29 +79,7 @@ class FailingWriter(zd.Writer):
         writer = super()._attach(target)
         if not getattr(self, "fail", False):
             return writer
-        real_open = writer.open
-
-        def failing_open(name):
-            real = real_open(name)
-
-            class Broken:
-                def __enter__(inner):
-                    handle = real.__enter__()
-                    real_write = handle.write
-
-                    def write(data, crc=None):
-                        real_write(bytes(memoryview(data).cast("B")[:10]))
-                        raise OSError(28, "simulated: no space left on device")
-
-                    handle.write = write
-                    return handle
-
-                def __exit__(inner, *exc):
-                    return real.__exit__(*exc)
-
-            return Broken()
-
-        writer.open = failing_open
+        writer.open = FailingOpen(writer)
         return writer
 
 
@@ -118,7 +93,8 @@ class KilledWriter(zd.Writer):
         return results
 
 
-def main_scenario(rank: int, world: int, root: str, options: dict, catalog: str | None) -> dict:
+def main_scenario(rank: int, world: int, config: dict) -> dict:
+    root, options, catalog = config["url"], config["storage_options"], config["catalog"]
     out: dict = {}
     url = f"{root}/{RUN}"
     last = world - 1
@@ -189,10 +165,10 @@ def main_scenario(rank: int, world: int, root: str, options: dict, catalog: str 
     return out
 
 
-def kill_scenario(rank: int, world: int, root: str, options: dict, catalog: str | None) -> dict:
-    url = f"{root}/{RUN}"
+def kill_scenario(rank: int, world: int, config: dict) -> dict:
+    url = f"{config['url']}/{RUN}"
     cls = KilledWriter if rank == world - 1 else zd.Writer
-    writer = cls(url, step=1, catalog=catalog, storage_options=options)
+    writer = cls(url, step=1, catalog=config["catalog"], storage_options=config["storage_options"])
     dcp.save(state_at(1, rank), storage_writer=writer)
     out: dict = {"saved": [1]}
     out["killed_save"] = attempt(
@@ -201,27 +177,12 @@ def kill_scenario(rank: int, world: int, root: str, options: dict, catalog: str 
     return out
 
 
-def main(rank: int, world: int, port: int) -> None:
-    config = json.loads(os.environ["ZEPHON_DCP_TEST"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    kill = config["scenario"] == "kill"
-    timeout = dt.timedelta(seconds=20 if kill else 90)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+def main() -> None:
+    kill = rank_config()["scenario"] == "kill"
     scenario = kill_scenario if kill else main_scenario
-    out: dict = {"rank": rank}
-    try:
-        out.update(
-            scenario(rank, world, config["url"], config["storage_options"], config["catalog"])
-        )
-    except BaseException:
-        out["crash"] = traceback.format_exc()
-    print("RESULT " + json.dumps(out, default=str), flush=True)
-    if kill:
-        os._exit(0)  # the process group lost a rank: nothing to tear down
-    dist.destroy_process_group()
+    # a process group that lost a rank (kill) cannot be torn down
+    serve(scenario, timeout=20 if kill else 90, teardown=not kill)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    main()

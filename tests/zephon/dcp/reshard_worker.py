@@ -1,7 +1,7 @@
 """One process of the resharding tests: ``python -m tests.zephon.dcp.reshard_worker RANK 4 PORT``.
 
-The storage root comes from ``ZEPHON_DCP_TEST`` (JSON with ``url`` and ``storage_options``, as
-``tests.zephon.dcp.test_distributed.launch`` passes it). The four processes are started once and
+The storage root comes from ``tests.ranks.launch``'s configuration (``url`` and
+``storage_options``, ``tests.ranks.store_config``). The four processes are started once and
 go through every layout in turn, each phase a process group of its own over one TCP store (a
 ``PrefixStore`` per phase), so no layout pays for starting processes and importing torch again:
 
@@ -54,6 +54,7 @@ from torch.distributed.tensor import (
     init_device_mesh,
 )
 
+from tests.ranks import rank_config
 from tests.servers import free_port
 from tests.zephon.dcp.worker import error_record
 from zephon import CheckpointingConfig, CheckpointManager
@@ -398,7 +399,7 @@ def join(store: dist.Store, phase: str, rank: int, world: int) -> None:
 def main(rank: int, world: int, port: int) -> None:
     started = time.monotonic()
     assert world == WORLD, f"the resharding worker runs as {WORLD} processes"
-    config = json.loads(os.environ["ZEPHON_DCP_TEST"])
+    config = rank_config()
     root, options = config["url"], config["storage_options"]
     # Storage only: the runs of one name under several save_dirs would clash in one catalog.
     os.environ.pop("ZEPHON_CATALOG_URL", None)

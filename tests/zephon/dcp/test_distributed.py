@@ -8,18 +8,13 @@ the tests below assert on what the ranks reported and on what storage holds.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 
-from tests import servers
 from tests.conftest import Backend, make_backend
+from tests.ranks import launch, store_config
 from tests.zephon.dcp.worker import RUN
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
 @dataclass
@@ -32,44 +27,6 @@ class Run:
         return self.backend.open_store()
 
 
-def launch(backend: Backend, world: int, module: str = "tests.zephon.dcp.worker") -> list[dict]:
-    """Run ``module`` as ``world`` gloo ranks on ``backend``; every rank's RESULT record."""
-    port = servers.free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": ROOT,
-        "ZEPHON_DCP_TEST": json.dumps(
-            {"url": backend.url, "storage_options": backend.storage_options}
-        ),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", module, str(r), str(world), str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    ranks = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=300)
-            lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-            assert proc.returncode == 0 and lines, f"rank exited {proc.returncode}:\n{err[-4000:]}"
-            ranks.append(json.loads(lines[-1][len("RESULT ") :]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for record in ranks:
-        assert "crash" not in record, record["crash"]
-    return ranks
-
-
 @pytest.fixture(
     scope="module",
     params=[("local", 2), ("s3", 2), ("local", 4), ("s3", 4)],
@@ -78,7 +35,7 @@ def launch(backend: Backend, world: int, module: str = "tests.zephon.dcp.worker"
 def run(request, tmp_path_factory) -> Run:
     name, world = request.param
     backend = make_backend(name, request, tmp_path_factory.mktemp(f"dcp-{name}-{world}"))
-    return Run(backend, world, launch(backend, world))
+    return Run(backend, world, launch("tests.zephon.dcp.worker", world, store_config(backend)))
 
 
 def test_model_and_optimizer_load_bit_for_bit_into_fresh_modules(run):

@@ -8,10 +8,6 @@ assert on what the ranks reported and on what storage and the catalog hold.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -21,49 +17,11 @@ from torch.distributed.checkpoint import CheckpointException
 
 from catalog import Catalog
 from storage import CheckpointNotFoundError
-from tests import servers
 from tests.conftest import Backend, database_url, make_backend
+from tests.ranks import launch, store_config
 from tests.zephon.dcp.dropin_worker import RUN, empty_at, equal, state_at
 from zephon import ConfigError
 from zephon import dcp as zd
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-
-
-def launch_with(config: dict, world: int, module: str, allow_killed=frozenset()) -> list[dict]:
-    """Run ``module`` as ``world`` gloo ranks; every surviving rank's RESULT record (ranks in
-    ``allow_killed`` must have died of SIGKILL instead)."""
-    port = servers.free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT, "ZEPHON_DCP_TEST": json.dumps(config)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", module, str(r), str(world), str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    ranks = []
-    try:
-        for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=120)
-            if rank in allow_killed:
-                assert proc.returncode == -9, f"rank {rank} exited {proc.returncode}: {err[-2000:]}"
-                continue
-            lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-            assert proc.returncode == 0 and lines, f"rank exited {proc.returncode}:\n{err[-4000:]}"
-            ranks.append(json.loads(lines[-1][len("RESULT ") :]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for record in ranks:
-        assert "crash" not in record, record["crash"]
-    return ranks
 
 
 @dataclass
@@ -97,13 +55,8 @@ def run(request, tmp_path_factory):
 
 
 def _launch(backend: Backend, world: int, catalog: str | None, scenario: str, **kwargs):
-    config = {
-        "url": backend.url,
-        "storage_options": backend.storage_options,
-        "catalog": catalog,
-        "scenario": scenario,
-    }
-    return launch_with(config, world, "tests.zephon.dcp.dropin_worker", **kwargs)
+    config = {**store_config(backend), "catalog": catalog, "scenario": scenario}
+    return launch("tests.zephon.dcp.dropin_worker", world, config, timeout=120, **kwargs)
 
 
 def test_sync_async_and_reset_saves_commit_and_retention_keeps_two(run):

@@ -241,17 +241,16 @@ def test_bad_tier_arguments_get_the_managers_one_line_errors(tmp_path):
 def test_two_ranks_upload_in_step_past_a_failed_save_and_load_the_latest(
     s3_backend, tmp_path, catalog_url, shared
 ):
+    from tests.ranks import launch, store_config
     from tests.zephon.dcp.dropin_tier_worker import RUN as WORKER_RUN
-    from tests.zephon.dcp.test_dropin import launch_with
 
     config = {
-        "url": s3_backend.url,
-        "storage_options": s3_backend.storage_options,
+        **store_config(s3_backend),
         "catalog": catalog_url,
         "local": str(tmp_path / "local"),
         "shared": shared,
     }
-    ranks = launch_with(config, 2, "tests.zephon.dcp.dropin_tier_worker")
+    ranks = launch("tests.zephon.dcp.dropin_tier_worker", 2, config, timeout=120)
     for record in ranks:
         failure = record["write_failure"]
         assert failure["type"] == "BackendUnavailableError", failure

@@ -16,8 +16,8 @@ import re
 import pytest
 
 from tests.conftest import make_backend
+from tests.ranks import launch, store_config
 from tests.zephon.dcp.reshard_worker import DOCS, SAVED_LR, SECTION
-from tests.zephon.dcp.test_distributed import launch
 
 #: 10 and 6 rows over 4 ranks: chunks of ceil(rows / 4), so uneven, and the last one empty
 SAVED = {
@@ -53,7 +53,7 @@ RANK_ZERO = {"counter": {"rank": 0, "seen": 100}, "extra": [0, [0.0, 0.0, 0.0]]}
 @pytest.fixture(scope="module")
 def ranks(request, tmp_path_factory) -> list[dict]:
     backend = make_backend("local", request, tmp_path_factory.mktemp("reshard"))
-    return launch(backend, 4, module="tests.zephon.dcp.reshard_worker")
+    return launch("tests.zephon.dcp.reshard_worker", 4, store_config(backend))
 
 
 def loaded(record: dict) -> dict:

@@ -1,9 +1,8 @@
-"""One rank of the multi-process DCP tests: ``python -m tests.zephon.dcp.worker RANK WORLD PORT``.
-
-The storage root comes from the environment (``ZEPHON_DCP_TEST``: JSON with ``url``,
-``storage_options`` and ``run``). Every rank runs the same scenarios against one store, records
-what it saw, and prints one line ``RESULT <json>``; the test process asserts on those records and
-inspects the storage itself.
+"""One rank of the multi-process DCP tests: ``python -m tests.zephon.dcp.worker RANK WORLD PORT``,
+started by ``tests.ranks.launch`` with the storage root as its configuration (``url``,
+``storage_options``). Every rank runs the same scenarios against one store, records what it saw,
+and prints one line ``RESULT <json>``; the test process asserts on those records and inspects the
+storage itself.
 
 Scenarios (checkpoint steps):
   1  model + Adam state (replicated keys) + rank-unique tensors + a Shard(0) DTensor: save,
@@ -17,19 +16,13 @@ Scenarios (checkpoint steps):
 
 from __future__ import annotations
 
-import datetime as dt
-import json
-import os
-import sys
-import traceback
-import warnings
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
 from storage import CheckpointStore
+from tests.ranks import serve
 from zephon import dcp as zd
 
 RUN = "dcp-test"
@@ -134,156 +127,150 @@ def state_of(model, optim, rank: int, extra: dict | None = None) -> dict:
     }
 
 
-def main(rank: int, world: int, port: int) -> None:
-    config = json.loads(os.environ["ZEPHON_DCP_TEST"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=dt.timedelta(seconds=90))
-    store = CheckpointStore(config["url"], config["storage_options"])
+def scenarios(rank: int, world: int, config: dict) -> dict:
+    """Every scenario on this rank, against the store ``config`` names."""
+    with CheckpointStore(config["url"], config["storage_options"]) as store:
+        return run_scenarios(store, rank, world)
+
+
+def run_scenarios(store: CheckpointStore, rank: int, world: int) -> dict:
     last = world - 1
-    out: dict = {"rank": rank}
+    out: dict = {}
+    # -- 1: round trip -----------------------------------------------------------------
+    model, optim = build(seed=1)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(7)
+    full = torch.randn(world * 2, world * 3)
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    state = state_of(model, optim, rank)
+    state["sharded"] = sharded
+    commits = []
+    writer = writer_for(store, 1, rank, on_commit=commits.append, commit_metadata={"k": 1})
+    zd.save(state, writer)
+    out["committed_here"] = [m.file_count for m in commits]
+    out["commit_metadata"] = commits[0].metadata if commits else None
+
+    fresh_model, fresh_optim = build(seed=2)
+    target = state_of(fresh_model, fresh_optim, rank, rank_tensors(rank, fill=-1.0))
+    target["sharded"] = distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)])
+    before = same(state, target)
+    zd.load(target, zd.ZephonStorageReader(store, RUN, 1, verify=True))
+    fresh_model.load_state_dict(target["model"])
+    fresh_optim.load_state_dict(target["optim"])
+    loaded = state_of(fresh_model, fresh_optim, rank, target[f"rank{rank}"])
+    original = state_of(model, optim, rank)
+    out["differed_before_load"] = len(before)
+    out["differ_after_load"] = same(original, loaded)
+    out["param_groups_equal"] = (
+        fresh_optim.state_dict()["param_groups"] == optim.state_dict()["param_groups"]
+    )
+    assert isinstance(target["sharded"], DTensor)
+    out["dtensor_resharded_equal"] = torch.equal(target["sharded"].full_tensor(), full)
+
+    wrong_model, wrong_optim = build(seed=3, hidden=33)
     try:
-        # -- 1: round trip -----------------------------------------------------------------
-        model, optim = build(seed=1)
-        mesh = init_device_mesh("cpu", (world,))
-        torch.manual_seed(7)
-        full = torch.randn(world * 2, world * 3)
-        sharded = distribute_tensor(full, mesh, [Shard(0)])
-        state = state_of(model, optim, rank)
-        state["sharded"] = sharded
-        commits = []
-        writer = writer_for(store, 1, rank, on_commit=commits.append, commit_metadata={"k": 1})
-        zd.save(state, writer)
-        out["committed_here"] = [m.file_count for m in commits]
-        out["commit_metadata"] = commits[0].metadata if commits else None
+        zd.load({"model": wrong_model.state_dict()}, zd.ZephonStorageReader(store, RUN, 1))
+        out["wrong_shape"] = None
+    except Exception as exc:
+        out["wrong_shape"] = error_record(exc)
+        out["wrong_shape"]["missing"] = exc.missing
+        out["wrong_shape"]["shapes"] = sorted(exc.shape_mismatches)
+    extra = {"model": fresh_model.state_dict(), "not_saved": {"w": torch.zeros(2)}}
+    try:
+        zd.load(extra, zd.ZephonStorageReader(store, RUN, 1))
+        out["missing_key"] = None
+    except Exception as exc:
+        out["missing_key"] = error_record(exc)
 
-        fresh_model, fresh_optim = build(seed=2)
-        target = state_of(fresh_model, fresh_optim, rank, rank_tensors(rank, fill=-1.0))
-        target["sharded"] = distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)])
-        before = same(state, target)
-        zd.load(target, zd.ZephonStorageReader(store, RUN, 1, verify=True))
-        fresh_model.load_state_dict(target["model"])
-        fresh_optim.load_state_dict(target["optim"])
-        loaded = state_of(fresh_model, fresh_optim, rank, target[f"rank{rank}"])
-        original = state_of(model, optim, rank)
-        out["differed_before_load"] = len(before)
-        out["differ_after_load"] = same(original, loaded)
-        out["param_groups_equal"] = (
-            fresh_optim.state_dict()["param_groups"] == optim.state_dict()["param_groups"]
+    # -- 2: a rank fails inside write_data -------------------------------------------
+    writer = writer_for(store, 2, rank)
+    if rank == last:
+        writer.writer.open = FailingOpen(writer.writer)
+    try:
+        zd.save(state_of(model, optim, rank), writer)
+        out["failed_save"] = None
+    except Exception as exc:
+        out["failed_save"] = error_record(exc)
+    dist.barrier()
+    out["step2_committed"] = store.is_committed(RUN, 2)
+    try:
+        zd.load(state_of(*build(seed=2), rank), zd.ZephonStorageReader(store, RUN, 2))
+        out["uncommitted_load"] = None
+    except Exception as exc:
+        out["uncommitted_load"] = error_record(exc)
+
+    # -- 3: async save copies on staging (default stager, then Zephon's reused buffers) ---
+    group = dist.new_group(backend="gloo")
+    stager = zd.ZephonStager()
+    results = []
+    for step, use_stager in ((3, False), (6, True), (7, True)):
+        live = state_of(model, optim, rank)
+        live["sharded"] = sharded
+        snapshot = {k: v.clone() for k, v in flat(live).items()}
+        sharded_before = sharded.full_tensor()
+        future = zd.async_save(
+            live,
+            writer_for(store, step, rank),
+            process_group=group,
+            stager=stager if use_stager else None,
         )
-        assert isinstance(target["sharded"], DTensor)
-        out["dtensor_resharded_equal"] = torch.equal(target["sharded"].full_tensor(), full)
-
-        wrong_model, wrong_optim = build(seed=3, hidden=33)
-        try:
-            zd.load({"model": wrong_model.state_dict()}, zd.ZephonStorageReader(store, RUN, 1))
-            out["wrong_shape"] = None
-        except Exception as exc:
-            out["wrong_shape"] = error_record(exc)
-            out["wrong_shape"]["missing"] = exc.missing
-            out["wrong_shape"]["shapes"] = sorted(exc.shape_mismatches)
-        extra = {"model": fresh_model.state_dict(), "not_saved": {"w": torch.zeros(2)}}
-        try:
-            zd.load(extra, zd.ZephonStorageReader(store, RUN, 1))
-            out["missing_key"] = None
-        except Exception as exc:
-            out["missing_key"] = error_record(exc)
-
-        # -- 2: a rank fails inside write_data -------------------------------------------
-        writer = writer_for(store, 2, rank)
-        if rank == last:
-            writer.writer.open = FailingOpen(writer.writer)
-        try:
-            zd.save(state_of(model, optim, rank), writer)
-            out["failed_save"] = None
-        except Exception as exc:
-            out["failed_save"] = error_record(exc)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1000.0)
+            for per_param in optim.state.values():
+                per_param["exp_avg"].mul_(-1.0)
+            sharded.to_local().add_(1.0)
+        future.result(timeout=120)
         dist.barrier()
-        out["step2_committed"] = store.is_committed(RUN, 2)
-        try:
-            zd.load(state_of(*build(seed=2), rank), zd.ZephonStorageReader(store, RUN, 2))
-            out["uncommitted_load"] = None
-        except Exception as exc:
-            out["uncommitted_load"] = error_record(exc)
+        m3, o3 = build(seed=4)
+        target = state_of(m3, o3, rank)
+        target["sharded"] = distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)])
+        zd.load(target, zd.ZephonStorageReader(store, RUN, step))
+        changed = flat(state_of(model, optim, rank))
+        results.append(
+            same(snapshot, flat(target)) == []
+            and same(changed, flat(target)) != []
+            and torch.equal(target["sharded"].full_tensor(), sharded_before)
+        )
+    stager.close()
+    out["async_copies_on_staging"] = results
 
-        # -- 3: async save copies on staging (default stager, then Zephon's reused buffers) ---
-        group = dist.new_group(backend="gloo")
-        stager = zd.ZephonStager()
-        results = []
-        for step, use_stager in ((3, False), (6, True), (7, True)):
-            live = state_of(model, optim, rank)
-            live["sharded"] = sharded
-            snapshot = {k: v.clone() for k, v in flat(live).items()}
-            sharded_before = sharded.full_tensor()
-            future = zd.async_save(
-                live,
-                writer_for(store, step, rank),
-                process_group=group,
-                stager=stager if use_stager else None,
+    # -- 4: async save whose last rank fails -------------------------------------------
+    writer = writer_for(store, 4, rank)
+    if rank == last:
+        writer.writer.open = FailingOpen(writer.writer)
+    future = zd.async_save(state_of(model, optim, rank), writer, process_group=group)
+    try:
+        future.result(timeout=120)
+        out["failed_async"] = None
+    except Exception as exc:
+        out["failed_async"] = error_record(exc)
+    dist.barrier()
+    out["step4_committed"] = store.is_committed(RUN, 4)
+
+    # -- 5: a truncated shard is refused, naming the file -------------------------------
+    zd.save(state_of(model, optim, rank), writer_for(store, 5, rank))
+    victim = f"__{last}_0.distcp"
+    if rank == 0:
+        manifest = store.read_manifest(RUN, 5)
+        entry = manifest.file(victim)
+        path = f"{store.reader(RUN, 5).path}/{victim}"
+        data = store.location.fs.cat_file(path)
+        store.location.fs.pipe_file(path, data[: entry.size // 2])
+    dist.barrier()
+    for verify in (True, False):
+        try:
+            zd.load(
+                state_of(*build(seed=2), rank),
+                zd.ZephonStorageReader(store, RUN, 5, verify=verify),
             )
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1000.0)
-                for per_param in optim.state.values():
-                    per_param["exp_avg"].mul_(-1.0)
-                sharded.to_local().add_(1.0)
-            future.result(timeout=120)
-            dist.barrier()
-            m3, o3 = build(seed=4)
-            target = state_of(m3, o3, rank)
-            target["sharded"] = distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)])
-            zd.load(target, zd.ZephonStorageReader(store, RUN, step))
-            changed = flat(state_of(model, optim, rank))
-            results.append(
-                same(snapshot, flat(target)) == []
-                and same(changed, flat(target)) != []
-                and torch.equal(target["sharded"].full_tensor(), sharded_before)
-            )
-        stager.close()
-        out["async_copies_on_staging"] = results
-
-        # -- 4: async save whose last rank fails -------------------------------------------
-        writer = writer_for(store, 4, rank)
-        if rank == last:
-            writer.writer.open = FailingOpen(writer.writer)
-        future = zd.async_save(state_of(model, optim, rank), writer, process_group=group)
-        try:
-            future.result(timeout=120)
-            out["failed_async"] = None
+            out[f"corrupt_verify_{verify}"] = None
         except Exception as exc:
-            out["failed_async"] = error_record(exc)
-        dist.barrier()
-        out["step4_committed"] = store.is_committed(RUN, 4)
-
-        # -- 5: a truncated shard is refused, naming the file -------------------------------
-        zd.save(state_of(model, optim, rank), writer_for(store, 5, rank))
-        victim = f"__{last}_0.distcp"
-        if rank == 0:
-            manifest = store.read_manifest(RUN, 5)
-            entry = manifest.file(victim)
-            path = f"{store.reader(RUN, 5).path}/{victim}"
-            data = store.location.fs.cat_file(path)
-            store.location.fs.pipe_file(path, data[: entry.size // 2])
-        dist.barrier()
-        for verify in (True, False):
-            try:
-                zd.load(
-                    state_of(*build(seed=2), rank),
-                    zd.ZephonStorageReader(store, RUN, 5, verify=verify),
-                )
-                out[f"corrupt_verify_{verify}"] = None
-            except Exception as exc:
-                out[f"corrupt_verify_{verify}"] = error_record(exc)
-        out["victim"] = victim
-        dist.barrier()
-    except BaseException:
-        out["crash"] = traceback.format_exc()
-    finally:
-        store.close()
-        print("RESULT " + json.dumps(out, default=str), flush=True)
-        dist.destroy_process_group()
+            out[f"corrupt_verify_{verify}"] = error_record(exc)
+    out["victim"] = victim
+    dist.barrier()
+    return out
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    serve(scenarios)

@@ -1,8 +1,9 @@
 """One rank of the torch.distributed (gloo) aggregation tests, run as a separate process.
 
-``python -m tests.zephon.pipeline.agg_torch_worker '<json>'`` with keys rank, port, port2,
-workdir; ranks 0-3 run the first phase, ranks 0 and 1 then the second in a new process group.
-Prints one JSON line of what the rank saw, by phase.
+``python -m tests.zephon.pipeline.agg_torch_worker RANK 4 PORT``, started by ``tests.ranks.launch``
+with the configuration keys workdir and port2 (the second phase's rendezvous port); ranks 0-3
+run the first phase, ranks 0 and 1 then the second in a new process group. Prints one line
+``RESULT <json>`` of what the rank saw, by phase.
 
 - ``first`` (4 ranks, 4 data-parallel groups): the configuration errors a wrong topology
   gives; a pipeline on each of two 2-rank groups passed as ``aggregate_group``; three pipelines
@@ -24,6 +25,7 @@ import time
 import warnings
 
 import zephon
+from tests.ranks import rank_config, report
 from tests.zephon.pipeline.util import make_dataset
 from zephon.errors import ConfigError
 from zephon.pipeline import AggregationTimeoutError
@@ -159,13 +161,13 @@ def resume(rank: int, world_size: int, workdir: str) -> dict:
     return {"keys": keys, "final": final}
 
 
-def main(args: dict) -> None:
+def main(rank: int, world: int, first_port: int, config: dict) -> None:
     import torch.distributed as dist  # here: the test imports build() before skipping on torch
 
     warnings.simplefilter("ignore")
-    rank, workdir, out = args["rank"], args["workdir"], {"rank": args["rank"]}
+    workdir, out = config["workdir"], {"rank": rank}
     # One process per rank for both phases: starting torch twice would double the test's time.
-    for phase, world_size, port in (("first", 4, args["port"]), ("resume", 2, args["port2"])):
+    for phase, world_size, port in (("first", world, first_port), ("resume", 2, config["port2"])):
         if rank >= world_size:
             break
         dist.init_process_group(
@@ -179,8 +181,8 @@ def main(args: dict) -> None:
             out[phase] = (first if phase == "first" else resume)(rank, world_size, workdir)
         finally:
             dist.destroy_process_group()
-    print(json.dumps(out))
+    report(out)
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(*(int(arg) for arg in sys.argv[1:4]), rank_config())

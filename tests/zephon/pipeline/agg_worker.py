@@ -1,19 +1,20 @@
 """One rank of a multi-process aggregation test, run as a separate Python process.
 
-``python -m tests.zephon.pipeline.agg_worker '<json>'`` with keys rank, world_size, dp_degree,
-url, storage_options, run_id, checkpoints (batch counts after which to call checkpoint()),
-timeout. Prints one JSON line: the rank, the keys it delivered, what checkpoint() returned, and
-the keys of the next two batches both from the running pipeline and from a new one restored
+``python -m tests.zephon.pipeline.agg_worker RANK WORLD PORT``, started by ``tests.ranks.launch``
+(no process group: PORT is not used) with the configuration keys dp_degree, url,
+storage_options, run_id, checkpoints (batch counts after which to call checkpoint()), timeout.
+Prints one line ``RESULT <json>``: the rank, the keys it delivered, what checkpoint() returned,
+and the keys of the next two batches both from the running pipeline and from a new one restored
 from the last state (they must be equal on every rank).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 
 import zephon
+from tests.ranks import rank_config, report
 from tests.zephon.pipeline.util import make_dataset
 
 LANES = 4
@@ -81,7 +82,25 @@ def checkpoint_all(pipelines: list[zephon.Pipeline]) -> dict:
     return results[0]
 
 
-def main(args: dict) -> None:
+def states_at(pipelines: list[zephon.Pipeline], checkpoints: list[int]) -> list[dict]:
+    """Ranks in this one process: every pipeline advanced to each count of batches in
+    ``checkpoints`` (ascending), the merged state ``checkpoint_all`` gives there; the pipelines
+    are closed afterwards."""
+    iterators = [iter(p) for p in pipelines]
+    states, done = [], 0
+    for target in checkpoints:
+        for it in iterators:
+            for _ in range(target - done):
+                next(it)
+        done = target
+        states.append(checkpoint_all(pipelines))
+    for p in pipelines:
+        p.close()
+    return states
+
+
+def main(rank: int, world: int, config: dict) -> None:
+    args = {**config, "rank": rank, "world_size": world}
     p = build(
         args["rank"],
         args["world_size"],
@@ -107,18 +126,16 @@ def main(args: dict) -> None:
     resumed = iter(q)
     restored = [list(k) for _ in range(2) for k in next(resumed).keys]
     q.close()
-    print(
-        json.dumps(
-            {
-                "rank": args["rank"],
-                "keys": delivered,
-                "states": states,
-                "after": [list(k) for k in after],
-                "restored": restored,
-            }
-        )
+    report(
+        {
+            "rank": rank,
+            "keys": delivered,
+            "states": states,
+            "after": [list(k) for k in after],
+            "restored": restored,
+        }
     )
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(int(sys.argv[1]), int(sys.argv[2]), rank_config())

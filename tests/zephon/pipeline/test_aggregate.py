@@ -3,44 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import fsspec
 import pytest
 
 from tests.conftest import backends_with
-from tests.zephon.pipeline.agg_worker import build, checkpoint_all, checkpoint_together
+from tests.ranks import launch
+from tests.zephon.pipeline.agg_worker import build, checkpoint_all, checkpoint_together, states_at
 from zephon.pipeline import AggregationTimeoutError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
 def _backend(request, name: str):
     return request.getfixturevalue(f"{name}_backend")
-
-
-def _spawn(args: dict) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.zephon.pipeline.agg_worker", json.dumps(args)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _run_ranks(ranks, **common) -> dict[int, dict]:
-    procs = {rank: _spawn({**common, "rank": rank}) for rank in ranks}
-    results = {}
-    for rank, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"rank {rank} failed:\n{err}"
-        results[rank] = json.loads(out.strip().splitlines()[-1])
-    return results
 
 
 def _expected_states(tmp_path, checkpoints, world_size, dp_degree) -> list[dict]:
@@ -49,17 +23,7 @@ def _expected_states(tmp_path, checkpoints, world_size, dp_degree) -> list[dict]
     pipelines = [
         build(r, world_size, dp_degree, url, {}, "expected", 10) for r in range(world_size)
     ]
-    iterators = [iter(p) for p in pipelines]
-    states, done = [], 0
-    for target in checkpoints:
-        for it in iterators:
-            for _ in range(target - done):
-                next(it)
-        done = target
-        states.append(checkpoint_all(pipelines))
-    for p in pipelines:
-        p.close()
-    return states
+    return states_at(pipelines, checkpoints)
 
 
 @pytest.mark.parametrize("backend_name", backends_with(cross_process=True, one_winner_races=True))
@@ -98,16 +62,15 @@ def test_separate_processes_assemble_one_state_and_leave_nothing_behind(
         fs.pipe_file(f"{run_dir}/{key}/{name}", data)
 
     checkpoints = [2, 5]
-    results = _run_ranks(
-        range(4),
-        world_size=4,
-        dp_degree=2,
-        url=backend.url,
-        storage_options=backend.storage_options,
-        run_id="run-a",
-        checkpoints=checkpoints,
-        timeout=180,  # ranks start far apart on a loaded machine: every rank waits now
-    )
+    config = {
+        "dp_degree": 2,
+        "url": backend.url,
+        "storage_options": backend.storage_options,
+        "run_id": "run-a",
+        "checkpoints": checkpoints,
+        "timeout": 180,  # ranks start far apart on a loaded machine: every rank waits now
+    }
+    results = launch("tests.zephon.pipeline.agg_worker", 4, config)
 
     expected = _expected_states(tmp_path, checkpoints, 4, 2)
     for rank in range(4):  # every rank returns the same merged state, byte for byte

@@ -9,46 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tests import servers
+from tests.ranks import launch
 from tests.zephon.pipeline.agg_torch_worker import CHECKPOINTS, RESUMED_STEPS, build
-from tests.zephon.pipeline.agg_worker import checkpoint_all
+from tests.zephon.pipeline.agg_worker import checkpoint_all, states_at
 from zephon.errors import ConfigError
 
 pytest.importorskip("torch")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-
-
-def _run(workdir: str) -> list[dict]:
-    ports = {"port": servers.free_port(), "port2": servers.free_port()}
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.zephon.pipeline.agg_torch_worker",
-                json.dumps({"rank": rank, "workdir": workdir, **ports}),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(4)
-    ]
-    results = []
-    for rank, proc in enumerate(procs):
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, f"rank {rank} failed:\n{err}"
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
 
 
 def _reference_steps(tmp_path, steps: int) -> list[list]:
@@ -62,23 +32,15 @@ def _expected_texts(tmp_path) -> list[str]:
     """The merged states of the first phase through the storage transport in one process."""
     agg = str(tmp_path / "expected")
     pipelines = [build(r, 4, aggregate_dir=agg, run_id="expected") for r in range(4)]
-    iterators = [iter(p) for p in pipelines]
-    texts, done = [], 0
-    for target in CHECKPOINTS:
-        for it in iterators:
-            for _ in range(target - done):
-                next(it)
-        done = target
-        texts.append(json.dumps(checkpoint_all(pipelines), separators=(",", ":")))
-    for p in pipelines:
-        p.close()
-    return texts
+    states = states_at(pipelines, CHECKPOINTS)
+    return [json.dumps(state, separators=(",", ":")) for state in states]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     workdir = str(tmp_path_factory.mktemp("torch-agg"))
-    results = _run(workdir)
+    config = {"workdir": workdir, "port2": servers.free_port()}
+    results = launch("tests.zephon.pipeline.agg_torch_worker", 4, config, timeout=240)
     return {
         "first": [r["first"] for r in results],
         "resume": [r["resume"] for r in results if "resume" in r],

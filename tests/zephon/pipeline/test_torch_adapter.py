@@ -81,34 +81,11 @@ def test_the_pipeline_imports_and_runs_without_torch():
 
 def test_every_rank_saves_the_merged_state_and_dcp_restores_it(tmp_path):
     """Two gloo ranks: each saves the merged state checkpoint() gave it, DCP saves and loads it."""
-    from tests import servers
+    from tests.ranks import launch
     from tests.zephon.pipeline.agg_worker import build
 
-    port = servers.free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.zephon.pipeline.dist_worker",
-                str(rank),
-                str(port),
-                str(tmp_path),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    config = {"workdir": str(tmp_path)}
+    results = launch("tests.zephon.pipeline.dist_worker", 2, config, timeout=180)
     assert results[0]["saved"] == results[1]["saved"]
     state = json.loads(results[0]["saved"]["zephon_pipeline_state"])
     # group 0 read lanes 0, 2, 0 and group 1 lanes 1, 3, 1

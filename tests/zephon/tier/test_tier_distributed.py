@@ -3,7 +3,7 @@
 a SQLite or PostgreSQL catalog.
 
 Each start of the job is ``tests/zephon/tier/tier_worker.py`` on 2 processes (started by
-``tests.zephon.dcp.test_distributed.launch``), running a script of saves, waits and loads; the
+``tests.ranks.launch``), running a script of saves, waits and loads; the
 tests assert on what the ranks reported, on both stores and on the catalog:
 
 - one node, a shared local_dir (sync and async saves): every save is committed locally and
@@ -39,7 +39,7 @@ from benchmarks.latency_proxy import LatencyProxy
 from catalog import Catalog
 from storage import CheckpointStore
 from tests.conftest import Backend, database_url, make_backend
-from tests.zephon.dcp.test_distributed import launch
+from tests.ranks import launch, store_config
 
 MODULE = "tests.zephon.tier.tier_worker"
 WORLD = 2
@@ -76,7 +76,7 @@ def via(backend: Backend, proxy: LatencyProxy) -> Backend:
 def start(monkeypatch, backend: Backend, config: dict[str, Any]) -> list[dict]:
     """One start of the job on 2 ranks; every rank's RESULT record."""
     monkeypatch.setenv("ZEPHON_TIER_TEST", json.dumps(config))
-    return launch(backend, WORLD, module=MODULE)
+    return launch(MODULE, WORLD, store_config(backend))
 
 
 @contextlib.contextmanager
@@ -88,7 +88,7 @@ def running(monkeypatch, backend: Backend, config: dict) -> Iterator[concurrent.
     reported something."""
     monkeypatch.setenv("ZEPHON_TIER_TEST", json.dumps(config))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(launch, backend, WORLD, MODULE)
+        future = pool.submit(launch, MODULE, WORLD, store_config(backend))
         try:
             yield future
         finally:

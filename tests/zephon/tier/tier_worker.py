@@ -1,8 +1,8 @@
 """One rank of the local tier's multi-process tests: ``python -m tests.zephon.tier.tier_worker
-RANK WORLD PORT``, started by ``tests.zephon.dcp.test_distributed.launch``.
+RANK WORLD PORT``, started by ``tests.ranks.launch``.
 
-The save_dir comes from ``ZEPHON_DCP_TEST`` (JSON: ``url``, ``storage_options``, as ``launch``
-passes it), the rest from ``ZEPHON_TIER_TEST`` (JSON)::
+The save_dir comes from that launcher's configuration (``url``, ``storage_options``: as
+``tests.ranks.store_config`` gives them), the rest from ``ZEPHON_TIER_TEST`` (JSON)::
 
     {"run": name, "catalog_url": URL or null, "local_dir": path ("{rank}" is replaced by the
      rank: per-node local disks), "local_num_to_keep": 1, "max_pending_uploads": 2,
@@ -34,15 +34,12 @@ Each process prints one line ``RESULT <json>``; the test asserts on it.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import traceback
-import warnings
 import zlib
 from typing import Any
 
@@ -79,12 +76,13 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard, distribute_module, init_device_mesh  # noqa: E402
 
+from tests.ranks import serve  # noqa: E402
 from tests.zephon.dcp.worker import error_record  # noqa: E402
 from zephon import CheckpointingConfig, CheckpointManager  # noqa: E402
 
 #: how long ``await`` waits for the test before giving up
 AWAIT_TIMEOUT_S = 90
-TIMEOUT = dt.timedelta(seconds=90)
+TIMEOUT_S = 90
 
 
 # -- the model and the values a (tag, step) gives it ----------------------------------------
@@ -243,25 +241,17 @@ class Job:
         self.closed = False
 
 
-def main(rank: int, world: int, port: int) -> None:
-    save_dir = json.loads(os.environ["ZEPHON_DCP_TEST"])
+def scenario(rank: int, world: int, save_dir: dict[str, Any]) -> dict[str, Any]:
+    """This start's script (``$ZEPHON_TIER_TEST``) on this rank, each action printed as it ends
+    (a child that kills itself leaves its parent those lines)."""
     config = json.loads(os.environ["ZEPHON_TIER_TEST"])
-    script = config["script"]
-    out: dict[str, Any] = {"rank": rank}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    try:
-        job = Job(rank, world, config, save_dir)
-        out["actions"] = job.run(
-            script, lambda record: print("ACTION " + json.dumps(record), flush=True)
+    job = Job(rank, world, config, save_dir)
+    return {
+        "actions": job.run(
+            config["script"], lambda record: print("ACTION " + json.dumps(record), flush=True)
         )
-    except Exception as exc:
-        out["crash"] = "".join(traceback.format_exception(exc))[-4000:]
-    print("RESULT " + json.dumps(out), flush=True)
-    dist.destroy_process_group()
+    }
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    serve(scenario, timeout=TIMEOUT_S)
