@@ -16,6 +16,7 @@ import torch
 
 from storage import CorruptCheckpointError
 from storage.checksum import crc32c_extend, crc32c_of
+from tests.s3_calls import S3Calls
 from tests.zephon.dcp.test_verify import RecordObjectGets, flip, rewrite, slices
 from zephon import dcp as zd
 
@@ -24,15 +25,15 @@ PART = 5 * MIB  # S3's smallest part
 RUN = "r"
 
 
-class RecordUploadParts:
+class RecordUploadParts(S3Calls):
     """The body size of every UploadPart (and PutObject) an s3fs filesystem sends."""
 
     def __init__(self, fs) -> None:
-        self.fs = fs
+        super().__init__(fs)
         self.parts: list[int] = []
         self.puts: list[int] = []
 
-    def _on_call(self, model, params, **_):
+    def on_call(self, model, params):
         if model.name in {"UploadPart", "PutObject"}:
             body = params["body"]  # bytes, or botocore's file object over them
             if hasattr(body, "seek"):
@@ -42,14 +43,6 @@ class RecordUploadParts:
             else:
                 size = len(body)
             (self.parts if model.name == "UploadPart" else self.puts).append(size)
-
-    def __enter__(self):
-        self.fs.connect()
-        self.fs.s3.meta.events.register("before-call.s3", self._on_call)
-        return self
-
-    def __exit__(self, *exc):
-        self.fs.s3.meta.events.unregister("before-call.s3", self._on_call)
 
 
 @pytest.mark.parametrize(

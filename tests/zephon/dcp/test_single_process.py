@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from storage import CheckpointNotFoundError, CorruptCheckpointError
+from tests.s3_calls import S3Calls
 from zephon import dcp as zd
 from zephon.errors import ZephonError
 
@@ -196,15 +197,15 @@ def test_partial_load_leaves_missing_keys_untouched(store):
 # -- S3: ranged reads ---------------------------------------------------------------------------
 
 
-class RecordGets:
+class RecordGets(S3Calls):
     def __init__(self, fs) -> None:
-        self.fs = fs
+        super().__init__(fs)
         self.ranges: list[str | None] = []
         #: (object key, Range header) of every GetObject; ``ranges`` those of the shards
         self.gets: list[tuple[str, str | None]] = []
         self.heads = 0
 
-    def _on_call(self, model, params, **_):
+    def on_call(self, model, params):
         if model.name == "GetObject":
             key, wanted = params.get("url_path", ""), params.get("headers", {}).get("Range")
             self.gets.append((key, wanted))
@@ -212,14 +213,6 @@ class RecordGets:
                 self.ranges.append(wanted)
         elif model.name == "HeadObject":
             self.heads += 1
-
-    def __enter__(self):
-        self.fs.connect()
-        self.fs.s3.meta.events.register("before-call.s3", self._on_call)
-        return self
-
-    def __exit__(self, *exc):
-        self.fs.s3.meta.events.unregister("before-call.s3", self._on_call)
 
 
 def test_s3_loads_read_only_the_ranges_needed_and_batch_neighbours(s3_backend):

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from storage import CorruptCheckpointError
 from storage.checksum import crc32c_of
 from tests.conftest import DISK_AND_OBJECT_STORE, make_backend
-from tests.zephon.dcp.test_distributed import launch
+from tests.ranks import launch, store_config
+from tests.s3_calls import S3Calls
 from zephon import dcp as zd
 from zephon.dcp.metadata_codec import ShardSlice
 
@@ -182,25 +183,17 @@ def test_verifying_reads_each_slice_once_and_nothing_else(s3_backend):
         assert all(rng == "bytes=0-8191" for _, rng in shard_gets)  # 64 x 32 float32 each
 
 
-class RecordObjectGets:
+class RecordObjectGets(S3Calls):
     """The key and Range header of every GetObject an s3fs filesystem sends."""
 
     def __init__(self, fs) -> None:
-        self.fs = fs
+        super().__init__(fs)
         self.calls: list[tuple[str, str | None]] = []
 
-    def _on_call(self, model, params, **_):
+    def on_call(self, model, params):
         if model.name == "GetObject":
             key = params.get("url_path", "")
             self.calls.append((key, params.get("headers", {}).get("Range")))
-
-    def __enter__(self):
-        self.fs.connect()
-        self.fs.s3.meta.events.register("before-call.s3", self._on_call)
-        return self
-
-    def __exit__(self, *exc):
-        self.fs.s3.meta.events.unregister("before-call.s3", self._on_call)
 
 
 # -- resharded reads ------------------------------------------------------------------------------
@@ -276,7 +269,7 @@ def test_a_resharded_read_detects_a_flipped_byte_of_its_slice(store, row, read):
 @pytest.fixture(scope="module", params=DISK_AND_OBJECT_STORE)
 def ranks(request, tmp_path_factory) -> list[dict]:
     backend = make_backend(request.param, request, tmp_path_factory.mktemp("verify"))
-    return launch(backend, 2, "tests.zephon.dcp.verify_worker")
+    return launch("tests.zephon.dcp.verify_worker", 2, store_config(backend))
 
 
 def test_two_gloo_ranks_load_a_narrowed_dtensor_and_verify_it(ranks):
