@@ -160,18 +160,6 @@ def test_round_trip_stores_only_safetensors_and_json(tmp_path):
         )
 
 
-def test_import_zephon_never_imports_lightning():
-    code = "import sys, zephon, zephon.integrations; print('lightning' in sys.modules)"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": REPO},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.stdout.strip() == "False", done.stderr
-
-
 def test_errors_are_one_line_and_name_the_fix(tmp_path):
     from zephon.errors import ConfigError, ZephonError
     from zephon.integrations.lightning import ZephonCheckpointIO
