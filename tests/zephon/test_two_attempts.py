@@ -242,13 +242,29 @@ def cataloged_attempts(children, cataloged) -> Iterator[tuple[Child, Child]]:
 # -- helpers -------------------------------------------------------------------------------
 
 
-def save(child: Child, step: int, author: str) -> str:
-    """A complete save through the child; the file names its author. Returns the save id."""
+def begun(child: Child, step: int, author: str) -> str:
+    """A save through the child, begun and its file (naming its author) written, but no marker
+    yet: where a stalled attempt stops. Returns the save id."""
     save_id = child.ok(f"begin {step}")
     child.ok(f"write w.bin {author}-{step}")
+    return save_id
+
+
+def save(child: Child, step: int, author: str) -> str:
+    """A complete save through the child; the file names its author. Returns the save id."""
+    save_id = begun(child, step, author)
     child.ok("commit")
     child.ok("committed")
     return save_id
+
+
+def stalled(old: Child, committed: tuple[int, ...], step: int) -> str:
+    """The old attempt starts afresh, commits the steps ``committed`` and stalls in its save of
+    ``step`` (``begun``). Returns that save's id."""
+    old.ok("start none")
+    for done in committed:
+        save(old, done, "old")
+    return begun(old, step, "old")
 
 
 def assert_names_the_new_attempt(answer: dict, started: dict) -> None:
@@ -374,11 +390,7 @@ def test_every_refusal_of_a_stale_attempt_is_zephons_stale_attempt_error(
         attempt_pair(children, world) as (old, new),
     ):
         world.keep(1)
-        old.ok("start none")
-        for step in (10, 20):
-            save(old, step, "old")
-        old.ok("begin 30")
-        old.ok("write w.bin old-30")
+        stalled(old, (10, 20), 30)
         new.ok("start latest")
         refusals = {"commit": old.refused("commit")}
         old.ok("fail")
@@ -407,11 +419,7 @@ def test_a_marker_the_old_attempt_slips_in_after_its_check_is_superseded_by_the_
     world, attempts, slipped_in
 ):
     old, new = attempts
-    old.ok("start none")
-    save(old, 30, "old")
-    save(old, 40, "old")
-    old_save = old.ok("begin 50")
-    old.ok("write w.bin old-50")  # its payload check passes: held right before the marker
+    old_save = stalled(old, (30, 40), 50)  # its payload check passes: held before the marker
 
     started = new.ok("start latest")
     assert started["resumed_from"] == 40
@@ -451,11 +459,7 @@ def test_an_old_attempt_that_keeps_saving_is_refused_everywhere_and_deletes_noth
 ):
     old, new = attempts
     world.keep(1)
-    old.ok("start none")
-    for step in (10, 20, 30, 40):
-        save(old, step, "old")
-    old.ok("begin 50")
-    old.ok("write w.bin old-50")
+    stalled(old, (10, 20, 30, 40), 50)
 
     started = new.ok("start latest")
     assert started["resumed_from"] == 40
@@ -495,11 +499,7 @@ def test_the_old_attempts_commit_and_retention_are_refused_once_the_new_one_clai
     # that would delete the 30 the new one is about to choose.
     old, new = attempts
     world.keep(1)
-    old.ok("start none")
-    for step in (10, 20, 30):
-        save(old, step, "old")
-    old.ok("begin 40")
-    old.ok("write w.bin old-40")
+    stalled(old, (10, 20, 30), 40)
 
     new.ok("claim")
     old.refused("commit")
@@ -526,11 +526,7 @@ def test_a_marker_the_old_attempt_slips_in_before_the_new_one_chooses_is_resumed
     # part of the history it continues, and it resumes from it instead of abandoning it.
     old, new = attempts
     world.keep(1)
-    old.ok("start none")
-    for step in (10, 20, 30, 40):
-        save(old, step, "old")
-    old.ok("begin 50")
-    old.ok("write w.bin old-50")
+    stalled(old, (10, 20, 30, 40), 50)
 
     new.ok("claim")
     old.ok("forge_marker 50")
@@ -551,8 +547,7 @@ def test_a_marker_the_old_attempt_slips_in_before_the_new_one_chooses_is_resumed
 def _complete_then_failed(world: World, old: Child, new: Child) -> None:
     """The old attempt's save of 50 created its marker, then failed before the catalog
     heard of its commit: the row says failed."""
-    old.ok("begin 50")
-    old.ok("write w.bin old-50")
+    begun(old, 50, "old")
     old.ok("commit")
     old.ok("fail")
     assert world.row(50).state == "failed"
@@ -567,8 +562,7 @@ def _complete_then_deleted(world: World, old: Child, new: Child) -> None:
 
 def _stale_marker_on_failed(world: World, old: Child, new: Child) -> None:
     """The new attempt re-armed 50 and failed; the old one slipped its marker in meanwhile."""
-    old.ok("begin 50")
-    old.ok("write w.bin old-50")
+    begun(old, 50, "old")
     assert new.ok("start latest")["resumed_from"] == 40
     new_save = new.ok("begin 50")
     old.ok("forge_marker 50")
@@ -647,11 +641,7 @@ def test_a_restart_repairs_a_complete_marker_the_row_disowns_and_never_a_stale_o
 @pytest.mark.parametrize("paused", ["after_writing", "after_begin"])
 def test_gc_without_grace_beside_a_live_save_leaves_it_whole(cataloged, cataloged_attempts, paused):
     world, (old, new) = cataloged, cataloged_attempts
-    old.ok("start none")
-    save(old, 30, "old")
-    save(old, 40, "old")
-    old_save = old.ok("begin 50")
-    old.ok("write w.bin old-50")  # the old attempt's save: stalled, then abandoned
+    old_save = stalled(old, (30, 40), 50)  # the old attempt's save: stalled, then abandoned
 
     assert new.ok("start latest")["resumed_from"] == 40
     new_save = new.ok("begin 50")

@@ -15,15 +15,26 @@ MICROBATCH = 3
 GLOBAL_BATCH = 48  # every lane gives 6 records (2 microbatches) per optimizer step
 
 
-def build(rank: int, groups: int, agg: str, lanes: int = LANES) -> zephon.Pipeline:
-    source = zephon.StaticMixtureWorkSource(
-        make_dataset(shards=6, per_shard=97), chunk_size=11, seed=4
-    )
+def group_pipeline(
+    source: zephon.StaticMixtureWorkSource,
+    rank: int,
+    groups: int,
+    agg: str,
+    *,
+    shuffle: tuple[int, int],
+    microbatch: int,
+    lanes: int,
+    run_id: str,
+) -> zephon.Pipeline:
+    """Group ``rank``'s pipeline (one rank per data-parallel group) of a run with ``lanes``
+    lanes: ``source``, shuffled with (buffer, seed), in microbatches, checkpoints assembled in
+    ``agg``."""
+    buffer, seed = shuffle
     return (
         zephon.Pipeline(source)
         .map_transform(lambda r: r)
-        .shuffle(7, seed=1)
-        .batch(MICROBATCH)
+        .shuffle(buffer, seed=seed)
+        .batch(microbatch)
         .options(
             world_size=groups,
             global_rank=rank,
@@ -31,15 +42,32 @@ def build(rank: int, groups: int, agg: str, lanes: int = LANES) -> zephon.Pipeli
             dp_group_id=rank,
             canonical_replicas=lanes,
             aggregate_dir=agg,
-            run_id="elastic",
+            run_id=run_id,
             aggregate_timeout_s=10,
             flush_every_k_chunks=2,
         )
     )
 
 
-def topology(groups: int, agg: str, state: dict | None = None) -> list[zephon.Pipeline]:
-    pipelines = [build(rank, groups, agg) for rank in range(groups)]
+def build(rank: int, groups: int, agg: str, lanes: int = LANES) -> zephon.Pipeline:
+    source = zephon.StaticMixtureWorkSource(
+        make_dataset(shards=6, per_shard=97), chunk_size=11, seed=4
+    )
+    return group_pipeline(
+        source,
+        rank,
+        groups,
+        agg,
+        shuffle=(7, 1),
+        microbatch=MICROBATCH,
+        lanes=lanes,
+        run_id="elastic",
+    )
+
+
+def topology(groups: int, agg: str, state: dict | None = None, make=build) -> list[zephon.Pipeline]:
+    """Every group's pipeline from ``make(rank, groups, agg)``, restored from ``state`` if given."""
+    pipelines = [make(rank, groups, agg) for rank in range(groups)]
     if state is not None:
         for p in pipelines:
             p.restore(state)
@@ -139,30 +167,20 @@ def build_endless(rank: int, groups: int, agg: str) -> zephon.Pipeline:
     source = zephon.StaticMixtureWorkSource(
         make_dataset(shards=3, per_shard=13), chunk_size=5, seed=8, exhausted_policy="repeat"
     )
-    return (
-        zephon.Pipeline(source)
-        .map_transform(lambda r: r)
-        .shuffle(4, seed=3)
-        .batch(ENDLESS_MICROBATCH)
-        .options(
-            world_size=groups,
-            global_rank=rank,
-            dp_degree=groups,
-            dp_group_id=rank,
-            canonical_replicas=ENDLESS_LANES,
-            aggregate_dir=agg,
-            run_id="endless",
-            aggregate_timeout_s=10,
-            flush_every_k_chunks=2,
-        )
+    return group_pipeline(
+        source,
+        rank,
+        groups,
+        agg,
+        shuffle=(4, 3),
+        microbatch=ENDLESS_MICROBATCH,
+        lanes=ENDLESS_LANES,
+        run_id="endless",
     )
 
 
 def endless_steps(groups: int, agg: str, steps: int, state: dict | None = None):
-    pipelines = [build_endless(rank, groups, agg) for rank in range(groups)]
-    for p in pipelines:
-        if state is not None:
-            p.restore(state)
+    pipelines = topology(groups, agg, state, make=build_endless)
     got = run_steps(
         pipelines,
         steps,

@@ -256,15 +256,25 @@ def test_a_newer_local_step_is_resumed_and_uploaded_by_the_next_attempt(
         assert (resume.step, equal) == (2, True)
 
 
-def test_a_stale_attempts_uploads_are_refused(s3_backend, tmp_path, catalog_url):
-    cfg = config(s3_backend, tmp_path / "local", catalog_url)
+def superseded(
+    cfg: CheckpointingConfig, backend: Backend, catalog_url: str
+) -> tuple[CheckpointManager, CheckpointStore]:
+    """An attempt (``old``) that saved and uploaded step 1, then a new start of the run
+    registered while it still runs: every later save of ``old`` is stale. ``old`` and the
+    save_dir's store."""
     old = CheckpointManager(cfg, run_name=RUN, total_steps=10)
     old.save(1, state_at(1))
     old.wait()
-    remote = s3_backend.open_store()
-    with Catalog(catalog_url) as catalog:  # a new start of the run, while `old` still runs
+    remote = backend.open_store()
+    with Catalog(catalog_url) as catalog:
         location = RunLocation(RUN, remote, RUN)
         register(location, catalog, lineage=remote.lineage(RUN), resumed_from=1)
+    return old, remote
+
+
+def test_a_stale_attempts_uploads_are_refused(s3_backend, tmp_path, catalog_url):
+    cfg = config(s3_backend, tmp_path / "local", catalog_url)
+    old, remote = superseded(cfg, s3_backend, catalog_url)
     old.save(2, state_at(2))  # commits locally; its upload is refused
     with pytest.raises(StaleAttemptError):
         old.wait()

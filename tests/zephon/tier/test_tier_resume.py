@@ -10,11 +10,9 @@ from dataclasses import replace
 
 from benchmarks.latency_proxy import LatencyProxy
 from catalog import Catalog
-from tests.zephon.tier.test_tier import RUN, config, loads, state_at
+from tests.zephon.tier.test_tier import RUN, config, loads, state_at, superseded
 from zephon import StaleAttemptError
-from zephon.attempts import register
 from zephon.checkpointing import CheckpointManager
-from zephon.locations import RunLocation
 
 
 def endpoint(backend) -> str:
@@ -80,14 +78,7 @@ def test_a_newer_save_dir_checkpoint_is_confirmed_and_loaded(s3_backend, tmp_pat
 
 def test_a_stale_attempts_committed_local_copy_is_marked_failed(s3_backend, tmp_path, catalog_url):
     cfg = config(s3_backend, tmp_path / "local", catalog_url)
-    old = CheckpointManager(cfg, run_name=RUN, total_steps=10)
-    old.save(1, state_at(1))
-    old.wait()
-    remote = s3_backend.open_store()
-    with Catalog(catalog_url) as catalog:  # a new start of the run, while `old` still runs
-        register(
-            RunLocation(RUN, remote, RUN), catalog, lineage=remote.lineage(RUN), resumed_from=1
-        )
+    old, _ = superseded(cfg, s3_backend, catalog_url)
     old.save(2, state_at(2))  # commits locally; its upload is refused for good
     try:
         old.wait()
