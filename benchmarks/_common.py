@@ -1,4 +1,5 @@
-"""Shared helpers for the benchmark scripts: repo on sys.path, timing, and the local servers.
+"""Shared helpers for the benchmark scripts: repo on sys.path, timing, the local servers, the
+rank processes of the multi-process benchmarks, and DCP's side of a save/restore comparison.
 
 Every benchmark reports ratios against a baseline measured in the same run, because the machine
 is shared and absolute numbers drift from run to run.
@@ -6,8 +7,10 @@ is shared and absolute numbers drift from run to run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -19,8 +22,22 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from tests import servers  # noqa: E402  (needs the repo on sys.path)
+from tests.ranks import join_group  # noqa: E402  (the same rank set-up as the tests')
+from tests.s3_calls import S3Calls  # noqa: E402
 
-__all__ = ["REPO", "servers", "timed", "best_of", "interleaved", "count_s3_requests", "table"]
+__all__ = [
+    "REPO",
+    "servers",
+    "timed",
+    "best_of",
+    "interleaved",
+    "count_s3_requests",
+    "table",
+    "run_ranks",
+    "parse_or_serve",
+    "join_group",
+    "Sides",
+]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -59,25 +76,17 @@ def interleaved(
     return statistics.median(base_times), statistics.median(cand_times), statistics.median(ratios)
 
 
-class count_s3_requests:  # noqa: N801 - used as a context manager, reads like a function
+class count_s3_requests(S3Calls):  # noqa: N801 - a context manager, reads like a function
     """Count the HTTP requests an s3fs filesystem sends while the block runs."""
 
     def __init__(self, fs) -> None:
-        self.fs = fs
+        super().__init__(fs)
         self.count = 0
         self.by_operation: dict[str, int] = {}
 
-    def _on_call(self, model, **_):
+    def on_call(self, model, params) -> None:
         self.count += 1
         self.by_operation[model.name] = self.by_operation.get(model.name, 0) + 1
-
-    def __enter__(self):
-        self.fs.connect()  # make sure the client exists before hooking it
-        self.fs.s3.meta.events.register("before-call.s3", self._on_call)
-        return self
-
-    def __exit__(self, *exc):
-        self.fs.s3.meta.events.unregister("before-call.s3", self._on_call)
 
 
 def table(rows: list[tuple], headers: tuple) -> str:
@@ -106,6 +115,79 @@ def run_ranks(script: str, world: int, config: dict, what: str) -> dict:
     ]
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode != 0 for p in procs):
-        raise SystemExit(f"{what} on {world} process(es): a rank exited with an error")
+        # what rank 0 measured before the failure (``PARTIAL`` lines) is kept
+        partial = [x for x in outputs[0].splitlines() if x.startswith("PARTIAL ")]
+        failed = f"{what} on {world} process(es): a rank exited with an error"
+        raise SystemExit("\n".join([*partial, failed]))
     line = next(x for x in outputs[0].splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
+
+
+def parse_or_serve(
+    parser: argparse.ArgumentParser, worker: Callable[[int, int, int, dict], None]
+) -> argparse.Namespace | None:
+    """The benchmark's arguments; or, in a process ``run_ranks`` started (``--worker RANK WORLD
+    PORT CONFIG``, hidden from ``--help``), run ``worker(rank, world, port, config)`` and return
+    None: the caller's ``main`` then has nothing left to do."""
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.worker:
+        return args
+    rank, world, port, config = args.worker
+    worker(int(rank), int(world), int(port), json.loads(config))
+    return None
+
+
+class Sides:
+    """One rank's two sides of a save/restore comparison on one storage root: torch DCP's own
+    writer and reader (``FileSystemWriter``/``Reader`` on local disk, ``FsspecWriter``/``Reader``
+    elsewhere), each checkpoint in ``<url>/dcp-<name>``, and Zephon's ``ZephonStorageWriter``
+    over ``store`` (rank 0 begins the save, every rank attaches). Call only in a rank process:
+    it uses the default process group."""
+
+    def __init__(self, store, rank: int, config: dict) -> None:
+        self.store, self.rank = store, rank
+        self.url, self.options = config["url"], config["storage_options"]
+        self.local = config["local"]
+        self.threads, self.dcp_threads = config["threads"], config["dcp_threads"]
+
+    def dcp_dir(self, name: str) -> str:
+        return f"{self.url}/dcp-{name}"
+
+    def dcp_writer(self, name: str):
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        if self.local:
+            return FileSystemWriter(self.dcp_dir(name), thread_count=self.dcp_threads)
+        return FsspecWriter(self.dcp_dir(name), thread_count=self.dcp_threads, **self.options)
+
+    def dcp_reader(self, name: str):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        path = self.dcp_dir(name)
+        return FileSystemReader(path) if self.local else FsspecReader(path, **self.options)
+
+    def zephon_writer(self, run: str, step: int, fence=None):
+        from zephon import dcp as zd
+
+        primary = self.store.begin(run, step, fence=fence) if self.rank == 0 else None
+        writer = zd.attach_ranks(self.store, run, step, primary)
+        return zd.ZephonStorageWriter(writer, thread_count=self.threads)
+
+    def remove(self, run: str, steps: list[int], dcp_names: list[str]) -> None:
+        """Delete what a phase wrote (Zephon's ``steps`` of ``run`` and DCP's checkpoints), every
+        rank past it before and after: moto keeps it all in memory, a disk fills up."""
+        import torch.distributed as dist
+
+        dist.barrier()
+        if self.rank == 0:
+            for step in steps:
+                self.store.delete(run, step)
+            for name in dcp_names:
+                if self.local:
+                    shutil.rmtree(self.dcp_dir(name), ignore_errors=True)
+                else:
+                    self.store.location.fs.rm(self.dcp_dir(name), recursive=True)
+        dist.barrier()

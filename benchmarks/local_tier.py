@@ -38,7 +38,7 @@ import time
 import uuid
 import warnings
 
-from _common import run_ranks, servers, table, timed
+from _common import join_group, parse_or_serve, run_ranks, servers, table, timed
 from latency_proxy import LatencyProxy
 
 BUCKET = "local-tier"
@@ -78,9 +78,8 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=dt.timedelta(hours=1))
+    if world > 1:  # one rank needs no process group
+        join_group(rank, world, port, timeout=3600)
 
     def slowest(seconds: float) -> float:
         if world == 1:
@@ -207,11 +206,8 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="resumes from each tier")
     parser.add_argument("--no-two-ranks", action="store_true", help="skip the 2-rank case")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        rank, world, port, config = args.worker
-        worker(int(rank), int(world), int(port), json.loads(config))
+    args = parse_or_serve(parser, worker)
+    if args is None:
         return
 
     rows: list[tuple] = []

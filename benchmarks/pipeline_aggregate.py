@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import socket
 import statistics
 import tempfile
 import time
@@ -98,9 +97,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--s3", action="store_true", help="also aggregate on S3 (moto)")
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = servers.free_port()
     with contextlib.ExitStack() as stack:
         s3 = None
         if args.s3:

@@ -46,10 +46,9 @@ import os
 import statistics
 import tempfile
 import uuid
-import warnings
 from collections.abc import Callable
 
-from _common import run_ranks, servers, table, timed
+from _common import join_group, parse_or_serve, run_ranks, servers, table, timed
 from latency_proxy import LatencyProxy
 
 BUCKET = "round-trips"
@@ -173,10 +172,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
     from zephon.latest import find_latest
     from zephon.locations import RunLocation
 
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=dt.timedelta(minutes=10))
+    join_group(rank, world, port, timeout=600)
     delays = config["delays_ms"]
     proxies = [LatencyProxy(config["upstream"], d).start() for d in delays] if rank == 0 else []
     urls = [p.url for p in proxies]
@@ -294,11 +290,8 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-two-ranks", action="store_true", help="skip the 2-process DCP case")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        rank, world, port, config = args.worker
-        worker(int(rank), int(world), int(port), json.loads(config))
+    args = parse_or_serve(parser, worker)
+    if args is None:
         return
 
     delays = [0.0, args.delay_ms]

@@ -44,20 +44,16 @@ barrier: the slowest rank's time.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
-import warnings
 
 import save_restore_memory as big
-from _common import REPO, servers, table
+from _common import Sides, join_group, parse_or_serve, run_ranks, servers, table
 
 RUN = "bench"
 FENCED_RUN = "bench-fenced"
@@ -126,19 +122,15 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     from storage import CheckpointStore
     from zephon import dcp as zd
 
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=dt.timedelta(minutes=30))
+    join_group(rank, world, port, timeout=1800)
     ckpt_group = dist.new_group(backend="gloo")
     url, options, local = config["url"], config["storage_options"], config["local"]
     store = CheckpointStore(url, options)
+    bench = Sides(store, rank, config)
     state = build_state(rank, config["mib"] / world)
     target = empty_like_state(state)
     source_tensors, target_tensors = tensors_of(state), tensors_of(target)
@@ -174,19 +166,11 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
                 raise AssertionError(f"{label}: loaded state differs from the saved state")
             b.zero_()
 
-    def dcp_dir(i: int) -> str:
-        return f"{url}/dcp-baseline-{i}"
-
     def dcp_save(i: int) -> None:
-        if local:
-            writer = FileSystemWriter(dcp_dir(i), thread_count=config["dcp_threads"])
-        else:
-            writer = FsspecWriter(dcp_dir(i), thread_count=config["dcp_threads"], **options)
-        dcp.save(state, storage_writer=writer)
+        dcp.save(state, storage_writer=bench.dcp_writer(f"baseline-{i}"))
 
     def dcp_load(i: int) -> None:
-        reader = FileSystemReader(dcp_dir(i)) if local else FsspecReader(dcp_dir(i), **options)
-        dcp.load(target, storage_reader=reader)
+        dcp.load(target, storage_reader=bench.dcp_reader(f"baseline-{i}"))
 
     fence = None
     if rank == 0:  # one attempt of the fenced run, as a job start registers it
@@ -194,11 +178,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
         fence = store.decide_resume(FENCED_RUN, claimed, None)
 
     def zephon_writer(step: int, run: str = RUN) -> zd.ZephonStorageWriter:
-        primary = None
-        if rank == 0:
-            primary = store.begin(run, step, fence=fence if run == FENCED_RUN else None)
-        writer = zd.attach_ranks(store, run, step, primary)
-        return zd.ZephonStorageWriter(writer, thread_count=config["threads"])
+        return bench.zephon_writer(run, step, fence=fence if run == FENCED_RUN else None)
 
     def zephon_save(step: int, run: str = RUN) -> None:
         zd.save(state, zephon_writer(step, run))
@@ -237,7 +217,12 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
         step = 2 * i
         r: dict = {}
         sides = [
-            ("dcp", lambda i=i: dcp_save(i), lambda i=i: dcp_load(i), dcp_dir(i)),
+            (
+                "dcp",
+                lambda i=i: dcp_save(i),
+                lambda i=i: dcp_load(i),
+                bench.dcp_dir(f"baseline-{i}"),
+            ),
             (
                 "zephon",
                 lambda s=step: zephon_save(s),
@@ -267,7 +252,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
                 "dcp",
                 lambda i=i: dcp_save(i + 1000),
                 lambda i=i: dcp_load(i + 1000),
-                dcp_dir(i + 1000),
+                bench.dcp_dir(f"baseline-{i + 1000}"),
             ),
             (
                 "dropin",
@@ -300,15 +285,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
         blocks = [None] * world
         dist.all_gather_object(blocks, blocked)
         r["dropin_async_block"] = max(blocks)
-        dist.barrier()
-        if rank == 0:
-            store.delete(DROPIN_RUN, step)
-            store.delete(DROPIN_RUN, step + 1)
-            if local:
-                shutil.rmtree(dcp_dir(i + 1000), ignore_errors=True)
-            else:
-                store.location.fs.rm(dcp_dir(i + 1000), recursive=True)
-        dist.barrier()
+        bench.remove(DROPIN_RUN, [step, step + 1], [f"baseline-{i + 1000}"])
 
         # verification: the same checkpoint loaded with and without it, back to back
         checks = [("unverified", False), ("verified", True)]
@@ -350,15 +327,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
         zephon_load(step + 1)
         check_loaded("async save")
 
-        dist.barrier()
-        if rank == 0:
-            store.delete(RUN, step)
-            store.delete(RUN, step + 1)
-            if local:
-                shutil.rmtree(dcp_dir(i), ignore_errors=True)
-            else:
-                store.location.fs.rm(dcp_dir(i), recursive=True)
-        dist.barrier()
+        bench.remove(RUN, [step, step + 1], [f"baseline-{i}"])
         records.append(r)
 
     if rank == 0:
@@ -372,7 +341,6 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
 
 
 def run_backend(name: str, url: str, options: dict, args) -> dict:
-    port = servers.free_port()
     config = {
         "url": url,
         "storage_options": options,
@@ -384,35 +352,28 @@ def run_backend(name: str, url: str, options: dict, args) -> dict:
         "big": args.big,
         "gib": args.big_gib,
     }
-    env = {**os.environ, "PYTHONPATH": REPO}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--worker",
-                str(rank),
-                str(args.ranks),
-                str(port),
-                json.dumps(config),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(args.ranks)
-    ]
-    outputs = [p.communicate()[0] for p in procs]
-    for p in procs:
-        if p.returncode != 0:
-            done = [x for x in outputs[0].splitlines() if x.startswith("PARTIAL ")]
-            raise SystemExit("\n".join([*done, f"{name}: a rank exited with {p.returncode}"]))
-    line = next(x for x in outputs[0].splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_ranks(__file__, args.ranks, config, name)
+
+
+def any_worker(rank: int, world: int, port: int, config: dict) -> None:
+    """A rank of the time comparison, or with ``--big`` of the memory one."""
+    (big.worker if config["big"] else worker)(rank, world, port, config)
 
 
 def median(records: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in records)
+
+
+def per_repeat(records: list[dict], over: str, under: str) -> float:
+    """The median over the repeats of ``over / under``. Each repeat measures both sides
+    back to back, so their ratio is robust to the load of a shared machine drifting between
+    repeats: the figure is the median of those ratios, not the ratio of the medians."""
+    return statistics.median(r[over] / r[under] for r in records)
+
+
+def goal(text: str, met: bool) -> str:
+    """The goal column: the goal, then whether this run met it."""
+    return f"{text} {'ok' if met else 'MISSED'}"
 
 
 def report(name: str, result: dict, args) -> list[str]:
@@ -423,9 +384,7 @@ def report(name: str, result: dict, args) -> list[str]:
     loads = ["load_cold", "load_warm"] if name == "local" else ["load"]
     for op in ["save", *loads]:
         base, zep = median(records, f"dcp_{op}"), median(records, f"zephon_{op}")
-        # Each repeat measures both sides back to back; their ratio is robust to the load of a
-        # shared machine drifting between repeats, so the figure is the median of those ratios.
-        ratio = statistics.median(r[f"dcp_{op}"] / r[f"zephon_{op}"] for r in records)
+        ratio = per_repeat(records, f"dcp_{op}", f"zephon_{op}")
         rows.append(
             (
                 op.replace("_", " "),
@@ -434,11 +393,11 @@ def report(name: str, result: dict, args) -> list[str]:
                 f"{zep:.2f}",
                 f"{total_mib / zep:.0f}",
                 f"{ratio:.2f}",
-                ">= 1.2 " + ("ok" if ratio >= 1.2 else "MISSED"),
+                goal(">= 1.2", ratio >= 1.2),
             )
         )
     block, total = median(records, "async_block"), median(records, "async_total")
-    blocked = statistics.median(r["async_block"] / r["zephon_save"] for r in records)
+    blocked = per_repeat(records, "async_block", "zephon_save")
     rows.append(
         (
             "async blocks",
@@ -447,7 +406,7 @@ def report(name: str, result: dict, args) -> list[str]:
             f"{block:.2f}",
             f"(all done {total:.2f} s)",
             f"{blocked:.2f}",
-            "<= 0.2 " + ("ok" if blocked <= 0.2 else "MISSED"),
+            goal("<= 0.2", blocked <= 0.2),
         )
     )
     headers = ("operation", "DCP s", "MiB/s", "Zephon s", "MiB/s", "ratio", "goal")
@@ -463,9 +422,7 @@ def report(name: str, result: dict, args) -> list[str]:
         ratio = statistics.median(each)
         cpu_plain = median(records, f"unverified_{op}_cpu")
         cpu_checked = median(records, f"verified_{op}_cpu")
-        cpu_ratio = statistics.median(
-            r[f"unverified_{op}_cpu"] / r[f"verified_{op}_cpu"] for r in records
-        )
+        cpu_ratio = per_repeat(records, f"unverified_{op}_cpu", f"verified_{op}_cpu")
         checks.append(
             (
                 op.replace("_", " "),
@@ -475,14 +432,14 @@ def report(name: str, result: dict, args) -> list[str]:
                 f"{total_mib / checked:.0f}",
                 f"{ratio:.2f} ({' / '.join(f'{x:.2f}' for x in each)})",
                 f"{cpu_plain:.2f} / {cpu_checked:.2f} = {cpu_ratio:.2f}",
-                ">= 0.95 " + ("ok" if ratio >= 0.95 else "MISSED"),
+                goal(">= 0.95", ratio >= 0.95),
             )
         )
     check_headers = ("Zephon load", "verify=False s", "MiB/s", "verify=True s", "MiB/s")
     unfenced, fenced = median(records, "unfenced_save"), median(records, "fenced_save")
-    extra = statistics.median(r["fenced_save"] / r["unfenced_save"] - 1 for r in records)
+    extra = per_repeat(records, "fenced_save", "unfenced_save") - 1
     checks_s = median(records, "fence_checks")
-    share = statistics.median(r["fence_checks"] / r["unfenced_save"] for r in records)
+    share = per_repeat(records, "fence_checks", "unfenced_save")
     fencing = [
         (
             "save",
@@ -490,32 +447,32 @@ def report(name: str, result: dict, args) -> list[str]:
             f"{fenced:.2f}",
             f"{100 * extra:+.1f}%",
             f"{1000 * checks_s:.1f} ms = {100 * share:.2f}%",
-            "<= 2% " + ("ok" if share <= 0.02 else "MISSED"),
+            goal("<= 2%", share <= 0.02),
         )
     ]
     fence_headers = ("Zephon", "unfenced s", "fenced s", "end to end", "fence checks", "goal")
     dropin = []
     for op in ["save", *loads]:
         base, zep = median(records, f"dcp2_{op}"), median(records, f"dropin2_{op}")
-        ratio = statistics.median(r[f"dcp2_{op}"] / r[f"dropin2_{op}"] for r in records)
+        ratio = per_repeat(records, f"dcp2_{op}", f"dropin2_{op}")
         dropin.append(
             (
                 op.replace("_", " "),
                 f"{base:.2f}",
                 f"{zep:.2f}",
                 f"{ratio:.2f}",
-                ">= 1.2 " + ("ok" if ratio >= 1.2 else "MISSED"),
+                goal(">= 1.2", ratio >= 1.2),
             )
         )
     block = median(records, "dropin_async_block")
-    blocked = statistics.median(r["dropin_async_block"] / r["dropin2_save"] for r in records)
+    blocked = per_repeat(records, "dropin_async_block", "dropin2_save")
     dropin.append(
         (
             "async blocks",
             "",
             f"{block:.2f}",
             f"{blocked:.2f}",
-            "<= 0.2 " + ("ok" if blocked <= 0.2 else "MISSED"),
+            goal("<= 0.2", blocked <= 0.2),
         )
     )
     return [
@@ -547,12 +504,8 @@ def main() -> None:
         "--big", action="store_true", help="measure peak memory of a big state instead (g)"
     )
     parser.add_argument("--big-gib", type=float, default=2.0, help="--big: GiB of state per rank")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        rank, world, port, config = args.worker
-        config = json.loads(config)
-        (big.worker if config["big"] else worker)(int(rank), int(world), int(port), config)
+    args = parse_or_serve(parser, any_worker)
+    if args is None:
         return
     if args.big:
         big.check_memory(args)

@@ -25,16 +25,12 @@ every tensor before the save and after the load).
 
 from __future__ import annotations
 
-import datetime as dt
 import gc
 import json
-import os
 import re
-import shutil
 import time
-import warnings
 
-from _common import table
+from _common import Sides, join_group, table
 
 RUN = "bench-big"
 GOAL = 1.25
@@ -90,23 +86,17 @@ def _tensors(state) -> list:
 
 
 def worker(rank: int, world: int, port: int, config: dict) -> None:
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     from storage import CheckpointStore
     from storage.checksum import crc32c_extend
     from zephon import dcp as zd
 
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=dt.timedelta(minutes=30))
+    join_group(rank, world, port, timeout=1800)
     ckpt_group = dist.new_group(backend="gloo")
-    url, options, local = config["url"], config["storage_options"], config["local"]
-    store = CheckpointStore(url, options)
+    store = CheckpointStore(config["url"], config["storage_options"])
+    bench = Sides(store, rank, config)
     before_state = rss("VmRSS")
     state = build_big_state(rank, int(config["gib"] * (1 << 30)))
     tensors = _tensors(state)
@@ -140,61 +130,32 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
                 raise AssertionError(f"{label}: loaded state differs from the saved state")
             t.zero_()
 
-    def dcp_dir(name: str) -> str:
-        return f"{url}/dcp-{name}"
-
-    def dcp_writer(name: str):
-        if local:
-            return FileSystemWriter(dcp_dir(name), thread_count=config["dcp_threads"])
-        return FsspecWriter(dcp_dir(name), thread_count=config["dcp_threads"], **options)
-
-    def zephon_writer(step: int) -> zd.ZephonStorageWriter:
-        primary = store.begin(RUN, step) if rank == 0 else None
-        writer = zd.attach_ranks(store, RUN, step, primary)
-        return zd.ZephonStorageWriter(writer, thread_count=config["threads"])
-
     def zephon_async() -> None:
         stager = zd.ZephonStager()
-        zd.async_save(state, zephon_writer(2), process_group=ckpt_group, stager=stager).result()
+        writer = bench.zephon_writer(RUN, 2)
+        zd.async_save(state, writer, process_group=ckpt_group, stager=stager).result()
         stager.close()
 
     def dcp_async() -> None:
-        dcp.async_save(state, storage_writer=dcp_writer("async"), process_group=ckpt_group).result()
+        writer = bench.dcp_writer("async")
+        dcp.async_save(state, storage_writer=writer, process_group=ckpt_group).result()
 
-    def dcp_load() -> None:
-        path = dcp_dir("sync")
-        reader = FileSystemReader(path) if local else FsspecReader(path, **options)
-        dcp.load(state, storage_reader=reader)
-
-    def remove(steps: list[int], dcp_names: list[str]) -> None:
-        """Delete what a phase wrote before the next one (moto keeps it all in memory)."""
-        dist.barrier()
-        if rank == 0:
-            for step in steps:
-                store.delete(RUN, step)
-            for name in dcp_names:
-                if local:
-                    shutil.rmtree(dcp_dir(name), ignore_errors=True)
-                else:
-                    store.location.fs.rm(dcp_dir(name), recursive=True)
-        dist.barrier()
-
-    measure("zephon_save", lambda: zd.save(state, zephon_writer(1)))
-    measure("dcp_save", lambda: dcp.save(state, storage_writer=dcp_writer("sync")))
+    measure("zephon_save", lambda: zd.save(state, bench.zephon_writer(RUN, 1)))
+    measure("dcp_save", lambda: dcp.save(state, storage_writer=bench.dcp_writer("sync")))
     for t in tensors:
         t.zero_()
     measure("zephon_load", lambda: zd.load(state, zd.ZephonStorageReader(store, RUN, 1)))
     check_and_clear("zephon load")
-    measure("dcp_load", dcp_load)
+    measure("dcp_load", lambda: dcp.load(state, storage_reader=bench.dcp_reader("sync")))
     check_and_clear("dcp load")
-    remove([1], ["sync"])
-    if local:
+    bench.remove(RUN, [1], ["sync"])
+    if bench.local:
         # Not on moto: it holds about three times what it is assembling, which a 24 GiB
         # machine cannot hold beside two ranks' staged copies. The copy is the same anywhere.
         measure("zephon_async", zephon_async)
-        remove([2], [])
+        bench.remove(RUN, [2], [])
         measure("dcp_async", dcp_async)
-        remove([], ["async"])
+        bench.remove(RUN, [], ["async"])
     if rank == 0:
         result = {
             "bytes_per_rank": nbytes,
