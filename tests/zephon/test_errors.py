@@ -160,6 +160,27 @@ def test_a_catalog_that_does_not_answer_is_a_catalog_error_in_one_line(tmp_path)
     assert_one_root_one_line(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("state", "rank_state", "message"),
+    [
+        ({"model": None, "notes": {"when": object()}}, None, "never with pickle"),
+        ({"notes": {"a": 1}}, {"t": torch.zeros(1)}, "rank_state holds tensors"),
+        ({"sparse": torch.zeros(2, 2).to_sparse()}, None, "Zephon writes dense tensors"),
+    ],
+    ids=["not-json", "rank-state-tensor", "sparse-tensor"],
+)
+def test_a_state_save_cannot_hold_is_a_zephon_error_in_one_line_and_nothing_is_left(
+    tmp_path, state, rank_state, message
+):
+    config = config_at(tmp_path)
+    state = {k: (model() if v is None else v) for k, v in state.items()}
+    with CheckpointManager(config, run_name="r", total_steps=10) as manager:
+        with pytest.raises(zephon.ZephonError, match=message) as caught:
+            manager.save(1, state, rank_state=rank_state)
+        assert manager.store.committed_steps("r") == []
+    assert_one_root_one_line(caught.value)
+
+
 # -- a checkpoint that is not there: the one CheckpointNotFoundError ---------------------------
 
 

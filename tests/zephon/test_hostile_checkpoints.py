@@ -124,3 +124,37 @@ def test_with_fallback_a_hostile_checkpoint_is_quarantined_and_the_previous_one_
         resume = manager.load_latest(state_of(*build(), Counter()))
         assert resume.step == 3
         assert manager.catalog.get_checkpoint("r", 6).state == "corrupt"
+
+
+@pytest.mark.parametrize(
+    ("name", "change"),
+    [
+        ("zephon.json", lambda doc: {k: v for k, v in doc.items() if k != "entries"}),
+        ("zephon.json", lambda doc: [doc]),
+        ("ranks/0.json", lambda doc: {**doc, "state": "not an object"}),
+    ],
+    ids=["meta-without-entries", "meta-not-an-object", "rank-state-not-an-object"],
+)
+def test_a_json_document_not_shaped_as_zephon_writes_it_is_refused_as_corrupt(config, name, change):
+    store = saved(config)
+    path = f"{store.reader('r', 3).path}/{name}"
+    with open(path) as handle:
+        document = json.load(handle)
+    with open(path, "w") as handle:
+        json.dump(change(document), handle)
+    with (
+        CheckpointManager(config, run_name="r", total_steps=10) as manager,
+        pytest.raises(CorruptCheckpointError, match=f"{name} is not a Zephon checkpoint document"),
+    ):
+        manager.load_latest(state_of(*build(), Counter()))
+
+
+def test_with_fallback_a_zephon_json_not_shaped_as_zephon_writes_it_is_set_aside(config):
+    config.on_corrupt = "fallback"
+    store = saved(config, steps=6)
+    path = f"{store.reader('r', 6).path}/zephon.json"
+    with open(path, "w") as handle:
+        json.dump({"format_version": 1}, handle)
+    with CheckpointManager(config, run_name="r", total_steps=10) as manager:
+        assert manager.load_latest(state_of(*build(), Counter())).step == 3
+        assert manager.catalog.get_checkpoint("r", 6).state == "corrupt"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from storage import CheckpointStore
+from storage import CheckpointStore, CorruptCheckpointError
 from zephon import dcp as zdcp
 from zephon.attempts import register_resuming
 from zephon.checkpointing.damage import (
@@ -171,7 +171,7 @@ class Loader:
     def _resume_point_on_main(self, local: int | None = None) -> ResumePoint | None:
         """Rank 0: find the latest complete checkpoint and register this job's attempt as
         resuming from it; a checkpoint whose JSON fails verification is set aside and the next
-        one taken. ``local``: the local tier's candidate every rank holds, taken if it is at
+        one taken (raised with ``on_corrupt: fail``). ``local``: the local tier's candidate every rank holds, taken if it is at
         least save_dir's latest (and uploaded after the load if it is newer)."""
         job = self.job
         tier = job.tier
@@ -221,13 +221,18 @@ class Loader:
             try:
                 meta = self._read_meta(latest.step, job.store)
             except DAMAGE as exc:
+                if job.config.on_corrupt == "fail":
+                    raise  # docs/manager.md: a damaged checkpoint is raised, not passed over
                 set_aside(job, latest.step, str(exc))
                 continue
             return ResumePoint(latest.step, latest.url, meta)
 
     def _read_meta(self, step: int, store: CheckpointStore) -> dict[str, Any]:
+        """Checkpoint ``step``'s ``zephon.json``; ``CorruptCheckpointError`` if it is not one
+        (damage: the checkpoint is set aside), ``ZephonError`` if a newer Zephon wrote it."""
         reader = store.reader(self.job.run, step, verify=self.job.config.verify_on_load)
-        meta = decode_json(reader.read_bytes(META_FILE), f"{reader.url}/{META_FILE}")
+        where = f"{reader.url}/{META_FILE}"
+        meta = _document(decode_json(reader.read_bytes(META_FILE), where), where, "entries")
         if meta.get("format_version", 0) > META_VERSION:
             raise ZephonError(f"{reader.url} was written by a newer Zephon; upgrade to load it")
         return meta
@@ -297,7 +302,8 @@ class Loader:
         # resume) gets every rank rank 0's, and no RNG or rank_state.
         same_world = meta.get("world_size") == job.coll.world_size
         name = rank_file(job.coll.rank if same_world else 0)
-        document = decode_json(checkpoint.read_bytes(name), f"{checkpoint.url}/{name}")
+        where = f"{checkpoint.url}/{name}"
+        document = _document(decode_json(checkpoint.read_bytes(name), where), where)
         targets, _ = split_state(layout.load_targets())
         shared = meta["state"]
         saved = set(tensor_keys({k: v for k, v in shared.items() if k in kinds}))
@@ -352,3 +358,18 @@ class Loader:
         except Exception as exc:
             problem = exc
         self.job.coll.agree(problem, f"load the frozen parameters of step {point.step}")
+
+
+def _document(value: Any, where: str, *mappings: str) -> dict[str, Any]:
+    """``value``, a JSON document of a checkpoint, if it has the shape Zephon writes: an
+    object whose ``state`` (and each of ``mappings``) is an object. Anything else was not
+    written by Zephon or is damaged: ``CorruptCheckpointError`` naming the file."""
+    keys = ("state", *mappings)
+    if isinstance(value, dict) and all(isinstance(value.get(k), dict) for k in keys):
+        return value
+    raise CorruptCheckpointError(
+        f"{where} is not a Zephon checkpoint document (it needs the objects {', '.join(keys)}); "
+        "the checkpoint is damaged: resume from an earlier one",
+        url=where,
+        problems=[f"{where}: not a Zephon checkpoint document"],
+    )

@@ -15,8 +15,8 @@ This module is the public face only; the work is done by one module per job:
 Errors: everything these methods raise on purpose is a ``zephon.ZephonError`` (a wrong state,
 argument or configuration: ``ConfigError``; a newer attempt took over: ``StaleAttemptError``),
 a ``zephon.StorageError`` (storage unreachable, a damaged checkpoint with ``on_corrupt: fail``:
-``CorruptCheckpointError``; an absent one: ``zephon.CheckpointNotFoundError``) or a
-``zephon.CatalogError`` (the catalog unreachable or refusing).
+``CorruptCheckpointError``; an absent source checkpoint: ``zephon.CheckpointNotFoundError``) or
+a ``zephon.CatalogError`` (the catalog unreachable or refusing).
 """
 
 from __future__ import annotations
@@ -196,9 +196,9 @@ class CheckpointManager:
         objects; ``zephon.dcp.StateDictMismatchError`` for missing or unexpected tensors), a
         checkpoint written by a newer Zephon, a trainable-only checkpoint without a source
         (``ConfigError``); ``zephon.StorageError`` when storage fails or, with ``on_corrupt:
-        fail``, for the damaged checkpoint (``CorruptCheckpointError``, or
-        ``zephon.CheckpointNotFoundError`` for one whose files vanished);
-        ``zephon.CatalogError`` when the catalog fails.
+        fail``, for the damaged checkpoint (``CorruptCheckpointError``; a shard gone is damage
+        too); ``zephon.CheckpointNotFoundError`` when the source checkpoint of a trainable-only
+        checkpoint is not there; ``zephon.CatalogError`` when the catalog fails.
         """
         self.wait()
         return self._loader.load_latest(state, allow_partial_load)
