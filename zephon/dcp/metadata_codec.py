@@ -97,6 +97,7 @@ def _name_in(table: dict[str, Any], value: Any, what: str) -> str:
 
 
 def _ints(values: Any, what: str) -> list[int]:
+    """``values`` if it is a list of integers (decoding only: see "decoding" below)."""
     if not isinstance(values, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) for v in values
     ):
@@ -220,6 +221,10 @@ def encode_metadata(metadata: Metadata) -> bytes:
 
 
 # -- decoding -------------------------------------------------------------------------------------
+#
+# The helpers below raise plain ValueError: only decode_metadata calls them, and it turns every
+# one (with KeyError, TypeError...) into the CorruptCheckpointError naming the file, so none of
+# them reaches a caller as it is.
 
 
 def _decode_item(fqn: str, body: dict[str, Any]) -> TensorStorageMetadata | BytesStorageMetadata:
