@@ -81,17 +81,26 @@ def check_commands(doc: Block, work: Workdir) -> None:
     """Every command line after the example ran, with the block's ``export``: the first in
     bash through the ``zephon`` script, the others through the same CLI entry point
     (``zephon.cli.main``) one after another in one interpreter, to save the start-up of each.
-    Each exits 0 (the example has complete checkpoints, so ``zephon latest`` finds one)."""
+    Each exits 0 (the example has complete checkpoints, so ``zephon latest`` finds one); the
+    stated exit 1 of ``zephon latest`` is checked on a run that has none."""
     commands = _commands(doc)
     setup, first, rest = commands[0], commands[1], commands[2:]
     assert setup == f"export ZEPHON_CATALOG_URL={CATALOG}"
     assert all(command.startswith("zephon ") for command in commands[1:]), commands
     done = _bash(f"{setup}; {first}", work)
     assert done.returncode == 0, f"{first}: exit {done.returncode}: {done.stderr}"
-    done = _bash(f"{setup}; python -c {shlex.quote(_CLI)} {shlex.quote(json.dumps(rest))}", work)
+    # the exit code the block states: `zephon latest` exits 1 where there is no checkpoint
+    assert "zephon latest example-run" in doc.code and "(exit 1: none)" in doc.code
+    lines = [*rest, "zephon latest no-such-run"]
+    expected = [0] * len(rest) + [1]
+    done = _bash(f"{setup}; python -c {shlex.quote(_CLI)} {shlex.quote(json.dumps(lines))}", work)
     assert done.returncode == 0, done.stderr[-3000:]
     codes = json.loads(done.stdout.splitlines()[-1])
-    failed = [(command, code) for command, code in zip(rest, codes, strict=True) if code != 0]
+    failed = [
+        (command, code, want)
+        for command, code, want in zip(lines, codes, expected, strict=True)
+        if code != want
+    ]
     assert not failed, f"{failed}: {done.stderr[-3000:]}"
 
 
