@@ -72,47 +72,21 @@ class CheckpointManager:
         self._background = Background()
         self._saver = Saver(self._job, self._background)
         self._loader = Loader(self._job)
+        job = self._job
+        # The job's parts that never change, for callers (tests, tools) that look at them.
+        self.config: CheckpointingConfig = job.config
+        self.kind: str = job.kind
+        self.total_steps: int | None = job.total_steps
+        self.model_stage: ModelStageConfig = job.model_stage
+        #: the run's storage name (None for an inference job) and its catalog name
+        self.run, self.name = job.run, job.name
+        #: the store of ``save_dir`` and the run's place in it
+        self.store: CheckpointStore = job.store
+        self.location: RunLocation = job.location
+        #: the manager's own process group
+        self.coll: Collectives = job.coll
 
-    # -- the job's parts (read-only) -----------------------------------------------------------
-
-    @property
-    def config(self) -> CheckpointingConfig:
-        return self._job.config
-
-    @property
-    def kind(self) -> str:
-        return self._job.kind
-
-    @property
-    def total_steps(self) -> int | None:
-        return self._job.total_steps
-
-    @property
-    def model_stage(self) -> ModelStageConfig:
-        return self._job.model_stage
-
-    @property
-    def run(self) -> str | None:
-        """The run's storage name (None for an inference job)."""
-        return self._job.run
-
-    @property
-    def name(self) -> str:
-        """The run's catalog name."""
-        return self._job.name
-
-    @property
-    def store(self) -> CheckpointStore:
-        """The store of ``save_dir``."""
-        return self._job.store
-
-    @property
-    def location(self) -> RunLocation:
-        return self._job.location
-
-    @property
-    def coll(self) -> Collectives:
-        return self._job.coll
+    # -- the job's parts that change: read from the job each time -------------------------------
 
     @property
     def catalog(self) -> Catalog | None:
