@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from catalog import Catalog
-from storage import CheckpointStore, InvalidNameError, validate_run
+from storage import CheckpointNotFoundError, CheckpointStore, InvalidNameError, validate_run
 from storage.redact import mask_url
 from zephon.attempts import Attempt, register_resuming
 from zephon.checkpointing.files import capture_rng, decode_json, encode_json, restore_rng
@@ -186,8 +186,8 @@ class ZephonCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Lightning's dict of ``LATEST`` (the run's latest complete checkpoint; for none an
         empty, falsy dict: a fresh start, Lightning restores nothing), of
-        ``zephon://<run>/<step>`` or of a name this run saved under; every byte is checked
-        against its CRC32C."""
+        ``zephon://<run>/<step>`` or of a name this run saved under (one it never saved under:
+        ``zephon.CheckpointNotFoundError``); every byte is checked against its CRC32C."""
         name = str(path)
         if name == LATEST:
             self.attempt, latest = register_resuming(self.location, self.catalog, self._choose)
@@ -200,9 +200,10 @@ class ZephonCheckpointIO(CheckpointIO):
         else:
             steps = self._steps_named(name)
             if not steps:
-                raise ZephonError(
+                raise CheckpointNotFoundError(
                     f"run {self.run} has no checkpoint saved as {name!r}; resume with "
-                    f"ckpt_path={LATEST!r}"
+                    f"ckpt_path={LATEST!r}",
+                    run=self.run,
                 )
             step = max(steps)
         reader = self.store.reader(self.run, step)

@@ -161,6 +161,7 @@ def test_round_trip_stores_only_safetensors_and_json(tmp_path):
 
 
 def test_errors_are_one_line_and_name_the_fix(tmp_path):
+    from zephon import CheckpointNotFoundError
     from zephon.errors import ConfigError, ZephonError
     from zephon.integrations.lightning import ZephonCheckpointIO
 
@@ -169,7 +170,7 @@ def test_errors_are_one_line_and_name_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="run_name"):
         ZephonCheckpointIO(str(tmp_path), "../x")
     io = ZephonCheckpointIO(str(tmp_path), "r")
-    with pytest.raises(ZephonError, match="no checkpoint saved as 'nope.ckpt'") as info:
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint saved as 'nope.ckpt'") as info:
         io.load_checkpoint("nope.ckpt")
     assert "\n" not in str(info.value)
     with pytest.raises(ZephonError, match="global_step"):
