@@ -33,7 +33,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -45,7 +44,13 @@ from torch import nn
 
 import zephon
 from zephon.checkpointing import CheckpointManager
-from zephon.config import CheckpointingConfig
+from zephon.demo.common import (
+    checkpointing_of,
+    in_memory_dataset,
+    regression_rows,
+    run_command_line,
+    write_line,
+)
 from zephon.pipeline.torch_adapter import PipelineStateful
 
 __all__ = ["ElasticSpec", "run", "main"]
@@ -76,11 +81,7 @@ class ElasticSpec:
 
 
 def make_rows(count: int = 1024) -> list[dict[str, Any]]:
-    generator = torch.Generator().manual_seed(1234)
-    x = torch.randn(count, FEATURES, generator=generator)
-    w = torch.randn(FEATURES, TARGETS, generator=generator)
-    y = torch.tanh(x @ w) + 0.1 * torch.randn(count, TARGETS, generator=generator)
-    return [{"id": i, "x": x[i].tolist(), "y": y[i].tolist()} for i in range(count)]
+    return regression_rows(count, FEATURES, TARGETS, link=torch.tanh)
 
 
 def build_pipeline(spec: ElasticSpec, rank: int, world: int) -> zephon.Pipeline:
@@ -89,10 +90,8 @@ def build_pipeline(spec: ElasticSpec, rank: int, world: int) -> zephon.Pipeline:
     zephon.check_elastic_config(
         spec.lanes, world, spec.microbatch, microbatches_per_step=spec.lanes // world
     )
-    rows = make_rows()
-    shards = {f"shard-{s:02d}": zephon.InMemoryShard(rows[s::8]) for s in range(8)}
     source = zephon.StaticMixtureWorkSource(
-        [zephon.Dataset.from_dict("elastic", shards)],
+        [in_memory_dataset("elastic", make_rows())],
         None,
         chunk_size=16,
         seed=spec.seed,
@@ -189,13 +188,6 @@ def global_batch(batches: list[zephon.Batch]) -> dict[str, list[str]]:
     return {lane: merged[lane] for lane in sorted(merged, key=int)}
 
 
-def _write(path: str, value: dict[str, Any], mode: str = "w") -> None:
-    with open(path, mode) as handle:
-        handle.write(json.dumps(value) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def run(spec: ElasticSpec, rank: int = 0, world: int = 1) -> dict[str, Any]:
     """One rank of the job. Returns a summary (resumed from, last step)."""
     torch.set_num_threads(1)  # one kernel order on every rank
@@ -211,13 +203,7 @@ def run(spec: ElasticSpec, rank: int = 0, world: int = 1) -> dict[str, Any]:
         "lr_scheduler": scheduler,
         "data": PipelineStateful(pipeline),
     }
-    config = CheckpointingConfig(
-        save_dir=spec.save_dir,
-        period_steps=spec.period_steps,
-        num_to_keep=spec.num_to_keep,
-        catalog_url=spec.catalog_url,
-        storage_options=spec.storage_options,
-    )
+    config = checkpointing_of(spec)
     manager = CheckpointManager(config, run_name=spec.run, total_steps=spec.total_steps)
     out = spec.out_dir
     try:
@@ -225,7 +211,7 @@ def run(spec: ElasticSpec, rank: int = 0, world: int = 1) -> dict[str, Any]:
         summary = {"resumed_from": resume.step, "world": world, "last_step": None}
         if rank == 0:
             os.makedirs(out, exist_ok=True)
-            _write(os.path.join(out, "start.json"), summary)
+            write_line(os.path.join(out, "start.json"), summary, mode="w")
         if resume.finished:
             return summary
         batches = iter(pipeline)
@@ -238,7 +224,7 @@ def run(spec: ElasticSpec, rank: int = 0, world: int = 1) -> dict[str, Any]:
             lanes = global_batch(mine)
             if rank == 0:
                 record = {"step": step, "loss": loss, "lanes": lanes}
-                _write(os.path.join(out, "steps.jsonl"), record, mode="a")
+                write_line(os.path.join(out, "steps.jsonl"), record)
             summary["last_step"] = step
             manager.maybe_save(step, state)
             if step == spec.hold_after_step:
@@ -257,26 +243,22 @@ def hold(out: str, step: int, rank: int) -> None:
     """Stop after ``step`` until killed: rank 0 says so in held.json and sleeps; the others
     wait for it in a barrier, which raises once rank 0's node is gone."""
     if rank == 0:
-        _write(os.path.join(out, "held.json"), {"step": step, "pid": os.getpid()})
+        write_line(os.path.join(out, "held.json"), {"step": step, "pid": os.getpid()}, mode="w")
         while True:
             time.sleep(1)
     dist.barrier()
     raise zephon.ZephonError(f"rank 0 passed the hold after step {step}; it must be killed there")
 
 
+def join(world: int) -> int:
+    """This rank in the gloo group torchrun's environment describes (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT)."""
+    dist.init_process_group("gloo", timeout=dt.timedelta(seconds=120))
+    return dist.get_rank()
+
+
 def main() -> None:
-    spec = ElasticSpec(**json.loads(sys.argv[1]))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:  # torchrun's env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        dist.init_process_group("gloo", timeout=dt.timedelta(seconds=120))
-    rank = dist.get_rank() if world > 1 else 0
-    try:
-        summary = run(spec, rank, world)
-        if rank == 0:
-            print(json.dumps(summary), flush=True)
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
+    run_command_line(run, ElasticSpec, join)
 
 
 def spec_json(spec: ElasticSpec) -> str:

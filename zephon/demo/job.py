@@ -13,9 +13,7 @@ for inference, the ids it processed to ``<tag>-outputs-r<rank>.jsonl``), and at 
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +25,14 @@ from torch import nn
 
 import zephon
 from zephon.checkpointing import CheckpointManager
-from zephon.config import CheckpointingConfig, ModelStageConfig
+from zephon.config import ModelStageConfig
+from zephon.demo.common import (
+    checkpointing_of,
+    in_memory_dataset,
+    regression_rows,
+    run_command_line,
+    write_line,
+)
 from zephon.pipeline.torch_adapter import PipelineStateful
 
 __all__ = ["JobSpec", "run", "main"]
@@ -57,19 +62,12 @@ class JobSpec:
 
 
 def make_rows(count: int = 2048) -> list[dict[str, Any]]:
-    generator = torch.Generator().manual_seed(1234)
-    x = torch.randn(count, FEATURES, generator=generator)
-    w = torch.randn(FEATURES, TARGETS, generator=generator)
-    y = x @ w + 0.1 * torch.randn(count, TARGETS, generator=generator)
-    return [{"id": i, "x": x[i].tolist(), "y": y[i].tolist()} for i in range(count)]
+    return regression_rows(count, FEATURES, TARGETS)
 
 
 def build_pipeline(spec: JobSpec, rank: int, world: int) -> zephon.Pipeline:
-    rows = make_rows()
-    shards = {f"shard-{s:02d}": zephon.InMemoryShard(rows[s::8]) for s in range(8)}
-    dataset = zephon.Dataset.from_dict("demo", shards)
     source = zephon.StaticMixtureWorkSource(
-        [dataset],
+        [in_memory_dataset("demo", make_rows())],
         None,
         chunk_size=64,
         seed=spec.seed,
@@ -158,13 +156,6 @@ def average_gradients(params: list[torch.Tensor], world: int) -> None:
         param.grad.div_(world)
 
 
-def _append(path: str, value: dict[str, Any]) -> None:
-    with open(path, "a") as handle:
-        handle.write(json.dumps(value) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def run(spec: JobSpec, rank: int = 0, world: int = 1) -> dict[str, Any]:
     """One rank of the job. Returns a summary (resumed from, finished, last step)."""
     torch.set_num_threads(1)  # bit-for-bit repeatable arithmetic
@@ -185,14 +176,7 @@ def run(spec: JobSpec, rank: int = 0, world: int = 1) -> dict[str, Any]:
     }
     if spec.kind == "train":
         state.update(optimizer=optimizer, lr_scheduler=scheduler, metrics=metrics)
-    config = CheckpointingConfig(
-        save_dir=spec.save_dir,
-        period_steps=spec.period_steps,
-        num_to_keep=spec.num_to_keep,
-        catalog_url=spec.catalog_url,
-        storage_options=spec.storage_options,
-        async_save=spec.async_save,
-    )
+    config = checkpointing_of(spec, async_save=spec.async_save)
     stage = ModelStageConfig(
         checkpoint_only_trainable_parameters=spec.trainable_only,
         source_checkpoint=spec.source_checkpoint,
@@ -226,14 +210,14 @@ def run(spec: JobSpec, rank: int = 0, world: int = 1) -> dict[str, Any]:
                 optimizer.step()
                 scheduler.step()
                 metrics.update(loss.item())
-                _append(
+                write_line(
                     losses, {"step": step, "loss": loss.item(), "lr": scheduler.get_last_lr()[0]}
                 )
             else:
                 model.eval()
                 with torch.no_grad():
                     predictions = model(x)
-                _append(outputs, {"step": step, "ids": ids, "sum": float(predictions.sum())})
+                write_line(outputs, {"step": step, "ids": ids, "sum": float(predictions.sum())})
             task.samples += len(ids)
             task.last_ids = ids
             summary["last_step"] = step
@@ -256,24 +240,16 @@ def run(spec: JobSpec, rank: int = 0, world: int = 1) -> dict[str, Any]:
         pipeline.close()
 
 
+def join(world: int) -> int:
+    """This rank (``RANK``) in the gloo group whose rank 0 listens on 127.0.0.1:MASTER_PORT."""
+    rank = int(os.environ["RANK"])
+    init_method = f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}"
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init_method)
+    return rank
+
+
 def main() -> None:
-    spec = JobSpec(**json.loads(sys.argv[1]))
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=world,
-            init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
-        )
-    try:
-        summary = run(spec, rank, world)
-        if rank == 0:
-            print(json.dumps(summary), flush=True)
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
+    run_command_line(run, JobSpec, join)
 
 
 if __name__ == "__main__":
