@@ -333,8 +333,6 @@ class CheckpointRecordNotFoundError(CatalogError):
         )
 
 
-CheckpointNotFoundError = CheckpointRecordNotFoundError  # removed once zephon moved
-
 
 class ReplicaNotFoundError(CheckpointRecordNotFoundError):
     """No replica row for this (run, step, tier, host): ``replica_started`` was never called."""
