@@ -171,8 +171,9 @@ class Loader:
     def _resume_point_on_main(self, local: int | None = None) -> ResumePoint | None:
         """Rank 0: find the latest complete checkpoint and register this job's attempt as
         resuming from it; a checkpoint whose JSON fails verification is set aside and the next
-        one taken (raised with ``on_corrupt: fail``). ``local``: the local tier's candidate every rank holds, taken if it is at
-        least save_dir's latest (and uploaded after the load if it is newer)."""
+        one taken (raised with ``on_corrupt: fail``). ``local``: the local tier's candidate
+        every rank holds, taken if it is at least save_dir's latest (and uploaded after the
+        load if it is newer)."""
         job = self.job
         tier = job.tier
         while True:
