@@ -289,13 +289,15 @@ def _plant_checkpoints(store, run: str, steps: range, files: int, size: int = 64
     for step in steps:
         base = store.checkpoint_path(run, step)
         names = [f"part-{i:03d}.bin" for i in range(files)]
+        save_id = uuid.uuid4().hex
         manifest = Manifest(
             run=run,
             step=step,
-            save_id=uuid.uuid4().hex,
+            save_id=save_id,
             files=tuple(FileEntry(n, size, entry_crc) for n in names),
+            payload=save_id,  # each save's files in a directory of their own
         )
-        objects.update({f"{base}/{n}": payload for n in names})
+        objects.update({f"{base}/{save_id}/{n}": payload for n in names})
         objects[f"{base}/_COMMIT"] = manifest.to_json()
     fs = store.location.fs
     keys = list(objects)
@@ -343,6 +345,7 @@ def section_gc_requests(args: argparse.Namespace, results: list[Row]) -> list[Ro
     """Storage requests ``zephon gc`` makes to delete 100 checkpoints of 100 files each."""
     from _common import count_s3_requests, servers
 
+    from storage import CheckpointStore
     from zephon.gc import collect_garbage
 
     count, files = args.gc_checkpoints, args.gc_files
@@ -354,10 +357,10 @@ def section_gc_requests(args: argparse.Namespace, results: list[Row]) -> list[Ro
             from zephon.sync import sync_storage
 
             sync_storage(catalog, store.location.canonical_url, server.storage_options())
-            import s3fs
-
-            # gc opens its own store from the catalog's storage URL; count on the shared client
-            fs = s3fs.S3FileSystem(**server.storage_options())
+            # gc opens its own store from the catalog's storage URL: count on the filesystem
+            # that store gets (fsspec hands out one instance per URL and options, defaults
+            # such as the connection pool included)
+            fs = CheckpointStore(store.location.canonical_url, server.storage_options()).location.fs
             with count_s3_requests(fs) as counter:
                 start = time.perf_counter()
                 report = collect_garbage(catalog, storage_options=server.storage_options())
