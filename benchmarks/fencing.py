@@ -118,9 +118,9 @@ class count_attempt_listings(count_s3_requests):  # noqa: N801 - a context manag
         super().__init__(fs)
         self.fence = 0
 
-    def _on_call(self, model, params=None, **kwargs):
-        super()._on_call(model, **kwargs)
-        query = (params or {}).get("query_string") or {}
+    def on_call(self, model, params) -> None:
+        super().on_call(model, params)
+        query = params.get("query_string") or {}
         if model.name.startswith("ListObjects") and "_attempts" in str(query.get("prefix", "")):
             self.fence += 1
 
