@@ -333,7 +333,6 @@ class CheckpointRecordNotFoundError(CatalogError):
         )
 
 
-
 class ReplicaNotFoundError(CheckpointRecordNotFoundError):
     """No replica row for this (run, step, tier, host): ``replica_started`` was never called."""
 
