@@ -7,7 +7,9 @@ Besides checkpoints, the public API offers what a layer that keeps its own small
 ``Location`` needs (``zephon.pipeline``'s aggregation, ``zephon.dcp``'s reader): the backend
 primitives of ``storage.backend`` (``list_files``, ``read_small``, ``create_exclusive``, ...,
 each a call of the location's ``Backend``), ``backend_errors`` (backend failures as
-``BackendUnavailableError``) and the CRC32C helpers of ``storage.checksum``.
+``BackendUnavailableError``), the CRC32C helpers of ``storage.checksum``, the name and step
+checks of ``storage.layout``, the redaction of secrets from messages (``storage.redact``) and
+``concurrently`` (requests sent together). Other layers import only these names.
 """
 
 from storage.backend import (
@@ -36,11 +38,20 @@ from storage.errors import (
     StorageOptionsRefusedError,
     WriteAbortedError,
 )
-from storage.layout import MARKER_NAME, validate_run, validate_step
-from storage.lineage import AttemptRecord, Fence, Lineage
+from storage.layout import (
+    MARKER_NAME,
+    MAX_STEP,
+    parse_step_dirname,
+    validate_file_name,
+    validate_run,
+    validate_step,
+)
+from storage.lineage import AttemptRecord, Fence, Lineage, newer_epochs
 from storage.location import Location, mask_url, open_location
 from storage.manifest import FileEntry, Manifest, validate_save_id
+from storage.parallel import concurrently
 from storage.reader import CheckpointReader
+from storage.redact import redact, redact_options, secrets_in
 from storage.scan import StepListing
 from storage.store import CheckpointStore, Orphan, new_save_id
 from storage.verify import FileProblem, VerifyReport
@@ -77,6 +88,16 @@ __all__ = [
     "open_location",
     "validate_run",
     "validate_step",
+    # names, steps and secrets in messages (storage.layout, storage.lineage, storage.redact)
+    "MAX_STEP",
+    "parse_step_dirname",
+    "validate_file_name",
+    "newer_epochs",
+    "redact",
+    "redact_options",
+    "secrets_in",
+    # requests sent together (storage.parallel)
+    "concurrently",
     # backends and their primitives (storage.backends, storage.backend)
     "Backend",
     "ListedFile",

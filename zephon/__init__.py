@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from catalog.errors import CatalogError
-from storage.errors import CheckpointNotFoundError, StorageError
+from catalog import CatalogError
+from storage import CheckpointNotFoundError, StorageError
 from zephon.errors import (
     ArgumentTypeError,
     ConfigError,

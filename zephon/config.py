@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from storage.layout import MAX_STEP
-from storage.redact import redact
+from storage import MAX_STEP, redact
 from zephon.errors import ConfigError
 
 __all__ = [
@@ -54,7 +53,7 @@ def _positive_int(value: Any, most: int = MAX_STEP) -> bool:
 def _masked_repr(config: Any, urls: tuple[str, ...]) -> str:
     """The dataclass repr with credentials masked: configs get logged and printed whole, and
     their URLs may carry passwords and their storage_options keys, secrets and tokens."""
-    from storage.redact import mask_url, redact_options
+    from storage import mask_url, redact_options
 
     shown = []
     for item in fields(config):

@@ -21,8 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from catalog import Catalog, CheckpointRecord, RunNotFoundError
-from storage import CheckpointNotFoundError, Lineage, Manifest
-from storage.lineage import newer_epochs
+from storage import CheckpointNotFoundError, Lineage, Manifest, newer_epochs
 from zephon.attempts import mirror_lineage
 from zephon.errors import ZephonError
 from zephon.locations import RunLocation

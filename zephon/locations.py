@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from catalog import RunRecord
-from storage import CheckpointStore
-from storage.layout import validate_run
-from storage.redact import mask_url, secrets_in
+from storage import CheckpointStore, mask_url, secrets_in, validate_run
 from zephon.errors import ConfigError
 
 __all__ = [

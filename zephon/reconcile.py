@@ -36,8 +36,7 @@ from enum import StrEnum
 from typing import Any
 
 from catalog import Catalog, CheckpointRecord, SyncOutcome
-from storage import CorruptCheckpointError, Lineage, Manifest
-from storage.parallel import concurrently
+from storage import CorruptCheckpointError, Lineage, Manifest, concurrently
 from zephon.locations import RunLocation
 from zephon.saving import manifest_facts
 

@@ -29,8 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from catalog import Catalog, InvalidTransitionError
-from storage import CheckpointWriter, Manifest, new_save_id
-from storage.redact import redact
+from storage import CheckpointWriter, Manifest, new_save_id, redact
 from zephon.attempts import Attempt, as_zephon_error, fenced
 from zephon.errors import NotCommittedError
 

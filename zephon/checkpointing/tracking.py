@@ -15,8 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from catalog import Catalog, InvalidTransitionError
-from storage import Manifest
-from storage.redact import redact
+from storage import Manifest, redact
 
 __all__ = ["LOCAL", "SAVE_DIR", "Tracker"]
 

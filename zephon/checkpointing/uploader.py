@@ -44,8 +44,8 @@ from storage import (
     FileEntry,
     Manifest,
     new_save_id,
+    redact,
 )
-from storage.redact import redact
 from zephon.attempts import Attempt, as_zephon_error
 from zephon.checkpointing.collectives import Collectives
 from zephon.checkpointing.tier import LocalTier

@@ -34,8 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from catalog import CatalogError
-from storage import StorageError
-from storage.layout import validate_run
+from storage import StorageError, validate_run
 from zephon.errors import ZephonError
 
 __all__ = ["main", "build_parser"]
@@ -340,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import contextlib
     import io
 
-    from storage.redact import redact
+    from storage import redact
     from zephon.locations import known_secrets
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -381,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fail(message: object, code: int = EXIT_ZEPHON, secrets: frozenset[str] = frozenset()) -> int:
     """Print ``message`` as the one ``zephon: error:`` line, credentials masked (``secrets``:
     the literal values to scrub besides what ``storage.redact.redact`` recognises)."""
-    from storage.redact import redact
+    from storage import redact
 
     text = " ".join(redact(message, secrets).split())
     sys.stderr.write(f"zephon: error: {text}\n")

@@ -29,11 +29,18 @@ from catalog import (
     ReplicaRecord,
     RunNotFoundError,
 )
-from storage import CheckpointNotFoundError, CheckpointStore, CorruptCheckpointError, StorageError
-from storage.backend import backend_errors
-from storage.errors import BackendUnavailableError, StorageOptionsRefusedError
-from storage.layout import MARKER_NAME
-from storage.location import Location, mask_url
+from storage import (
+    MARKER_NAME,
+    BackendUnavailableError,
+    CheckpointNotFoundError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    Location,
+    StorageError,
+    StorageOptionsRefusedError,
+    backend_errors,
+    mask_url,
+)
 from zephon.cli import render, storage_options_object, timing
 from zephon.cli.render import Column, human_bytes, print_json, print_table, say
 from zephon.errors import ConfigError, ZephonError

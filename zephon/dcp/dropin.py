@@ -26,9 +26,15 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from catalog import Catalog
-from storage import CheckpointStore, CheckpointWriter, Manifest
-from storage.layout import parse_step_dirname, validate_run, validate_step
-from storage.redact import mask_url
+from storage import (
+    CheckpointStore,
+    CheckpointWriter,
+    Manifest,
+    mask_url,
+    parse_step_dirname,
+    validate_run,
+    validate_step,
+)
 from zephon.attempts import Attempt, as_zephon_error, fenced, register_resuming
 from zephon.checkpointing.collectives import Collectives
 from zephon.checkpointing.tiering import Tiering

@@ -26,9 +26,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from storage import CheckpointWriter, FileEntry, Manifest
-from storage.checksum import crc32c_extend, encode_crc32c
-from storage.layout import validate_file_name
+from storage import (
+    CheckpointWriter,
+    FileEntry,
+    Manifest,
+    crc32c_extend,
+    encode_crc32c,
+    validate_file_name,
+)
 from zephon.dcp.errors import WriterSetupError
 from zephon.dcp.metadata_codec import FORMAT_VERSION, ShardSlice, dtype_name, encode_metadata
 from zephon.errors import ArgumentTypeError, UsageError

@@ -23,8 +23,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from catalog import Catalog
-from storage import CheckpointNotFoundError, CheckpointStore, InvalidNameError, validate_run
-from storage.redact import mask_url
+from storage import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    InvalidNameError,
+    mask_url,
+    validate_run,
+)
 from zephon.attempts import Attempt, register_resuming
 from zephon.checkpointing.files import capture_rng, decode_json, encode_json, restore_rng
 from zephon.errors import ConfigError, ZephonError

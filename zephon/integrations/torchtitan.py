@@ -41,7 +41,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
 from catalog import Catalog
-from storage.redact import mask_url
+from storage import mask_url
 from zephon import dcp as zd
 from zephon.errors import ConfigError, ZephonError
 from zephon.latest import find_latest

@@ -1,0 +1,64 @@
+"""The layers stay honest, read from the source: storage knows nothing of the catalog or torch,
+the catalog nothing of fsspec or storage, and zephon uses only their public APIs (the names of
+``storage/__init__.py`` and ``catalog/__init__.py``, never a module inside them)."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: layer -> top-level packages its modules may not import
+FORBIDDEN = {
+    "storage": {"catalog", "zephon", "torch", "sqlalchemy", "alembic"},
+    "catalog": {"storage", "zephon", "torch", "fsspec"},
+}
+
+
+def imports_of(path: str) -> list[tuple[int, str]]:
+    """Every module a file imports, with its line (``from a.b import c`` gives ``a.b``)."""
+    with open(path) as handle:
+        tree = ast.parse(handle.read(), path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def sources(layer: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(REPO, layer, "**", "*.py"), recursive=True))
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_a_lower_layer_imports_nothing_above_it(layer):
+    wrong = [
+        f"{os.path.relpath(path, REPO)}:{line} imports {module}"
+        for path in sources(layer)
+        for line, module in imports_of(path)
+        if module.split(".")[0] in FORBIDDEN[layer]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_zephon_uses_only_the_public_api_of_storage_and_catalog():
+    wrong = [
+        f"{os.path.relpath(path, REPO)}:{line} imports {module}: import the name from "
+        f"{module.split('.')[0]} itself (export it there if it is not)"
+        for path in sources("zephon")
+        for line, module in imports_of(path)
+        if module.split(".")[0] in {"storage", "catalog"} and "." in module
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_sees_a_submodule_import(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import os\nfrom storage.layout import validate_run\n")
+    assert imports_of(str(module)) == [(1, "os"), (2, "storage.layout")]
