@@ -21,6 +21,7 @@ from storage.checksum import (
     decode_crc32c,
     encode_crc32c,
 )
+from tests.conftest import backends_with
 
 blocks = st.binary(max_size=4096)
 crcs = st.integers(min_value=0, max_value=0xFFFFFFFF)
@@ -204,7 +205,7 @@ def test_the_encoding_is_base64_of_the_big_endian_value_as_object_stores_report_
 # -- the storage writer appends blocks by their known CRC -----------------------------------------
 
 
-@pytest.mark.parametrize("name", ["local", "memory"])
+@pytest.mark.parametrize("name", backends_with(multipart_uploads=False))  # whole-file writers
 def test_blocks_written_with_their_crc_give_the_manifest_the_crc_of_the_file(
     name, request, tmp_path
 ):

@@ -53,8 +53,7 @@ import psycopg  # noqa: F401 - imported ahead of the first command (see above)
 import s3fs  # noqa: F401
 
 from catalog import Catalog
-from storage import CheckpointStore, Fence, Manifest
-from storage.commit import marker_protocol_for
+from storage import CheckpointStore, Fence, Manifest, create_exclusive
 from storage.layout import MARKER_NAME
 from zephon.attempts import Attempt, claim, decide, register_resuming
 from zephon.attempts import register as register_attempt
@@ -212,7 +211,7 @@ class Job:
         )
         location = self.location.store.location
         marker = f"{writer.path}/{MARKER_NAME}"
-        marker_protocol_for(location).create(location.fs, marker, manifest.to_json())
+        create_exclusive(location, marker, manifest.to_json())
         writer.manifest = manifest
         return {"step": manifest.step, "save_id": manifest.save_id, "epoch": manifest.epoch}
 

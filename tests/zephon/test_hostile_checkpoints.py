@@ -10,9 +10,8 @@ import os
 import pytest
 import torch
 
-from storage import CorruptCheckpointError
+from storage import CorruptCheckpointError, create_exclusive
 from storage.checksum import crc32c_of
-from storage.commit import marker_protocol_for
 from tests.zephon.test_manager import Counter, build, state_of, train
 from zephon.checkpointing import CheckpointManager
 from zephon.config import CheckpointingConfig
@@ -42,7 +41,7 @@ def rewrite_marker(store, step, change) -> None:
     marker = f"{store.checkpoint_path('r', step)}/_COMMIT"
     body = change(json.loads(store.location.fs.cat_file(marker)))
     os.remove(marker)
-    marker_protocol_for(store.location).create(store.location.fs, marker, json.dumps(body).encode())
+    create_exclusive(store.location, marker, json.dumps(body).encode())
 
 
 @pytest.mark.parametrize("name", ["__builtins__", "load", "nn", "float32.__class__", 7, None])

@@ -34,7 +34,7 @@ from torch import nn
 from catalog import Catalog
 from storage import CheckpointStore
 from storage.backend import list_files
-from tests.conftest import Backend, database_url, make_backend
+from tests.conftest import DISK_AND_OBJECT_STORE, Backend, database_url, make_backend
 from tests.zephon.test_composition import make_run
 from zephon.attempts import register_resuming
 from zephon.checkpointing import CheckpointManager
@@ -190,7 +190,8 @@ def opened_world(request, tmp_path, storage: str, catalog_kind: str | None) -> I
         yield World(backend, url, catalog, make_run(catalog, backend))
 
 
-STORAGES = ("local", "s3")
+#: one local disk and one object store: the two ways the save path commits
+STORAGES = DISK_AND_OBJECT_STORE
 WITH_CATALOG = [(s, c) for s in STORAGES for c in ("sqlite", "postgresql")]
 WITH_OR_WITHOUT = [(s, c) for s in STORAGES for c in ("sqlite", "postgresql", None)]
 
