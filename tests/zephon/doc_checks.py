@@ -152,6 +152,41 @@ def check_torchtitan_install(doc: Block, request, tmp_path) -> None:
     assert check_install(doc, "torchtitan") == []
 
 
+TORCHTITAN_TARGET = "zephon.integrations.torchtitan.zephon_checkpointer"
+
+
+def check_torchtitan_launch(doc: Block, request, tmp_path) -> None:
+    """docs/torchtitan.md's 8-GPU launch cannot run here: what it asks of Zephon is checked.
+    The ``--override.imports`` target is a module-level name of zephon/integrations/
+    torchtitan.py, and the CPU run that .ci/torchtitan executes (block 3) imports the same."""
+    import ast
+
+    assert f"--override.imports {TORCHTITAN_TARGET}" in doc.code
+    module, _, name = TORCHTITAN_TARGET.rpartition(".")
+    with open(os.path.join(REPO, *module.split(".")) + ".py") as handle:
+        tree = ast.parse(handle.read())
+    assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+    assert f'"{TORCHTITAN_TARGET}=' in block(doc.page, 3).code
+
+
+def check_torchtitan_run(doc: Block, request, tmp_path) -> None:
+    """docs/torchtitan.md's CPU run needs .venv-torchtitan (torchtitan caps fsspec below this
+    environment's): .ci/torchtitan runs tests/zephon/integrations/test_torchtitan.py there,
+    whose test_docs_example_runs_as_printed runs the page's first bash block (this one) and
+    compares its output with the block after "prints"."""
+    with open(os.path.join(REPO, doc.page)) as handle:
+        page = handle.read()
+    assert page.split("```bash\n", 1)[1].startswith(doc.code)
+    with open(os.path.join(REPO, "tests/zephon/integrations/test_torchtitan.py")) as handle:
+        test = handle.read()
+    assert "def test_docs_example_runs_as_printed(" in test
+    assert 'text.split("```bash\\n", 1)[1]' in test
+    with open(os.path.join(REPO, ".ci/torchtitan")) as handle:
+        ci = handle.read()
+    assert "ZEPHON_REQUIRE_TORCHTITAN=1" in ci
+    assert "tests/zephon/integrations/test_torchtitan.py" in ci
+
+
 def check_quick_start(doc: Block, request, tmp_path) -> None:
     """Install lines compared with .ci/run; ``zephon demo`` (40 s of 2 ranks) is checked by
     ``--help`` parsing only (tests/zephon/test_cli.py runs it), with the flags README names."""
@@ -431,8 +466,13 @@ CHECKS: dict[tuple[str, int], tuple[str, Checker]] = {
         "resumed step 1; data and rank_state per rank: [({'rank': 0}, None), ({'rank': 0}, None)]",
         shown_by(6),
     ),
+    ("docs/torchtitan.md", 1): (
+        "torchrun --nproc_per_node 8 -m torchtitan.train --module llama3 --config llama3_8b \\",
+        check_torchtitan_launch,
+    ),
     ("docs/torchtitan.md", 2): (
         "python3 -m venv .venv-torchtitan && . .venv-torchtitan/bin/activate",
         check_torchtitan_install,
     ),
+    ("docs/torchtitan.md", 3): (". .venv-torchtitan/bin/activate", check_torchtitan_run),
 }

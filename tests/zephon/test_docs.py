@@ -13,8 +13,10 @@ kind:
 - ``text``: a figure (layout, state machine, message sequence); nothing to run, the paths it
   names are checked by tests/zephon/test_doc_paths.py.
 
-Anything else fails, unless it is in ``ALLOWED`` with the reason it cannot run here; an entry
-that no longer names the block it was written for fails too.
+Anything else fails; nothing is skipped. A block that cannot run here (docs/torchtitan.md's
+8-GPU launch; its CPU run, which needs torchtitan's own environment) has a checker that checks
+what it needs, or that the test which does run it reads it. A ``CHECKS`` entry that no longer
+names the block it was written for fails too.
 """
 
 from __future__ import annotations
@@ -28,20 +30,6 @@ from tests.zephon import doc_checks
 from tests.zephon.doc_blocks import REPO, Block, all_blocks, block, output_of, parse
 
 BLOCKS = all_blocks()
-
-#: (page, block number) -> (the start of the block's first line, why it is not run here)
-ALLOWED: dict[tuple[str, int], tuple[str, str]] = {
-    ("docs/torchtitan.md", 1): (
-        "torchrun --nproc_per_node 8 -m torchtitan.train --module llama3 --config llama3_8b \\",
-        "8 GPU ranks of llama3 8B; block 3 runs the same --override.imports on 2 CPU ranks",
-    ),
-    ("docs/torchtitan.md", 3): (
-        ". .venv-torchtitan/bin/activate",
-        "needs .venv-torchtitan (torchtitan caps fsspec below this environment's);"
-        " .ci/torchtitan runs tests/zephon/integrations/test_torchtitan.py, which runs it",
-    ),
-    ("docs/torchtitan.md", 4): ("2", "the output of block 3, see there"),
-}
 
 #: (page, block number) -> (the start of the block's first line, the checker)
 CHECKS = doc_checks.CHECKS
@@ -62,8 +50,6 @@ def _key(b: Block) -> tuple[str, int]:
 @pytest.mark.parametrize("doc", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_block(doc: Block, request: pytest.FixtureRequest, tmp_path) -> None:
     key = _key(doc)
-    if key in ALLOWED:
-        pytest.skip(f"allow-listed: {ALLOWED[key][1]}")
     if key in CHECKS:
         CHECKS[key][1](doc, request, tmp_path)
         return
@@ -82,19 +68,18 @@ def test_block(doc: Block, request: pytest.FixtureRequest, tmp_path) -> None:
     else:
         pytest.fail(
             f"{doc.id} (```{doc.lang}, line {doc.line}) is run by nothing: give it a checker in "
-            "tests/zephon/doc_checks.py CHECKS, or an ALLOWED entry with the reason",
+            "tests/zephon/doc_checks.py CHECKS (which may check what a block needs when the block "
+            "itself cannot run here, as for docs/torchtitan.md's 8-GPU launch)",
             pytrace=False,
         )
 
 
-@pytest.mark.parametrize("table", ["ALLOWED", "CHECKS"])
-def test_every_listed_block_still_exists(table):
-    listed = ALLOWED if table == "ALLOWED" else CHECKS
+def test_every_listed_block_still_exists():
     by_key = {_key(b): b for b in BLOCKS}
-    for key, (first_line, *_rest) in listed.items():
-        assert key in by_key, f"{table} names {key}, which is no block any more"
+    for key, (first_line, *_rest) in CHECKS.items():
+        assert key in by_key, f"CHECKS names {key}, which is no block any more"
         assert by_key[key].first_line.startswith(first_line), (
-            f"{table} entry {key} was written for a block starting {first_line!r}; that block "
+            f"CHECKS entry {key} was written for a block starting {first_line!r}; that block "
             f"now starts {by_key[key].first_line!r}: renumber the entry"
         )
 
