@@ -200,14 +200,20 @@ def race(backend: Backend, path: str, creators: int) -> tuple[list[int], list[in
 
 
 def test_a_race_of_creators_has_exactly_one_winner_on_exclusive_backends(case: Case):
-    if not case.one_winner:
-        pytest.skip(f"{case.name}: a create race may have several winners here")
+    """Where the backend (and its test server) refuses a second create, exactly one of eight
+    racing creators wins and the marker holds its bytes. Elsewhere (check-then-put, or the GCS
+    emulator, which ignores create-only preconditions) a race may have several winners, but
+    never none, and the marker is still one writer's bytes whole, listed once."""
     case.backend.make_dirs(case.path("race"))
     for round_ in range(3):
         path = case.path(f"race/marker-{round_}")
         won, lost = race(case.backend, path, 8)
-        assert len(won) == 1 and len(lost) == 7, (won, lost)
-        assert case.backend.read_small(path) == f"writer {won[0]}".encode()
+        assert len(won) + len(lost) == 8
+        if case.one_winner:
+            assert len(won) == 1, (won, lost)
+        else:
+            assert len(won) >= 1, (won, lost)
+        assert case.backend.read_small(path) in {f"writer {i}".encode() for i in won}
         assert [f.path for f in case.backend.list_files(case.path("race"))].count(path) == 1
 
 
@@ -253,10 +259,12 @@ def test_posix_paths_means_plain_os_paths(case: Case):
         assert case.backend.has_directories  # os paths live in real directories
 
 
+# the generic backend's test root is fsspec's in-process memory filesystem: no other process
+# can open it, whatever the class says, so this runs on the registered classes' roots only
+@pytest.mark.parametrize("case", BACKENDS, indirect=True)
 def test_cross_process_means_another_process_reads_what_was_written(case: Case):
     path = write(case, "x/shared.bin", b"seen elsewhere")
-    if case.test_backend is None:
-        pytest.skip("the generic backend's memory filesystem is in-process by nature")
+    assert case.test_backend is not None
     script = (
         "import json, sys\n"
         "from storage import open_location\n"
