@@ -10,10 +10,10 @@ retry policy.
 
 (a) rates: ``--saves`` synchronous saves straight to S3 per fault rate, the rate split over the
     proxy's faults (40 % 500 InternalError, 20 % 503 SlowDown, 20 % resets before the reply,
-    20 % truncated replies); then ``load_latest`` (through the same faults) into a fresh state, which must
-    equal the last saved one bit for bit. Reported against the fault-free saves of the same run: the share of
-    saves that succeeded, the median time per save and the extra time per save. Goal: every
-    save succeeds and the state comes back exact.
+    20 % truncated replies); then ``load_latest``, through the same faults, into a fresh
+    state, which must equal the last saved one bit for bit. Reported against the fault-free
+    saves of the same run: the share of saves that succeeded, the median time per save and
+    the extra time per save. Goal: every save succeeds and the state comes back exact.
 (b) outage: a manager with a local tier (``local_dir``, ``num_to_keep`` 3) saves step 1, the
     store goes down (every request reset) for ``--outage-s`` seconds, during which steps 2 and 3
     are saved (they commit locally; their uploads fail and wait), then the store comes back.
