@@ -87,10 +87,24 @@ def backend_errors(location: Location, action: str) -> Iterator[None]:
         if isinstance(exc, PermissionError):
             fix = "check the credentials and permissions in storage_options"
         elif isinstance(exc, OSError) and exc.errno in {errno.ENOSPC, errno.EDQUOT}:
-            fix = "free space or use another save_dir"
+            fix = full_disk_fix(location)
         else:
             fix = "check that the endpoint is reachable and storage_options are right"
         raise BackendUnavailableError(f"{what}; {fix}", url=location.url) from exc
+
+
+def full_disk_fix(location: Location) -> str:
+    """What to do when the disk (or quota) under ``location`` is full: named by the setting
+    the location came from (``Location.role``), since only its owner knows which to change."""
+    if location.role is not None:
+        return (
+            f"the disk holding {location.role} {location.url} is full: free space there or "
+            f"set {location.role} to a directory on a larger disk"
+        )
+    return (
+        f"the disk holding {location.url} is full: free space there or use a location on a "
+        "larger disk"
+    )
 
 
 # -- the primitives: each asks the location's backend (storage.backends), chosen when the
