@@ -38,6 +38,7 @@ from storage.errors import (
     StorageOptionsRefusedError,
     WriteAbortedError,
 )
+from storage.jsondoc import MAX_JSON_DEPTH, JsonDocumentError, parse_json
 from storage.layout import (
     MARKER_NAME,
     MAX_STEP,
@@ -59,6 +60,9 @@ from storage.writer import CheckpointWriter
 
 __all__ = [
     "MARKER_NAME",
+    "MAX_JSON_DEPTH",
+    "JsonDocumentError",
+    "parse_json",
     "AttemptRecord",
     "Fence",
     "Lineage",

@@ -26,6 +26,7 @@ from catalog import Catalog
 from storage import (
     CheckpointNotFoundError,
     CheckpointStore,
+    CorruptCheckpointError,
     InvalidNameError,
     mask_url,
     validate_run,
@@ -212,7 +213,20 @@ class ZephonCheckpointIO(CheckpointIO):
                 )
             step = max(steps)
         reader = self.store.reader(self.run, step)
-        doc = decode_json(reader.read_bytes(JSON_FILE), f"{reader.url}/{JSON_FILE}")
+        where = f"{reader.url}/{JSON_FILE}"
+        doc = decode_json(reader.read_bytes(JSON_FILE), where)
+        if (
+            not isinstance(doc, dict)
+            or "state" not in doc
+            or type(doc.get("format_version", 0)) is not int
+        ):
+            raise CorruptCheckpointError(
+                f"{where} is not a Zephon Lightning checkpoint document (an object with "
+                "'state' and a whole format_version); the checkpoint is damaged: resume from "
+                "an earlier one",
+                url=where,
+                problems=[f"{where}: not a Zephon Lightning checkpoint document"],
+            )
         if doc.get("format_version", 0) > FORMAT_VERSION:
             raise ZephonError(f"{reader.url} was written by a newer Zephon; upgrade to load it")
         from safetensors.torch import load as load_safetensors

@@ -51,6 +51,7 @@ from storage import (
     list_files,
     make_dirs,
     open_location,
+    parse_json,
     put_small,
     read_small,
     remove_empty_dirs,
@@ -176,10 +177,10 @@ class Aggregator:
         with backend_errors(self.location, f"reading {path}"):
             data = read_small(self.location, path)
         try:
-            return json.loads(data)
+            return parse_json(data)
         except ValueError as exc:
             raise AggregationError(
-                f"the {what} {self.location.display(path)} is not JSON ({exc}); remove it and "
+                f"the {what} {self.location.display(path)} is {exc}; remove it and "
                 "checkpoint again",
                 run_id=self.run_id,
                 url=self.location.url,
