@@ -42,6 +42,7 @@ from storage.jsondoc import MAX_JSON_DEPTH, JsonDocumentError, parse_json
 from storage.layout import (
     MARKER_NAME,
     MAX_STEP,
+    parse_number,
     parse_step_dirname,
     validate_file_name,
     validate_run,
@@ -95,6 +96,7 @@ __all__ = [
     # names, steps and secrets in messages (storage.layout, storage.lineage, storage.redact)
     "MAX_STEP",
     "parse_step_dirname",
+    "parse_number",
     "validate_file_name",
     "newer_epochs",
     "redact",

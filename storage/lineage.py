@@ -52,8 +52,8 @@ __all__ = [
     "read_records",
 ]
 
-_RECORD_NAME = re.compile(r"(\d{10,})\.json")
-_DECISION_NAME = re.compile(r"(\d{10,})\.resume\.json")
+_RECORD_NAME = re.compile(r"([0-9]{10,})\.json")  # ASCII: \d takes other scripts' digits
+_DECISION_NAME = re.compile(r"([0-9]{10,})\.resume\.json")
 _VERSION = 1
 
 

@@ -29,6 +29,7 @@ from storage import (
     CorruptCheckpointError,
     InvalidNameError,
     mask_url,
+    parse_number,
     validate_run,
 )
 from zephon.attempts import Attempt, register_resuming
@@ -260,12 +261,13 @@ class _NoCheckpoint(dict):
 def _parse_step(name: str, run: str) -> int:
     rest = name[len(_SCHEME) :]
     owner, _, step = rest.partition("/")
-    if owner != run or not step.isdigit():
+    number = parse_number(step)
+    if owner != run or number is None:
         raise ZephonError(
-            f"ckpt_path {name!r} is not a checkpoint of run {run}; use {LATEST!r} or "
-            f"zephon://{run}/<step>"
+            f"ckpt_path {name[:200]!r} is not a checkpoint of run {run}; use {LATEST!r} or "
+            f"zephon://{run}/<step> (<step> in ASCII digits)"
         )
-    return int(step)
+    return number
 
 
 def _safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:

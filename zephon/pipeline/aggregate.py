@@ -52,6 +52,7 @@ from storage import (
     make_dirs,
     open_location,
     parse_json,
+    parse_number,
     put_small,
     read_small,
     remove_empty_dirs,
@@ -72,13 +73,14 @@ def aggregation_key(epoch: str, seq: int) -> str:
 
 def _parse_key(name: str) -> tuple[str, int] | None:
     epoch, _, seq = name.rpartition("-")
-    return (epoch, int(seq)) if epoch and seq.isdigit() else None
+    number = parse_number(seq)
+    return (epoch, number) if epoch and number is not None else None
 
 
 def _part_rank(path: str) -> int | None:
     base = path.rsplit("/", 1)[-1]
     digits = base[5:-5] if base.startswith("rank-") and base.endswith(".json") else ""
-    return int(digits) if digits.isdigit() else None
+    return parse_number(digits)
 
 
 class Aggregator:
