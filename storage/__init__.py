@@ -8,8 +8,10 @@ Besides checkpoints, the public API offers what a layer that keeps its own small
 primitives of ``storage.backend`` (``list_files``, ``read_small``, ``create_exclusive``, ...,
 each a call of the location's ``Backend``), ``backend_errors`` (backend failures as
 ``BackendUnavailableError``), the CRC32C helpers of ``storage.checksum``, the name and step
-checks of ``storage.layout``, the redaction of secrets from messages (``storage.redact``) and
-``concurrently`` (requests sent together). Other layers import only these names.
+checks of ``storage.layout`` (``parse_number``: every number read from a name or argument),
+``parse_json`` (every JSON document read from storage, depth-limited), the redaction of
+secrets from messages (``storage.redact``) and ``concurrently`` (requests sent together).
+Other layers import only these names.
 """
 
 from storage.backend import (
