@@ -229,6 +229,15 @@ _SQLITE_FULL_FIX = (
 _SQLITE_WRITE_REFUSED = ("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR", "SQLITE_PERM")
 
 
+def _nearly_full(directory: str) -> bool:
+    """Whether the disk holding ``directory`` has less than a SQLite page cache's worth free."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < 1 << 20
+
+
 def _sqlite_unavailable(url: str, exc: DBAPIError, reason: str) -> CatalogUnavailableError:
     """A SQLite failure said as what it is: a full disk, a read-only file or directory (which
     SQLite reports as "unable to open database file" or "attempt to write a readonly
@@ -236,7 +245,12 @@ def _sqlite_unavailable(url: str, exc: DBAPIError, reason: str) -> CatalogUnavai
     code = str(getattr(exc.orig, "sqlite_errorname", "") or "")
     database = make_url(url).database or ""
     path = os.path.abspath(database) if database and not database.startswith("file:") else ""
-    if code.startswith("SQLITE_FULL") or getattr(exc.orig, "errno", None) == errno.ENOSPC:
+    if (
+        code.startswith("SQLITE_FULL")
+        or getattr(exc.orig, "errno", None) == errno.ENOSPC
+        # a write that met ENOSPC in the WAL or its index may come back as an I/O error
+        or (path and code.startswith("SQLITE_IOERR") and _nearly_full(os.path.dirname(path)))
+    ):
         where = f"the disk holding {path}" if path else "the disk"
         return CatalogUnavailableError(url, f"{where} is full ({reason})", _SQLITE_FULL_FIX)
     if path and code.startswith(_SQLITE_WRITE_REFUSED):
