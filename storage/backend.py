@@ -87,7 +87,7 @@ def backend_errors(location: Location, action: str) -> Iterator[None]:
         if isinstance(exc, OSError) and exc.errno == errno.EROFS:
             fix = read_only_fix(location)
         elif isinstance(exc, PermissionError) and location.backend.posix_paths:
-            fix = f"check that this user may write under {location.url}"
+            fix = f"check that this user may read and write under {location.url}"
         elif isinstance(exc, PermissionError):
             fix = "check the credentials and permissions in storage_options"
         elif isinstance(exc, OSError) and exc.errno in {errno.ENOSPC, errno.EDQUOT}:
