@@ -1,5 +1,6 @@
-"""``ZephonLoadPlanner``: DCP's default load planner with a clear mismatch error and a
-restricted unpickler for non-tensor items."""
+"""``ZephonLoadPlanner``: DCP's default load planner with a clear mismatch error, and
+``restricted_load``, the one restricted unpickler for non-tensor items (the planner's
+``load_bytes`` and ``ZephonStorageReader``, whatever planner it serves, both use it)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,39 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-__all__ = ["ZephonLoadPlanner"]
+__all__ = ["ZephonLoadPlanner", "restricted_load"]
 
 _SHOWN = 10
+#: lines of torch's weights_only message that are advice, not the reason
+_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation")
+
+
+def restricted_load(data: bytes | bytearray | memoryview, *, key: str, where: str | None) -> Any:
+    """The object the non-tensor item ``key`` of checkpoint ``where`` holds, rebuilt with
+    ``torch.load(weights_only=True)``: only tensors, plain containers, numbers and the types
+    registered with ``torch.serialization.add_safe_globals``, so a tampered checkpoint cannot
+    run code. Anything else raises ``UnsafeItemError`` naming the item (nothing of it ran)."""
+    from zephon.dcp.errors import UnsafeItemError
+
+    try:
+        return torch.load(io.BytesIO(bytes(data)), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every refusal becomes one error naming the item
+        reason = _reason(exc)
+    checkpoint = f"checkpoint {where}" if where else "the checkpoint"
+    raise UnsafeItemError(
+        f"non-tensor item {key!r} of {checkpoint} is refused: the restricted unpickler "
+        f"(weights_only) does not accept it ({reason}), so nothing of it was run; a checkpoint "
+        "from storage others can write may be tampered with: if this one is trusted and holds "
+        "plain data, register its types with torch.serialization.add_safe_globals",
+        key=key,
+        url=where,
+    )
+
+
+def _reason(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines()]
+    kept = [line for line in lines if line and not line.startswith(_ADVICE)]
+    return (kept[0] if kept else type(exc).__name__)[:200]
 
 
 class ZephonLoadPlanner(DefaultLoadPlanner):
@@ -22,8 +53,9 @@ class ZephonLoadPlanner(DefaultLoadPlanner):
     - before planning, compares the state dict with the checkpoint and raises one
       ``StateDictMismatchError`` naming every missing key and every tensor whose saved shape
       differs (DCP stops at the first, inside an exception that lists tracebacks per rank);
-    - loads non-tensor items with ``torch.load(weights_only=True)``, which rebuilds only tensors
-      and plain containers and numbers, so a tampered checkpoint cannot run code.
+    - loads non-tensor items with ``restricted_load`` (``torch.load(weights_only=True)``),
+      which rebuilds only tensors and plain containers and numbers, so a tampered checkpoint
+      cannot run code.
 
     ``where`` (the checkpoint's URL) goes into the error message.
     """
@@ -84,9 +116,14 @@ class ZephonLoadPlanner(DefaultLoadPlanner):
         )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = restricted_load(value.getbuffer(), key=read_item.dest_index.fqn, where=self.where)
+        self.load_object(read_item, obj)
+
+    def load_object(self, read_item: ReadItem, obj: Any) -> None:
+        """Put ``obj``, a non-tensor item already rebuilt by ``restricted_load`` (by
+        ``ZephonStorageReader``), where ``read_item`` says."""
         from torch.distributed.checkpoint._traverse import set_element
 
-        obj: Any = torch.load(value, weights_only=True)
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
