@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-from storage import create_exclusive, crc32c_of
+from storage import crc32c_of, create_exclusive
 from zephon import dcp as zd
 
 
