@@ -1,6 +1,5 @@
-"""``ZephonLoadPlanner``: DCP's default load planner with a clear mismatch error, and
-``restricted_load``, the one restricted unpickler for non-tensor items (the planner's
-``load_bytes`` and ``ZephonStorageReader``, whatever planner it serves, both use it)."""
+"""``ZephonLoadPlanner``: DCP's default load planner with a clear mismatch error and the
+restricted unpickler (``zephon.dcp.untrusted.restricted_load``) for non-tensor items."""
 
 from __future__ import annotations
 
@@ -12,39 +11,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-__all__ = ["ZephonLoadPlanner", "restricted_load"]
+from zephon.dcp.untrusted import restricted_load
+
+__all__ = ["ZephonLoadPlanner"]
 
 _SHOWN = 10
-#: lines of torch's weights_only message that are advice, not the reason
-_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation")
-
-
-def restricted_load(data: bytes | bytearray | memoryview, *, key: str, where: str | None) -> Any:
-    """The object the non-tensor item ``key`` of checkpoint ``where`` holds, rebuilt with
-    ``torch.load(weights_only=True)``: only tensors, plain containers, numbers and the types
-    registered with ``torch.serialization.add_safe_globals``, so a tampered checkpoint cannot
-    run code. Anything else raises ``UnsafeItemError`` naming the item (nothing of it ran)."""
-    from zephon.dcp.errors import UnsafeItemError
-
-    try:
-        return torch.load(io.BytesIO(bytes(data)), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - every refusal becomes one error naming the item
-        reason = _reason(exc)
-    checkpoint = f"checkpoint {where}" if where else "the checkpoint"
-    raise UnsafeItemError(
-        f"non-tensor item {key!r} of {checkpoint} is refused: the restricted unpickler "
-        f"(weights_only) does not accept it ({reason}), so nothing of it was run; a checkpoint "
-        "from storage others can write may be tampered with: if this one is trusted and holds "
-        "plain data, register its types with torch.serialization.add_safe_globals",
-        key=key,
-        url=where,
-    )
-
-
-def _reason(exc: Exception) -> str:
-    lines = [line.strip() for line in str(exc).splitlines()]
-    kept = [line for line in lines if line and not line.startswith(_ADVICE)]
-    return (kept[0] if kept else type(exc).__name__)[:200]
 
 
 class ZephonLoadPlanner(DefaultLoadPlanner):

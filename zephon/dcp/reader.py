@@ -10,14 +10,13 @@ recorded for it, as they arrive, so no byte reaches the model unchecked and noth
 twice; see ``ZephonStorageReader``.
 
 No code runs from storage, whatever planner the caller uses: a non-tensor item is rebuilt by
-the restricted unpickler (``planner.restricted_load``) before any planner sees it, and a stock
+the restricted unpickler before any planner sees it, and a stock
 planner (``DefaultLoadPlanner`` unpickles with ``weights_only=False``) receives a pickle this
-reader wrote of that rebuilt object, never the checkpoint's own bytes.
+reader wrote of that rebuilt object, never the checkpoint's own bytes (``zephon.dcp.untrusted``).
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import threading
@@ -29,13 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    StorageMeta,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
@@ -49,9 +43,9 @@ from storage import (
     decode_crc32c,
     encode_crc32c,
 )
-from zephon.dcp.errors import StateDictMismatchError, UnsafeItemError
+from zephon.dcp.errors import StateDictMismatchError
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_from_name
-from zephon.dcp.planner import ZephonLoadPlanner, restricted_load
+from zephon.dcp.untrusted import check_read_kind, deliver_bytes, kind_problem
 from zephon.dcp.writer import METADATA_FILE, shard_prefix
 from zephon.errors import UsageError
 
@@ -176,25 +170,6 @@ def _read_whole(reader: CheckpointReader, name: str) -> bytes:
     data = reader.read_range(name, 0, entry.size + 1)
     reader.check(name, data)
     return data
-
-
-def _reencoded(obj: Any) -> io.BytesIO:
-    """``obj`` (rebuilt by the restricted unpickler) pickled again by ``torch.save``: what a
-    planner that unpickles without restriction may be handed instead of the stored bytes."""
-    out = io.BytesIO()
-    torch.save(obj, out)
-    out.seek(0)
-    return out
-
-
-def _kind_problem(index: Any, where: ShardSlice, md: Any) -> str | None:
-    """Why the slice of ``index`` disagrees with its item's kind in the metadata, if it does:
-    a tensor relabelled as bytes (or back) would reach the planner through the other path."""
-    if isinstance(md, BytesStorageMetadata) and where.encoding != "bytes":
-        return f"{where.file}: {index.fqn} is a non-tensor item stored as {where.encoding}"
-    if isinstance(md, TensorStorageMetadata) and where.encoding != "raw":
-        return f"{where.file}: {index.fqn} is a tensor stored as {where.encoding}"
-    return None
 
 
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:
@@ -349,7 +324,7 @@ class ZephonStorageReader(StorageReader):
         items = metadata.state_dict_metadata
         for index, where in (metadata.storage_data or {}).items():
             size = sizes.get(where.file)
-            kind = _kind_problem(index, where, items.get(index.fqn))
+            kind = kind_problem(index, where, items.get(index.fqn))
             if kind is not None:
                 problems.append(kind)
             elif size is None:
@@ -414,7 +389,7 @@ class ZephonStorageReader(StorageReader):
                     url=self.url,
                     path=self.metadata_name,
                 )
-            self._check_kind(req, where, planner)
+            check_read_kind(req, where, planner, url=self.url)
             reads.append(_plan_read(req, where, check=self.verify))
         groups = _group_reads(reads, self.max_request_bytes, self.max_gap_bytes)
         local = self.store.location.backend.posix_paths
@@ -439,26 +414,6 @@ class ZephonStorageReader(StorageReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-    def _check_kind(self, req: ReadItem, where: ShardSlice, planner: LoadPlanner) -> None:
-        """Refuse a read whose bytes would reach the planner as something else than the item
-        is: a tensor read of a bytes slice (the planner would unpickle it), or a bytes read
-        into a tensor of the state dict (a tensor entry the metadata relabelled "bytes")."""
-        fqn = req.dest_index.fqn
-        is_bytes = req.type == LoadItemType.BYTE_IO
-        state = getattr(planner, "state_dict", None)
-        here = state.get(fqn) if is_bytes and isinstance(state, dict) else None
-        if is_bytes == (where.encoding == "bytes") and not isinstance(here, torch.Tensor):
-            return
-        saved = "a non-tensor item" if where.encoding == "bytes" else "a tensor"
-        wanted = "a tensor" if isinstance(here, torch.Tensor) or not is_bytes else "not a tensor"
-        raise UnsafeItemError(
-            f"item {fqn!r} is {wanted} here, but the metadata of checkpoint {self.url} stores "
-            f"it as {saved} ({where.file}): refused, nothing of it was loaded; the checkpoint "
-            "was tampered with or saved from another model: resume from an earlier checkpoint",
-            key=fqn,
-            url=self.url,
-        )
 
     def _path(self, name: str) -> str:
         assert self._reader is not None
@@ -615,7 +570,7 @@ class ZephonStorageReader(StorageReader):
         target: torch.Tensor | None,
     ) -> None:
         if target is None:
-            self._load_bytes(r, planner, data)
+            deliver_bytes(planner, r.req, data, where=self.url, lock=self._lock)
             return
         assert r.dtype is not None
         if target.numel():
@@ -627,21 +582,6 @@ class ZephonStorageReader(StorageReader):
                 source = source.narrow(dim, offset, length)
             target.copy_(source)
         self._commit(r, planner, target)
-
-    def _load_bytes(
-        self, r: _Read, planner: LoadPlanner, data: bytes | bytearray | memoryview
-    ) -> None:
-        """Hand a non-tensor item to the planner, rebuilt by the restricted unpickler first
-        (a refusal raises ``UnsafeItemError`` before the planner sees anything)."""
-        obj = restricted_load(data, key=r.req.dest_index.fqn, where=self.url)
-        with self._lock:
-            if type(planner).load_bytes is ZephonLoadPlanner.load_bytes:
-                planner.load_object(r.req, obj)
-            else:
-                # Whatever this planner does with the bytes (DefaultLoadPlanner: torch.load
-                # with weights_only=False), they are a pickle written here of the object the
-                # restricted unpickler rebuilt: none of the checkpoint's own pickle reaches it.
-                planner.load_bytes(r.req, _reencoded(obj))
 
     def _commit(self, r: _Read, planner: LoadPlanner, target: torch.Tensor) -> None:
         with self._lock:
