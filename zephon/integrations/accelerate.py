@@ -7,7 +7,8 @@ scheduler and RNG states). Zephon turns such a folder into checkpoint ``step`` o
 the one save path (``zephon.saving.Save``: catalog row ``pending -> committed | failed``, fenced
 storage begin, every file with its size and CRC32C, the marker last), so a crash at any moment
 leaves either the whole checkpoint or nothing; and it answers "where do I resume" with a local
-folder holding the latest *complete* checkpoint, every byte checked against its CRC32C.
+folder holding the latest *complete* checkpoint, every byte checked against its CRC32C
+(``zephon.integrations.download``: private, re-verified, one download per host).
 
 accelerate is imported only inside ``AcceleratorCheckpoints``; ``import zephon`` never imports it.
 """
