@@ -10,8 +10,9 @@ each a call of the location's ``Backend``), ``backend_errors`` (backend failures
 ``BackendUnavailableError``), the CRC32C helpers of ``storage.checksum``, the name and step
 checks of ``storage.layout`` (``parse_number``: every number read from a name or argument),
 ``parse_json`` (every JSON document read from storage, depth-limited), the redaction of
-secrets from messages (``storage.redact``) and ``concurrently`` (requests sent together).
-Other layers import only these names.
+secrets from messages (``storage.redact``), ``concurrently`` (requests sent together) and
+``verify_checkpoint`` (a copy of a checkpoint, e.g. a local download, checked against its
+manifest). Other layers import only these names.
 """
 
 from storage.backend import (
@@ -58,7 +59,7 @@ from storage.reader import CheckpointReader
 from storage.redact import redact, redact_options, secrets_in
 from storage.scan import StepListing
 from storage.store import CheckpointStore, Orphan, new_save_id
-from storage.verify import FileProblem, VerifyReport
+from storage.verify import FileProblem, VerifyReport, verify_checkpoint
 from storage.writer import CheckpointWriter
 
 __all__ = [
@@ -90,6 +91,7 @@ __all__ = [
     "StepListing",
     "StorageError",
     "VerifyReport",
+    "verify_checkpoint",
     "WriteAbortedError",
     "mask_url",
     "open_location",
