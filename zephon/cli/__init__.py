@@ -14,6 +14,8 @@ Every error becomes one line on stderr and a documented exit code, never a trace
       and ``pin``)
 6     other Zephon error (invalid configuration, torch-side errors)
 70    internal error (a bug; ``ZEPHON_DEBUG=1`` shows the traceback)
+75    not finished yet (``gc``: deletions another process claimed, which this host cannot
+      tell alive or dead, wait for their lease; the line names them and when it expires)
 130   interrupted
 ====  ===========================================================
 
