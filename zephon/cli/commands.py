@@ -433,9 +433,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
         )
         for problem in report.problems:
             say(f"problem: {problem}")
-        remaining = report.remaining_line()
-        if remaining is not None:
-            say(remaining)
     return EXIT_PROBLEMS if report.problems else EXIT_OK
 
 
