@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_positive_duration,
         default=parse_positive_duration("1h"),
         help="take over deletions another gc claimed longer ago than this (default 1h; more "
-        "than 0)",
+        "than 0); those of a gc that failed, or exited on this host, are taken over at once",
     )
 
     p = add("sync", c.cmd_sync, "index a storage URL's runs and checkpoints into the catalog")
