@@ -14,6 +14,8 @@ Every error becomes one line on stderr and a documented exit code, never a trace
       and ``pin``)
 6     other Zephon error (invalid configuration, torch-side errors)
 70    internal error (a bug; ``ZEPHON_DEBUG=1`` shows the traceback)
+75    not finished yet (``gc``: deletions another process claimed, which this host cannot
+      tell alive or dead, wait for their lease; the line names them and when it expires)
 130   interrupted
 ====  ===========================================================
 
@@ -297,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_positive_duration,
         default=parse_positive_duration("1h"),
         help="take over deletions another gc claimed longer ago than this (default 1h; more "
-        "than 0)",
+        "than 0); those of a gc that failed, or exited on this host, are taken over at once",
     )
 
     p = add("sync", c.cmd_sync, "index a storage URL's runs and checkpoints into the catalog")
