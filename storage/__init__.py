@@ -9,7 +9,9 @@ primitives of ``storage.backend`` (``list_files``, ``read_small``, ``create_excl
 each a call of the location's ``Backend``), ``backend_errors`` (backend failures as
 ``BackendUnavailableError``), the CRC32C helpers of ``storage.checksum``, the name and step
 checks of ``storage.layout``, the redaction of secrets from messages (``storage.redact``) and
-``concurrently`` (requests sent together). Other layers import only these names.
+``concurrently`` (requests sent together). Every backend primitive tries transient failures
+again under the location's ``RetryPolicy`` (``storage.retry``). Other layers import only
+these names.
 """
 
 from storage.backend import (
@@ -52,6 +54,7 @@ from storage.manifest import FileEntry, Manifest, validate_save_id
 from storage.parallel import concurrently
 from storage.reader import CheckpointReader
 from storage.redact import redact, redact_options, secrets_in
+from storage.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 from storage.scan import StepListing
 from storage.store import CheckpointStore, Orphan, new_save_id
 from storage.verify import FileProblem, VerifyReport
@@ -80,6 +83,9 @@ __all__ = [
     "Location",
     "Manifest",
     "Orphan",
+    "RetryPolicy",
+    "DEFAULT_RETRY",
+    "NO_RETRY",
     "StepListing",
     "StorageError",
     "VerifyReport",

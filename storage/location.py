@@ -19,6 +19,7 @@ from fsspec.spec import AbstractFileSystem
 from storage.backends import DEFAULT_POOL_CONNECTIONS, Backend, backend_for, package_for
 from storage.errors import BackendUnavailableError, InvalidNameError, StorageOptionsRefusedError
 from storage.redact import is_secret_name, mask_url, option_secrets, redact, secrets_in
+from storage.retry import DEFAULT_RETRY, RetryPolicy
 
 __all__ = [
     "DEFAULT_POOL_CONNECTIONS",
@@ -60,6 +61,11 @@ class Location:
         """The root as a full URL that reopens to the same place from any working directory
         (local paths made absolute); credential-free, so it may be stored in a catalog."""
         return self.display(self.root)
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """How transient backend failures are tried again here (``storage.retry``)."""
+        return self.backend.retry
 
     def join(self, *parts: str) -> str:
         """A path under the root, in the filesystem's own form."""
@@ -105,8 +111,15 @@ def with_defaults(protocol: str, storage_options: Mapping[str, Any] | None) -> d
     return backend_for(protocol).default_options(storage_options)
 
 
-def open_location(url: str, storage_options: Mapping[str, Any] | None = None) -> Location:
-    """Resolve ``url`` (any fsspec URL or plain path) to a ``Location``.
+def open_location(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    retry: RetryPolicy | None = None,
+) -> Location:
+    """Resolve ``url`` (any fsspec URL or plain path) to a ``Location``. Every backend
+    primitive there tries transient failures again under ``retry`` (default:
+    ``storage.retry.DEFAULT_RETRY``).
 
     Raises ``BackendUnavailableError`` naming the package to install when the protocol's
     implementation is missing, and ``InvalidNameError`` for an empty or chained URL.
@@ -163,6 +176,6 @@ def open_location(url: str, storage_options: Mapping[str, Any] | None = None) ->
         root=root,
         protocol=fs_protocol,
         url=masked,
-        backend=backend_class(fs, fs_protocol),
+        backend=backend_class(fs, fs_protocol, retry=retry or DEFAULT_RETRY),
         secrets=secrets,
     )
