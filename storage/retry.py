@@ -243,24 +243,24 @@ class RetryPolicy:
             or self.max_attempts < 1
         ):
             raise InvalidArgumentError(
-                f"retry max_attempts={self.max_attempts!r} must be an integer of at least 1 "
+                f"RetryPolicy max_attempts={self.max_attempts!r} must be an integer of at least 1 "
                 "(1: no retries)"
             )
         for name in ("deadline_s", "base_backoff_s", "max_backoff_s", "throttle_backoff_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                 raise InvalidArgumentError(
-                    f"retry {name}={value!r} must be a number of seconds >= 0"
+                    f"RetryPolicy {name}={value!r} must be a number of seconds >= 0"
                 )
         if self.max_backoff_s < self.base_backoff_s:
             raise InvalidArgumentError(
-                f"retry max_backoff_s={self.max_backoff_s} is below base_backoff_s="
+                f"RetryPolicy max_backoff_s={self.max_backoff_s} is below base_backoff_s="
                 f"{self.base_backoff_s}; raise max_backoff_s"
             )
         jitter = self.jitter
         if not isinstance(jitter, int | float) or isinstance(jitter, bool) or not 0 <= jitter <= 1:
             raise InvalidArgumentError(
-                f"retry jitter={jitter!r} must be a fraction from 0 to 1 of each backoff"
+                f"RetryPolicy jitter={jitter!r} must be a fraction from 0 to 1 of each backoff"
             )
 
     def backoff_s(self, failures: int, exc: BaseException | None = None) -> float:

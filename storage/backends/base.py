@@ -359,3 +359,10 @@ class _RangedReader(io.RawIOBase):
         view[: len(data)] = data
         self._position += len(data)
         return len(data)
+
+    def readall(self) -> bytes:
+        # RawIOBase's own reads 8 KiB at a time: here that would be a request each.
+        pieces = []
+        while piece := self.read(OPEN_READ_BLOCK):
+            pieces.append(piece)
+        return b"".join(pieces)
