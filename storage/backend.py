@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 _PASSTHROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
-_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "requests", "urllib3")
+_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "gcsfs", "requests", "urllib3")
 #: libraries whose own code raising a TypeError or AttributeError means unusable options
 _BACKEND_MODULES = (*_NETWORK_MODULES, "s3fs", "gcsfs", "adlfs", "fsspec.implementations")
 
