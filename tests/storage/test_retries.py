@@ -160,6 +160,28 @@ def test_throttling_waits_as_long_as_the_servers_retry_after(faulty):
     assert requests(proxy, "GET", r"/_COMMIT") == ["slow_down", "ok"]
 
 
+def test_a_reply_held_past_the_read_timeout_is_asked_again(s3):
+    bucket = f"zt-retry-{uuid.uuid4().hex[:10]}"
+    s3.create_bucket(bucket)
+    with FaultProxy(s3.endpoint_url) as proxy:
+        options = {
+            **s3.storage_options(),
+            "client_kwargs": {"endpoint_url": proxy.url},
+            "config_kwargs": {"read_timeout": 1},
+        }
+        with CheckpointStore(f"s3://{bucket}/ckpt", options, retry=QUICK) as store:
+            proxy.set_rates(stall=1.0, stall_s=3)
+            result: list[object] = []
+            thread = threading.Thread(target=lambda: result.append(store.marker_bytes("r", 1)))
+            thread.start()
+            while not proxy.outcomes("stall"):
+                time.sleep(0.01)
+            proxy.set_rates()
+            thread.join(timeout=10)
+    assert result == [None]
+    assert requests(proxy, "GET", r"/_COMMIT") == ["stall", "ok"]
+
+
 def test_a_failed_part_is_sent_again_alone_never_the_whole_file(faulty):
     open_store, proxy = faulty
     store = open_store()
