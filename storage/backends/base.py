@@ -5,6 +5,11 @@ storage layer needs (list, delete, read small, read in ranges, check existence, 
 create a marker exclusively). Subclasses for particular families of filesystems override the
 primitives they can do better and set the capability flags that say so; callers ask the flags
 ("can a marker race have two winners?"), never the protocol.
+
+Every call of a primitive goes through the backend's retry policy (``storage.retry``): the
+public method tries its ``_``-named implementation again on transient failures, and a
+subclass implements the ``_``-named one (``__init_subclass__`` refuses an override of the
+public one, which would bypass the policy).
 """
 
 from __future__ import annotations

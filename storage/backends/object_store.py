@@ -121,8 +121,8 @@ class S3Backend(ObjectStoreBackend):
         return self._read_small(path)
 
     def _put_bytes(self, path: str, data: bytes, part_size: int) -> None:
-        if len(data) < 2 * part_size:
-            self.fs.pipe_file(path, data)
+        if len(data) < 2 * part_size:  # one PUT
+            self.fs.pipe_file(path, data, **self.multipart_options(part_size))
             return
         # In parts, each part tried again on its own: a failed part never sends the whole
         # file again.
