@@ -12,7 +12,8 @@ checks of ``storage.layout`` (``parse_number``: every number read from a name or
 ``parse_json`` (every JSON document read from storage, depth-limited), the redaction of
 secrets from messages (``storage.redact``), ``concurrently`` (requests sent together) and
 ``verify_checkpoint`` (a copy of a checkpoint, e.g. a local download, checked against its
-manifest). Other layers import only these names.
+manifest). Every backend primitive tries transient failures again under the location's
+``RetryPolicy`` (``storage.retry``). Other layers import only these names.
 """
 
 from storage.backend import (
@@ -57,6 +58,7 @@ from storage.manifest import FileEntry, Manifest, validate_save_id
 from storage.parallel import concurrently
 from storage.reader import CheckpointReader
 from storage.redact import redact, redact_options, secrets_in
+from storage.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 from storage.scan import StepListing
 from storage.store import CheckpointStore, Orphan, new_save_id
 from storage.verify import FileProblem, VerifyReport, verify_checkpoint
@@ -88,6 +90,9 @@ __all__ = [
     "Location",
     "Manifest",
     "Orphan",
+    "RetryPolicy",
+    "DEFAULT_RETRY",
+    "NO_RETRY",
     "StepListing",
     "StorageError",
     "VerifyReport",

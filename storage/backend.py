@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import errno
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from storage.backends.base import ListedFile, mtime_of
 from storage.errors import BackendUnavailableError, StorageError, StorageOptionsRefusedError
 from storage.redact import redact
+from storage.retry import retry_summary
 
 if TYPE_CHECKING:
     from storage.location import Location
@@ -24,11 +25,17 @@ __all__ = [
     "backend_errors",
     "create_exclusive",
     "file_exists",
+    "get_file",
+    "list_dirs",
     "list_files",
     "make_dirs",
     "mtime_of",
     "multipart_options",
+    "open_read",
+    "put_bytes",
     "put_small",
+    "read_file",
+    "read_range",
     "read_ranges",
     "read_small",
     "remove_dir",
@@ -38,7 +45,7 @@ __all__ = [
 ]
 
 _PASSTHROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
-_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "requests", "urllib3")
+_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "gcsfs", "requests", "urllib3")
 #: libraries whose own code raising a TypeError or AttributeError means unusable options
 _BACKEND_MODULES = (*_NETWORK_MODULES, "s3fs", "gcsfs", "adlfs", "fsspec.implementations")
 
@@ -80,8 +87,9 @@ def backend_errors(location: Location, action: str) -> Iterator[None]:
     except Exception as exc:
         if not _is_backend_failure(exc):
             raise
-        what = f"{action} failed on {location.url}: {type(exc).__name__}: "
-        what += redact(exc, location.secrets)
+        tried = retry_summary(exc)
+        what = f"{action} failed on {location.url}{f' {tried}' if tried else ''}: "
+        what += f"{type(exc).__name__}: {redact(exc, location.secrets)}"
         if isinstance(exc, TypeError | AttributeError | KeyError):
             raise StorageOptionsRefusedError(what, url=location.url) from exc
         if isinstance(exc, OSError) and exc.errno == errno.EROFS:
@@ -92,6 +100,8 @@ def backend_errors(location: Location, action: str) -> Iterator[None]:
             fix = "check the credentials and permissions in storage_options"
         elif isinstance(exc, OSError) and exc.errno in {errno.ENOSPC, errno.EDQUOT}:
             fix = full_disk_fix(location)
+        elif tried:
+            fix = "check that the endpoint is reachable, or give the store a longer retry deadline"
         else:
             fix = "check that the endpoint is reachable and storage_options are right"
         raise BackendUnavailableError(f"{what}; {fix}", url=location.url) from exc
@@ -148,7 +158,8 @@ def full_disk_fix(location: Location) -> str:
 
 
 # -- the primitives: each asks the location's backend (storage.backends), chosen when the
-# location was opened. One call style everywhere: ``operation(location, path, ...)``.
+# location was opened, which tries transient failures again under its policy
+# (``location.retry``). One call style everywhere: ``operation(location, path, ...)``.
 
 
 def list_files(location: Location, path: str, *, prefix: str = "") -> list[ListedFile]:
@@ -157,6 +168,11 @@ def list_files(location: Location, path: str, *, prefix: str = "") -> list[Liste
     the files whose first path component below ``path`` starts with it (filtered by the server
     where it can)."""
     return location.backend.list_files(path, prefix=prefix)
+
+
+def list_dirs(location: Location, path: str) -> list[str]:
+    """The names of the directories directly below ``path``; absent lists as empty."""
+    return location.backend.list_dirs(path)
 
 
 def remove_files(location: Location, paths: Iterable[str]) -> int:
@@ -207,6 +223,27 @@ def file_exists(location: Location, path: str) -> bool:
     return location.backend.file_exists(path)
 
 
+def read_file(location: Location, path: str) -> bytes:
+    """The whole content of a file of any size."""
+    return location.backend.read_file(path)
+
+
+def read_range(location: Location, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a file in one ranged request (fewer at its end)."""
+    return location.backend.read_range(path, start, end)
+
+
+def open_read(location: Location, path: str, size: int) -> IO[bytes]:
+    """A file of known ``size`` open for reading (object stores: in ranged requests, each
+    tried again on its own); ``FileNotFoundError`` now if it is missing."""
+    return location.backend.open_read(path, size)
+
+
+def get_file(location: Location, path: str, local_path: str) -> None:
+    """Download a file to a local path."""
+    location.backend.get_file(path, local_path)
+
+
 def read_ranges(location: Location, path: str, size: int, chunk: int) -> Iterator[bytes]:
     """A file of known size as consecutive chunks, without first asking the backend its size."""
     return location.backend.read_ranges(path, size, chunk)
@@ -219,6 +256,12 @@ def create_exclusive(location: Location, path: str, data: bytes) -> None:
     (create-only PUT), memory; elsewhere check-then-put, where the last of two racers wins.
     ``BackendUnavailableError`` naming the bucket or directory if it does not exist."""
     _created(location, path, lambda: location.backend.create_exclusive(path, data))
+
+
+def put_bytes(location: Location, path: str, data: bytes, part_size: int) -> None:
+    """Write one whole file from memory, in parts of ``part_size`` where the backend uploads
+    in parts (each tried again on its own)."""
+    location.backend.put_bytes(path, data, part_size)
 
 
 def put_small(location: Location, path: str, data: bytes) -> None:

@@ -19,6 +19,7 @@ from fsspec.spec import AbstractFileSystem
 from storage.backends import DEFAULT_POOL_CONNECTIONS, Backend, backend_for, package_for
 from storage.errors import BackendUnavailableError, InvalidNameError, StorageOptionsRefusedError
 from storage.redact import is_secret_name, mask_url, option_secrets, redact, secrets_in
+from storage.retry import DEFAULT_RETRY, RetryPolicy
 
 __all__ = [
     "DEFAULT_POOL_CONNECTIONS",
@@ -63,6 +64,11 @@ class Location:
         """The root as a full URL that reopens to the same place from any working directory
         (local paths made absolute); credential-free, so it may be stored in a catalog."""
         return self.display(self.root)
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """How transient backend failures are tried again here (``storage.retry``)."""
+        return self.backend.retry
 
     def join(self, *parts: str) -> str:
         """A path under the root, in the filesystem's own form."""
@@ -109,10 +115,16 @@ def with_defaults(protocol: str, storage_options: Mapping[str, Any] | None) -> d
 
 
 def open_location(
-    url: str, storage_options: Mapping[str, Any] | None = None, *, role: str | None = None
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    role: str | None = None,
+    retry: RetryPolicy | None = None,
 ) -> Location:
     """Resolve ``url`` (any fsspec URL or plain path) to a ``Location``; ``role`` names the
-    setting it came from ("local_dir") in the fixes of its messages.
+    setting it came from ("local_dir") in the fixes of its messages. Every backend primitive
+    there tries transient failures again under ``retry`` (default:
+    ``storage.retry.DEFAULT_RETRY``).
 
     Raises ``BackendUnavailableError`` naming the package to install when the protocol's
     implementation is missing, and ``InvalidNameError`` for an empty or chained URL.
@@ -169,7 +181,7 @@ def open_location(
         root=root,
         protocol=fs_protocol,
         url=masked,
-        backend=backend_class(fs, fs_protocol),
+        backend=backend_class(fs, fs_protocol, retry=retry or DEFAULT_RETRY),
         secrets=secrets,
         role=role,
     )

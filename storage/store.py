@@ -18,6 +18,7 @@ from typing import Any
 from storage.backend import (
     backend_errors,
     file_exists,
+    list_dirs,
     list_files,
     make_dirs,
     read_small,
@@ -62,6 +63,7 @@ from storage.location import Location, open_location
 from storage.manifest import Manifest, validate_save_id
 from storage.parallel import concurrently
 from storage.reader import CheckpointReader
+from storage.retry import RetryPolicy
 from storage.scan import StepListing, scan_steps
 from storage.verify import VerifyReport, verify_checkpoint
 from storage.writer import CheckpointWriter
@@ -98,7 +100,11 @@ class CheckpointStore:
         max_workers: int | None = None,
         part_size: int = 8 << 20,
         role: str | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
+        """``retry``: how transient backend failures (5xx, throttling, timeouts, broken
+        connections) are tried again; by default ``storage.retry.DEFAULT_RETRY``, which rides
+        out an outage of a minute (docs/storage.md, "Retries")."""
         if part_size < 5 << 20:
             raise InvalidArgumentError(
                 f"part_size={part_size} is below S3's 5 MiB minimum multipart part; use >= 5242880"
@@ -107,7 +113,9 @@ class CheckpointStore:
             raise InvalidArgumentError(
                 f"max_workers={max_workers} must be at least 1 (or None: the backend's default)"
             )
-        self.location: Location = open_location(url, dict(storage_options or {}), role=role)
+        self.location: Location = open_location(
+            url, dict(storage_options or {}), role=role, retry=retry
+        )
         #: threads writing or reading files of one checkpoint in parallel. By default the
         #: backend's ``default_workers``: 8 on local disk (bound by the disk and the CPU), 32
         #: elsewhere, where each upload mostly waits for its answer (as many as the S3
@@ -503,15 +511,9 @@ class CheckpointStore:
         """Names of the run directories under the root (one delimited listing)."""
         location = self.location
         with backend_errors(location, f"listing {location.url}"):
-            try:
-                entries = location.fs.ls(location.root, detail=True, refresh=True)
-            except FileNotFoundError:
-                return []
+            found = list_dirs(location, location.root)
         names = []
-        for info in entries:
-            if info.get("type") != "directory":
-                continue
-            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+        for name in found:
             with contextlib.suppress(Exception):
                 names.append(validate_run(name))
         return sorted(n for n in names if n is not None)

@@ -27,6 +27,7 @@ from storage.backend import (
     list_files,
     make_dirs,
     missing_parent_fix,
+    put_bytes,
     remove_dir,
     remove_empty_dirs,
     remove_files,
@@ -210,7 +211,7 @@ class CheckpointWriter:
             crc = Crc32c()
             crc.update(data)
             payload = data if isinstance(data, bytes) else bytes(data)
-            location.backend.put_bytes(target, payload, self._store.part_size)
+            put_bytes(location, target, payload, self._store.part_size)
             return self._record(name, crc)
 
     def write_stream(self, name: str, stream: BinaryIO) -> FileEntry:

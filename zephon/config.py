@@ -10,6 +10,7 @@
         period_steps: 100            # int >= 1 | "last_step" | "disable"
         num_to_keep: 2               # int >= 1 | null
         local_dir: /local_nvme/ckpt  # optional fast local tier, uploaded in the background
+        retry: {max_attempts: 30, deadline_s: 120}  # transient storage failures (optional)
     model_stage_factory:
       checkpoint_only_trainable_parameters: false
       source_checkpoint: null
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from storage import MAX_STEP, redact
+from storage import DEFAULT_RETRY, MAX_STEP, InvalidArgumentError, RetryPolicy, redact
 from zephon.errors import ConfigError
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "JobConfig",
     "ModelStageConfig",
     "load_job_config",
+    "retry_policy_from",
 ]
 
 PERIOD_WORDS = ("last_step", "disable")
@@ -66,6 +68,27 @@ def _masked_repr(config: Any, urls: tuple[str, ...]) -> str:
     return f"{type(config).__name__}({', '.join(shown)})"
 
 
+_RETRY_KEYS = tuple(item.name for item in fields(RetryPolicy))
+
+
+def retry_policy_from(value: Any, key: str) -> RetryPolicy:
+    """A ``RetryPolicy`` from itself or a mapping of its fields (YAML ``retry:``,
+    ``$ZEPHON_RETRY``); ``ConfigError`` naming ``key`` for anything else."""
+    if isinstance(value, RetryPolicy):
+        return value
+    if not isinstance(value, Mapping):
+        raise _fail(key, value, f"use a mapping of {', '.join(_RETRY_KEYS)}")
+    unknown = sorted(set(value) - set(_RETRY_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{key}.{unknown[0]} is not a known setting; known: {', '.join(_RETRY_KEYS)}"
+        )
+    try:
+        return RetryPolicy(**dict(value))
+    except InvalidArgumentError as exc:
+        raise ConfigError(f"{key} is invalid: {exc}") from None
+
+
 @dataclass(kw_only=True, slots=True, repr=False)
 class CheckpointingConfig:
     """``trainer.checkpointing``: where and how often a job saves, and how many it keeps."""
@@ -92,6 +115,9 @@ class CheckpointingConfig:
     local_num_to_keep: int = 1
     #: save() waits while this many uploads to save_dir are pending (backpressure)
     max_pending_uploads: int = 2
+    #: how transient storage failures (5xx, throttling, timeouts, broken connections) are
+    #: tried again, for every store the job opens; YAML: a mapping of ``RetryPolicy`` fields
+    retry: RetryPolicy = DEFAULT_RETRY
     prefix: str = "trainer.checkpointing"
 
     def __post_init__(self) -> None:
@@ -135,6 +161,7 @@ class CheckpointingConfig:
             if not isinstance(getattr(self, key), bool):
                 raise _fail(f"{p}.{key}", getattr(self, key), "use true or false")
         self._check_local_tier()
+        self.retry = retry_policy_from(self.retry, f"{p}.retry")
 
     def _check_local_tier(self) -> None:
         p = self.prefix
@@ -237,6 +264,7 @@ _CHECKPOINTING_KEYS = {
     "local_dir",
     "local_num_to_keep",
     "max_pending_uploads",
+    "retry",
 }
 # model_stage_factory holds the product's other model settings too; only these are ours
 _MODEL_STAGE_KEYS = {"checkpoint_only_trainable_parameters", "source_checkpoint"}

@@ -26,7 +26,7 @@ from catalog import (
     StateConflictError,
     plan_retention,
 )
-from storage import CheckpointStore, Fence, Lineage, StorageError
+from storage import CheckpointStore, Fence, Lineage, RetryPolicy, StorageError
 from zephon.attempts import fenced, mirror_lineage
 from zephon.errors import StaleAttemptError
 from zephon.holders import held_claims, still_held
@@ -123,6 +123,7 @@ def collect_garbage(
     dry_run: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] = lambda _: None,
+    retry: RetryPolicy | None = None,
 ) -> GcReport:
     """One gc pass over the given runs (default: every run in the catalog).
 
@@ -136,7 +137,7 @@ def collect_garbage(
     for record in records:
         progress(record.name)
         try:
-            location = run_location(record, storage_options)
+            location = run_location(record, storage_options, retry)
             gc_run(catalog, location, policy=policy, dry_run=dry_run, report=report)
         except (CatalogError, StorageError) as exc:
             report.problems.append(f"run {record.name}: {exc}")

@@ -15,23 +15,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from catalog import RunRecord
-from storage import CheckpointStore, mask_url, secrets_in, validate_run
+from storage import DEFAULT_RETRY, CheckpointStore, RetryPolicy, mask_url, secrets_in, validate_run
+from zephon.config import retry_policy_from
 from zephon.errors import ConfigError
 
 __all__ = [
     "CATALOG_URL_ENV",
+    "RETRY_ENV",
     "STORAGE_OPTIONS_ENV",
     "RunLocation",
     "default_catalog_url",
     "inference_run_name",
     "known_secrets",
     "resolve_catalog_url",
+    "retry_from_env",
     "run_location",
     "storage_options_from_env",
 ]
 
 CATALOG_URL_ENV = "ZEPHON_CATALOG_URL"
 STORAGE_OPTIONS_ENV = "ZEPHON_STORAGE_OPTIONS"
+RETRY_ENV = "ZEPHON_RETRY"
 
 
 def default_catalog_url() -> str:
@@ -75,6 +79,22 @@ def storage_options_from_env(explicit: str | Mapping[str, Any] | None = None) ->
     return options
 
 
+def retry_from_env() -> RetryPolicy:
+    """The retry policy of the stores a command opens: JSON in ``$ZEPHON_RETRY`` (fields of
+    ``storage.RetryPolicy``, e.g. ``{"deadline_s": 30}``), else the default."""
+    text = os.environ.get(RETRY_ENV)
+    if not text:
+        return DEFAULT_RETRY
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"${RETRY_ENV} is not valid JSON ({exc.msg} at character {exc.pos}); give an "
+            'object such as {"max_attempts": 10, "deadline_s": 60}'
+        ) from None
+    return retry_policy_from(value, f"${RETRY_ENV}")
+
+
 def known_secrets(argv: Sequence[str] = ()) -> frozenset[str]:
     """Credential values the user gave a command: in its arguments (URL passwords and secret
     query values, ``--storage-options`` JSON, ``name=value`` pairs) and in
@@ -114,8 +134,12 @@ class RunLocation:
         return self.store.checkpoint_url(self.storage_run, step)
 
 
-def run_location(record: RunRecord, storage_options: Mapping[str, Any] | None) -> RunLocation:
+def run_location(
+    record: RunRecord,
+    storage_options: Mapping[str, Any] | None,
+    retry: RetryPolicy | None = None,
+) -> RunLocation:
     """Open the store of a catalog run."""
-    store = CheckpointStore(record.storage_url, storage_options)
+    store = CheckpointStore(record.storage_url, storage_options, retry=retry)
     storage_run = record.name if record.kind == "train" else None
     return RunLocation(record.name, store, storage_run)

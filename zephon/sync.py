@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from catalog import Catalog, CatalogError, RunKind, SyncOutcome
-from storage import CheckpointStore, StorageError
+from storage import CheckpointStore, RetryPolicy, StorageError
 from zephon.attempts import mirror_lineage
 from zephon.locations import RunLocation, inference_run_name
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
@@ -44,6 +44,7 @@ def sync_storage(
     *,
     inference_name: str | None = None,
     progress: Callable[[str], None] = lambda _: None,
+    retry: RetryPolicy | None = None,
 ) -> SyncReport:
     """Import every run, attempt and checkpoint under ``url``, judged by the one rule of
     ``zephon.reconcile``: history is recorded (a row that says failed or deleted is repaired
@@ -54,7 +55,7 @@ def sync_storage(
     Problems with one run (a name registered elsewhere, an unreadable marker) are reported and
     the others still synced.
     """
-    store = CheckpointStore(url, storage_options)
+    store = CheckpointStore(url, storage_options, retry=retry)
     root = store.location.canonical_url
     report = SyncReport(root)
     targets: list[tuple[str, str | None, str]] = [(r, r, RunKind.TRAIN) for r in store.runs()]

@@ -5,12 +5,18 @@ storage layer needs (list, delete, read small, read in ranges, check existence, 
 create a marker exclusively). Subclasses for particular families of filesystems override the
 primitives they can do better and set the capability flags that say so; callers ask the flags
 ("can a marker race have two winners?"), never the protocol.
+
+Every call of a primitive goes through the backend's retry policy (``storage.retry``): the
+public method tries its ``_``-named implementation again on transient failures, and a
+subclass implements the ``_``-named one (``__init_subclass__`` refuses an override of the
+public one, which would bypass the policy).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import io
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
@@ -18,8 +24,27 @@ from typing import IO, Any, ClassVar
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from storage.redact import mask_url
+from storage.retry import DEFAULT_RETRY, RetryPolicy
 
-__all__ = ["Backend", "ListedFile", "mtime_of"]
+__all__ = ["OPEN_READ_BLOCK", "RETRIED_PRIMITIVES", "Backend", "ListedFile", "mtime_of"]
+
+#: bytes per ranged request of a file opened with ``open_read``
+OPEN_READ_BLOCK = 8 << 20
+#: the primitives every call of which goes through the backend's retry policy: a subclass
+#: implements ``_<name>``, never ``<name>`` itself
+RETRIED_PRIMITIVES = (
+    "list_files",
+    "list_dirs",
+    "file_exists",
+    "read_small",
+    "read_file",
+    "read_range",
+    "get_file",
+    "put_bytes",
+    "put_small",
+    "create_exclusive",
+    "remove_files",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +113,22 @@ class Backend:
     #: each request mostly waits for its answer, as many as the connection pool.
     default_workers: ClassVar[int] = 32
 
-    def __init__(self, fs: AbstractFileSystem, protocol: str) -> None:
+    def __init__(
+        self, fs: AbstractFileSystem, protocol: str, *, retry: RetryPolicy = DEFAULT_RETRY
+    ) -> None:
         self.fs = fs
         self.protocol = protocol
+        #: how transient failures of every primitive are tried again (``storage.retry``)
+        self.retry = retry
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        bypassing = [name for name in RETRIED_PRIMITIVES if name in cls.__dict__]
+        if bypassing:
+            raise TypeError(
+                f"{cls.__name__} overrides {bypassing[0]}, which would bypass the retry "
+                f"policy: implement _{bypassing[0]} instead"
+            )
 
     def __repr__(self) -> str:
         # Never the filesystem: its attributes hold credentials.
@@ -128,11 +166,85 @@ class Backend:
     def remove_empty_dirs(self, top: str) -> None:
         """Remove now-empty directories under and including ``top`` once their files went."""
 
-    # -- listing and reading -------------------------------------------------------------------
+    # -- the primitives: each public one is a call of its ``_``-named implementation through
+    # ``self.retry``; subclasses override the implementations (``__init_subclass__`` refuses
+    # an override of a public one, which would bypass the policy).
 
     def list_files(self, path: str, *, prefix: str = "") -> list[ListedFile]:
         """Every file below ``path`` (only those whose first path component below it starts
         with ``prefix``), with one listing where the backend allows; absent lists as empty."""
+        return self.retry.call(self._list_files, path, prefix=prefix)
+
+    def list_dirs(self, path: str) -> list[str]:
+        """The names of the directories directly below ``path`` (one delimited listing);
+        absent lists as empty."""
+        return self.retry.call(self._list_dirs, path)
+
+    def file_exists(self, path: str) -> bool:
+        """Whether one file exists, in one request."""
+        return self.retry.call(self._file_exists, path)
+
+    def read_small(self, path: str) -> bytes:
+        """The whole content of a small file (a marker) in one request."""
+        return self.retry.call(self._read_small, path)
+
+    def read_file(self, path: str) -> bytes:
+        """The whole content of a file of any size."""
+        return self.retry.call(self._read_file, path)
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a file in one ranged request (fewer at its end)."""
+        return self.retry.call(self._read_range, path, start, end)
+
+    def get_file(self, path: str, local_path: str) -> None:
+        """Download a file to a local path."""
+        self.retry.call(self._get_file, path, local_path)
+
+    def put_bytes(self, path: str, data: bytes, part_size: int) -> None:
+        """Write one whole file from memory (durable when this returns)."""
+        self.retry.call(self._put_bytes, path, data, part_size)
+
+    def put_small(self, path: str, data: bytes) -> None:
+        """Write a small file with one plain write: not atomic, not exclusive, not synced
+        (an acknowledgement, whose content nobody reads)."""
+        self.retry.call(self._put_small, path, data)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """Create ``path`` holding ``data``, or raise ``FileExistsError`` if it exists; a
+        reader never sees it partly written. A try whose reply was lost is tried again and
+        then finds the file there: ``FileExistsError`` as well, which is never tried again
+        (the commit tells its own marker from another's)."""
+        self.retry.call(self._create_exclusive, path, data)
+
+    def remove_files(self, paths: Iterable[str]) -> int:
+        """Delete files in as few requests as the backend allows; missing ones are ignored.
+        Returns how many paths were passed."""
+        paths = list(paths)
+        if not paths:
+            return 0
+        self.retry.call(self._remove_files, paths)
+        return len(paths)
+
+    def read_ranges(self, path: str, size: int, chunk: int) -> Iterator[bytes]:
+        """A file of known ``size`` as consecutive chunks, without asking its size first;
+        each chunk is one request, tried again on its own."""
+        if size == 0:
+            yield self.read_small(path)
+            return
+        for start in range(0, size, chunk):
+            yield self.read_range(path, start, min(start + chunk, size))
+
+    def open_read(self, path: str, size: int) -> IO[bytes]:
+        """A file of known ``size`` open for reading, read in ranged requests of
+        ``OPEN_READ_BLOCK`` bytes (each tried again on its own); the first is read here, so a
+        missing file raises ``FileNotFoundError`` now."""
+        handle = io.BufferedReader(_RangedReader(self, path, size), OPEN_READ_BLOCK)
+        handle.peek(1)
+        return handle
+
+    # -- the implementations: one try each -----------------------------------------------------
+
+    def _list_files(self, path: str, *, prefix: str = "") -> list[ListedFile]:
         try:
             found = self.fs.find(path, detail=True, withdirs=False)
         except FileNotFoundError:
@@ -143,25 +255,54 @@ class Backend:
         head = f"{path.rstrip('/')}/{prefix}"
         return [f for f in listed if f.path.startswith(head)]
 
-    def file_exists(self, path: str) -> bool:
-        """Whether one file exists, in one request."""
+    def _list_dirs(self, path: str) -> list[str]:
+        try:
+            entries = self.fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        return [
+            info["name"].rstrip("/").rsplit("/", 1)[-1]
+            for info in entries
+            if info.get("type") == "directory"
+        ]
+
+    def _file_exists(self, path: str) -> bool:
         return self.fs.isfile(path)
 
-    def read_small(self, path: str) -> bytes:
-        """The whole content of a small file (a marker) in one request."""
+    def _read_small(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
-    def read_range(self, path: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of a file in one ranged request (fewer at its end)."""
+    def _read_file(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def _read_range(self, path: str, start: int, end: int) -> bytes:
         return self.fs.cat_file(path, start=start, end=end)
 
-    def read_ranges(self, path: str, size: int, chunk: int) -> Iterator[bytes]:
-        """A file of known ``size`` as consecutive chunks, without asking its size first."""
-        if size == 0:
-            yield self.read_small(path)
-            return
-        for start in range(0, size, chunk):
-            yield self.read_range(path, start, min(start + chunk, size))
+    def _get_file(self, path: str, local_path: str) -> None:
+        self.fs.get_file(path, local_path)
+
+    def _put_bytes(self, path: str, data: bytes, part_size: int) -> None:
+        self.fs.pipe_file(path, data, **self.multipart_options(part_size))
+
+    def _put_small(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def _create_exclusive(self, path: str, data: bytes) -> None:
+        # Check, then write. Two creators racing inside the gap can both succeed (the last
+        # write wins): ``exclusive_create`` is False. Use S3, GCS or a POSIX file system
+        # where that matters.
+        if self.fs.exists(path):
+            raise FileExistsError(path)
+        self.fs.pipe_file(path, data)
+
+    def _remove_files(self, paths: list[str]) -> None:
+        try:
+            self.fs.rm(paths)
+        except FileNotFoundError:
+            # Some backends refuse the whole batch when one is already gone: one by one.
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(path)
 
     # -- writing and deleting ------------------------------------------------------------------
 
@@ -169,15 +310,6 @@ class Backend:
         """Keyword arguments for ``pipe_file`` that upload data of two parts or more in parts
         of ``part_size``; empty where the backend takes a single write."""
         return {}
-
-    def put_bytes(self, path: str, data: bytes, part_size: int) -> None:
-        """Write one whole file from memory (durable when this returns)."""
-        self.fs.pipe_file(path, data, **self.multipart_options(part_size))
-
-    def put_small(self, path: str, data: bytes) -> None:
-        """Write a small file with one plain write: not atomic, not exclusive, not synced
-        (an acknowledgement, whose content nobody reads)."""
-        self.fs.pipe_file(path, data)
 
     def open_write(self, path: str, part_size: int) -> IO[bytes]:
         """A file to stream one payload file into; ``finish_write`` or ``discard_write`` it."""
@@ -205,29 +337,37 @@ class Backend:
             with contextlib.suppress(OSError):
                 self.fs.rm_file(path)
 
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        """Create ``path`` holding ``data``, or raise ``FileExistsError`` if it exists; a
-        reader never sees it partly written.
 
-        Here: check, then write. Two creators racing inside the gap can both succeed (the last
-        write wins): ``exclusive_create`` is False. Use S3, GCS or a POSIX file system where
-        that matters.
-        """
-        if self.fs.exists(path):
-            raise FileExistsError(path)
-        self.fs.pipe_file(path, data)
+class _RangedReader(io.RawIOBase):
+    """A file of known size read by ``Backend.read_range``, one (retried) request per read."""
 
-    def remove_files(self, paths: Iterable[str]) -> int:
-        """Delete files in as few requests as the backend allows; missing ones are ignored.
-        Returns how many paths were passed."""
-        paths = list(paths)
-        if not paths:
+    def __init__(self, backend: Backend, path: str, size: int) -> None:
+        self._backend = backend
+        self._path = path
+        self._size = size
+        self._position = 0
+        self._opened = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        end = min(self._size, self._position + view.nbytes)
+        if end <= self._position:
+            if not self._opened:  # an empty file: still an error if it is not there
+                self._backend.read_small(self._path)
+                self._opened = True
             return 0
-        try:
-            self.fs.rm(paths)
-        except FileNotFoundError:
-            # Some backends refuse the whole batch when one is already gone: one by one.
-            for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(path)
-        return len(paths)
+        data = self._backend.read_range(self._path, self._position, end)
+        self._opened = True
+        view[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def readall(self) -> bytes:
+        # RawIOBase's own reads 8 KiB at a time: here that would be a request each.
+        pieces = []
+        while piece := self.read(OPEN_READ_BLOCK):
+            pieces.append(piece)
+        return b"".join(pieces)

@@ -19,5 +19,5 @@ class MemoryBackend(Backend):
     def display(self, path: str) -> str:
         return f"memory://{path}"
 
-    def create_exclusive(self, path: str, data: bytes) -> None:
+    def _create_exclusive(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data, mode="create")

@@ -3,14 +3,18 @@ uploads, batched deletes, and no directories."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any, ClassVar
 
 import fsspec.config
+from fsspec.spec import AbstractFileSystem
 
 from storage.backends.base import Backend, ListedFile, _listed
+from storage.retry import DEFAULT_RETRY, RetryPolicy
 
 __all__ = ["DEFAULT_POOL_CONNECTIONS", "GCSBackend", "ObjectStoreBackend", "S3Backend"]
 
@@ -19,6 +23,9 @@ __all__ = ["DEFAULT_POOL_CONNECTIONS", "GCSBackend", "ObjectStoreBackend", "S3Ba
 #: upload holds a connection, so a pool of 10 makes 32 files take four waves of round trips.
 #: gcsfs needs nothing: its aiohttp connector allows 100 connections.
 DEFAULT_POOL_CONNECTIONS = 32
+#: botocore's own retries, unless the user configures them: none, since Zephon's policy
+#: (``storage.retry``) tries every request again and botocore's would multiply with it
+BOTOCORE_RETRIES = {"total_max_attempts": 1}
 
 
 class ObjectStoreBackend(Backend):
@@ -31,7 +38,7 @@ class ObjectStoreBackend(Backend):
     multipart_uploads = True
     default_workers: ClassVar[int] = DEFAULT_POOL_CONNECTIONS
 
-    def list_files(self, path: str, *, prefix: str = "") -> list[ListedFile]:
+    def _list_files(self, path: str, *, prefix: str = "") -> list[ListedFile]:
         try:
             if prefix:  # only keys under <path>/<prefix>..., filtered by the server
                 found = self.fs.find(path, detail=True, withdirs=False, prefix=prefix)
@@ -44,7 +51,7 @@ class ObjectStoreBackend(Backend):
             return []
         return _listed(found)
 
-    def file_exists(self, path: str) -> bool:
+    def _file_exists(self, path: str) -> bool:
         # One LIST of the key as a prefix: s3fs's ``exists`` follows a missing key's HEAD with
         # a LIST to see whether it is a directory.
         parent, _, name = path.rpartition("/")
@@ -57,10 +64,10 @@ class ObjectStoreBackend(Backend):
         # s3fs sends the parts of a multipart upload concurrently; gcsfs uploads resumably.
         return {"chunksize": part_size}
 
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        """One create-only PUT: S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``; s3fs
-        and gcsfs send the precondition for ``mode="create"`` and turn the 412 into
-        ``FileExistsError``."""
+    def _create_exclusive(self, path: str, data: bytes) -> None:
+        # One create-only PUT: S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``; s3fs and
+        # gcsfs send the precondition for ``mode="create"`` and turn the 412 into
+        # ``FileExistsError``.
         self.fs.pipe_file(path, data, mode="create")
 
 
@@ -97,10 +104,92 @@ class S3Backend(ObjectStoreBackend):
             **(options.get("config_kwargs") or {}),
         }
         config_kwargs.setdefault("max_pool_connections", DEFAULT_POOL_CONNECTIONS)
+        config_kwargs.setdefault("retries", dict(BOTOCORE_RETRIES))
         options["config_kwargs"] = config_kwargs
         return options
 
-    def read_small(self, path: str) -> bytes:
+    def __init__(
+        self, fs: AbstractFileSystem, protocol: str, *, retry: RetryPolicy = DEFAULT_RETRY
+    ) -> None:
+        super().__init__(fs, protocol, retry=retry)
+        # One policy: s3fs's own loop (5 tries within about two seconds, a class attribute,
+        # not an option) would run inside every try of Zephon's. The instance is shared only
+        # by locations opened with the same options, Zephon's defaults among them.
+        fs.retries = 1
+
+    def _read_file(self, path: str) -> bytes:
+        return self._read_small(path)
+
+    def _put_bytes(self, path: str, data: bytes, part_size: int) -> None:
+        if len(data) < 2 * part_size:  # one PUT
+            self.fs.pipe_file(path, data, **self.multipart_options(part_size))
+            return
+        # In parts, each part tried again on its own: a failed part never sends the whole
+        # file again.
+        bucket, key, _ = self.fs.split_path(path)
+        upload = self._request("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        where = {"Bucket": bucket, "Key": key, "UploadId": upload}
+
+        def send_part(number: int) -> dict[str, Any]:
+            body = data[(number - 1) * part_size : number * part_size]
+            out = self._request("upload_part", PartNumber=number, Body=body, **where)
+            return {"PartNumber": number, "ETag": out["ETag"]}
+
+        count = -(-len(data) // part_size)
+        workers = max(1, min(count, int(getattr(self.fs, "max_concurrency", 1) or 1)))
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="zephon-parts") as pool:
+                parts = list(pool.map(send_part, range(1, count + 1)))
+            send = functools.partial(
+                self.fs.call_s3, "complete_multipart_upload", MultipartUpload={"Parts": parts}
+            )
+            self._complete(functools.partial(send, **where), bucket, key)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.call_s3("abort_multipart_upload", **where)
+            raise
+        self.fs.invalidate_cache(path)
+
+    def open_write(self, path: str, part_size: int) -> IO[bytes]:
+        """s3fs's buffered file, each of whose requests (the multipart upload's start, every
+        part, its completion; or the one PUT of a small file) is tried again on its own."""
+        handle = super().open_write(path, part_size)
+        bucket, key, _ = self.fs.split_path(path)
+        send = handle._call_s3
+
+        def call(method: str, *args: Any, **kwargs: Any) -> Any:
+            if method == "complete_multipart_upload":
+                return self._complete(functools.partial(send, method, *args, **kwargs), bucket, key)
+            return self.retry.call(send, method, *args, **kwargs)
+
+        # Every request of an S3File goes through its ``_call_s3``: tried again there, a part
+        # is sent again alone, never the file.
+        handle._call_s3 = call  # type: ignore[attr-defined]
+        return handle
+
+    def _request(self, method: str, **kwargs: Any) -> Any:
+        return self.retry.call(self.fs.call_s3, method, **kwargs)
+
+    def _complete(self, send: Callable[[], Any], bucket: str, key: str) -> Any:
+        """Complete a multipart upload, tried again; a retry that finds the upload gone
+        (``NoSuchUpload``) while the object is there means the first try completed it and
+        only its reply was lost."""
+        tries = 0
+
+        def attempt() -> Any:
+            nonlocal tries
+            tries += 1
+            try:
+                return send()
+            except FileNotFoundError:
+                if tries == 1:
+                    raise
+                self.fs.call_s3("head_object", Bucket=bucket, Key=key)  # or FileNotFoundError
+                return {}
+
+        return self.retry.call(attempt)
+
+    def _read_small(self, path: str) -> bytes:
         # s3fs releases that take ``max_concurrency`` would otherwise HEAD first to decide
         # whether to download in concurrent ranges (older ones, such as the 2026.2 that
         # ``datasets`` pins, do one GET anyway).

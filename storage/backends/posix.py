@@ -83,7 +83,7 @@ class PosixBackend(Backend):
 
     # -- listing and reading -------------------------------------------------------------------
 
-    def file_exists(self, path: str) -> bool:
+    def _file_exists(self, path: str) -> bool:
         return os.path.isfile(path)
 
     def read_ranges(self, path: str, size: int, chunk: int) -> Iterator[bytes]:
@@ -91,15 +91,18 @@ class PosixBackend(Backend):
             while piece := handle.read(chunk):
                 yield piece
 
+    def open_read(self, path: str, size: int) -> IO[bytes]:
+        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+
     # -- writing and deleting ------------------------------------------------------------------
 
-    def put_bytes(self, path: str, data: bytes, part_size: int) -> None:
+    def _put_bytes(self, path: str, data: bytes, part_size: int) -> None:
         with open(path, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
 
-    def put_small(self, path: str, data: bytes) -> None:
+    def _put_small(self, path: str, data: bytes) -> None:
         with open(path, "wb") as handle:
             handle.write(data)
 
@@ -118,7 +121,7 @@ class PosixBackend(Backend):
         with contextlib.suppress(OSError):
             os.unlink(handle.name)
 
-    def create_exclusive(self, path: str, data: bytes) -> None:
+    def _create_exclusive(self, path: str, data: bytes) -> None:
         """Write a temp file, fsync it, then ``link`` it to the marker name.
 
         ``link`` fails with EEXIST if the marker exists, so it is exclusive and atomic; the
@@ -155,9 +158,7 @@ class PosixBackend(Backend):
             raise FileExistsError(path)
         os.rename(tmp, path)
 
-    def remove_files(self, paths: Iterable[str]) -> int:
-        paths = list(paths)
+    def _remove_files(self, paths: list[str]) -> None:
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        return len(paths)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from storage import (
+    NO_RETRY,
     BackendUnavailableError,
     CheckpointStore,
     InvalidNameError,
@@ -60,7 +61,7 @@ def test_unreachable_endpoint_is_backend_unavailable_and_masks_secrets():
         "client_kwargs": {"endpoint_url": dead},
         "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
     }
-    store = CheckpointStore("s3://bucket/ckpt", options)
+    store = CheckpointStore("s3://bucket/ckpt", options, retry=NO_RETRY)
     with pytest.raises(BackendUnavailableError) as info:
         store.committed_steps("r")
     message = str(info.value)

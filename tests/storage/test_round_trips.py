@@ -173,7 +173,10 @@ def test_a_botocore_config_object_is_left_alone():
     options = {"client_kwargs": {"config": Config(max_pool_connections=5)}}
     assert with_defaults("s3", options) == options
     assert with_defaults("file", {}) == {}
-    assert with_defaults("s3a", {})["config_kwargs"] == {"max_pool_connections": 32}
+    assert with_defaults("s3a", {})["config_kwargs"] == {
+        "max_pool_connections": 32,
+        "retries": {"total_max_attempts": 1},  # Zephon's policy retries, not botocore
+    }
 
 
 def test_thread_defaults_per_backend(tmp_path):

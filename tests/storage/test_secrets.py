@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from storage import (
+    NO_RETRY,
     BackendUnavailableError,
     CheckpointStore,
     CorruptCheckpointError,
@@ -251,7 +252,7 @@ def test_http_locations_display_without_the_password():
 
 
 def test_unreachable_endpoint_errors_mask_every_secret_on_every_operation():
-    store = CheckpointStore("s3://bucket/ckpt", dead_s3_options())
+    store = CheckpointStore("s3://bucket/ckpt", dead_s3_options(), retry=NO_RETRY)
     operations = [
         lambda: store.runs(),
         lambda: store.committed_steps("r"),

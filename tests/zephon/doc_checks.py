@@ -424,7 +424,7 @@ CHECKS: dict[tuple[str, int], tuple[str, Checker]] = {
         "python benchmarks/storage_throughput.py",
         check_benchmarks,
     ),
-    ("docs/storage.md", 5): (
+    ("docs/storage.md", 9): (
         "python benchmarks/round_trips.py",
         check_benchmarks,
     ),

@@ -146,7 +146,11 @@ def test_storage_that_cannot_be_used_is_a_storage_error_in_one_line(
     tmp_path, save_dir, storage_options, error
 ):
     config = config_at(
-        tmp_path, save_dir=save_dir, storage_options=storage_options, catalog_url=None
+        tmp_path,
+        save_dir=save_dir,
+        storage_options=storage_options,
+        catalog_url=None,
+        retry={"max_attempts": 1},  # the endpoint is dead on purpose
     )
     with pytest.raises(error) as caught:
         load(config)

@@ -20,7 +20,13 @@ from tests.zephon.saves import save_step, start
 from zephon.cli import main
 from zephon.config import CheckpointingConfig, ModelStageConfig, load_job_config
 from zephon.errors import ConfigError
-from zephon.locations import STORAGE_OPTIONS_ENV, RunLocation, known_secrets, run_location
+from zephon.locations import (
+    RETRY_ENV,
+    STORAGE_OPTIONS_ENV,
+    RunLocation,
+    known_secrets,
+    run_location,
+)
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYzEXAMPLEKEY"
 TOKEN = "FwoGZXIvYXdzEXAMPLE-session-token"
@@ -56,9 +62,14 @@ def sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'catalog.db'}"
 
 
+#: one try of every storage request: the endpoints here are dead on purpose
+NO_RETRY_JSON = json.dumps({"max_attempts": 1})
+
+
 @pytest.fixture
-def cli(sqlite_url, capsys):
+def cli(sqlite_url, capsys, monkeypatch):
     """``zephon <command> --catalog <sqlite> ...`` in-process: (exit code, stdout, stderr)."""
+    monkeypatch.setenv(RETRY_ENV, NO_RETRY_JSON)
 
     def run(*argv: str, catalog: str | None = None):
         code = main([argv[0], "--catalog", catalog or sqlite_url, *argv[1:]])
@@ -233,6 +244,7 @@ def test_the_installed_command_prints_no_secret(tmp_path):
         **os.environ,
         "ZEPHON_CATALOG_URL": f"sqlite:///{tmp_path / 'c.db'}",
         STORAGE_OPTIONS_ENV: json.dumps(dead_options()),
+        RETRY_ENV: NO_RETRY_JSON,
     }
     zephon = os.path.join(os.path.dirname(sys.executable), "zephon")
     for argv, keeps in (

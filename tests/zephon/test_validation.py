@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 from catalog import Catalog, InvalidValueError
 from catalog import validate as catalog_validate
-from storage import InvalidNameError, validate_run
+from storage import InvalidNameError, RetryPolicy, validate_run
 from zephon.checkpointing import CheckpointManager
-from zephon.config import CheckpointingConfig
+from zephon.config import CheckpointingConfig, load_job_config
 from zephon.errors import ConfigError
+from zephon.locations import RETRY_ENV, retry_from_env
 
 NAMES = st.one_of(
     st.text(alphabet=string.ascii_letters + string.digits + "._-/ \\~ü\n", max_size=140),
@@ -69,3 +70,51 @@ def test_total_steps_must_be_a_step_a_catalog_can_hold(tmp_path, total):
     config = CheckpointingConfig(save_dir=str(tmp_path / "ckpt"))
     with pytest.raises(ConfigError, match="total_steps"):
         CheckpointManager(config, run_name="r", total_steps=total)
+
+
+# -- the retry policy (trainer.checkpointing.retry, $ZEPHON_RETRY) -----------------------------
+
+
+def test_a_jobs_retry_settings_reach_the_store_it_opens(tmp_path):
+    config = load_job_config(
+        {
+            "trainer": {
+                "checkpointing": {
+                    "save_dir": str(tmp_path / "ckpt"),
+                    "retry": {"max_attempts": 5, "deadline_s": 30},
+                }
+            }
+        }
+    )
+    assert config.checkpointing.retry == RetryPolicy(max_attempts=5, deadline_s=30)
+    with CheckpointManager(config.checkpointing, run_name="r", total_steps=2) as manager:
+        assert manager.store.location.retry == RetryPolicy(max_attempts=5, deadline_s=30)
+    assert CheckpointingConfig(save_dir=str(tmp_path)).retry == RetryPolicy()
+
+
+@pytest.mark.parametrize(
+    ("retry", "message"),
+    [
+        ({"max_attempts": 0}, r"trainer.checkpointing.retry is invalid: RetryPolicy max_attempts"),
+        ({"deadline_s": "long"}, r"trainer.checkpointing.retry is invalid: .*deadline_s"),
+        ({"attempts": 3}, r"trainer.checkpointing.retry.attempts is not a known setting; known"),
+        (5, r"trainer.checkpointing.retry = 5 is invalid: use a mapping of max_attempts"),
+    ],
+)
+def test_retry_settings_out_of_range_are_refused_in_one_line(tmp_path, retry, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        CheckpointingConfig(save_dir=str(tmp_path), retry=retry)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_cli_takes_its_retry_policy_from_the_environment(monkeypatch):
+    monkeypatch.delenv(RETRY_ENV, raising=False)
+    assert retry_from_env() == RetryPolicy()
+    monkeypatch.setenv(RETRY_ENV, '{"deadline_s": 10}')
+    assert retry_from_env() == RetryPolicy(deadline_s=10)
+    monkeypatch.setenv(RETRY_ENV, "{nope")
+    with pytest.raises(ConfigError, match=r"\$ZEPHON_RETRY is not valid JSON"):
+        retry_from_env()
+    monkeypatch.setenv(RETRY_ENV, '{"jitter": 3}')
+    with pytest.raises(ConfigError, match=r"\$ZEPHON_RETRY is invalid: RetryPolicy jitter"):
+        retry_from_env()

@@ -355,7 +355,8 @@ class Loader:
                 entry = next(e for e in layout.entries if e.key == key)
                 value = entry.value
                 modules = [value] if isinstance(value, torch.nn.Module) else list(value)
-                load_frozen_from_source(modules, source, self.job.config.storage_options)
+                config = self.job.config
+                load_frozen_from_source(modules, source, config.storage_options, config.retry)
         except Exception as exc:
             problem = exc
         self.job.coll.agree(problem, f"load the frozen parameters of step {point.step}")

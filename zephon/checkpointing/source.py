@@ -13,7 +13,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
-from storage import CheckpointNotFoundError, CheckpointStore, parse_number, parse_step_dirname
+from storage import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    RetryPolicy,
+    parse_number,
+    parse_step_dirname,
+)
 from zephon import dcp as zdcp
 from zephon.checkpointing.files import DCP_SUBDIR, META_FILE, decode_json
 from zephon.errors import ZephonError
@@ -99,7 +105,9 @@ def read_model_tensors(
 
 
 def read_source_tensors(
-    source: str, storage_options: Mapping[str, Any] | None = None
+    source: str,
+    storage_options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> dict[str, torch.Tensor]:
     """Tensors of a model source: a ``.safetensors`` file, a directory with
     ``model.safetensors.index.json`` (or one ``model.safetensors``), or a Zephon checkpoint
@@ -132,7 +140,8 @@ def read_source_tensors(
             )
     save_dir, run, step = parse_checkpoint_url(source)
     try:
-        tensors, _ = read_model_tensors(CheckpointStore(save_dir, storage_options), run, step)
+        store = CheckpointStore(save_dir, storage_options, retry=retry)
+        tensors, _ = read_model_tensors(store, run, step)
     except CheckpointNotFoundError as exc:
         raise CheckpointNotFoundError(
             f"source checkpoint {source} cannot be loaded ({exc}); {_SOURCE_FIX}",
@@ -144,7 +153,10 @@ def read_source_tensors(
 
 
 def load_frozen_from_source(
-    modules: Sequence[nn.Module], source: str, storage_options: Mapping[str, Any] | None = None
+    modules: Sequence[nn.Module],
+    source: str,
+    storage_options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> int:
     """Copy every parameter that does not require grad from ``source`` into ``modules``.
 
@@ -152,7 +164,7 @@ def load_frozen_from_source(
     ``<stage>.<name>`` for several. A missing name or another shape raises naming it. Returns
     the number of parameters loaded.
     """
-    tensors = read_source_tensors(source, storage_options)
+    tensors = read_source_tensors(source, storage_options, retry)
     loaded, missing, shapes = 0, [], []
     with torch.no_grad():
         for index, module in enumerate(modules):

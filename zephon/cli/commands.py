@@ -50,6 +50,7 @@ from zephon.locations import (
     STORAGE_OPTIONS_ENV,
     RunLocation,
     resolve_catalog_url,
+    retry_from_env,
     run_location,
 )
 from zephon.sync import sync_storage
@@ -224,13 +225,13 @@ def located(args: argparse.Namespace) -> Iterator[tuple[RunLocation, Any]]:
     when the catalog has never seen the run."""
     options = storage_options(args)
     if args.save_dir:
-        store = CheckpointStore(args.save_dir, options)
+        store = CheckpointStore(args.save_dir, options, retry=retry_from_env())
         yield RunLocation(args.run or "inference", store, args.run), None
         return
     if not args.run:
         raise ConfigError("name a RUN (from `zephon runs`), or give --save-dir to scan storage")
     with open_catalog(args) as cat:
-        yield run_location(cat.get_run(args.run), options), cat
+        yield run_location(cat.get_run(args.run), options, retry_from_env()), cat
 
 
 def _nothing_found(args: argparse.Namespace, message: str) -> int:
@@ -363,6 +364,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 dry_run=args.dry_run,
                 storage_options=options,
                 progress=report_run,
+                retry=retry_from_env(),
             ),
         )
     if args.json:
@@ -398,9 +400,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def _require_directory(url: str, options: dict[str, Any]) -> None:
     """Refuse a storage URL with nothing there: syncing it would report "0 runs", true of
     any typo."""
-    location = CheckpointStore(url, options).location
+    location = CheckpointStore(url, options, retry=retry_from_env()).location
     with backend_errors(location, f"looking for {location.url}"):
-        found = location.fs.isdir(location.root)
+        found = location.retry.call(location.fs.isdir, location.root)
     if not found:
         raise StorageError(
             f"{location.url} is no directory or bucket that exists, so there is nothing to "
@@ -421,6 +423,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 options,
                 inference_name=args.inference_name,
                 progress=report_run,
+                retry=retry_from_env(),
             ),
         )
     if args.json:

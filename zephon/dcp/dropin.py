@@ -30,6 +30,7 @@ from storage import (
     CheckpointStore,
     CheckpointWriter,
     Manifest,
+    RetryPolicy,
     mask_url,
     parse_step_dirname,
     validate_run,
@@ -182,6 +183,7 @@ class Writer(ZephonStorageWriter):
         step: int | None = None,
         catalog: CatalogArg = None,
         storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
         num_to_keep: int | None = None,
         thread_count: int = 4,
         subdir: str = "",
@@ -210,7 +212,7 @@ class Writer(ZephonStorageWriter):
         except ValueError as exc:
             raise ConfigError(f"Writer: {exc}") from None
         self.num_to_keep = num_to_keep
-        self.store = CheckpointStore(self.target.root, storage_options)
+        self.store = CheckpointStore(self.target.root, storage_options, retry=retry)
         self.location = RunLocation(self.target.run, self.store, self.target.run)
         self._catalog_arg = catalog
         self._catalog: Catalog | None = catalog if isinstance(catalog, Catalog) else None

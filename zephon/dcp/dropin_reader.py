@@ -21,7 +21,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from catalog import Catalog
-from storage import CheckpointNotFoundError, CheckpointStore, Manifest, StorageError
+from storage import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    Manifest,
+    RetryPolicy,
+    StorageError,
+)
 from zephon.config import CheckpointingConfig
 from zephon.dcp.dropin import CatalogArg, check_step, parse_run_url, step_of_checkpoint_id
 from zephon.dcp.errors import DCPError
@@ -73,6 +79,7 @@ class Reader(ZephonStorageReader):
         step: int | None = None,
         catalog: CatalogArg = None,
         storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
         verify: bool = True,
         subdir: str = "",
         thread_count: int | None = None,
@@ -87,7 +94,7 @@ class Reader(ZephonStorageReader):
             raise ConfigError(
                 f"Reader catalog must be a catalog.Catalog or its URL, got {type(catalog).__name__}"
             )
-        store = CheckpointStore(self.target.root, storage_options)
+        store = CheckpointStore(self.target.root, storage_options, retry=retry)
         try:
             super().__init__(
                 store,

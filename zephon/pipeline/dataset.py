@@ -157,7 +157,9 @@ class Dataset:
                     url=location.display(file_path),
                 )
             shard_cls = ParquetShard if kind == "parquet" else JsonlShard
-            shards[shard_id] = shard_cls(fs, file_path, location.display(file_path), cache)
+            shards[shard_id] = shard_cls(
+                fs, file_path, location.display(file_path), cache, location.retry
+            )
         return cls(name, shards)
 
     def __len__(self) -> int:

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from storage import parse_json
+from storage import DEFAULT_RETRY, RetryPolicy, parse_json
 from zephon.errors import ArgumentTypeError
 from zephon.pipeline.errors import DataSourceError
 
@@ -81,8 +81,17 @@ class _RowCache:
 class _FileShard:
     """Common part of file shards: an fsspec filesystem, a path, and the shared row cache."""
 
-    def __init__(self, fs, path: str, display: str, cache: _RowCache | None = None) -> None:
+    def __init__(
+        self,
+        fs,
+        path: str,
+        display: str,
+        cache: _RowCache | None = None,
+        retry: RetryPolicy = DEFAULT_RETRY,
+    ) -> None:
         self._fs = fs
+        #: transient failures of a read are tried again (the location's policy)
+        self._retry = retry
         self._path = path
         self._display = display
         self._cache = cache or _RowCache()
@@ -90,6 +99,15 @@ class _FileShard:
 
     def _load(self) -> list[Any]:
         raise NotImplementedError
+
+    def _with_file(self, read: Any) -> Any:
+        """``read(handle)`` on the file, the whole of it tried again on transient failures."""
+
+        def attempt() -> Any:
+            with self._fs.open(self._path, "rb") as handle:
+                return read(handle)
+
+        return self._retry.call(attempt)
 
     def _rows(self) -> list[Any]:
         return self._cache.get(self._path, self._load)
@@ -114,8 +132,7 @@ class JsonlShard(_FileShard):
 
     def _load(self) -> list[Any]:
         try:
-            with self._fs.open(self._path, "rb") as handle:
-                data = handle.read()
+            data = self._with_file(lambda handle: handle.read())
         except (OSError, ValueError) as exc:
             raise DataSourceError(
                 f"cannot read JSONL shard {self._display}: {exc}; check that it exists and is "
@@ -154,8 +171,7 @@ class ParquetShard(_FileShard):
         # The footer holds the row count: planning a run does not read the data pages.
         pq = self._pq()
         try:
-            with self._fs.open(self._path, "rb") as handle:
-                return pq.ParquetFile(handle).metadata.num_rows
+            return self._with_file(lambda handle: pq.ParquetFile(handle).metadata.num_rows)
         except (OSError, ValueError) as exc:
             raise DataSourceError(
                 f"cannot read Parquet shard {self._display}: {exc}; check that it is a Parquet "
@@ -166,8 +182,7 @@ class ParquetShard(_FileShard):
     def _load(self) -> list[Any]:
         pq = self._pq()
         try:
-            with self._fs.open(self._path, "rb") as handle:
-                return pq.read_table(handle).to_pylist()
+            return self._with_file(lambda handle: pq.read_table(handle).to_pylist())
         except (OSError, ValueError) as exc:
             raise DataSourceError(
                 f"cannot read Parquet shard {self._display}: {exc}; check that it is a Parquet "
