@@ -164,7 +164,11 @@ class ZephonCheckpointIO(CheckpointIO):
             ) as writer:
                 writer.write_many({JSON_FILE: document, TENSOR_FILE: blob})
                 writer.commit()
-        except SaveBelowLatestError as exc:
+        except BaseException as exc:
+            with self._lock:
+                self._saving.pop(name, None)
+            if not isinstance(exc, SaveBelowLatestError):
+                raise
             raise SaveBelowLatestError(
                 f"run {self.run}: refusing to save step {step} below its latest checkpoint "
                 f"{exc.latest}: this fit did not resume from it (Lightning's ckpt_path='last' "
@@ -174,10 +178,8 @@ class ZephonCheckpointIO(CheckpointIO):
                 step=step,
                 latest=exc.latest,
             ) from None
-        finally:
-            with self._lock:
-                self._saving.pop(name, None)
-        with self._lock:
+        with self._lock:  # one step: a removal sees the name either saving or saved
+            self._saving.pop(name, None)
             self._names[step] = {name}
             self._apply_early_removal(name)
         self._apply_retention(attempt)
