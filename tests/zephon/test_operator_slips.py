@@ -160,3 +160,44 @@ def test_a_local_dir_that_is_save_dir_or_a_file_is_refused_at_configuration(tmp_
             make()
         assert expected in str(info.value) and "\n" not in str(info.value)
     CheckpointingConfig(save_dir=str(save_dir), local_dir=str(tmp_path / "local"))
+
+
+def test_folder_checkpoints_register_at_their_first_save_and_refuse_a_save_below_the_latest(
+    tmp_path,
+):
+    from zephon.integrations.accelerate import FolderCheckpoints, fetch_latest
+
+    save_dir = str(tmp_path / "ckpt")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(b"w")
+
+    def job(**kwargs) -> FolderCheckpoints:
+        checkpoints = FolderCheckpoints(save_dir, RUN, **kwargs)
+        checkpoints.start()
+        return checkpoints
+
+    first = job()
+    for step in (4, 8):
+        first.save_folder(str(folder), step)
+    first.close()
+    attempts = _attempts_on_storage(save_dir)
+    assert fetch_latest(save_dir, RUN, local_dir=str(tmp_path / "dl"))[0] == 8
+    loaded = job()  # a job that loads through Zephon and stops before saving
+    loaded.start(resumed_from=8)
+    loaded.close()
+    assert _attempts_on_storage(save_dir) == attempts
+
+    fresh = job()  # the Trainer resumed from nothing: not declared
+    with pytest.raises(SaveBelowLatestError, match="step 2 below its latest checkpoint 8"):
+        fresh.save_folder(str(folder), 2)
+    fresh.close()
+    over = job(resume_step=0)  # declared: the run starts over
+    over.save_folder(str(folder), 2)
+    over.close()
+    store = CheckpointStore(save_dir)
+    assert store.lineage(RUN).current.resumed_from == 0 and store.latest(RUN).step == 2
+
+
+def _attempts_on_storage(save_dir: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(save_dir, RUN, "_attempts")))
