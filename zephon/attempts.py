@@ -8,6 +8,12 @@ attempt chooses where it resumes, on ground nobody else can move, and ``decide``
 on storage, then in the catalog, which abandons every older epoch's checkpoint above it in the
 same transaction.
 
+A job that only reads a run never registers one: an attempt is what a *writer* holds, and a
+writer that did not register when it loaded (or never loaded) registers at its first save with
+``register_writer``. Unless the job declared where it resumes, that attempt continues the run's
+latest complete checkpoint, and ``Attempt.check_save`` refuses a save below it: a job that
+started over by mistake must not mix a second history into the run.
+
 ``fenced`` turns the storage and catalog layers' ``StaleAttemptError`` into the one
 ``zephon.StaleAttemptError`` users catch.
 """
@@ -15,6 +21,7 @@ same transaction.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,7 +32,7 @@ import catalog as catalog_layer
 import storage
 from catalog import Catalog
 from storage import AttemptRecord, Fence, Lineage
-from zephon.errors import StaleAttemptError
+from zephon.errors import SaveBelowLatestError, StaleAttemptError
 from zephon.locations import RunLocation
 
 __all__ = [
@@ -37,6 +44,7 @@ __all__ = [
     "mirror_lineage",
     "register",
     "register_resuming",
+    "register_writer",
 ]
 
 T = TypeVar("T")
@@ -53,6 +61,9 @@ class Attempt:
 
     location: RunLocation
     fence: Fence
+    #: registered to continue the run's latest complete checkpoint, not at a resume point the
+    #: job declared (or loaded): a save below ``resumed_from`` is refused (``check_save``)
+    implicit: bool = False
 
     @property
     def epoch(self) -> int:
@@ -65,6 +76,22 @@ class Attempt:
     @property
     def record(self) -> AttemptRecord:
         return self.fence.record
+
+    def check_save(self, step: int) -> None:
+        """Refuse (``SaveBelowLatestError``) a save of ``step`` below the latest checkpoint an
+        implicit attempt continues: the job restarted from scratch without saying so (a resume
+        that found nothing, Lightning's ``last.ckpt`` that is not there) and would commit a
+        second history into the run, found out only when it reaches a step that exists."""
+        latest = self.resumed_from
+        if self.implicit and latest is not None and step < latest:
+            raise SaveBelowLatestError(
+                f"run {self.location.name}: refusing to save step {step} below its latest "
+                f"checkpoint {latest} (this job did not resume from it): resume from LATEST "
+                "(load_latest, ckpt_path=LATEST) or declare where the job resumes (resume_step=N)",
+                run=self.location.name,
+                step=step,
+                latest=latest,
+            )
 
 
 def as_zephon_error(exc: BaseException) -> BaseException:
@@ -176,6 +203,29 @@ def register_resuming(
         return decide(location, catalog, fence, step), found
     assert last is not None
     raise last
+
+
+def register_writer(
+    location: RunLocation,
+    catalog: Catalog | None,
+    *,
+    resume_step: int | None = None,
+    on_corrupt: Callable[[int, str], None] | None = None,
+) -> Attempt:
+    """The attempt of a writer that registers at its first save: resuming from
+    ``resume_step`` when the job declared it (or loaded it; older history above it is
+    abandoned), else continuing the run's latest complete checkpoint, ``implicit``: a save
+    below that checkpoint is then refused. ``on_corrupt`` is ``find_latest``'s."""
+    from zephon.latest import find_latest  # zephon.latest imports this module
+
+    def choose(lineage: Lineage) -> tuple[int | None, None]:
+        if resume_step is not None:
+            return resume_step, None
+        latest = find_latest(location, catalog=catalog, lineage=lineage, on_corrupt=on_corrupt)
+        return (latest.step if latest is not None else None), None
+
+    attempt, _ = register_resuming(location, catalog, choose)
+    return attempt if resume_step is not None else dataclasses.replace(attempt, implicit=True)
 
 
 def mirror_lineage(catalog: Catalog, location: RunLocation, lineage: Lineage) -> None:

@@ -180,10 +180,33 @@ class CheckpointingConfig:
                 )
             if local.startswith("file://"):
                 self.local_dir = local[len("file://") :]
+            self._check_local_dir_is_its_own(self.local_dir)
         for key in ("local_num_to_keep", "max_pending_uploads"):
             value = getattr(self, key)
             if not _positive_int(value, MAX_KEEP):
                 raise _fail(f"{p}.{key}", value, f"use an integer from 1 to {MAX_KEEP}")
+
+    def _check_local_dir_is_its_own(self, local: str) -> None:
+        """``local_dir`` must be a directory of its own: the local tier keeps only its newest
+        ``local_num_to_keep`` checkpoints, so if it were ``save_dir`` (directly or through a
+        symlink) its pruning would delete save_dir's checkpoints; a file there cannot hold any."""
+        p = self.prefix
+        if os.path.exists(local) and not os.path.isdir(local):
+            raise _fail(
+                f"{p}.local_dir", local, "it names a file; use a directory on a node-local disk"
+            )
+        save_dir = self.save_dir
+        if save_dir.startswith("file://"):
+            save_dir = save_dir[len("file://") :]
+        elif "://" in save_dir:
+            return  # remote save_dir: a local path is never the same place
+        if os.path.realpath(local) == os.path.realpath(save_dir):
+            raise _fail(
+                f"{p}.local_dir",
+                local,
+                f"it is save_dir ({os.path.realpath(save_dir)}); use a separate directory on a "
+                "node-local disk, uploaded to save_dir in the background",
+            )
 
     @property
     def resolved_catalog_url(self) -> str | None:

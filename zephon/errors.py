@@ -37,3 +37,23 @@ class ArgumentTypeError(ZephonError, TypeError):
 class NotCommittedError(ZephonError, RuntimeError):
     """A save was recorded or closed before ``writer.commit()`` created its marker: call it
     once every file is written (a ``RuntimeError``: the calls came in the wrong order)."""
+
+
+class SaveBelowLatestError(ZephonError):
+    """A job that did not say where it resumes tried to save a step below the run's latest
+    complete checkpoint: it restarted from scratch by mistake (a resume that found nothing it
+    recognised) and would mix a second history into the run. ``run``, ``step`` and ``latest``
+    name it; the fix is to resume from the latest checkpoint or to declare the resume step."""
+
+    def __init__(self, message: str, *, run: str, step: int, latest: int) -> None:
+        super().__init__(message)
+        self.run = run
+        self.step = step
+        self.latest = latest
+
+    def __reduce__(self):  # DCP sends the coordinator's error to every rank pickled
+        return _rebuild_below_latest, (str(self), self.run, self.step, self.latest)
+
+
+def _rebuild_below_latest(message: str, run: str, step: int, latest: int) -> SaveBelowLatestError:
+    return SaveBelowLatestError(message, run=run, step=step, latest=latest)

@@ -109,12 +109,15 @@ class Save:
         save_id: str | None = None,
     ) -> Save:
         """Arm the row and begin the storage save. Raises ``zephon.StaleAttemptError`` when
-        ``attempt`` is no longer current; a failed storage begin leaves the row failed.
+        ``attempt`` is no longer current, ``zephon.SaveBelowLatestError`` for a step below the
+        latest checkpoint an implicit attempt continues (``Attempt.check_save``); a failed
+        storage begin leaves the row failed.
 
         ``save_id`` is a fresh id from ``storage.new_save_id`` chosen earlier, when other
         processes must know it before the save begins (they ``attach`` to it); by default a
         new one is drawn here."""
         began = time.perf_counter()
+        attempt.check_save(step)  # a job that started over by mistake: before anything is written
         location = attempt.location
         save_id = save_id if save_id is not None else new_save_id(attempt.fence)
         with fenced():

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from catalog import Catalog
 from storage import CheckpointStore, InvalidNameError, validate_run
-from zephon.attempts import Attempt, register_resuming
+from zephon.attempts import Attempt, register_writer
 from zephon.checkpointing.collectives import Collectives
 from zephon.checkpointing.damage import report_passed_over
 from zephon.checkpointing.tiering import Tiering
 from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError
 from zephon.gc import apply_retention
-from zephon.latest import find_latest
 from zephon.locations import RunLocation, inference_run_name
 
 __all__ = ["ALREADY_COMPLETE", "Job"]
@@ -90,6 +89,8 @@ class Job:
         self.catalog: Catalog | None = None
         #: rank 0: this job's attempt, registered by ``load_latest`` (or the first save)
         self.attempt: Attempt | None = None
+        #: rank 0: the step a job that registers at its first save loaded (its resume point)
+        self.loaded_step: int | None = None
         #: the local tier (``local_dir``) and its uploads, if configured
         self.tier: Tiering | None = None
 
@@ -129,21 +130,25 @@ class Job:
             raise
         return catalog
 
+    @property
+    def reads_only_until_save(self) -> bool:
+        """An inference job reads a run (often a training run's folder) before it writes
+        anything of its own: its ``load_latest`` registers no attempt (docs/fencing.md, "Readers
+        never write"); its first save does."""
+        return self.kind == "inference"
+
     def current_attempt(self) -> Attempt:
-        """Rank 0: this job's attempt. A job that saves without ``load_latest`` registers one
-        that continues the run's latest checkpoint (it never abandons history implicitly)."""
+        """Rank 0: this job's attempt. A job that saves without having registered one at
+        ``load_latest`` registers it now: resuming from the step it loaded, or continuing the
+        run's latest checkpoint (it never abandons history implicitly, and a save below that
+        checkpoint is refused)."""
         if self.attempt is None:
-
-            def continue_latest(lineage):
-                latest = find_latest(
-                    self.location,
-                    catalog=self.catalog,
-                    lineage=lineage,
-                    on_corrupt=lambda step, why: report_passed_over(self, step, why),
-                )
-                return (latest.step if latest is not None else None), None
-
-            self.attempt, _ = register_resuming(self.location, self.catalog, continue_latest)
+            self.attempt = register_writer(
+                self.location,
+                self.catalog,
+                resume_step=self.loaded_step,
+                on_corrupt=lambda step, why: report_passed_over(self, step, why),
+            )
         return self.attempt
 
     def retain(self) -> list[int]:

@@ -170,7 +170,8 @@ class Loader:
 
     def _resume_point_on_main(self, local: int | None = None) -> ResumePoint | None:
         """Rank 0: find the latest complete checkpoint and register this job's attempt as
-        resuming from it; a checkpoint whose JSON fails verification is set aside and the next
+        resuming from it (an inference job only notes it: ``Job.current_attempt`` registers at
+        its first save); a checkpoint whose JSON fails verification is set aside and the next
         one taken (raised with ``on_corrupt: fail``). ``local``: the local tier's candidate
         every rank holds, taken if it is at least save_dir's latest (and uploaded after the
         load if it is newer)."""
@@ -205,7 +206,12 @@ class Loader:
                     return local, (latest, True)
                 return remote, (latest, False)
 
-            job.attempt, (latest, use_local) = register_resuming(job.location, job.catalog, choose)
+            if job.reads_only_until_save:  # no attempt until its first save (Job.current_attempt)
+                _, (latest, use_local) = choose(job.store.lineage(job.location.storage_run))
+            else:
+                job.attempt, (latest, use_local) = register_resuming(
+                    job.location, job.catalog, choose
+                )
             if use_local and tier is not None and local is not None:
                 try:
                     meta = self._read_meta(local, tier.store)
@@ -214,6 +220,7 @@ class Loader:
                     local = None
                     continue
                 newer = latest is None or latest.step < local
+                job.loaded_step = local
                 return ResumePoint(
                     local, tier.checkpoint_url(local), meta, local=True, upload=newer
                 )
@@ -226,6 +233,7 @@ class Loader:
                     raise  # docs/manager.md: a damaged checkpoint is raised, not passed over
                 set_aside(job, latest.step, str(exc))
                 continue
+            job.loaded_step = latest.step
             return ResumePoint(latest.step, latest.url, meta)
 
     def _read_meta(self, step: int, store: CheckpointStore) -> dict[str, Any]:

@@ -11,6 +11,7 @@ the ``checkpoints`` catalog table (that is save_dir's); the catalog's replica ro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -64,7 +65,7 @@ class LocalTier:
 
     def attempt(self, attempt: Attempt) -> Attempt:
         """The same attempt (same fence) saving into the local store."""
-        return Attempt(self.location, attempt.fence)
+        return dataclasses.replace(attempt, location=self.location)
 
     def begin(self, attempt: Attempt, step: int, tracker: Tracker | None) -> Save:
         """Rank 0: begin the local save of ``step``: no ``checkpoints`` row (that table is

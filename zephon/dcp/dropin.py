@@ -36,7 +36,7 @@ from storage import (
     validate_run,
     validate_step,
 )
-from zephon.attempts import Attempt, as_zephon_error, fenced, register_resuming
+from zephon.attempts import Attempt, as_zephon_error, fenced, register_writer
 from zephon.checkpointing.collectives import Collectives
 from zephon.checkpointing.tiering import Tiering
 from zephon.checkpointing.uploader import UploadJob
@@ -45,7 +45,6 @@ from zephon.dcp.errors import WriterSetupError, portable
 from zephon.dcp.writer import CommitMetadata, ZephonStorageWriter, _FilePrefix
 from zephon.errors import ConfigError
 from zephon.gc import apply_retention
-from zephon.latest import find_latest
 from zephon.locations import RunLocation
 from zephon.saving import Save
 
@@ -91,16 +90,17 @@ def parse_run_url(url: str | os.PathLike, what: str) -> RunURL:
     return RunURL(given, root, run)
 
 
-def check_step(step: Any, what: str) -> int | None:
-    """``step`` as given to a Writer or Reader: None, or a step number."""
+def check_step(step: Any, what: str, name: str = "step") -> int | None:
+    """``step`` as given to a Writer or Reader (its argument ``name``): None, or a step
+    number."""
     if step is None:
         return None
     if isinstance(step, bool) or not isinstance(step, int):
-        raise ConfigError(f"{what} step = {step!r} is invalid: give an integer >= 0, or None")
+        raise ConfigError(f"{what} {name} = {step!r} is invalid: give an integer >= 0, or None")
     try:
         return validate_step(step)
     except ValueError as exc:
-        raise ConfigError(f"{what} step = {step!r} is invalid: {exc}") from None
+        raise ConfigError(f"{what} {name} = {step!r} is invalid: {exc}") from None
 
 
 def step_of_checkpoint_id(
@@ -152,9 +152,13 @@ class Writer(ZephonStorageWriter):
 
     ``step`` is the step of the next save; ``dcp.save(..., checkpoint_id="<url>/save-<n>")``
     (DCP calls ``reset``) sets it instead, so one Writer serves a whole job. Keep one Writer per
-    job: its first save registers the job's attempt (which continues the run's latest
-    checkpoint), and a second Writer of the same run registers a newer one, which fences out the
-    first (a save of it still in flight then fails with ``zephon.StaleAttemptError``).
+    job: its first save registers the job's attempt, and a second Writer of the same run
+    registers a newer one, which fences out the first (a save of it still in flight then fails
+    with ``zephon.StaleAttemptError``). ``resume_step`` is the step the job resumed from (0:
+    it starts over): the attempt abandons the run's older checkpoints above it. Without it the
+    attempt continues the run's latest complete checkpoint, and a save below that one is
+    refused (``zephon.SaveBelowLatestError``): a job that restarted from scratch by mistake
+    never mixes a second history into the run.
 
     ``catalog`` (a ``catalog.Catalog`` or its URL, opened on the coordinator only) records every
     save; ``num_to_keep`` keeps that many newest checkpoints (with a catalog it is stored as the
@@ -192,10 +196,13 @@ class Writer(ZephonStorageWriter):
         local_dir: str | os.PathLike | None = None,
         local_num_to_keep: int = 1,
         max_pending_uploads: int = 2,
+        resume_step: int | None = None,
     ) -> None:
         StorageWriter.__init__(self)  # ZephonStorageWriter's own __init__ needs a bound writer
         self.target = parse_run_url(url, "Writer")
         self._next_step = check_step(step, "Writer")
+        #: the step this job resumed from, if it says so (None: it continues the latest)
+        self.resume_step = check_step(resume_step, "Writer", "resume_step")
         if num_to_keep is not None and (
             isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep < 1
         ):
@@ -483,15 +490,10 @@ class Writer(ZephonStorageWriter):
         return self._catalog
 
     def _current_attempt(self, catalog: Catalog | None) -> Attempt:
-        """The job's attempt, registered on the first save: it continues the run's latest
-        complete checkpoint, as the checkpoint manager's first save does."""
+        """The job's attempt, registered on the first save: resuming from ``resume_step``, or
+        continuing the run's latest complete checkpoint (a save below it is then refused)."""
         if self.attempt is None:
-
-            def continue_latest(lineage):
-                latest = find_latest(self.location, catalog=catalog, lineage=lineage)
-                return (latest.step if latest is not None else None), None
-
-            self.attempt, _ = register_resuming(self.location, catalog, continue_latest)
+            self.attempt = register_writer(self.location, catalog, resume_step=self.resume_step)
         return self.attempt
 
     def wait_uploads(self) -> None:

@@ -24,11 +24,10 @@ from typing import Any
 
 from catalog import Catalog
 from storage import CheckpointStore, FileEntry, InvalidNameError, validate_run
-from zephon.attempts import Attempt, register_resuming
+from zephon.attempts import Attempt, register_writer
 from zephon.errors import ConfigError, ZephonError
 from zephon.gc import apply_retention
 from zephon.integrations.download import FOLDER_FORMAT, VERIFIED, fetch_latest, open_catalog
-from zephon.latest import find_latest
 from zephon.locations import RunLocation
 from zephon.saving import Save
 
@@ -36,8 +35,6 @@ __all__ = ["AcceleratorCheckpoints", "FolderCheckpoints", "fetch_latest"]
 
 #: the files accelerate unpickles with ``weights_only=False`` (``load_custom_state``)
 _CUSTOM_STATE = re.compile(r"^custom_checkpoint_\d+\.pkl$")
-#: resume point meaning "continue the run's latest checkpoint"
-_LATEST = object()
 
 
 def _check_run(run_name: str) -> str:
@@ -68,8 +65,12 @@ def _folder_files(folder: str) -> dict[str, int]:
 class FolderCheckpoints:
     """Saves local checkpoint folders as Zephon checkpoints of one run (every process).
 
-    ``start`` (every process, once the process group exists) registers this job's attempt on
-    the main process; ``save_folder`` (every process) uploads the folder of one step. Files a
+    ``start`` (every process, once the process group exists) sets up and notes where the job
+    resumed; ``save_folder`` (every process) uploads the folder of one step, the first one
+    registering this job's attempt on the main process (loading alone writes nothing to the
+    run). ``resume_step`` declares where the job resumes when it loaded nothing through Zephon
+    (0: it starts over, abandoning the run's older checkpoints); without a resume point the
+    attempt continues the run's latest checkpoint and a save below it is refused. Files a
     process sees are uploaded by the lowest rank that sees them, so ranks that write different
     files (per-rank RNG states, sharded optimizers) each upload their own and a shared file
     system uploads each file once.
@@ -84,6 +85,7 @@ class FolderCheckpoints:
         storage_options: Mapping[str, Any] | None = None,
         num_to_keep: int | None = None,
         framework: str = "accelerate",
+        resume_step: int | None = None,
     ) -> None:
         if num_to_keep is not None and (
             isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep < 1
@@ -92,7 +94,17 @@ class FolderCheckpoints:
                 f"num_to_keep = {num_to_keep!r} is invalid: use an integer >= 1, or None to "
                 "keep all"
             )
+        if resume_step is not None and (
+            isinstance(resume_step, bool) or not isinstance(resume_step, int) or resume_step < 0
+        ):
+            raise ConfigError(
+                f"resume_step = {resume_step!r} is invalid: use an integer >= 0 (the step this "
+                "job resumes from), or None"
+            )
         self.run = _check_run(run_name)
+        self.resume_step = resume_step
+        #: main process: the step the job resumed from (``start``), if it loaded one
+        self._resumed_from: int | None = None
         self.save_dir = save_dir
         self.storage_options = dict(storage_options or {})
         self.num_to_keep = num_to_keep
@@ -110,20 +122,22 @@ class FolderCheckpoints:
         assert self.store is not None, "call start() first"
         return RunLocation(self.run, self.store, self.run)
 
-    def start(self, resumed_from: Any = _LATEST) -> None:
-        """Every process: set up collectives; the main process opens storage and the catalog
-        and registers this job's attempt, resuming from ``resumed_from`` (a step, None for a
-        fresh start, or by default the run's latest complete checkpoint). From then on an
-        older attempt of the run still running can no longer save, mark or delete anything."""
+    def start(self, resumed_from: int | None = None) -> None:
+        """Every process: set up collectives and storage, and note ``resumed_from``, the step
+        the job loaded (None: ``resume_step``, else the run's latest checkpoint). Nothing is
+        written to the run: the first ``save_folder`` registers this job's attempt, and from
+        then on an older attempt of the run still running can no longer save, mark or delete
+        anything."""
         from zephon.checkpointing.collectives import Collectives
 
         if self.coll is None:
             self.coll = Collectives()
         if self.store is None:
             self.store = CheckpointStore(self.save_dir, self.storage_options)
-        self.coll.from_main(lambda: self._register(resumed_from), "register the attempt")
+        self._resumed_from = resumed_from
 
-    def _register(self, resumed_from: Any) -> None:
+    def _register(self) -> None:
+        """Main process, at the first save: open the catalog and register the attempt."""
         assert self.store is not None
         if self.catalog is None:
             self.catalog, self._owns_catalog = open_catalog(self._catalog_arg)
@@ -135,14 +149,8 @@ class FolderCheckpoints:
                     status="active",
                     num_to_keep=self.num_to_keep,
                 )
-
-        def choose(lineage):
-            if resumed_from is not _LATEST:
-                return resumed_from, None
-            latest = find_latest(self.location, catalog=self.catalog, lineage=lineage)
-            return (latest.step if latest is not None else None), None
-
-        self.attempt, _ = register_resuming(self.location, self.catalog, choose)
+        declared = self._resumed_from if self._resumed_from is not None else self.resume_step
+        self.attempt = register_writer(self.location, self.catalog, resume_step=declared)
 
     def save_folder(
         self, folder: str, step: int, metadata: Mapping[str, Any] | None = None
@@ -189,6 +197,8 @@ class FolderCheckpoints:
             raise
 
     def _begin(self, step: int, metadata: Mapping[str, Any] | None) -> Any:
+        if self.attempt is None:
+            self._register()
         assert self.attempt is not None
         info = {"format": FOLDER_FORMAT, "framework": self.framework, **(metadata or {})}
         self._save = Save.begin(self.attempt, step, catalog=self.catalog, metadata=info)
@@ -241,6 +251,8 @@ class AcceleratorCheckpoints:
     ``register_for_checkpointing`` (``custom_checkpoint_<i>.pkl``) with ``weights_only=False``,
     so a checkpoint holding them is loaded only with ``trust_custom_states=True``: whoever can
     write the checkpoint's storage can run code in the job through them.
+    ``resume_step``: where the job resumes when it does not ``load_state``
+    (``FolderCheckpoints``).
     """
 
     def __init__(
@@ -254,6 +266,7 @@ class AcceleratorCheckpoints:
         num_to_keep: int | None = None,
         local_dir: str | None = None,
         trust_custom_states: bool = False,
+        resume_step: int | None = None,
     ) -> None:
         self.accelerator = accelerator
         self.folders = FolderCheckpoints(
@@ -263,6 +276,7 @@ class AcceleratorCheckpoints:
             storage_options=storage_options,
             num_to_keep=num_to_keep,
             framework="accelerate",
+            resume_step=resume_step,
         )
         self.local_dir = local_dir
         self.trust_custom_states = bool(trust_custom_states)
@@ -270,9 +284,10 @@ class AcceleratorCheckpoints:
         self._staging_root: str | None = None
 
     def load_state(self, **load_kwargs: Any) -> int | None:
-        """Load the latest complete checkpoint (every process) and register this job's attempt
-        as resuming from it; returns its step, or None when the run has none. One process per
-        host downloads it; a temporary download is removed once every process has loaded it."""
+        """Load the latest complete checkpoint (every process); returns its step, or None when
+        the run has none. One process per host downloads it; a temporary download is removed
+        once every process has loaded it. The first ``save_state`` registers this job's attempt,
+        resuming from it (a load alone writes nothing to the run)."""
         folders, accelerator = self.folders, self.accelerator
         found = fetch_latest(
             folders.save_dir,

@@ -86,10 +86,13 @@ class ZephonCallback(TrainerCallback):
     """A ``TrainerCallback`` that commits every ``checkpoint-N`` the Trainer saves as checkpoint
     ``N`` of run ``run_name`` under ``save_dir`` (a path or fsspec URL).
 
-    At ``on_train_begin`` the main process registers this job's attempt, resuming from the step
-    the Trainer resumed from (a fresh start abandons the run's older history, since the new
-    checkpoints replace it); an older attempt of the run still running is fenced out from
-    then on. At ``on_save`` (every process) the folder is uploaded and committed; ``num_to_keep``
+    At ``on_train_begin`` it notes the step the Trainer resumed from; the first ``on_save``
+    registers this job's attempt, resuming from it (or from ``resume_step``; 0 starts over and
+    abandons the run's older history), and an older attempt of the run still running is fenced
+    out from then on. A Trainer that resumed from nothing and no ``resume_step`` continues the
+    run's latest checkpoint: a save below it is refused (``zephon.SaveBelowLatestError``), since
+    such a job started over by mistake. At ``on_save`` (every process) the folder is uploaded
+    and committed; ``num_to_keep``
     deletes the oldest afterwards (the Trainer's ``save_total_limit`` only prunes the local
     ``output_dir``). ``run_name`` defaults to ``args.run_name``, else the last component of
     ``args.output_dir``.
@@ -103,8 +106,10 @@ class ZephonCallback(TrainerCallback):
         catalog: Catalog | str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         num_to_keep: int | None = None,
+        resume_step: int | None = None,
     ) -> None:
         self.save_dir = save_dir
+        self.resume_step = resume_step
         self.run_name = run_name
         self.catalog = catalog
         self.storage_options = dict(storage_options or {})
@@ -136,6 +141,7 @@ class ZephonCallback(TrainerCallback):
             storage_options=self.storage_options,
             num_to_keep=self.num_to_keep,
             framework="transformers",
+            resume_step=self.resume_step,
         )
         self.folders.start(resumed_from=state.global_step or None)
 

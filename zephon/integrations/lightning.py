@@ -7,14 +7,19 @@ becomes checkpoint ``global_step`` of the run (``<save_dir>/<run>/save-<step>/``
 ``lightning.json`` (everything but tensors, ``zephon.state_tree``'s JSON) and
 ``tensors.safetensors``; the name goes into the manifest's metadata. Resume with
 ``trainer.fit(model, ckpt_path=LATEST)``: ``load_checkpoint`` answers ``zephon://latest`` with
-the run's latest complete checkpoint (``zephon.latest.find_latest``), and registers this job's
-attempt as resuming from it. See docs/lightning.md.
+the run's latest complete checkpoint (``zephon.latest.find_latest``); this job's attempt is
+registered at its first save, resuming from the step loaded (a load alone writes nothing, so
+``validate``/``predict`` never touch the run). A job that loaded nothing and did not declare
+``resume_step`` cannot save below the run's latest checkpoint: Lightning's ``ckpt_path="last"``
+finds no ``last.ckpt`` file here (checkpoint names are not files) and would start over at step
+0; the first save then stops it with one line naming ``LATEST``. See docs/lightning.md.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,9 +37,9 @@ from storage import (
     parse_number,
     validate_run,
 )
-from zephon.attempts import Attempt, register_resuming
+from zephon.attempts import Attempt, register_writer
 from zephon.checkpointing.files import capture_rng, decode_json, encode_json, restore_rng
-from zephon.errors import ConfigError, ZephonError
+from zephon.errors import ConfigError, SaveBelowLatestError, ZephonError
 from zephon.gc import apply_retention, delete_requested
 from zephon.latest import find_latest
 from zephon.locations import RunLocation
@@ -59,7 +64,12 @@ class ZephonCheckpointIO(CheckpointIO):
 
     ``catalog``: a SQLAlchemy URL or an open ``catalog.Catalog`` (None: storage only).
     ``num_to_keep``: after each save the oldest checkpoints beyond this many are deleted by
-    Zephon's retention (None keeps all; Lightning's ``save_top_k`` removals also reach it).
+    Zephon's retention (None keeps all; Lightning's ``save_top_k`` removals also reach it,
+    also through ``AsyncCheckpointIO``: a removal that arrives while its save is still queued
+    or running is applied once that save committed).
+    ``resume_step``: the step this job resumes from when it does not load through this plugin
+    (0: it starts over); the run's older checkpoints above it are abandoned. Without it and
+    without a load, a save below the run's latest checkpoint is refused.
     """
 
     def __init__(
@@ -70,6 +80,7 @@ class ZephonCheckpointIO(CheckpointIO):
         catalog: str | Catalog | None = None,
         storage_options: Mapping[str, Any] | None = None,
         num_to_keep: int | None = None,
+        resume_step: int | None = None,
     ) -> None:
         super().__init__()
         try:
@@ -83,8 +94,18 @@ class ZephonCheckpointIO(CheckpointIO):
                 f"ZephonCheckpointIO num_to_keep = {num_to_keep!r} is invalid: use an integer "
                 ">= 1 or None"
             )
+        if resume_step is not None and (
+            isinstance(resume_step, bool) or not isinstance(resume_step, int) or resume_step < 0
+        ):
+            raise ConfigError(
+                f"ZephonCheckpointIO resume_step = {resume_step!r} is invalid: use an integer "
+                ">= 0 (the step this job resumes from) or None"
+            )
         self.run = run_name
         self.num_to_keep = num_to_keep
+        self.resume_step = resume_step
+        #: the step ``load_checkpoint`` loaded: where this job resumes, if it did not say
+        self._loaded_step: int | None = None
         self.store = CheckpointStore(os.fspath(save_dir), dict(storage_options or {}))
         self.location = RunLocation(run_name, self.store, run_name)
         self._own_catalog = isinstance(catalog, str)
@@ -101,6 +122,13 @@ class ZephonCheckpointIO(CheckpointIO):
         #: Lightning names of each step this process knows of (a step saved twice, e.g.
         #: top-k and ``last.ckpt``, is one checkpoint with two names)
         self._names: dict[int, set[str]] = {}
+        #: name -> step of the save running now (``AsyncCheckpointIO`` saves in a thread)
+        self._saving: dict[str, int] = {}
+        #: names Lightning removed before their save committed: deleted once it has
+        self._removed_early: set[str] = set()
+        #: ``_names``, ``_saving``, ``_removed_early`` and the attempt, between the saving
+        #: thread and the trainer's (never held while bytes are written)
+        self._lock = threading.RLock()
 
     # -- save ------------------------------------------------------------------------------
 
@@ -124,29 +152,56 @@ class ZephonCheckpointIO(CheckpointIO):
         tensors, skeleton = split_state(checkpoint)
         document = encode_json({"format_version": FORMAT_VERSION, "state": skeleton})
         blob = _safetensors_bytes(tensors)
-        self._drop_name(name)  # a name saved again (last.ckpt) no longer names the older step
-        if step in self._names:  # the same step under a second name: one checkpoint
-            self._names[step].add(name)
-            return
-        attempt = self._current_attempt()
-        with Save.begin(
-            attempt, step, catalog=self.catalog, metadata={"lightning_path": name}
-        ) as writer:
-            writer.write_many({JSON_FILE: document, TENSOR_FILE: blob})
-            writer.commit()
-        self._names[step] = {name}
+        with self._lock:
+            self._drop_name(name)  # a name saved again (last.ckpt) no longer names the older one
+            if step in self._names:  # the same step under a second name: one checkpoint
+                self._names[step].add(name)
+                self._apply_early_removal(name)
+                return
+            attempt = self._current_attempt()
+            self._saving[name] = step
+        try:
+            with Save.begin(
+                attempt, step, catalog=self.catalog, metadata={"lightning_path": name}
+            ) as writer:
+                writer.write_many({JSON_FILE: document, TENSOR_FILE: blob})
+                writer.commit()
+        except BaseException as exc:
+            with self._lock:
+                self._saving.pop(name, None)
+            if not isinstance(exc, SaveBelowLatestError):
+                raise
+            raise SaveBelowLatestError(
+                f"run {self.run}: refusing to save step {step} below its latest checkpoint "
+                f"{exc.latest}: this fit did not resume from it (Lightning's ckpt_path='last' "
+                f"finds no file with ZephonCheckpointIO); resume with ckpt_path=LATEST "
+                f"({LATEST!r}), or declare ZephonCheckpointIO(resume_step=N)",
+                run=self.run,
+                step=step,
+                latest=exc.latest,
+            ) from None
+        with self._lock:  # one step: a removal sees the name either saving or saved
+            self._saving.pop(name, None)
+            self._names[step] = {name}
+            self._apply_early_removal(name)
         self._apply_retention(attempt)
 
-    def _current_attempt(self) -> Attempt:
-        """This job's attempt: registered at the first load or save, continuing the latest
-        complete checkpoint (never abandoning history implicitly)."""
-        if self.attempt is None:
-            self.attempt, _ = register_resuming(self.location, self.catalog, self._choose)
-        return self.attempt
+    def _apply_early_removal(self, name: str) -> None:
+        """``name`` was removed by Lightning before its save committed (``AsyncCheckpointIO``
+        runs saves in a thread, removals in the trainer's): remove it now."""
+        if name in self._removed_early:
+            self._removed_early.discard(name)
+            self.remove_checkpoint(name)
 
-    def _choose(self, lineage):
-        latest = find_latest(self.location, catalog=self.catalog, lineage=lineage)
-        return (latest.step if latest is not None else None), latest
+    def _current_attempt(self) -> Attempt:
+        """This job's attempt, registered at the first save (or removal): resuming from
+        ``resume_step`` or the step loaded, else continuing the latest complete checkpoint
+        (never abandoning history implicitly; a save below it is refused)."""
+        with self._lock:
+            if self.attempt is None:
+                declared = self.resume_step if self.resume_step is not None else self._loaded_step
+                self.attempt = register_writer(self.location, self.catalog, resume_step=declared)
+            return self.attempt
 
     def _apply_retention(self, attempt: Attempt) -> None:
         apply_retention(self.location, self.catalog, attempt.fence, self.num_to_keep)
@@ -157,15 +212,22 @@ class ZephonCheckpointIO(CheckpointIO):
         """Lightning no longer wants ``path`` (``save_top_k``): the checkpoint it names is
         deleted, fenced, marker first, once no other name (``last.ckpt``) refers to it."""
         name = str(path)
-        steps = [s for s, names in self._names.items() if name in names]
-        if not steps:
-            steps = [s for s in self._steps_named(name) if s not in self._names]
-            for s in steps:
-                self._names[s] = {name}
-        for step in steps:
-            self._names[step].discard(name)
-            if not self._names[step]:
-                self._delete(step)
+        with self._lock:
+            if name in self._saving:  # its save is running in another thread: after it commits
+                self._removed_early.add(name)
+                return
+            steps = [s for s, names in self._names.items() if name in names]
+            if not steps:
+                steps = [s for s in self._steps_named(name) if s not in self._names]
+                if not steps:  # nothing saved under it yet: a save still queued (async)
+                    self._removed_early.add(name)
+                    return
+                for s in steps:
+                    self._names[s] = {name}
+            for step in steps:
+                self._names[step].discard(name)
+                if not self._names[step]:
+                    self._delete(step)
 
     def _drop_name(self, name: str) -> None:
         for step in [s for s, names in self._names.items() if name in names]:
@@ -197,7 +259,7 @@ class ZephonCheckpointIO(CheckpointIO):
         ``zephon.CheckpointNotFoundError``); every byte is checked against its CRC32C."""
         name = str(path)
         if name == LATEST:
-            self.attempt, latest = register_resuming(self.location, self.catalog, self._choose)
+            latest = find_latest(self.location, catalog=self.catalog, confirm=True)
             if latest is None:
                 log.info("zephon: run %s has no checkpoint yet: starting fresh", self.run)
                 return _NoCheckpoint()
@@ -233,7 +295,9 @@ class ZephonCheckpointIO(CheckpointIO):
         from safetensors.torch import load as load_safetensors
 
         tensors = load_safetensors(reader.read_bytes(TENSOR_FILE))
-        self._names.setdefault(step, set())
+        with self._lock:
+            self._names.setdefault(step, set())
+            self._loaded_step = step
         return join_state(doc["state"], tensors)
 
     def close(self) -> None:

@@ -60,8 +60,10 @@ class ZephonCheckpointManager(CheckpointManager):
     - ``_load`` takes the step from ``zephon.latest.find_latest`` (the catalog first, a
       storage scan without one), looked up on rank 0 and broadcast, and loads it through
       ``zephon.dcp.Reader``, every byte checked against its CRC32C. ``checkpoint.load_step``
-      still names a step explicitly; ``initial_load_path`` is used as torchtitan uses it when
-      the run has no complete checkpoint.
+      still names a step explicitly, and is the Writer's ``resume_step`` (the job resumes
+      there: the run's newer checkpoints are abandoned, not mixed with the new ones);
+      ``initial_load_path`` is used as torchtitan uses it when the run has no complete
+      checkpoint.
     - retention: ``num_to_keep`` (else ``keep_latest_k``, 0 keeping all) newest *committed*
       checkpoints, applied by the Writer after each commit with the checkpoint manager's code
       (``zephon.gc``); torchtitan's purge thread is never started.
@@ -137,11 +139,15 @@ class ZephonCheckpointManager(CheckpointManager):
         self.catalog_url: str | None = config.catalog or os.environ.get(CATALOG_URL_ENV) or None
         self.storage_options: dict[str, Any] = storage_options_from_env(config.storage_options)
         self.verify = config.verify
+        # An explicit checkpoint.load_step is where this job resumes: the Writer's attempt
+        # abandons the run's newer history; without it, a save below the latest is refused.
+        load_step = getattr(config, "load_step", -1)
         self.writer = zd.Writer(
             self.folder,
             catalog=self.catalog_url,
             storage_options=self.storage_options,
             num_to_keep=keep,
+            resume_step=load_step if isinstance(load_step, int) and load_step >= 0 else None,
         )
         self.zephon_stager: zd.ZephonStager | None = None
         logger.info(

@@ -220,11 +220,11 @@ def test_a_local_checkpoint_whose_on_commit_raised_is_still_uploaded(s3_backend,
 
 
 def test_bad_tier_arguments_get_the_managers_one_line_errors(tmp_path):
-    url = f"{tmp_path}/r"
+    url, local = f"{tmp_path}/r", tmp_path / "local"
     cases = [
         (lambda: zd.Writer(url, local_dir="s3://b/local"), "Writer.local_dir"),
-        (lambda: zd.Writer(url, local_dir=tmp_path, local_num_to_keep=0), "local_num_to_keep"),
-        (lambda: zd.Writer(url, local_dir=tmp_path, max_pending_uploads=0), "max_pending"),
+        (lambda: zd.Writer(url, local_dir=local, local_num_to_keep=0), "local_num_to_keep"),
+        (lambda: zd.Writer(url, local_dir=local, max_pending_uploads=0), "max_pending"),
         (lambda: zd.Reader(url, local_dir="gs://b/x"), "Reader.local_dir"),
     ]
     for make, words in cases:
