@@ -236,9 +236,10 @@ def create_settled(
     absent, the write did not land and is sent again, up to ``tries`` requests in all.
 
     Raises what the last request raised if it never settled (an error of unknown outcome:
-    the file may still appear), a refusal (``PermissionError``, ``FileNotFoundError``...) at
-    once, and ``FileExistsError`` only if something keeps refusing the create while nothing
-    is readable at ``path`` (a POSIX ``.claim`` file left by a crashed creator). Translate
+    the file may be there, or still appear), a refusal (``PermissionError``,
+    ``FileNotFoundError``...) at once, and ``FileExistsError`` only if something keeps
+    refusing the create while ``path`` reads as absent (a POSIX ``.claim`` file left by a
+    crashed creator). Translate
     with ``backend_errors`` around the call, as for the other primitives.
     """
     unknown = 0
@@ -262,7 +263,8 @@ def create_settled(
         except Exception as exc:
             if not outcome_unknown(exc):
                 raise
-            continue  # cannot tell yet
+            last = exc  # cannot tell yet, even after a FileExistsError: it may be this call's
+            continue
         return CreateOutcome(None if found == data else found, unknown)
     assert last is not None
     raise last
