@@ -12,9 +12,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from storage.backends import S3Backend
 from tests.faults import FaultProxy
 from tests.storage.test_lost_replies import DROPS, MARKER, through
-from zephon import CheckpointingConfig, CheckpointManager
+from zephon import CheckpointingConfig, CheckpointManager, StorageError
 from zephon import dcp as zd
 
 
@@ -98,3 +99,47 @@ def test_a_dcp_writer_save_whose_marker_reply_was_lost_commits_and_loads(
     dcp.load(loaded, storage_reader=reader)
     assert reader.step == 100 and torch.equal(loaded["weight"], state["weight"])
     assert reader.store.verify("r", 100, deep=True).ok
+
+
+def unreadable_once_sent(monkeypatch) -> None:
+    """Once a marker was sent, reading it back fails as if the connection dropped: the proxy
+    cannot tell the manager's probe before the save from the read-back after the marker."""
+    sent: set[str] = set()
+    create, read = S3Backend.create_exclusive, S3Backend.read_small
+
+    def create_and_note(backend, path: str, data: bytes) -> None:
+        sent.add(path)
+        create(backend, path, data)
+
+    def read_unless_sent(backend, path: str) -> bytes:
+        if path in sent:
+            raise ConnectionResetError(f"connection reset reading {path}")
+        return read(backend, path)
+
+    monkeypatch.setattr(S3Backend, "create_exclusive", create_and_note)
+    monkeypatch.setattr(S3Backend, "read_small", read_unless_sent)
+
+
+@pytest.mark.parametrize("with_catalog", [False, True], ids=["no catalog", "catalog"])
+def test_a_manager_save_of_unknown_outcome_keeps_its_files_and_the_next_job_resumes_it(
+    s3_backend, proxy, tmp_path, monkeypatch, with_catalog
+):
+    no_client_retries(monkeypatch)
+    catalog = f"sqlite:///{tmp_path / 'catalog.db'}" if with_catalog else None
+    saving = config(s3_backend.url, through(s3_backend, proxy, False), catalog)
+    saved = model(1)
+    with CheckpointManager(saving, run_name="r", total_steps=10) as manager:
+        manager.load_latest({"model": model(0)})
+        # the marker lands, and then nothing about it is ever answered
+        proxy.drop_reply(method="PUT", path=MARKER, count=20)
+        unreadable_once_sent(monkeypatch)
+        with pytest.raises(StorageError, match="was created is unknown"):
+            manager.save(3, {"model": saved})
+        monkeypatch.undo()
+    resuming = config(s3_backend.url, s3_backend.storage_options, catalog)
+    loaded = model(2)
+    with CheckpointManager(resuming, run_name="r", total_steps=10) as manager:
+        resume = manager.load_latest({"model": loaded})
+    assert (resume.step, resume.next_step) == (3, 4)
+    for mine, theirs in zip(loaded.parameters(), saved.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
