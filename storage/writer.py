@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
-import io
 import os
 import socket
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from storage.backend import (
     backend_errors,
@@ -42,10 +41,9 @@ from storage.errors import (
 from storage.layout import MARKER_NAME, validate_file_name
 from storage.manifest import FileEntry, Manifest, validate_save_id
 from storage.parallel import concurrently
-from storage.writeback import WRITEBACK_EVERY, start_writeback
+from storage.recording import RecordingFile
 
 if TYPE_CHECKING:
-    from storage.backends import Backend
     from storage.lineage import Fence
     from storage.store import CheckpointStore
 
@@ -61,87 +59,6 @@ _COMMIT_TRIES = 5
 
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
-
-
-class _RecordingFile:
-    """A write-only file that records the size and CRC32C of every byte on its way out; on
-    local disk it also starts the writeback of what it wrote every few MiB, so the fsync at the
-    end finds little left to do."""
-
-    def __init__(self, handle: IO[bytes], backend: Backend, part_size: int = 0) -> None:
-        self._handle = handle
-        self._backend = backend
-        self._local = backend.posix_paths  # an OS file: writeback can be started on it
-        self._part_size = part_size
-        self.crc = Crc32c()
-        self._written = 0
-        self._flushed_to = 0
-
-    def write(self, data: bytes | bytearray | memoryview, crc: int | None = None) -> int:
-        """Write ``data`` (any C-contiguous buffer, e.g. a whole tensor's byte view, in one
-        call) and add it to the file's size and CRC32C; returns its length in bytes.
-
-        ``crc``, if given, must be the CRC32C of exactly ``data`` (e.g. from
-        ``storage.checksum.crc32c_extend(0, data)``, computed once by a caller that records it
-        anyway): it is combined into the file's CRC instead of reading the bytes a second time.
-        It is trusted, not checked: a wrong value makes the manifest disagree with the file.
-
-        On local disk the bytes go out in ``WRITEBACK_EVERY`` pieces and each piece's writeback
-        starts as soon as it is written, so copying into the page cache and writing to disk
-        overlap; without ``crc`` each piece is checksummed right before it is copied.
-
-        On object stores the upload buffer is filled only up to one part at a time
-        (``_write_parts``), so a file being written holds at most about two parts in memory
-        (the buffer and the part's request body), however large ``data`` is.
-        """
-        view = memoryview(data)
-        if view.ndim != 1 or view.itemsize != 1:
-            view = view.cast("B")
-        size = view.nbytes
-        if not self._local:
-            if crc is None:
-                self.crc.update(view)
-            else:
-                self.crc.extend(crc, size)
-            self._write_parts(view)
-            return size
-        for start in range(0, size, WRITEBACK_EVERY):
-            piece = view[start : start + WRITEBACK_EVERY]
-            if crc is None:
-                self.crc.update(piece)
-            self._handle.write(piece)
-            self._written += piece.nbytes
-            if self._written - self._flushed_to >= WRITEBACK_EVERY:
-                self._handle.flush()
-                start_writeback(
-                    self._handle.fileno(), self._flushed_to, self._written - self._flushed_to
-                )
-                self._flushed_to = self._written
-        if crc is not None:
-            self.crc.extend(crc, size)
-        return size
-
-    def _write_parts(self, view: memoryview) -> None:
-        # fsspec's buffered files copy everything written into an in-memory buffer and upload
-        # it once it reaches the block size; s3fs then sends the whole buffer as one part. A
-        # 1 GiB tensor written in one call would be buffered whole, then copied again into its
-        # part. Topping the buffer up to exactly one part per call keeps both at one part.
-        part, start, size = self._part_size, 0, view.nbytes
-        if not part:
-            self._handle.write(view)
-            return
-        while start < size:
-            buffer = getattr(self._handle, "buffer", None)
-            held = buffer.tell() if isinstance(buffer, io.BytesIO) else 0
-            room = part - held if held < part else part
-            self._handle.write(view[start : start + room])
-            start += room
-
-    def finish(self) -> None:
-        self._backend.finish_write(self._handle)
-
-    def discard(self) -> None:
-        self._backend.discard_write(self._handle)
 
 
 class CheckpointWriter:
@@ -229,7 +146,7 @@ class CheckpointWriter:
             return self.write_stream(name, stream)
 
     @contextlib.contextmanager
-    def open(self, name: str) -> Iterator[_RecordingFile]:
+    def open(self, name: str) -> Iterator[RecordingFile]:
         """A file to ``write()`` into; recorded in the manifest when the block exits cleanly.
 
         Large files on object stores go out as multipart uploads as the buffer fills.
@@ -529,13 +446,13 @@ class CheckpointWriter:
         return entry
 
     @contextlib.contextmanager
-    def _open_file(self, target: str) -> Iterator[_RecordingFile]:
+    def _open_file(self, target: str) -> Iterator[RecordingFile]:
         """The payload file ``target`` open for writing through the backend: completed (local
         disk: fsynced; object stores: the upload finished) when the block exits cleanly,
         abandoned without publishing anything otherwise."""
         backend = self._store.location.backend
         part_size = self._store.part_size
-        out = _RecordingFile(backend.open_write(target, part_size), backend, part_size)
+        out = RecordingFile(backend.open_write(target, part_size), backend, part_size)
         try:
             yield out
         except BaseException:
