@@ -11,7 +11,7 @@ Start with ``Catalog`` (docs/catalog.md describes the tables, states and protoco
 from __future__ import annotations
 
 from catalog.catalog import DEFAULT_GRACE, MISSING_MARKER_REASON, Catalog
-from catalog.claims import DEFAULT_LEASE
+from catalog.claims import DEFAULT_LEASE, claim_holder
 from catalog.engine import mask_url
 from catalog.errors import (
     CatalogDatabaseError,
@@ -118,6 +118,7 @@ __all__ = [
     "StaleAttemptError",
     "StateConflictError",
     "SyncOutcome",
+    "claim_holder",
     "current_revision",
     "head_revision",
     "mask_url",

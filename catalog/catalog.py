@@ -823,7 +823,8 @@ class Catalog(replicas.ReplicaMethods):
         ``requested`` (a framework's retention naming the steps it no longer wants, such as
         Lightning's ``save_top_k``) the given committed, stale or corrupt rows are claimed
         whatever the policy says, except pinned ones and the resume point. ``deleting``
-        rows whose lease is older than ``lease`` are re-claimed (a crashed gc). Rows locked or
+        rows whose lease is older than ``lease`` or was released are re-claimed (a crashed or
+        failed gc). Rows locked or
         claimed by a concurrent gc, kept by the fresh plan, or in other states are silently
         left out: losing is normal, not an error.
 
@@ -876,6 +877,23 @@ class Catalog(replicas.ReplicaMethods):
                 replicas.save_dir_copy_gone(session, owner.id, step, now)
             return row is not None
 
+    def release_claims(self, run: str, tokens: Sequence[str], reason: str) -> list[int]:
+        """End the leases of the run's ``deleting`` rows held by ``tokens`` (a delete that
+        failed, or a holder proved dead), so that the next gc re-claims and finishes them at
+        once; the rows stay ``deleting``. Returns the steps released (event ``released``)."""
+        run = validate.run_name(run)
+        tokens = [validate.text("claim_token", t, maximum=255) for t in tokens]
+        reason = validate.text("reason", reason)
+        if not tokens:
+            return []
+        with self._db.write(f"release deletion claims of run {run!r}") as session:
+            owner = runs.require(session, self.url, run)
+            rows = claims.release(session, owner, tokens, _now())
+            for row in rows:
+                detail = {"claim": row.claimed_by, "reason": reason}
+                self._event(session, "released", run, row.step, detail)
+            return sorted(row.step for row in rows)
+
     def expired_claims(
         self,
         *,
@@ -883,8 +901,9 @@ class Catalog(replicas.ReplicaMethods):
         lease: timedelta = claims.DEFAULT_LEASE,
         now: datetime | None = None,
     ) -> list[CheckpointRecord]:
-        """``deleting`` rows whose lease is older than ``lease`` (a gc died mid-delete), of one
-        run or all; pass their steps to ``claim_for_deletion`` to finish them."""
+        """``deleting`` rows whose lease is older than ``lease`` (a gc died mid-delete) or was
+        released (``release_claims``: ``claimed_at`` is None), of one run or all; pass their
+        steps to ``claim_for_deletion`` to finish them."""
         if run is not None:
             run = validate.run_name(run)
         validate.positive_duration("lease", lease)

@@ -22,14 +22,21 @@ The claim token (``claimed_by``) identifies the claim; ``mark_deleted`` needs it
 lease was taken over cannot mark a row another gc is finishing. Leases use the claimant's
 clock; choose ``lease`` far above clock skew and above the time one checkpoint's storage delete
 takes.
+
+A claim whose storage delete failed is given back with ``release``: the row stays ``deleting``
+(its marker may be gone already, so it is no checkpoint any more) with ``claimed_at`` cleared,
+which every lease treats as expired, so the next gc re-claims and finishes it at once. gc also
+releases the claims of a holder it proved dead (``zephon.holders``). ``claim_holder`` reads the
+host and pid a default claim token names.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import ColumnElement, and_, or_, select
 from sqlalchemy.orm import Session
 
 from catalog import attempts, guarded, queries
@@ -46,6 +53,26 @@ CORRUPT = CheckpointState.CORRUPT
 
 # The states retention plans over; the others are transient (deleting) or final.
 PLANNED = [COMMITTED, CheckpointState.PENDING, STALE, CORRUPT]
+
+# "<user>@<host>:<pid>/<12 hex>": a claim token made with the default actor (catalog.audit)
+_DEFAULT_TOKEN = re.compile(r"[^@/]*@(?P<host>[^:/@]+):(?P<pid>[0-9]{1,10})/[0-9a-f]{12}")
+
+
+def claim_holder(token: str) -> tuple[str, int] | None:
+    """``(host, pid)`` of the process that made claim ``token`` with the default actor
+    ``user@host:pid``; None for a token of another actor (``Catalog(actor=...)``), whose
+    process cannot be told."""
+    found = _DEFAULT_TOKEN.fullmatch(token)
+    return (found["host"], int(found["pid"])) if found else None
+
+
+def _lease_over(cutoff: datetime) -> ColumnElement[bool]:
+    """A ``deleting`` row anyone may re-claim: its lease began before ``cutoff``, or its holder
+    released it (``claimed_at`` cleared)."""
+    return and_(
+        Checkpoint.state == DELETING,
+        or_(Checkpoint.claimed_at.is_(None), Checkpoint.claimed_at < cutoff),
+    )
 
 
 def current_plan(
@@ -97,10 +124,7 @@ def claim(
         return []
     cutoff = now - lease
     deletable_states = [COMMITTED, STALE, *([CORRUPT] if corrupt else [])]
-    claimable = or_(
-        Checkpoint.state.in_(deletable_states),
-        and_(Checkpoint.state == DELETING, Checkpoint.claimed_at < cutoff),
-    )
+    claimable = or_(Checkpoint.state.in_(deletable_states), _lease_over(cutoff))
     candidates = session.scalars(
         select(Checkpoint)
         .where(Checkpoint.run_id == run.id, Checkpoint.step.in_(sorted(set(steps))), claimable)
@@ -137,11 +161,7 @@ def claim(
         rows = guarded.update(
             session,
             Checkpoint,
-            [
-                Checkpoint.id.in_(expired),
-                Checkpoint.state == DELETING,
-                Checkpoint.claimed_at < cutoff,
-            ],
+            [Checkpoint.id.in_(expired), _lease_over(cutoff)],
             values,
         )
         won.extend((row, "reclaimed", was[row.id]) for row in rows)
@@ -164,14 +184,31 @@ def finish(session: Session, run: Run, step: int, token: str, now: datetime) -> 
     )
 
 
+def release(session: Session, run: Run, tokens: Sequence[str], now: datetime) -> list[Checkpoint]:
+    """End the leases of the run's ``deleting`` rows held by ``tokens`` now: they stay
+    ``deleting`` and the next claim takes them over whatever its lease; the rows released."""
+    return guarded.update(
+        session,
+        Checkpoint,
+        [
+            Checkpoint.run_id == run.id,
+            Checkpoint.state == DELETING,
+            Checkpoint.claimed_by.in_(sorted(set(tokens))),
+            Checkpoint.claimed_at.is_not(None),
+        ],
+        {"claimed_at": None, "updated_at": now},
+    )
+
+
 def expired_claims(
     session: Session, run_id: int | None, cutoff: datetime
 ) -> list[tuple[Checkpoint, str]]:
-    """``deleting`` rows whose lease started before ``cutoff``, with their run names."""
+    """``deleting`` rows whose lease started before ``cutoff`` or was released, with their run
+    names."""
     statement = (
         select(Checkpoint, Run.name)
         .join(Run, Run.id == Checkpoint.run_id)
-        .where(Checkpoint.state == DELETING, Checkpoint.claimed_at < cutoff)
+        .where(_lease_over(cutoff))
         .order_by(Run.name, Checkpoint.step)
     )
     if run_id is not None:

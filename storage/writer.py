@@ -25,6 +25,7 @@ from storage.backend import (
     file_exists,
     list_files,
     make_dirs,
+    missing_parent_fix,
     outcome_unknown,
     remove_dir,
     remove_empty_dirs,
@@ -349,7 +350,7 @@ class CheckpointWriter:
             ) from None
         except BackendUnavailableError as exc:
             self._state = "unknown"
-            if not outcome_unknown(exc.__cause__ or exc):
+            if not outcome_unknown(exc):
                 raise  # refused, not applied; the payload is kept all the same (simpler, safe)
             raise BackendUnavailableError(
                 f"{exc}; whether the marker of {self.url} was created is unknown, so its files "
@@ -426,8 +427,8 @@ class CheckpointWriter:
                     yield
                 except FileNotFoundError as exc:
                     raise BackendUnavailableError(
-                        f"writing {name} to {self.url} failed: {exc}; the bucket or directory "
-                        f"{self._store.url} must exist: create it first",
+                        f"writing {name} to {self.url} failed: {exc}; "
+                        f"{missing_parent_fix(self._store.location)}",
                         url=self._store.url,
                         run=self.run,
                         step=self.step,

@@ -3,7 +3,7 @@ to test what Zephon does when the network misbehaves.
 
     with FaultProxy(s3.endpoint_url, seed=7) as proxy:
         options = {**s3.storage_options(), "client_kwargs": {"endpoint_url": proxy.url}}
-        proxy.set_rates(error=0.05, reset=0.01)      # random faults on every request
+        proxy.set_rates(error=0.05, reset=0.01, drop=0.01)  # random faults on every request
         proxy.drop_reply(method="PUT", path=r"/_COMMIT$")  # applied by the server, reply lost
         proxy.outage(True)                           # every request fails until outage(False)
 
@@ -61,7 +61,7 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-_RANDOM_OUTCOMES = ("error", "slow_down", "reset", "truncate", "stall")
+_RANDOM_OUTCOMES = ("error", "slow_down", "reset", "drop_reply", "truncate", "stall")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,16 +124,19 @@ class FaultProxy:
         error: float = 0.0,
         slow_down: float = 0.0,
         reset: float = 0.0,
+        drop: float = 0.0,
         truncate: float = 0.0,
         stall: float = 0.0,
         stall_s: float | None = None,
         retry_after_s: int | None = None,
     ) -> None:
-        """The probability of each random fault per request (they add up; at most 1)."""
+        """The probability of each random fault per request (they add up; at most 1);
+        ``drop`` is the random form of ``drop_reply`` (applied by the server, reply lost)."""
         rates = {
             "error": error,
             "slow_down": slow_down,
             "reset": reset,
+            "drop_reply": drop,
             "truncate": truncate,
             "stall": stall,
         }

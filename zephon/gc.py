@@ -21,6 +21,7 @@ from catalog import (
     DEFAULT_LEASE,
     Catalog,
     CatalogError,
+    CheckpointRecord,
     ResumePoint,
     StateConflictError,
     plan_retention,
@@ -28,6 +29,7 @@ from catalog import (
 from storage import CheckpointStore, Fence, Lineage, StorageError
 from zephon.attempts import fenced, mirror_lineage
 from zephon.errors import StaleAttemptError
+from zephon.holders import held_claims, still_held
 from zephon.locations import RunLocation, run_location
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
 from zephon.sync import SyncReport, reconcile_run
@@ -59,6 +61,10 @@ class GcReport:
     settled: list[dict[str, Any]] = field(default_factory=list)
     orphans: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: deletions left undone: ``{"run", "step", "claimed_by", "lease_expires"}``; a claim this
+    #: pass released after a failed delete has ``lease_expires`` None (the next gc takes it at
+    #: once), one held by a process this host cannot judge the time its lease ends
+    remaining: list[dict[str, Any]] = field(default_factory=list)
     #: audit events older than ``GcPolicy.events_age`` deleted (None: not pruned this pass)
     events_pruned: int | None = None
 
@@ -69,8 +75,29 @@ class GcReport:
             "settled": self.settled,
             "orphans": self.orphans,
             "problems": self.problems,
+            "remaining": self.remaining,
             "events_pruned": self.events_pruned,
         }
+
+    def remaining_line(self) -> str | None:
+        """One line saying which deletions remain and when a gc finishes them; None if none."""
+        groups: dict[tuple[str, str | None, str | None], list[int]] = {}
+        for item in self.remaining:
+            key = (item["run"], item["claimed_by"], item["lease_expires"])
+            groups.setdefault(key, []).append(item["step"])
+        if not groups:
+            return None
+        parts = []
+        for (run, holder, expires), steps in sorted(groups.items(), key=str):
+            if expires is None:
+                when = "the delete failed, the claim is released: the next gc finishes them at once"
+            else:
+                when = (
+                    f"claimed by {holder}, a process this host cannot judge, lease expires "
+                    f"{expires}: the first gc after that finishes them"
+                )
+            parts.append(f"run {run} {_steps_text(steps)} ({when})")
+        return f"remaining: {len(self.remaining)} deletion(s) not finished: " + "; ".join(parts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,8 +187,8 @@ def gc_run(
     for decision in plan.to_expire:
         _settle_expired(catalog, location, lineage, decision, dry_run, report)
 
-    stuck = [row.step for row in catalog.expired_claims(run=name, lease=policy.lease)]
-    candidates = sorted(set(plan.to_delete) | set(stuck))
+    held = held_claims(catalog, name, policy.lease, dry_run)
+    candidates = sorted(set(plan.to_delete) | held.takeable)
     if dry_run:
         for step in candidates:
             report.deleted.append({"run": name, "step": step, "files": None})
@@ -175,15 +202,52 @@ def gc_run(
                 grace=policy.grace,
                 lease=policy.lease,
             )
-        # One batched delete for all claimed checkpoints: every marker first, then payloads.
-        removed = store.delete_many(storage_run, [row.step for row in claimed])
-        for row in claimed:
-            catalog.mark_deleted(name, row.step, row.claimed_by)
-            report.deleted.append({"run": name, "step": row.step, "files": removed[row.step]})
+        _delete_claimed(catalog, location, claimed, report)
+    if held.unknown:
+        report.remaining.extend(still_held(catalog, name, held.unknown, policy.lease))
 
     if orphans:
         _remove_leftovers(catalog, location, policy, dry_run, report)
     return report
+
+
+def _steps_text(steps: list[int]) -> str:
+    shown = ", ".join(str(step) for step in sorted(steps)[:8])
+    more = f" and {len(steps) - 8} more" if len(steps) > 8 else ""
+    return f"step{'s' if len(steps) > 1 else ''} {shown}{more}"
+
+
+def _delete_claimed(
+    catalog: Catalog, location: RunLocation, claimed: list[CheckpointRecord], report: GcReport
+) -> None:
+    """Delete the claimed checkpoints (one batched delete: every marker first, then the
+    payloads) and mark them deleted.
+
+    On any failure the claims not yet marked are released before the error goes on, so that the
+    next gc finishes them at once rather than after the lease; they are reported remaining."""
+    name = location.name
+    try:
+        removed = location.store.delete_many(location.storage_run, [row.step for row in claimed])
+        for row in claimed:
+            catalog.mark_deleted(name, row.step, row.claimed_by)
+            report.deleted.append({"run": name, "step": row.step, "files": removed[row.step]})
+    except BaseException as failure:
+        tokens = sorted({row.claimed_by for row in claimed if row.claimed_by is not None})
+        reason = f"the delete failed: {type(failure).__name__}: {failure}"[:500]
+        try:
+            released = catalog.release_claims(name, tokens, reason)
+        except CatalogError as also:
+            failure.add_note(
+                f"its claims on run {name!r} could not be released ({also}); the next gc on "
+                "this host takes them over once this process has exited, any other after the "
+                "lease"
+            )
+            released = []
+        report.remaining.extend(
+            {"run": name, "step": step, "claimed_by": None, "lease_expires": None}
+            for step in released
+        )
+        raise
 
 
 def _check_current(catalog: Catalog, name: str, epoch: int) -> None:
@@ -325,9 +389,7 @@ def delete_requested(
             store.delete_many(storage_run, steps)
             return steps
         claimed = catalog.claim_for_deletion(name, steps, epoch=fence.epoch, requested=True)
-    store.delete_many(storage_run, [row.step for row in claimed])
-    for row in claimed:
-        catalog.mark_deleted(name, row.step, row.claimed_by)
+    _delete_claimed(catalog, location, claimed, GcReport(dry_run=False))
     return [row.step for row in claimed]
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import threading
 from datetime import UTC, datetime, timedelta
 
@@ -10,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from catalog import InvalidValueError, RunNotFoundError, StaleAttemptError
+from catalog import InvalidValueError, RunNotFoundError, StaleAttemptError, claim_holder
 from tests.catalog.conftest import commit_step, register
 
 
@@ -99,6 +101,37 @@ def test_an_expired_lease_is_reclaimed_and_the_old_claim_cannot_finish(catalog, 
     assert catalog.events(run=kept2)[0].action == "reclaimed"
     assert not catalog.mark_deleted(kept2, 1, crashed.claimed_by)
     assert catalog.mark_deleted(kept2, 1, taken.claimed_by)
+
+
+def test_a_released_claim_is_taken_over_at_once_whatever_the_lease(catalog, kept2):
+    failed, other = catalog.claim_for_deletion(kept2, [1]), catalog.claim_for_deletion(kept2, [2])
+    token = failed[0].claimed_by
+    assert catalog.release_claims(kept2, [token], "the delete failed: PermissionError") == [1]
+    assert catalog.release_claims(kept2, [token], "again") == []  # nothing left to release
+    row = catalog.get_checkpoint(kept2, 1)
+    assert (row.state, row.claimed_by, row.claimed_at) == ("deleting", token, None)
+    event = catalog.events(run=kept2)[0]
+    assert (event.action, event.step) == ("released", 1)
+    assert event.detail == {"claim": token, "reason": "the delete failed: PermissionError"}
+
+    lease = timedelta(days=3650)  # the longest lease: a released claim is over all the same
+    assert [c.step for c in catalog.expired_claims(run=kept2, lease=lease)] == [1]
+    [taken] = catalog.claim_for_deletion(kept2, [1, 2], lease=lease)
+    assert taken.step == 1 and taken.claimed_by != token and taken.claimed_at is not None
+    assert catalog.events(run=kept2)[0].action == "reclaimed"
+    assert not catalog.mark_deleted(kept2, 1, token)
+    assert catalog.mark_deleted(kept2, 1, taken.claimed_by)
+    # the other claim, of another token, was never touched
+    assert catalog.get_checkpoint(kept2, 2).claimed_by == other[0].claimed_by
+    assert catalog.release_claims(kept2, [], "nothing") == []
+
+
+def test_the_claim_token_names_its_process_only_for_the_default_actor(catalog, kept2):
+    [claimed] = catalog.claim_for_deletion(kept2, [1])
+    assert claim_holder(claimed.claimed_by) == (socket.gethostname(), os.getpid())
+    assert claim_holder("nightly-gc/0123456789ab") is None
+    assert claim_holder("u@h:12/0123456789ab") == ("h", 12)
+    assert claim_holder("u@h:12") is None and claim_holder("u@h:x/0123456789ab") is None
 
 
 def test_claim_arguments_are_checked(catalog, kept2):

@@ -59,6 +59,9 @@ T = TypeVar("T")
 EXIT_OK = 0
 EXIT_NOT_FOUND = 1
 EXIT_PROBLEMS = 3
+#: work remains that a later run finishes by itself (sysexits' EX_TEMPFAIL): gc deletions held
+#: by a claim whose holder this host cannot judge and whose lease has not expired
+EXIT_REMAINING = 75
 
 #: what ``zephon checkpoints`` lists without ``--state`` or ``--all``: every row but deleted
 LIVE_STATES = [s.value for s in CheckpointState if s is not CheckpointState.DELETED]
@@ -374,6 +377,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
             say(f"{'would remove' if args.dry_run else 'removed'} orphan {item['url']}")
         for problem in report.problems:
             say(f"problem: {problem}")
+        remaining = report.remaining_line()
+        if remaining is not None:
+            say(remaining)
         say(
             f"gc{' (dry run)' if args.dry_run else ''}: {len(report.deleted)} checkpoint(s), "
             f"{len(report.orphans)} orphan(s), {len(report.settled)} unfinished save(s) settled, "
@@ -384,7 +390,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 else ""
             )
         )
-    return EXIT_PROBLEMS if report.problems else EXIT_OK
+    if report.problems:
+        return EXIT_PROBLEMS
+    return EXIT_REMAINING if report.remaining and not args.dry_run else EXIT_OK
 
 
 def _require_directory(url: str, options: dict[str, Any]) -> None:

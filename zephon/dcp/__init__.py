@@ -16,6 +16,7 @@ from zephon.dcp.errors import (
     DistributedCheckpointError,
     MetadataEncodingError,
     StateDictMismatchError,
+    UnsafeItemError,
     WriterSetupError,
 )
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, encode_metadata
@@ -34,6 +35,7 @@ __all__ = [
     "ReaderDisagreementError",
     "ShardSlice",
     "StateDictMismatchError",
+    "UnsafeItemError",
     "Writer",
     "WriterSetupError",
     "ZephonLoadPlanner",

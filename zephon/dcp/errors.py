@@ -16,6 +16,7 @@ __all__ = [
     "CoordinatorError",
     "MetadataEncodingError",
     "StateDictMismatchError",
+    "UnsafeItemError",
     "WriterSetupError",
 ]
 
@@ -50,6 +51,19 @@ class StateDictMismatchError(DCPError, ValueError):
         self.missing = list(missing)
         #: key -> (shape in the checkpoint, shape in the state dict)
         self.shape_mismatches = dict(shape_mismatches or {})
+        self.url = url
+
+
+class UnsafeItemError(DCPError, ValueError):
+    """A checkpoint item that would make a load run code or change what kind of value lands in
+    the state dict: a non-tensor item whose pickle the restricted unpickler refuses (it names
+    something other than tensors, plain containers and numbers), or an item the metadata calls
+    non-tensor where the state dict holds a tensor. Nothing of it was executed or loaded.
+    ``key`` names the item, ``url`` the checkpoint."""
+
+    def __init__(self, message: str, *, key: str = "", url: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
         self.url = url
 
 

@@ -1,5 +1,5 @@
-"""``ZephonLoadPlanner``: DCP's default load planner with a clear mismatch error and a
-restricted unpickler for non-tensor items."""
+"""``ZephonLoadPlanner``: DCP's default load planner with a clear mismatch error and the
+restricted unpickler (``zephon.dcp.untrusted.restricted_load``) for non-tensor items."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+
+from zephon.dcp.untrusted import restricted_load
 
 __all__ = ["ZephonLoadPlanner"]
 
@@ -22,8 +24,9 @@ class ZephonLoadPlanner(DefaultLoadPlanner):
     - before planning, compares the state dict with the checkpoint and raises one
       ``StateDictMismatchError`` naming every missing key and every tensor whose saved shape
       differs (DCP stops at the first, inside an exception that lists tracebacks per rank);
-    - loads non-tensor items with ``torch.load(weights_only=True)``, which rebuilds only tensors
-      and plain containers and numbers, so a tampered checkpoint cannot run code.
+    - loads non-tensor items with ``restricted_load`` (``torch.load(weights_only=True)``),
+      which rebuilds only tensors and plain containers and numbers, so a tampered checkpoint
+      cannot run code.
 
     ``where`` (the checkpoint's URL) goes into the error message.
     """
@@ -84,9 +87,14 @@ class ZephonLoadPlanner(DefaultLoadPlanner):
         )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = restricted_load(value.getbuffer(), key=read_item.dest_index.fqn, where=self.where)
+        self.load_object(read_item, obj)
+
+    def load_object(self, read_item: ReadItem, obj: Any) -> None:
+        """Put ``obj``, a non-tensor item already rebuilt by ``restricted_load`` (by
+        ``ZephonStorageReader``), where ``read_item`` says."""
         from torch.distributed.checkpoint._traverse import set_element
 
-        obj: Any = torch.load(value, weights_only=True)
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)

@@ -8,11 +8,15 @@ stores as ranged GETs that cover runs of neighbouring items of one file.
 With ``verify`` (the default) every slice's bytes are checked against the CRC32C the writer
 recorded for it, as they arrive, so no byte reaches the model unchecked and nothing is read
 twice; see ``ZephonStorageReader``.
+
+No code runs from storage, whatever planner the caller uses: a non-tensor item is rebuilt by
+the restricted unpickler before any planner sees it, and a stock
+planner (``DefaultLoadPlanner`` unpickles with ``weights_only=False``) receives a pickle this
+reader wrote of that rebuilt object, never the checkpoint's own bytes (``zephon.dcp.untrusted``).
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import threading
@@ -41,6 +45,7 @@ from storage import (
 )
 from zephon.dcp.errors import StateDictMismatchError
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_from_name
+from zephon.dcp.untrusted import check_read_kind, deliver_bytes, kind_problem
 from zephon.dcp.writer import METADATA_FILE, shard_prefix
 from zephon.errors import UsageError
 
@@ -316,9 +321,13 @@ class ZephonStorageReader(StorageReader):
     def _check_slices(self, metadata: Metadata, reader: CheckpointReader) -> None:
         sizes = {entry.name: entry.size for entry in reader.manifest.files}
         problems = []
+        items = metadata.state_dict_metadata
         for index, where in (metadata.storage_data or {}).items():
             size = sizes.get(where.file)
-            if size is None:
+            kind = kind_problem(index, where, items.get(index.fqn))
+            if kind is not None:
+                problems.append(kind)
+            elif size is None:
                 problems.append(f"{where.file}: not listed by the commit marker ({index.fqn})")
             elif where.offset + where.length > size:
                 problems.append(
@@ -380,6 +389,7 @@ class ZephonStorageReader(StorageReader):
                     url=self.url,
                     path=self.metadata_name,
                 )
+            check_read_kind(req, where, planner, url=self.url)
             reads.append(_plan_read(req, where, check=self.verify))
         groups = _group_reads(reads, self.max_request_bytes, self.max_gap_bytes)
         local = self.store.location.backend.posix_paths
@@ -560,8 +570,7 @@ class ZephonStorageReader(StorageReader):
         target: torch.Tensor | None,
     ) -> None:
         if target is None:
-            with self._lock:
-                planner.load_bytes(r.req, io.BytesIO(bytes(data)))
+            deliver_bytes(planner, r.req, data, where=self.url, lock=self._lock)
             return
         assert r.dtype is not None
         if target.numel():

@@ -7,51 +7,35 @@ scheduler and RNG states). Zephon turns such a folder into checkpoint ``step`` o
 the one save path (``zephon.saving.Save``: catalog row ``pending -> committed | failed``, fenced
 storage begin, every file with its size and CRC32C, the marker last), so a crash at any moment
 leaves either the whole checkpoint or nothing; and it answers "where do I resume" with a local
-folder holding the latest *complete* checkpoint, every byte checked against its CRC32C.
+folder holding the latest *complete* checkpoint, every byte checked against its CRC32C
+(``zephon.integrations.download``: private, re-verified, one download per host).
 
 accelerate is imported only inside ``AcceleratorCheckpoints``; ``import zephon`` never imports it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
+import re
 import shutil
 import tempfile
-import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from catalog import Catalog
-from storage import (
-    CheckpointNotFoundError,
-    CheckpointStore,
-    CorruptCheckpointError,
-    Crc32c,
-    FileEntry,
-    InvalidNameError,
-    Manifest,
-    validate_run,
-)
+from storage import CheckpointStore, FileEntry, InvalidNameError, validate_run
 from zephon.attempts import Attempt, register_resuming
 from zephon.errors import ConfigError, ZephonError
 from zephon.gc import apply_retention
+from zephon.integrations.download import FOLDER_FORMAT, VERIFIED, fetch_latest, open_catalog
 from zephon.latest import find_latest
-from zephon.locations import CATALOG_URL_ENV, RunLocation
-from zephon.reconcile import quarantine
+from zephon.locations import RunLocation
 from zephon.saving import Save
 
 __all__ = ["AcceleratorCheckpoints", "FolderCheckpoints", "fetch_latest"]
 
-log = logging.getLogger("zephon")
-
-#: manifest metadata that marks a checkpoint as a framework's folder
-FOLDER_FORMAT = "hf-folder"
-#: a file Zephon leaves in a downloaded folder: the save id it holds, verified
-_VERIFIED = ".zephon-verified"
-_CHUNK = 8 << 20
+#: the files accelerate unpickles with ``weights_only=False`` (``load_custom_state``)
+_CUSTOM_STATE = re.compile(r"^custom_checkpoint_\d+\.pkl$")
 #: resume point meaning "continue the run's latest checkpoint"
 _LATEST = object()
 
@@ -62,17 +46,6 @@ def _check_run(run_name: str) -> str:
     except InvalidNameError as exc:
         raise ConfigError(f"run_name: {exc}") from None
     return run_name
-
-
-def _open_catalog(catalog: Catalog | str | None) -> tuple[Catalog | None, bool]:
-    """The catalog to use and whether this code opened it (and so closes it): a ``Catalog``,
-    a SQLAlchemy URL, or None for ``$ZEPHON_CATALOG_URL`` (unset: no catalog)."""
-    if isinstance(catalog, Catalog):
-        return catalog, False
-    url = catalog or os.environ.get(CATALOG_URL_ENV)
-    if not url:
-        return None, False
-    return Catalog(url), True
 
 
 def _folder_files(folder: str) -> dict[str, int]:
@@ -87,7 +60,7 @@ def _folder_files(folder: str) -> dict[str, int]:
         for name in names:
             path = os.path.join(root, name)
             rel = os.path.relpath(path, folder).replace(os.sep, "/")
-            if rel != _VERIFIED:
+            if rel != VERIFIED:
                 files[rel] = os.path.getsize(path)
     return files
 
@@ -153,7 +126,7 @@ class FolderCheckpoints:
     def _register(self, resumed_from: Any) -> None:
         assert self.store is not None
         if self.catalog is None:
-            self.catalog, self._owns_catalog = _open_catalog(self._catalog_arg)
+            self.catalog, self._owns_catalog = open_catalog(self._catalog_arg)
             if self.catalog is not None:
                 self.catalog.ensure_run(
                     self.run,
@@ -250,124 +223,6 @@ class FolderCheckpoints:
         self.attempt = None
 
 
-# -- resuming ---------------------------------------------------------------------------------
-
-
-def fetch_latest(
-    save_dir: str,
-    run_name: str,
-    *,
-    catalog: Catalog | str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    local_dir: str | None = None,
-) -> tuple[int, str] | None:
-    """The latest complete checkpoint of the run as ``(step, local folder)``, or None.
-
-    The folder holds exactly the files the manifest lists, every byte checked against its
-    CRC32C: on local disk (and ``local_dir`` not given) the checkpoint's own payload directory,
-    verified in place; otherwise a download into ``<local_dir>/checkpoint-<step>`` (default: a
-    new temporary directory), reused when it already holds this very save. A checkpoint that
-    fails verification is quarantined and the next complete one is taken."""
-    _check_run(run_name)
-    store = CheckpointStore(save_dir, storage_options)
-    cat, owned = _open_catalog(catalog)
-    location = RunLocation(run_name, store, run_name)
-    try:
-        while True:
-            latest = find_latest(location, catalog=cat, on_corrupt=_warn_damaged, confirm=True)
-            if latest is None:
-                return None
-            try:
-                return latest.step, _materialize(store, run_name, latest.manifest, local_dir)
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                with contextlib.suppress(Exception):
-                    quarantine(
-                        cat, location, latest.step, str(exc)[:2000], manifest=latest.manifest
-                    )
-                _warn_damaged(latest.step, str(exc))
-    finally:
-        if owned and cat is not None:
-            cat.close()
-        store.close()
-
-
-def _warn_damaged(step: int, why: str) -> None:
-    log.warning(
-        "zephon: checkpoint step %s is damaged (%s); it is quarantined and an older one is taken",
-        step,
-        why.splitlines()[0][:300] if why else "",
-    )
-
-
-def _materialize(
-    store: CheckpointStore, run: str, manifest: Manifest, local_dir: str | None
-) -> str:
-    meta = manifest.metadata or {}
-    if meta.get("format") != FOLDER_FORMAT:
-        raise ZephonError(
-            f"checkpoint {store.checkpoint_url(run, manifest.step)} was not saved by the Hugging "
-            "Face integration (no checkpoint folder in it); load it with zephon.CheckpointManager, "
-            "or use another run_name"
-        )
-    reader = store.reader(run, manifest.step)
-    if local_dir is None and store.location.backend.posix_paths:
-        store.verify(run, manifest.step, deep=True).raise_for_problems()
-        return reader.path
-    base = local_dir if local_dir is not None else tempfile.mkdtemp(prefix=f"zephon-{run}-")
-    target = os.path.join(base, f"checkpoint-{manifest.step}")
-    if _already_fetched(target, manifest):
-        return target
-    partial = f"{target}.partial-{uuid.uuid4().hex[:8]}"
-    os.makedirs(partial)
-    try:
-        with ThreadPoolExecutor(max_workers=store.max_workers) as pool:
-            list(pool.map(lambda entry: _download(reader, entry, partial), manifest.files))
-        with open(os.path.join(partial, _VERIFIED), "w") as out:
-            out.write(manifest.save_id)
-        if os.path.exists(target):
-            shutil.rmtree(target)
-        os.replace(partial, target)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return target
-
-
-def _already_fetched(target: str, manifest: Manifest) -> bool:
-    try:
-        with open(os.path.join(target, _VERIFIED)) as handle:
-            if handle.read() != manifest.save_id:
-                return False
-    except OSError:
-        return False
-    return all(
-        os.path.isfile(p := os.path.join(target, e.name)) and os.path.getsize(p) == e.size
-        for e in manifest.files
-    )
-
-
-def _download(reader, entry: FileEntry, into: str) -> None:
-    """Stream one file to ``into``, checking its size and CRC32C on the way."""
-    path = os.path.join(into, *entry.name.split("/"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    running = Crc32c()
-    with reader.open(entry.name) as source, open(path, "wb") as out:
-        while chunk := source.read(_CHUNK):
-            running.update(chunk)
-            out.write(chunk)
-    if running.size != entry.size or running.encoded() != entry.crc32c:
-        raise CorruptCheckpointError(
-            f"{entry.name} of checkpoint {reader.url} does not match its manifest ({running.size} "
-            f"bytes, crc32c {running.encoded()}; the manifest says {entry.size}, "
-            f"{entry.crc32c}); the checkpoint is damaged: resume from an earlier checkpoint",
-            url=reader.url,
-            run=reader.manifest.run,
-            step=reader.manifest.step,
-            path=entry.name,
-            problems=[f"{entry.name}: size or crc32c mismatch"],
-        )
-
-
 # -- accelerate -------------------------------------------------------------------------------
 
 
@@ -379,6 +234,13 @@ class AcceleratorCheckpoints:
     accelerate write its folder into a local staging directory, then uploads and commits it as
     checkpoint ``step``. accelerate's own ``total_limit`` pruning is not used: ``num_to_keep``
     is applied after a commit, never before the new checkpoint exists.
+
+    ``local_dir`` holds the staging folders and the downloads (reused across jobs, re-verified
+    before each use); without it both go to private temporary directories (mode 0700) that are
+    removed when done. accelerate unpickles the states of objects registered with
+    ``register_for_checkpointing`` (``custom_checkpoint_<i>.pkl``) with ``weights_only=False``,
+    so a checkpoint holding them is loaded only with ``trust_custom_states=True``: whoever can
+    write the checkpoint's storage can run code in the job through them.
     """
 
     def __init__(
@@ -391,6 +253,7 @@ class AcceleratorCheckpoints:
         storage_options: Mapping[str, Any] | None = None,
         num_to_keep: int | None = None,
         local_dir: str | None = None,
+        trust_custom_states: bool = False,
     ) -> None:
         self.accelerator = accelerator
         self.folders = FolderCheckpoints(
@@ -401,36 +264,60 @@ class AcceleratorCheckpoints:
             num_to_keep=num_to_keep,
             framework="accelerate",
         )
-        self.local_dir = local_dir or os.path.join(tempfile.gettempdir(), f"zephon-{run_name}")
+        self.local_dir = local_dir
+        self.trust_custom_states = bool(trust_custom_states)
+        #: this process's private staging directory (without ``local_dir``), made on first save
+        self._staging_root: str | None = None
 
     def load_state(self, **load_kwargs: Any) -> int | None:
         """Load the latest complete checkpoint (every process) and register this job's attempt
-        as resuming from it; returns its step, or None when the run has none."""
+        as resuming from it; returns its step, or None when the run has none. One process per
+        host downloads it; a temporary download is removed once every process has loaded it."""
         folders, accelerator = self.folders, self.accelerator
-        # The main process opens the catalog first (it may create it): two processes creating
-        # a new SQLite catalog at once can find it locked. The others follow once it is there.
-        if not accelerator.is_main_process:
-            accelerator.wait_for_everyone()
         found = fetch_latest(
             folders.save_dir,
             folders.run,
             catalog=folders._catalog_arg,
             storage_options=folders.storage_options,
-            local_dir=os.path.join(self.local_dir, f"load-{accelerator.process_index}"),
+            local_dir=self.local_dir,
         )
-        if accelerator.is_main_process:
-            accelerator.wait_for_everyone()
-        step = found[0] if found is not None else None
-        if found is not None:
-            accelerator.load_state(found[1], **load_kwargs)
+        try:
+            if found is not None:
+                self._check_custom_states(found.folder, found.step)
+                accelerator.load_state(found.folder, **load_kwargs)
+        finally:
+            accelerator.wait_for_everyone()  # every process has read the shared folder
+            if found is not None:
+                found.remove()
+        step = found.step if found is not None else None
         folders.start(resumed_from=step)
         return step
 
+    def _check_custom_states(self, folder: str, step: int) -> None:
+        custom = sorted(name for name in os.listdir(folder) if _CUSTOM_STATE.match(name))
+        if custom and not self.trust_custom_states:
+            raise ConfigError(
+                f"checkpoint {step} of run {self.folders.run!r} holds accelerate custom states "
+                f"({', '.join(custom[:3])}), which accelerate unpickles with weights_only=False "
+                "(a tampered file runs code): pass AcceleratorCheckpoints(..., "
+                "trust_custom_states=True) only if nobody else can write its storage"
+            )
+
+    def _staging(self, step: int) -> tuple[str, bool]:
+        """Where accelerate writes checkpoint ``step`` and whether this process clears it."""
+        if self.local_dir is not None:
+            return os.path.join(self.local_dir, f"save-{step}"), (
+                self.accelerator.is_local_main_process
+            )
+        if self._staging_root is None:
+            self._staging_root = tempfile.mkdtemp(prefix=f"zephon-{self.folders.run}-")
+        return os.path.join(self._staging_root, f"save-{step}"), True
+
     def save_state(self, step: int, **save_kwargs: Any) -> None:
         """Save the accelerator's state as checkpoint ``step`` (every process)."""
-        staging = os.path.join(self.local_dir, f"save-{step}")
+        staging, clears = self._staging(step)
         accelerator = self.accelerator
-        if accelerator.is_local_main_process and os.path.exists(staging):
+        if clears and os.path.exists(staging):
             shutil.rmtree(staging)
         accelerator.wait_for_everyone()
         try:
@@ -438,8 +325,12 @@ class AcceleratorCheckpoints:
             self.folders.save_folder(staging, step)
         finally:
             accelerator.wait_for_everyone()
-            if accelerator.is_local_main_process:
+            if clears:
                 shutil.rmtree(staging, ignore_errors=True)
 
     def close(self) -> None:
+        """Release the process group and the store; remove the private staging directory."""
         self.folders.close()
+        if self._staging_root is not None:
+            shutil.rmtree(self._staging_root, ignore_errors=True)
+            self._staging_root = None

@@ -13,7 +13,9 @@ Importing this module imports transformers (``import zephon`` does not).
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,9 +24,26 @@ from transformers import TrainerCallback
 from catalog import Catalog
 from storage import InvalidNameError, validate_run
 from zephon.errors import ConfigError
-from zephon.integrations.accelerate import FolderCheckpoints, fetch_latest
+from zephon.integrations.accelerate import FolderCheckpoints
+from zephon.integrations.download import Fetched, fetch_latest
 
-__all__ = ["ZephonCallback", "latest_checkpoint"]
+__all__ = ["ZephonCallback", "latest_checkpoint", "remove_temporary_downloads"]
+
+#: temporary downloads ``latest_checkpoint`` made in this process, removed when training ends
+_temporary: list[Fetched] = []
+_temporary_lock = threading.Lock()
+
+
+def remove_temporary_downloads() -> None:
+    """Remove the private temporary folders ``latest_checkpoint`` downloaded into (without
+    ``local_dir``): ``ZephonCallback`` does at ``on_train_end``, and this process at exit."""
+    with _temporary_lock:
+        done, _temporary[:] = list(_temporary), []
+    for fetched in done:
+        fetched.remove()
+
+
+atexit.register(remove_temporary_downloads)
 
 
 def latest_checkpoint(
@@ -41,8 +60,13 @@ def latest_checkpoint(
     ``save_dir`` is a path or any fsspec URL (``s3://bucket/prefix``); ``catalog`` a ``Catalog``,
     a SQLAlchemy URL, or None for ``$ZEPHON_CATALOG_URL`` (unset: storage alone decides). On
     local disk the checkpoint is verified in place; elsewhere (or with ``local_dir``) it is
-    downloaded to ``<local_dir>/checkpoint-<step>``, every file checked against its CRC32C as
-    it arrives. A damaged checkpoint is quarantined and the next complete one taken."""
+    downloaded, every file checked against its CRC32C as it arrives: to
+    ``<local_dir>/checkpoint-<step>`` (a folder there that holds this save already is checked
+    again, file by file, and cleared of files its manifest does not list before it is reused),
+    or without ``local_dir`` to a fresh private temporary directory, removed when training ends
+    (``ZephonCallback.on_train_end``) or at the latest when this process exits. A damaged
+    checkpoint is quarantined and the next complete one taken. Under ``torch.distributed``
+    call it on every process: one process per host downloads, the others use its folder."""
     found = fetch_latest(
         save_dir,
         run_name,
@@ -50,7 +74,12 @@ def latest_checkpoint(
         storage_options=storage_options,
         local_dir=local_dir,
     )
-    return found[1] if found is not None else None
+    if found is None:
+        return None
+    if found.temporary is not None:
+        with _temporary_lock:
+            _temporary.append(found)
+    return found.folder
 
 
 class ZephonCallback(TrainerCallback):
@@ -120,5 +149,8 @@ class ZephonCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.folders is not None:
+            # Every process has passed the collectives of its last save, so none still reads
+            # the folder it resumed from.
             self.folders.close()
             self.folders = None
+        remove_temporary_downloads()

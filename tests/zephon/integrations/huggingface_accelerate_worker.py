@@ -1,6 +1,7 @@
 """One accelerate job on every rank of a gloo group (``torchrun --nproc_per_node N``), for
 tests/zephon/integrations/test_huggingface.py: resume through AcceleratorCheckpoints, train to
-``steps`` saving at ``save_at``, write this rank's losses by step to ``<losses>.<rank>.json``.
+``steps`` saving at ``save_at``, write this rank's losses by step to ``<losses>.<rank>.json``
+and the names of the files this rank downloaded to resume to ``<losses>.<rank>.downloads``.
 
     torchrun --nproc_per_node 2 huggingface_accelerate_worker.py SPEC_JSON
 """
@@ -16,7 +17,17 @@ import torch
 def main(spec: dict) -> None:
     from accelerate import Accelerator
 
+    from zephon.integrations import download
     from zephon.integrations.accelerate import AcceleratorCheckpoints
+
+    downloaded = []
+    fetch_one = download._download
+
+    def counted(reader, entry, into):  # the real download, recorded
+        downloaded.append(entry.name)
+        return fetch_one(reader, entry, into)
+
+    download._download = counted
 
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)  # the same initial weights on every rank
@@ -29,6 +40,7 @@ def main(spec: dict) -> None:
         spec["save_dir"],
         "acc2",
         catalog=spec["catalog"],
+        storage_options=spec["storage_options"],
         local_dir=spec["local_dir"],
     )
     start = checkpoints.load_state() or 0
@@ -44,6 +56,8 @@ def main(spec: dict) -> None:
     checkpoints.close()
     with open(f"{spec['losses']}.{accelerator.process_index}.json", "w") as out:
         json.dump(losses, out)
+    with open(f"{spec['losses']}.{accelerator.process_index}.downloads", "w") as out:
+        json.dump(downloaded, out)
 
 
 if __name__ == "__main__":

@@ -196,40 +196,49 @@ def test_accelerate_save_and_load_round_trip_on_s3(s3_backend, tmp_path, sqlite_
     assert any(f.name == "optimizer.bin" for f in manifest.files)
 
 
-def test_accelerate_on_two_ranks_saves_every_ranks_files_and_resumes_exactly(tmp_path):
-    """Two gloo ranks under torchrun: each rank writes its own RNG state file; both are in the
-    manifest, and a resumed job continues every rank's losses exactly."""
+def test_accelerate_on_two_ranks_saves_every_ranks_files_and_resumes_exactly(s3_backend, tmp_path):
+    """Two gloo ranks under torchrun on S3: each rank writes its own RNG state file; both are in
+    the manifest, and a resumed job continues every rank's losses exactly. The ranks share a
+    host, so one of them downloads the checkpoint, into a private temporary directory that is
+    gone when the job ends."""
     worker = os.path.join(HERE, "huggingface_accelerate_worker.py")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     spec = {
-        "save_dir": str(tmp_path / "ckpt"),
+        "save_dir": s3_backend.url,
+        "storage_options": s3_backend.storage_options,
         "catalog": f"sqlite:///{tmp_path / 'catalog.db'}",
-        "local_dir": str(tmp_path / "local"),
+        "local_dir": None,
         "steps": 6,
     }
 
-    def job(name: str, save_at: list[int]) -> list[dict]:
+    def job(name: str, save_at: list[int]) -> tuple[list[dict], list[list[str]]]:
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
         args = json.dumps({**spec, "save_at": save_at, "losses": str(tmp_path / name)})
         done = subprocess.run(
             [*argv, worker, args],
             cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": REPO},
+            env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(temporary)},
             capture_output=True,
             text=True,
             timeout=120,
         )
         assert done.returncode == 0, done.stderr[-3000:]
-        return [json.loads((tmp_path / f"{name}.{rank}.json").read_text()) for rank in (0, 1)]
+        return [json.loads((tmp_path / f"{name}.{rank}.json").read_text()) for rank in (0, 1)], [
+            json.loads((tmp_path / f"{name}.{rank}.downloads").read_text()) for rank in (0, 1)
+        ]
 
-    full = job("full", save_at=[3])
-    resumed = job("resumed", save_at=[])
+    full, _ = job("full", save_at=[3])
+    resumed, downloads = job("resumed", save_at=[])
     for rank in (0, 1):
         assert sorted(resumed[rank]) == ["4", "5", "6"]
         assert resumed[rank] == {k: v for k, v in full[rank].items() if int(k) > 3}
     assert full[0] != full[1]  # the ranks really drew different data
-    manifest = CheckpointStore(spec["save_dir"]).latest("acc2")
+    manifest = CheckpointStore(s3_backend.url, s3_backend.storage_options).latest("acc2")
     names = {f.name for f in manifest.files}
     assert {"random_states_0.pkl", "random_states_1.pkl", "optimizer.bin"} <= names
+    assert sorted(downloads[0]) == sorted(names) and downloads[1] == []  # one per host
+    assert [p.name for p in temporary.iterdir() if p.name.startswith("zephon-")] == []
 
 
 def test_the_callback_refuses_an_invalid_run_name():
