@@ -5,7 +5,7 @@ Knows nothing of the catalog or torch.
 
 Besides checkpoints, the public API offers what a layer that keeps its own small files on a
 ``Location`` needs (``zephon.pipeline``'s aggregation, ``zephon.dcp``'s reader): the backend
-primitives of ``storage.backend`` (``list_files``, ``read_small``, ``create_exclusive``, ...,
+primitives of ``storage.backend`` (``list_files``, ``read_small``, ``create_settled``, ...,
 each a call of the location's ``Backend``), ``backend_errors`` (backend failures as
 ``BackendUnavailableError``), the CRC32C helpers of ``storage.checksum``, the name and step
 checks of ``storage.layout`` (``parse_number``: every number read from a name or argument),
@@ -17,9 +17,11 @@ manifest). Every backend primitive tries transient failures again under the loca
 """
 
 from storage.backend import (
+    CreateOutcome,
     ListedFile,
     backend_errors,
     create_exclusive,
+    create_settled,
     file_exists,
     list_files,
     make_dirs,
@@ -115,9 +117,11 @@ __all__ = [
     "concurrently",
     # backends and their primitives (storage.backends, storage.backend)
     "Backend",
+    "CreateOutcome",
     "ListedFile",
     "backend_errors",
     "create_exclusive",
+    "create_settled",
     "file_exists",
     "list_files",
     "make_dirs",

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
 from storage.backends.base import ListedFile, mtime_of
@@ -21,9 +23,11 @@ if TYPE_CHECKING:
     from storage.location import Location
 
 __all__ = [
+    "CreateOutcome",
     "ListedFile",
     "backend_errors",
     "create_exclusive",
+    "create_settled",
     "file_exists",
     "get_file",
     "list_dirs",
@@ -33,6 +37,7 @@ __all__ = [
     "multipart_options",
     "open_read",
     "put_bytes",
+    "outcome_unknown",
     "put_small",
     "read_file",
     "read_range",
@@ -267,3 +272,98 @@ def put_bytes(location: Location, path: str, data: bytes, part_size: int) -> Non
 def put_small(location: Location, path: str, data: bytes) -> None:
     """Write a small file with one plain write: not atomic, not exclusive, not synced."""
     location.backend.put_small(path, data)
+
+
+#: requests ``create_settled`` sends at most before it gives up on settling a create-only write
+CREATE_TRIES = 4
+#: the pause before the second request; it doubles before each later one
+_SETTLE_PAUSE_S = 0.05
+#: errors that say the request was refused, so it was not applied (and is not worth repeating)
+_REFUSED = (
+    PermissionError,
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    StorageOptionsRefusedError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CreateOutcome:
+    """How ``create_settled`` ended.
+
+    ``existing`` is None when the caller's bytes are at the path (this call created it, or an
+    earlier request of this call whose reply was lost did), else the bytes of another
+    writer's file there. ``unknown_outcomes`` counts the requests that failed without saying
+    whether they were applied: a store may still apply such a request later, so a caller
+    whose write may name other data (a commit marker naming a payload) keeps that data.
+    """
+
+    existing: bytes | None
+    unknown_outcomes: int = 0
+
+    @property
+    def created(self) -> bool:
+        return self.existing is None
+
+
+def outcome_unknown(exc: BaseException) -> bool:
+    """Whether a failed request may nevertheless have been applied: a transport error, a
+    timeout, a reset connection, a 5xx answer (also once a retry policy gave up on them as
+    ``BackendUnavailableError``). A refusal (permission, missing bucket or directory, unusable
+    options) and an answer such as ``FileExistsError`` are known outcomes."""
+    if isinstance(exc, (*_REFUSED, FileExistsError)):
+        return False
+    if isinstance(exc, BackendUnavailableError):  # judged by what it translated, if anything
+        return exc.__cause__ is None or outcome_unknown(exc.__cause__)
+    return _is_backend_failure(exc) and not isinstance(exc, TypeError | AttributeError | KeyError)
+
+
+def create_settled(
+    location: Location, path: str, data: bytes, *, tries: int = CREATE_TRIES
+) -> CreateOutcome:
+    """``create_exclusive`` whose lost reply is settled by reading back: the one way every
+    create-only write of Zephon (commit markers, attempt and decision records, ``_CORRUPT``
+    records, pipeline parts) is made.
+
+    A create-only write can be applied while its reply is lost (a reset connection, a
+    timeout, a 5xx after the server stored it); its caller then sees an error, or, when the
+    client retried by itself, ``FileExistsError`` for its own file. Either way the file at
+    ``path`` decides: holding exactly ``data``, it is this call's (callers put something
+    unique to the writer in ``data``: a save id, an attempt id, a timestamp), so the write
+    succeeded; holding other bytes, another writer won (returned for the caller to judge);
+    absent, the write did not land and is sent again, up to ``tries`` requests in all.
+
+    Raises what the last request raised if it never settled (an error of unknown outcome:
+    the file may be there, or still appear), a refusal (``PermissionError``,
+    ``FileNotFoundError``...) at once, and ``FileExistsError`` only if something keeps
+    refusing the create while ``path`` reads as absent (a POSIX ``.claim`` file left by a
+    crashed creator). Translate with ``backend_errors`` around the call, as for the other
+    primitives.
+    """
+    unknown = 0
+    last: BaseException | None = None
+    for attempt in range(max(tries, 1)):
+        if attempt:
+            time.sleep(_SETTLE_PAUSE_S * 2 ** (attempt - 1))
+        try:
+            create_exclusive(location, path, data)  # a missing bucket or directory: refused
+            return CreateOutcome(None, unknown)
+        except FileExistsError as exc:
+            last = exc
+        except Exception as exc:
+            if not outcome_unknown(exc):
+                raise
+            last, unknown = exc, unknown + 1
+        try:
+            found = location.backend.read_small(path)
+        except FileNotFoundError:
+            continue  # not there: the create did not land (yet); send it again
+        except Exception as exc:
+            if not outcome_unknown(exc):
+                raise
+            last = exc  # cannot tell yet, even after a FileExistsError: it may be this call's
+            continue
+        return CreateOutcome(None if found == data else found, unknown)
+    assert last is not None
+    raise last

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from storage.backend import (
     backend_errors,
-    create_exclusive,
+    create_settled,
     file_exists,
     list_files,
     make_dirs,
@@ -175,7 +175,7 @@ def write_record(
     with backend_errors(location, f"condemning {store.checkpoint_url(run, step)}"):
         make_dirs(location, store.checkpoint_path(run, step))
         with contextlib.suppress(FileExistsError):
-            create_exclusive(location, path, record)
+            create_settled(location, path, record)  # one there already (any reason) will do
 
 
 def is_condemned(store: CheckpointStore, run: str | None, step: int, save_id: str) -> bool:

@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from storage.backend import backend_errors, create_exclusive, list_files, make_dirs, read_small
+from storage.backend import backend_errors, create_settled, list_files, make_dirs, read_small
 from storage.errors import CorruptCheckpointError, StaleAttemptError
 from storage.jsondoc import parse_json
 from storage.layout import ATTEMPTS_DIR
@@ -361,8 +361,12 @@ def _create(
     with backend_errors(location, f"registering attempt {epoch} of {location.display(run_path)}"):
         make_dirs(location, directory)
         try:
-            create_exclusive(location, path, record.to_json())
+            # The record is this attempt's own if it holds these very bytes (its attempt id
+            # and start time): a create whose reply was lost succeeded.
+            won = create_settled(location, path, record.to_json()).created
         except FileExistsError:
+            won = False
+        if not won:
             holder = newer_epochs(location, run_path, epoch - 1)
             raise StaleAttemptError(
                 f"attempt epoch {epoch} of {location.display(run_path)} was registered by "

@@ -283,13 +283,18 @@ class CheckpointStore:
             make_dirs(self.location, writer.payload_path, durable=True)
         return writer
 
-    def supersede(self, run: str | None, step: int, fence: Fence) -> None:
-        """For a commit that found a marker at its step: supersede it if it is not part of
-        ``fence``'s history (a stale attempt's marker that slipped in, a damaged one), so the
-        commit can be tried again. Raises like ``begin`` for a valid checkpoint
+    def supersede(
+        self, run: str | None, step: int, fence: Fence, *, marker: bytes | None = None
+    ) -> None:
+        """For a commit that found another save's marker at its step: supersede it if it is
+        not part of ``fence``'s history (a stale attempt's marker that slipped in, a damaged
+        one), so the commit can be tried again. ``marker`` is its bytes as the commit read
+        them (default: read again). Raises like ``begin`` for a valid checkpoint
         (``CommitConflictError``) or a newer attempt (``StaleAttemptError``)."""
         self.check_fence(run, fence)
-        settle_existing(self, run, step, fence, fence.lineage)
+        settle_existing(
+            self, run, step, fence, fence.lineage, marker=UNREAD if marker is None else marker
+        )
 
     def condemn(self, run: str | None, step: int, manifest: Manifest, reason: str) -> None:
         """Record that the save ``manifest`` describes failed verification: a
@@ -550,10 +555,13 @@ class CheckpointStore:
 
     # -- for the writers and readers of this store ----------------------------------------------
 
-    def describe_commit(self, run: str | None, step: int) -> str:
-        """``" (by host pid at time, epoch, save)"`` of the step's marker, for messages about
-        an existing commit ("" if it cannot be read)."""
+    def describe_commit(self, run: str | None, step: int, *, marker: bytes | None = None) -> str:
+        """``" (by host pid at time, epoch, save)"`` of the step's marker (``marker``: its
+        bytes, already read), for messages about an existing commit ("" if it cannot be
+        read)."""
         try:
+            if marker is not None:
+                return describe(self.parse_marker(run, step, marker))
             return describe(self.read_manifest(run, step))
         except Exception:
             return ""

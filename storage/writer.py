@@ -12,21 +12,21 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
-import io
 import os
 import socket
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from storage.backend import (
     backend_errors,
-    create_exclusive,
+    create_settled,
     file_exists,
     list_files,
     make_dirs,
     missing_parent_fix,
+    outcome_unknown,
     put_bytes,
     remove_dir,
     remove_empty_dirs,
@@ -43,10 +43,9 @@ from storage.errors import (
 from storage.layout import MARKER_NAME, validate_file_name
 from storage.manifest import FileEntry, Manifest, validate_save_id
 from storage.parallel import concurrently
-from storage.writeback import WRITEBACK_EVERY, start_writeback
+from storage.recording import RecordingFile
 
 if TYPE_CHECKING:
-    from storage.backends import Backend
     from storage.lineage import Fence
     from storage.store import CheckpointStore
 
@@ -62,87 +61,6 @@ _COMMIT_TRIES = 5
 
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
-
-
-class _RecordingFile:
-    """A write-only file that records the size and CRC32C of every byte on its way out; on
-    local disk it also starts the writeback of what it wrote every few MiB, so the fsync at the
-    end finds little left to do."""
-
-    def __init__(self, handle: IO[bytes], backend: Backend, part_size: int = 0) -> None:
-        self._handle = handle
-        self._backend = backend
-        self._local = backend.posix_paths  # an OS file: writeback can be started on it
-        self._part_size = part_size
-        self.crc = Crc32c()
-        self._written = 0
-        self._flushed_to = 0
-
-    def write(self, data: bytes | bytearray | memoryview, crc: int | None = None) -> int:
-        """Write ``data`` (any C-contiguous buffer, e.g. a whole tensor's byte view, in one
-        call) and add it to the file's size and CRC32C; returns its length in bytes.
-
-        ``crc``, if given, must be the CRC32C of exactly ``data`` (e.g. from
-        ``storage.checksum.crc32c_extend(0, data)``, computed once by a caller that records it
-        anyway): it is combined into the file's CRC instead of reading the bytes a second time.
-        It is trusted, not checked: a wrong value makes the manifest disagree with the file.
-
-        On local disk the bytes go out in ``WRITEBACK_EVERY`` pieces and each piece's writeback
-        starts as soon as it is written, so copying into the page cache and writing to disk
-        overlap; without ``crc`` each piece is checksummed right before it is copied.
-
-        On object stores the upload buffer is filled only up to one part at a time
-        (``_write_parts``), so a file being written holds at most about two parts in memory
-        (the buffer and the part's request body), however large ``data`` is.
-        """
-        view = memoryview(data)
-        if view.ndim != 1 or view.itemsize != 1:
-            view = view.cast("B")
-        size = view.nbytes
-        if not self._local:
-            if crc is None:
-                self.crc.update(view)
-            else:
-                self.crc.extend(crc, size)
-            self._write_parts(view)
-            return size
-        for start in range(0, size, WRITEBACK_EVERY):
-            piece = view[start : start + WRITEBACK_EVERY]
-            if crc is None:
-                self.crc.update(piece)
-            self._handle.write(piece)
-            self._written += piece.nbytes
-            if self._written - self._flushed_to >= WRITEBACK_EVERY:
-                self._handle.flush()
-                start_writeback(
-                    self._handle.fileno(), self._flushed_to, self._written - self._flushed_to
-                )
-                self._flushed_to = self._written
-        if crc is not None:
-            self.crc.extend(crc, size)
-        return size
-
-    def _write_parts(self, view: memoryview) -> None:
-        # fsspec's buffered files copy everything written into an in-memory buffer and upload
-        # it once it reaches the block size; s3fs then sends the whole buffer as one part. A
-        # 1 GiB tensor written in one call would be buffered whole, then copied again into its
-        # part. Topping the buffer up to exactly one part per call keeps both at one part.
-        part, start, size = self._part_size, 0, view.nbytes
-        if not part:
-            self._handle.write(view)
-            return
-        while start < size:
-            buffer = getattr(self._handle, "buffer", None)
-            held = buffer.tell() if isinstance(buffer, io.BytesIO) else 0
-            room = part - held if held < part else part
-            self._handle.write(view[start : start + room])
-            start += room
-
-    def finish(self) -> None:
-        self._backend.finish_write(self._handle)
-
-    def discard(self) -> None:
-        self._backend.discard_write(self._handle)
 
 
 class CheckpointWriter:
@@ -185,6 +103,9 @@ class CheckpointWriter:
         self._lock = threading.Lock()
         self._dirs: set[str] = {self.payload_path, self.path}
         self._state = "open"
+        #: a marker request of this save went out and may have been applied (or may still be)
+        self._marker_may_exist = False
+        self._sent: Manifest | None = None  # the manifest the marker requests carry
         self._present_only = False  # keep_present_only()
         self._created_at = _now()
         #: the committed manifest, once ``commit`` succeeded
@@ -227,7 +148,7 @@ class CheckpointWriter:
             return self.write_stream(name, stream)
 
     @contextlib.contextmanager
-    def open(self, name: str) -> Iterator[_RecordingFile]:
+    def open(self, name: str) -> Iterator[RecordingFile]:
         """A file to ``write()`` into; recorded in the manifest when the block exits cleanly.
 
         Large files on object stores go out as multipart uploads as the buffer fills.
@@ -295,10 +216,85 @@ class CheckpointWriter:
         fence (one listing of the attempt records) at the same time, then, once both passed,
         create the marker exclusively. Only the primary writer may call this, once.
 
-        Raises ``CommitConflictError`` if the step is already committed (by anyone),
+        Idempotent against lost replies: a marker request applied whose answer never came
+        back is settled by reading the marker back, and this save's own marker (the very
+        bytes this commit sent) means the commit succeeded.
+
+        Raises ``CommitConflictError`` if the step is already committed (by anyone else),
         ``WriteAbortedError`` if a file this writer recorded is missing from storage (it wins
         over the other refusals) and ``StaleAttemptError`` if a newer attempt registered.
+        ``BackendUnavailableError`` after the marker was sent means its outcome is unknown:
+        the payload is kept (``abort`` removes nothing) and the marker decides; calling
+        ``commit`` again settles it, sending (or finding) the very same marker (``metadata``
+        is then that of the first call).
         """
+        if self._state == "unknown" and self._sent is not None:
+            manifest = self._sent  # settle the earlier call: the very same marker, found or sent
+        else:
+            manifest = self._prepare(metadata)
+        self._sent = manifest
+        data = manifest.to_json()
+        for _ in range(_COMMIT_TRIES):
+            existing = self._create_marker(data)
+            if existing is None:
+                break
+            # Another writer's marker holds the step. A stale attempt's marker (its epoch is
+            # not in this fence's lineage) or a damaged one is superseded and the commit tried
+            # again; anything else is a real conflict.
+            self._state = "lost"
+            if self.fence is None:
+                holder = self._store.describe_commit(self.run, self.step, marker=existing)
+                raise CommitConflictError(
+                    f"{self.url} is already committed{holder}; a committed step is never "
+                    "overwritten: save under a new step, or delete that checkpoint first",
+                    url=self.url,
+                    run=self.run,
+                    step=self.step,
+                )
+            self._store.supersede(self.run, self.step, self.fence, marker=existing)  # or raises
+            self._state = "open"
+        else:
+            self._state = "lost"
+            raise CommitConflictError(
+                f"{self.url} kept getting new markers while this save committed; check for "
+                "several jobs saving this run",
+                url=self.url,
+                run=self.run,
+                step=self.step,
+            )
+        self._state = "committed"
+        self.manifest = manifest
+        return manifest
+
+    def abort(self) -> None:
+        """Remove what was written. The primary removes its save's payload directory (never
+        another save's files, never a marker); a secondary removes only its own files.
+
+        Once the commit sent its marker, the primary removes nothing unless the commit learned
+        for certain that no marker of this save exists or can still appear (another writer's
+        marker answered every request): a marker whose reply was lost names this payload.
+        What is kept is a leftover for gc, which removes it once no marker names it.
+        """
+        if self._state == "committed":
+            return
+        if self.primary and self._marker_may_exist:
+            self._state = "aborted"
+            return
+        location = self._store.location
+        with backend_errors(location, f"aborting {self.url}"):
+            if self.primary:
+                remove_files(location, [f.path for f in list_files(location, self.payload_path)])
+                remove_empty_dirs(location, self.payload_path)
+                remove_dir(location, self.path)  # only if nothing else is in it
+            else:
+                with self._lock:
+                    own = [f"{self.payload_path}/{n}" for n in self._own]
+                remove_files(location, own)
+        self._state = "aborted"
+
+    def _prepare(self, metadata: Mapping[str, Any] | None) -> Manifest:
+        """The checks before a marker (payload listing and fence re-check, sent together) and
+        the manifest the marker will hold."""
         self._check_open()
         if not self.primary:
             raise WriteAbortedError(
@@ -318,7 +314,7 @@ class CheckpointWriter:
         if self.fence is not None:
             checks.append(functools.partial(self._store.check_fence, self.run, self.fence))
         concurrently(*checks)
-        manifest = Manifest(
+        return Manifest(
             run=self.run,
             step=self.step,
             save_id=self.save_id,
@@ -331,57 +327,49 @@ class CheckpointWriter:
             created_at=self._created_at,
             committed_at=_now(),
         )
+
+    def _create_marker(self, data: bytes) -> bytes | None:
+        """Create the marker holding ``data``, settling a lost reply by reading it back
+        (``create_settled``): None once this save's marker is there, else another writer's
+        marker bytes. Until the outcome is known for certain, ``abort`` keeps the payload."""
+        location = self._store.location
         marker = f"{self.path}/{MARKER_NAME}"
-        for _ in range(_COMMIT_TRIES):
-            try:
-                with backend_errors(location, f"committing {self.url}"):
-                    create_exclusive(location, marker, manifest.to_json())
-                break
-            except FileExistsError:
-                # Someone created the marker while this save was written. A stale attempt's
-                # marker (its epoch is not in this fence's lineage) or a damaged one is
-                # superseded and the commit tried again; anything else is a real conflict.
-                self._state = "lost"
-                if self.fence is None:
-                    holder = self._store.describe_commit(self.run, self.step)
-                    raise CommitConflictError(
-                        f"{self.url} is already committed{holder}; a committed step is never "
-                        "overwritten: save under a new step, or delete that checkpoint first",
-                        url=self.url,
-                        run=self.run,
-                        step=self.step,
-                    ) from None
-                self._store.supersede(self.run, self.step, self.fence)  # or raises
-                self._state = "open"
-        else:
+        earlier = self._marker_may_exist
+        self._marker_may_exist = True
+        try:
+            with backend_errors(location, f"committing {self.url}"):
+                outcome = create_settled(location, marker, data)
+        except FileExistsError:
             self._state = "lost"
             raise CommitConflictError(
-                f"{self.url} kept getting new markers while this save committed; check for "
-                "several jobs saving this run",
+                f"creating the marker of {self.url} was refused as existing, yet no marker "
+                "could be read there; check for another job saving this run (on a POSIX "
+                f"mount, remove a {MARKER_NAME}.claim file a crashed writer left)",
                 url=self.url,
                 run=self.run,
                 step=self.step,
-            )
-        self._state = "committed"
-        self.manifest = manifest
-        return manifest
-
-    def abort(self) -> None:
-        """Remove what was written. The primary removes its save's payload directory (never
-        another save's files, never a marker); a secondary removes only its own files."""
-        if self._state == "committed":
-            return
-        location = self._store.location
-        with backend_errors(location, f"aborting {self.url}"):
-            if self.primary:
-                remove_files(location, [f.path for f in list_files(location, self.payload_path)])
-                remove_empty_dirs(location, self.payload_path)
-                remove_dir(location, self.path)  # only if nothing else is in it
-            else:
-                with self._lock:
-                    own = [f"{self.payload_path}/{n}" for n in self._own]
-                remove_files(location, own)
-        self._state = "aborted"
+            ) from None
+        except BackendUnavailableError as exc:
+            self._state = "unknown"
+            if not outcome_unknown(exc):
+                raise  # refused, not applied; the payload is kept all the same (simpler, safe)
+            raise BackendUnavailableError(
+                f"{exc}; whether the marker of {self.url} was created is unknown, so its files "
+                "are kept: a resume reads the marker to know, and `zephon gc` removes the "
+                "files if no marker names them",
+                url=exc.url,
+                run=self.run,
+                step=self.step,
+            ) from exc
+        except BaseException:
+            self._state = "unknown"
+            raise
+        if outcome.created:
+            return None
+        # Another writer's marker answered: this save's marker is not there, and none of its
+        # requests can still land unless one of them failed without an answer.
+        self._marker_may_exist = earlier or outcome.unknown_outcomes > 0
+        return outcome.existing
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -460,13 +448,13 @@ class CheckpointWriter:
         return entry
 
     @contextlib.contextmanager
-    def _open_file(self, target: str) -> Iterator[_RecordingFile]:
+    def _open_file(self, target: str) -> Iterator[RecordingFile]:
         """The payload file ``target`` open for writing through the backend: completed (local
         disk: fsynced; object stores: the upload finished) when the block exits cleanly,
         abandoned without publishing anything otherwise."""
         backend = self._store.location.backend
         part_size = self._store.part_size
-        out = _RecordingFile(backend.open_write(target, part_size), backend, part_size)
+        out = RecordingFile(backend.open_write(target, part_size), backend, part_size)
         try:
             yield out
         except BaseException:

@@ -11,7 +11,8 @@ Order matters for crash safety and for fencing:
 
 A crash between 3 and 4 is repaired by ``find_latest``'s probe or by gc (the marker and the
 pending row name the same save). Every way out of the block that is not a commit marks the row
-failed and removes the save's own files, never another save's.
+failed and removes the save's own files, never another save's, and never files a marker may
+name (a marker request whose outcome is unknown: ``CheckpointWriter.abort`` keeps them).
 
 Timings: a save measures its own phases with ``time.perf_counter`` (begin -> commit call ->
 marker created -> catalog commit) and records them on the row with the commit: ``write_s``,

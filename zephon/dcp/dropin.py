@@ -177,7 +177,8 @@ class Writer(ZephonStorageWriter):
     ``failures`` hold Zephon's errors; ``zephon.dcp.save``/``async_save`` raise Zephon's error
     itself, or use ``zephon.dcp.as_zephon_error``. The save of a failed call is marked failed
     and its files removed right away by ``zephon.dcp.save``/``async_save``, otherwise when the
-    Writer next saves or closes (or by ``zephon gc``); no marker is ever written for it.
+    Writer next saves or closes (or by ``zephon gc``); no marker is written for it, unless the
+    marker request's outcome is unknown, and then its files are kept (docs/fencing.md).
     """
 
     def __init__(

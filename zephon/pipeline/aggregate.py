@@ -47,7 +47,7 @@ from typing import Any
 from storage import (
     StorageError,
     backend_errors,
-    create_exclusive,
+    create_settled,
     list_files,
     make_dirs,
     open_location,
@@ -141,13 +141,15 @@ class Aggregator:
         location = self.location
         with backend_errors(location, f"writing {what} {path}"):
             make_dirs(location, path.rsplit("/", 1)[0])
-            try:
-                create_exclusive(location, path, data)
-            except FileExistsError:
-                # A leftover of an earlier attempt under the same key: never this checkpoint's,
-                # since every checkpoint() call takes a new key.
-                remove_files(location, [path])
-                create_exclusive(location, path, data)
+            # A lost reply is settled by reading back: these very bytes (they carry a nonce or
+            # a token) are this call's file.
+            if create_settled(location, path, data).created:
+                return
+            # A leftover of an earlier attempt under the same key: never this checkpoint's,
+            # since every checkpoint() call takes a new key.
+            remove_files(location, [path])
+            if not create_settled(location, path, data).created:
+                raise FileExistsError(path)
 
     def write_part(self, key: str, part: dict[str, Any]) -> None:
         """Publish this rank's part for ``key``."""
