@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import s3fs
 
-from storage import BackendUnavailableError, CheckpointStore
+from storage import NO_RETRY, BackendUnavailableError, CheckpointStore
 from tests.conftest import Backend
 from tests.faults import FaultProxy
 
@@ -145,7 +145,11 @@ def test_a_commit_of_unknown_outcome_keeps_its_payload_and_the_marker_names_it(
     s3_backend, proxy, monkeypatch
 ):
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
-    with CheckpointStore(s3_backend.url, through(s3_backend, proxy, False)) as store:
+    # the backend's retry policy off: it would ride out these faults, and the test needs the
+    # marker's outcome to stay unknown
+    with CheckpointStore(
+        s3_backend.url, through(s3_backend, proxy, False), retry=NO_RETRY
+    ) as store:
         fence = start(store)
         writer = store.begin("r", 6, fence=fence)
         writer.write_many(FILES)
@@ -162,7 +166,11 @@ def test_a_commit_of_unknown_outcome_keeps_its_payload_and_the_marker_names_it(
 
 def test_committing_again_settles_a_commit_of_unknown_outcome(s3_backend, proxy, monkeypatch):
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
-    with CheckpointStore(s3_backend.url, through(s3_backend, proxy, False)) as store:
+    # the backend's retry policy off: it would ride out these faults, and the test needs the
+    # marker's outcome to stay unknown
+    with CheckpointStore(
+        s3_backend.url, through(s3_backend, proxy, False), retry=NO_RETRY
+    ) as store:
         writer = store.begin("r", 7, fence=start(store))
         writer.write_many(FILES)
         unreachable_after_the_marker(proxy)
@@ -176,7 +184,11 @@ def test_committing_again_settles_a_commit_of_unknown_outcome(s3_backend, proxy,
 
 def test_a_marker_that_never_landed_leaves_the_payload_to_gc(s3_backend, proxy, monkeypatch):
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
-    with CheckpointStore(s3_backend.url, through(s3_backend, proxy, False)) as store:
+    # the backend's retry policy off: it would ride out these faults, and the test needs the
+    # marker's outcome to stay unknown
+    with CheckpointStore(
+        s3_backend.url, through(s3_backend, proxy, False), retry=NO_RETRY
+    ) as store:
         writer = store.begin("r", 8, fence=start(store))
         writer.write_many(FILES)
         proxy.fail(method="PUT", path=MARKER, status=500, count=20)  # never forwarded
