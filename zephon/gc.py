@@ -21,6 +21,7 @@ from catalog import (
     DEFAULT_LEASE,
     Catalog,
     CatalogError,
+    CatalogUnavailableError,
     ResumePoint,
     StateConflictError,
     plan_retention,
@@ -29,6 +30,7 @@ from storage import CheckpointStore, Fence, Lineage, StorageError
 from zephon.attempts import fenced, mirror_lineage
 from zephon.errors import StaleAttemptError
 from zephon.locations import RunLocation, run_location
+from zephon.outage import guard
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
 from zephon.sync import SyncReport, reconcile_run
 
@@ -294,12 +296,29 @@ def apply_retention(
     shares (the manager, the drop-in DCP writer, the framework integrations): with a catalog,
     the run's policy as the catalog holds it (``num_to_keep``, milestones, pins) through fenced
     claims; without one, ``num_to_keep`` and ``keep_every_steps`` over storage. Returns the
-    deleted steps."""
+    deleted steps.
+
+    With the catalog unreachable nothing is deleted (its claims are what make a deletion safe):
+    the retention is owed to it (``zephon.outage``) and runs once it answers, after the run's
+    rows are brought in line with storage."""
     if catalog is not None:
-        # The attempt's own lineage: its commit re-checked the fence just before the marker,
-        # and the claims below are fenced by its epoch in their transaction.
-        report = gc_run(catalog, location, orphans=False, epoch=fence.epoch, lineage=fence.lineage)
-        return [deleted["step"] for deleted in report.deleted]
+        outage = guard(catalog)
+
+        def retain() -> list[int]:
+            # The attempt's own lineage: its commit re-checked the fence just before the
+            # marker, and the claims below are fenced by its epoch in their transaction.
+            report = gc_run(
+                catalog, location, orphans=False, epoch=fence.epoch, lineage=fence.lineage
+            )
+            return [deleted["step"] for deleted in report.deleted]
+
+        try:
+            if outage.call(lambda: outage.pay(location)):
+                return outage.call(retain)
+        except CatalogUnavailableError:
+            pass
+        outage.defer(location, "retention", retain)
+        return []
     if num_to_keep is None and keep_every_steps is None:
         return []
     return retain_without_catalog(

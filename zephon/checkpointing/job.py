@@ -9,7 +9,9 @@ into one another; ``Job`` opens them in order and closes what it opened if a ste
 
 from __future__ import annotations
 
-from catalog import Catalog
+import logging
+
+from catalog import Catalog, CatalogUnavailableError
 from storage import CheckpointStore, InvalidNameError, validate_run
 from zephon.attempts import Attempt, register_resuming
 from zephon.checkpointing.collectives import Collectives
@@ -20,6 +22,9 @@ from zephon.errors import ConfigError
 from zephon.gc import apply_retention
 from zephon.latest import find_latest
 from zephon.locations import RunLocation, inference_run_name
+from zephon.outage import close_guard, guard
+
+log = logging.getLogger("zephon")
 
 __all__ = ["ALREADY_COMPLETE", "Job"]
 
@@ -111,8 +116,20 @@ class Job:
             raise
 
     def _open_catalog(self, url: str) -> Catalog:
-        catalog = Catalog(url)
+        """The catalog with the run's row; a catalog that cannot be reached is opened anyway
+        and owed the schema check and the row (``zephon.outage``): the job starts from
+        storage and the catalog catches up once it answers."""
+        checked = True
         try:
+            catalog = Catalog(url)
+        except CatalogUnavailableError as exc:
+            catalog, checked = Catalog(url, check_schema=False), False
+            guard(catalog).unreachable(exc)
+        outage = guard(catalog, self.config.catalog_outage_s)
+
+        def ensure_run() -> None:
+            if not checked:  # the schema check that opening during the outage skipped
+                Catalog(url).close()
             catalog.ensure_run(
                 self.name,
                 self.store.location.canonical_url,
@@ -122,6 +139,14 @@ class Job:
                 num_to_keep=self.config.num_to_keep,
                 keep_every_steps=self.config.keep_every_steps,
             )
+
+        try:
+            if checked:
+                outage.call(ensure_run)
+            else:
+                outage.defer(self.location, "run", ensure_run)
+        except CatalogUnavailableError:
+            outage.defer(self.location, "run", ensure_run)
         except BaseException:
             catalog.close()
             raise
@@ -164,6 +189,7 @@ class Job:
                 self.tier.close()
                 self.tier = None
             if self.catalog is not None:
+                close_guard(self.catalog)
                 self.catalog.close()
                 self.catalog = None
         finally:
