@@ -124,7 +124,7 @@ class Job:
             catalog = Catalog(url)
         except CatalogUnavailableError as exc:
             catalog, checked = Catalog(url, check_schema=False), False
-            guard(catalog).unreachable(exc)
+            guard(catalog, self.config.catalog_outage_s).unreachable(exc)
         outage = guard(catalog, self.config.catalog_outage_s)
 
         def ensure_run() -> None:
