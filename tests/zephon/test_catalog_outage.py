@@ -184,4 +184,3 @@ def test_catalog_outage_s_is_checked_and_read_from_the_job_yaml(tmp_path):
     for bad in (0, -5, True, "60", 10**9):
         with pytest.raises(ConfigError, match=r"catalog_outage_s = .* is invalid"):
             CheckpointingConfig(save_dir="x", catalog_outage_s=bad)
-
