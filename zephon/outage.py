@@ -42,7 +42,9 @@ from zephon.locations import RunLocation
 __all__ = [
     "OutageGuard",
     "close_guard",
+    "ensure_run",
     "guard",
+    "open_catalog",
 ]
 
 T = TypeVar("T")
@@ -74,6 +76,8 @@ class OutageGuard:
         self._owed: dict[str, tuple[RunLocation, dict[str, Callable[[], object]]]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        #: the URL of a catalog opened during an outage, whose schema check is owed
+        self.unchecked_url: str | None = None
 
     # -- the outage ---------------------------------------------------------------------------
 
@@ -275,3 +279,42 @@ def close_guard(catalog: Catalog) -> None:
         found = _GUARDS.pop(catalog, None)
     if found is not None:
         found.close()
+
+
+def open_catalog(url: str, deadline_s: float | None = None) -> Catalog:
+    """``Catalog(url)`` for a job, with its guard's deadline (``catalog_outage_s``); a catalog
+    that cannot be reached is opened all the same, its schema check owed with the run's row
+    (``ensure_run``): the job starts from storage and the catalog catches up once it
+    answers."""
+    try:
+        catalog = Catalog(url)
+    except CatalogUnavailableError as exc:
+        catalog = Catalog(url, check_schema=False)
+        outage = guard(catalog, deadline_s)
+        outage.unchecked_url = url
+        outage.unreachable(exc)
+        return catalog
+    guard(catalog, deadline_s)
+    return catalog
+
+
+def ensure_run(catalog: Catalog, location: RunLocation, ensure: Callable[[], object]) -> None:
+    """``ensure()``, which creates or updates the run's row (``catalog.ensure_run``), now, or
+    owed to the catalog while it cannot be reached (with the schema check of a catalog
+    ``open_catalog`` opened during the outage, first)."""
+    outage = guard(catalog)
+
+    def run_row() -> None:
+        url = outage.unchecked_url
+        if url is not None:
+            Catalog(url).close()  # the schema check opening the catalog skipped
+            outage.unchecked_url = None
+        ensure()
+
+    if not outage.down:
+        try:
+            outage.call(run_row)
+            return
+        except CatalogUnavailableError:
+            pass
+    outage.defer(location, "run", run_row)

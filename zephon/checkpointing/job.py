@@ -9,9 +9,7 @@ into one another; ``Job`` opens them in order and closes what it opened if a ste
 
 from __future__ import annotations
 
-import logging
-
-from catalog import Catalog, CatalogUnavailableError
+from catalog import Catalog
 from storage import CheckpointStore, InvalidNameError, validate_run
 from zephon.attempts import Attempt, register_resuming
 from zephon.checkpointing.collectives import Collectives
@@ -22,9 +20,7 @@ from zephon.errors import ConfigError
 from zephon.gc import apply_retention
 from zephon.latest import find_latest
 from zephon.locations import RunLocation, inference_run_name
-from zephon.outage import close_guard, guard
-
-log = logging.getLogger("zephon")
+from zephon.outage import close_guard, ensure_run, open_catalog
 
 __all__ = ["ALREADY_COMPLETE", "Job"]
 
@@ -116,38 +112,25 @@ class Job:
             raise
 
     def _open_catalog(self, url: str) -> Catalog:
-        """The catalog with the run's row; a catalog that cannot be reached is opened anyway
-        and owed the schema check and the row (``zephon.outage``): the job starts from
-        storage and the catalog catches up once it answers."""
-        checked = True
+        """The catalog with the run's row; one that cannot be reached is owed the row
+        (``zephon.outage``): the job starts from storage meanwhile."""
+        catalog = open_catalog(url, self.config.catalog_outage_s)
         try:
-            catalog = Catalog(url)
-        except CatalogUnavailableError as exc:
-            catalog, checked = Catalog(url, check_schema=False), False
-            guard(catalog, self.config.catalog_outage_s).unreachable(exc)
-        outage = guard(catalog, self.config.catalog_outage_s)
-
-        def ensure_run() -> None:
-            if not checked:  # the schema check that opening during the outage skipped
-                Catalog(url).close()
-            catalog.ensure_run(
-                self.name,
-                self.store.location.canonical_url,
-                kind=self.kind,
-                status="active",
-                total_steps=self.total_steps,
-                num_to_keep=self.config.num_to_keep,
-                keep_every_steps=self.config.keep_every_steps,
+            ensure_run(
+                catalog,
+                self.location,
+                lambda: catalog.ensure_run(
+                    self.name,
+                    self.store.location.canonical_url,
+                    kind=self.kind,
+                    status="active",
+                    total_steps=self.total_steps,
+                    num_to_keep=self.config.num_to_keep,
+                    keep_every_steps=self.config.keep_every_steps,
+                ),
             )
-
-        try:
-            if checked:
-                outage.call(ensure_run)
-            else:
-                outage.defer(self.location, "run", ensure_run)
-        except CatalogUnavailableError:
-            outage.defer(self.location, "run", ensure_run)
         except BaseException:
+            close_guard(catalog)
             catalog.close()
             raise
         return catalog

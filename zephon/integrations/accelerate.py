@@ -40,6 +40,7 @@ from zephon.errors import ConfigError, ZephonError
 from zephon.gc import apply_retention
 from zephon.latest import find_latest
 from zephon.locations import CATALOG_URL_ENV, RunLocation
+from zephon.outage import close_guard, ensure_run, open_catalog
 from zephon.reconcile import quarantine
 from zephon.saving import Save
 
@@ -72,7 +73,7 @@ def _open_catalog(catalog: Catalog | str | None) -> tuple[Catalog | None, bool]:
     url = catalog or os.environ.get(CATALOG_URL_ENV)
     if not url:
         return None, False
-    return Catalog(url), True
+    return open_catalog(url), True
 
 
 def _folder_files(folder: str) -> dict[str, int]:
@@ -154,13 +155,18 @@ class FolderCheckpoints:
         assert self.store is not None
         if self.catalog is None:
             self.catalog, self._owns_catalog = _open_catalog(self._catalog_arg)
-            if self.catalog is not None:
-                self.catalog.ensure_run(
-                    self.run,
-                    self.store.location.canonical_url,
-                    kind="train",
-                    status="active",
-                    num_to_keep=self.num_to_keep,
+            catalog = self.catalog
+            if catalog is not None:
+                ensure_run(
+                    catalog,
+                    self.location,
+                    lambda: catalog.ensure_run(
+                        self.run,
+                        self.store.location.canonical_url,
+                        kind="train",
+                        status="active",
+                        num_to_keep=self.num_to_keep,
+                    ),
                 )
 
         def choose(lineage):
@@ -242,6 +248,7 @@ class FolderCheckpoints:
             self.coll.destroy()
             self.coll = None
         if self.catalog is not None and self._owns_catalog:
+            close_guard(self.catalog)
             self.catalog.close()
         self.catalog = None
         if self.store is not None:
