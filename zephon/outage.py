@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
+import catalog as catalog_layer
 from catalog import Catalog, CatalogUnavailableError
 from zephon.config import DEFAULT_CATALOG_OUTAGE_S
 from zephon.errors import CatalogOutageError, StaleAttemptError
@@ -200,9 +201,20 @@ class OutageGuard:
         for step in sorted(steps, key=_ORDER.index):
             try:
                 steps[step]()
-            except StaleAttemptError as exc:
+            except CatalogUnavailableError:
+                raise  # still owed
+            except (StaleAttemptError, catalog_layer.StaleAttemptError) as exc:
                 # a newer attempt took over: its own saves and retention speak for the run now
                 log.info("zephon: run %s: deferred %s dropped: %s", location.name, step, exc)
+            except Exception as exc:  # noqa: BLE001 - never fails a save; sync is the fallback
+                log.warning(
+                    "zephon: run %s: the catalog could not be brought up to date (%s: %s); "
+                    "run `zephon sync %s` once the cause is fixed",
+                    location.name,
+                    step,
+                    exc,
+                    location.store.url,
+                )
             with self._state:
                 owed = self._owed.get(location.name)
                 if owed is not None and owed[1].get(step) is steps[step]:
@@ -223,15 +235,9 @@ class OutageGuard:
                     delay = _BACKOFF_FIRST_S
                 except (CatalogUnavailableError, CatalogOutageError):
                     delay = min(delay * 2, _BACKOFF_MAX_S)
-                except Exception as exc:  # noqa: BLE001 - logged; `zephon sync` is the fallback
-                    with self._state:
-                        self._owed.pop(location.name, None)
-                    log.warning(
-                        "zephon: run %s: the catalog could not be brought up to date (%s); "
-                        "run `zephon sync` for its storage",
-                        location.name,
-                        exc,
-                    )
+                except Exception:  # noqa: BLE001 - the thread must live on; retried with backoff
+                    log.debug("zephon: paying the catalog failed", exc_info=True)
+                    delay = min(delay * 2, _BACKOFF_MAX_S)
 
     def close(self) -> None:
         """Stop the background payer after one last try to pay everything owed; what is
