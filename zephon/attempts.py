@@ -31,7 +31,7 @@ from catalog import Catalog, CatalogUnavailableError
 from storage import AttemptRecord, Fence, Lineage
 from zephon.errors import StaleAttemptError
 from zephon.locations import RunLocation
-from zephon.outage import guard
+from zephon.outage import guard, record_missed
 
 __all__ = [
     "Attempt",
@@ -124,6 +124,7 @@ def claim(location: RunLocation, catalog: Catalog | None, lineage: Lineage) -> F
             def catalog_floor() -> int:
                 outage.pay(location)
                 mirror_lineage(catalog, location, lineage)
+                record_missed(catalog, location)
                 current = catalog.current_attempt(name)
                 return current.epoch + 1 if current is not None else 1
 

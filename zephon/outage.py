@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import catalog as catalog_layer
-from catalog import Catalog, CatalogUnavailableError
+from catalog import Catalog, CatalogUnavailableError, CheckpointState, RunNotFoundError
 from zephon.config import DEFAULT_CATALOG_OUTAGE_S
 from zephon.errors import CatalogOutageError, StaleAttemptError
 from zephon.locations import RunLocation
@@ -46,6 +46,7 @@ __all__ = [
     "ensure_run",
     "guard",
     "open_catalog",
+    "record_missed",
 ]
 
 T = TypeVar("T")
@@ -324,3 +325,27 @@ def ensure_run(catalog: Catalog, location: RunLocation, ensure: Callable[[], obj
         except CatalogUnavailableError:
             pass
     outage.defer(location, "run", run_row)
+
+
+def record_missed(catalog: Catalog, location: RunLocation) -> None:
+    """At a job start: record what an earlier process of the run committed on storage while
+    the catalog was down and could not report before it ended (a committed step above the
+    catalog's newest committed row that it has no row of), by the one rule, before the new
+    attempt chooses where it resumes: it would otherwise resume below them and abandon them.
+    One listing of the run's steps; the reconciliation only when something was missed."""
+    from zephon.sync import SyncReport, reconcile_run  # sync imports the save path
+
+    committed = location.store.committed_steps(location.storage_run)
+    if not committed:
+        return
+    try:
+        newest = catalog.latest_committed(location.name)
+    except RunNotFoundError:
+        return  # the run's row is owed: its checkpoints get rows when it is paid
+    floor = newest.step if newest is not None else None
+    above = {step for step in committed if floor is None or step > floor}
+    if not above:
+        return
+    rows = catalog.rows_after(location.name, floor, states=list(CheckpointState))
+    if above - {row.step for row in rows}:
+        reconcile_run(catalog, location, SyncReport(location.store.url), pending=False)

@@ -184,3 +184,21 @@ def test_catalog_outage_s_is_checked_and_read_from_the_job_yaml(tmp_path):
     for bad in (0, -5, True, "60", 10**9):
         with pytest.raises(ConfigError, match=r"catalog_outage_s = .* is invalid"):
             CheckpointingConfig(save_dir="x", catalog_outage_s=bad)
+
+
+def test_the_next_job_resumes_from_what_a_job_ended_during_an_outage_saved(
+    stoppable_catalog, tmp_path
+):
+    config = job_config(tmp_path, stoppable_catalog.url(), 60)
+    with CheckpointManager(config, run_name="r", total_steps=20) as manager:
+        model, optimizer = build()
+        train(manager, model, optimizer, 1, 2)
+        stoppable_catalog.cluster.stop()
+        train(manager, model, optimizer, 3, 3)  # committed on storage; the job then ends
+    stoppable_catalog.cluster.start()
+    with CheckpointManager(config, run_name="r", total_steps=20) as manager:
+        model, optimizer = build()
+        resume = manager.load_latest({"model": model, "optimizer": optimizer})
+        assert resume.step == 3  # not 2, which would abandon what the last job saved
+    with Catalog(stoppable_catalog.url()) as catalog:
+        assert rows(catalog, "r") == {1: "committed", 2: "committed", 3: "committed"}
