@@ -202,3 +202,19 @@ def test_the_next_job_resumes_from_what_a_job_ended_during_an_outage_saved(
         assert resume.step == 3  # not 2, which would abandon what the last job saved
     with Catalog(stoppable_catalog.url()) as catalog:
         assert rows(catalog, "r") == {1: "committed", 2: "committed", 3: "committed"}
+
+
+def test_the_dcp_writer_saves_through_an_outage_and_its_rows_follow(stoppable_catalog, tmp_path):
+    from zephon import dcp as zd
+
+    url = f"{tmp_path / 'ckpt'}/r"
+    state = {"w": torch.arange(8.0)}
+    with zd.Writer(url, catalog=stoppable_catalog.url(), num_to_keep=1) as writer:
+        zd.save(state, writer, checkpoint_id=f"{url}/save-1")
+        with stoppable_catalog.cluster.outage():
+            zd.save(state, writer, checkpoint_id=f"{url}/save-2")
+            assert writer.store.committed_steps("r") == [1, 2]  # retention waits
+        zd.save(state, writer, checkpoint_id=f"{url}/save-3")
+        assert writer.store.committed_steps("r") == [3]
+    with Catalog(stoppable_catalog.url()) as catalog:
+        assert rows(catalog, "r") == {1: "deleted", 2: "deleted", 3: "committed"}
