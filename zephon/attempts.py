@@ -31,7 +31,7 @@ from catalog import Catalog, CatalogUnavailableError
 from storage import AttemptRecord, Fence, Lineage
 from zephon.errors import StaleAttemptError
 from zephon.locations import RunLocation
-from zephon.outage import guard, record_missed
+from zephon.outage import DebtBeingPaid, guard, record_missed
 
 __all__ = [
     "Attempt",
@@ -130,7 +130,7 @@ def claim(location: RunLocation, catalog: Catalog | None, lineage: Lineage) -> F
 
             try:
                 floor = outage.call(catalog_floor)
-            except CatalogUnavailableError:
+            except (CatalogUnavailableError, DebtBeingPaid):
                 online = False  # storage alone hands out the epoch; the catalog mirrors it later
         fence = store.claim_attempt(storage_run, after=lineage, min_epoch=floor)
         if catalog is not None:

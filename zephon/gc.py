@@ -30,7 +30,7 @@ from storage import CheckpointStore, Fence, Lineage, StorageError
 from zephon.attempts import fenced, mirror_lineage
 from zephon.errors import StaleAttemptError
 from zephon.locations import RunLocation, run_location
-from zephon.outage import guard
+from zephon.outage import DebtBeingPaid, guard
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
 from zephon.sync import SyncReport, reconcile_run
 
@@ -312,10 +312,13 @@ def apply_retention(
             )
             return [deleted["step"] for deleted in report.deleted]
 
+        def pay_then_retain() -> list[int]:
+            outage.pay(location)  # the rows first: retention judges by them
+            return retain()
+
         try:
-            if outage.call(lambda: outage.pay(location)):
-                return outage.call(retain)
-        except CatalogUnavailableError:
+            return outage.call(pay_then_retain)
+        except (CatalogUnavailableError, DebtBeingPaid):
             pass
         outage.defer(location, "retention", retain)
         return []

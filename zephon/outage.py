@@ -41,6 +41,7 @@ from zephon.errors import CatalogOutageError, StaleAttemptError
 from zephon.locations import RunLocation
 
 __all__ = [
+    "DebtBeingPaid",
     "OutageGuard",
     "close_guard",
     "ensure_run",
@@ -61,6 +62,12 @@ _BACKOFF_MAX_S = 5.0
 _ORDER = ("run", "rows", "retention", "finish")
 #: how long a save waits for the background thread's payment before it goes on without
 _PAY_WAIT_S = 1.0
+
+
+class DebtBeingPaid(Exception):
+    """``OutageGuard.pay`` could not take its turn: the background payer holds the run's debt
+    (a slow connection attempt). Says nothing about whether the catalog answers: callers go on
+    as if it did not, and the debt stays with the background payer."""
 
 
 class OutageGuard:
@@ -179,21 +186,21 @@ class OutageGuard:
     def owes(self, location: RunLocation) -> bool:
         return location.name in self._owed
 
-    def pay(self, location: RunLocation) -> bool:
-        """Pay what ``location``'s run owes, in order; True once it owes nothing. Raises
-        ``CatalogUnavailableError`` while the catalog is down (what is left stays owed);
-        False if the background payer holds the debt for longer than a moment (a slow
-        connection attempt). The retention of an attempt a newer one replaced is dropped,
-        never run."""
+    def pay(self, location: RunLocation) -> None:
+        """Pay what ``location``'s run owes, in order (nothing if it owes nothing). Raises
+        ``CatalogUnavailableError`` while the catalog is down (what is left stays owed), and
+        ``DebtBeingPaid`` if the background payer holds the debt for longer than a moment.
+        The retention of an attempt a newer one replaced is dropped, never run. Call it inside
+        ``call`` together with the catalog step that needs the debt paid first, so that a
+        success says the catalog answered."""
         if not self.owes(location):
-            return True
+            return
         if not self._paying.acquire(timeout=_PAY_WAIT_S):
-            return False
+            raise DebtBeingPaid(location.name)
         try:
             self._pay(location)
         finally:
             self._paying.release()
-        return not self.owes(location)
 
     def _pay(self, location: RunLocation) -> None:
         with self._state:
@@ -234,7 +241,7 @@ class OutageGuard:
                 try:
                     self.call(lambda location=location: self.pay(location), retry_s=0)
                     delay = _BACKOFF_FIRST_S
-                except (CatalogUnavailableError, CatalogOutageError):
+                except (CatalogUnavailableError, CatalogOutageError, DebtBeingPaid):
                     delay = min(delay * 2, _BACKOFF_MAX_S)
                 except Exception:  # noqa: BLE001 - the thread must live on; retried with backoff
                     log.debug("zephon: paying the catalog failed", exc_info=True)

@@ -38,7 +38,7 @@ from catalog import Catalog, CatalogUnavailableError, InvalidTransitionError
 from storage import CheckpointWriter, Manifest, new_save_id, redact
 from zephon.attempts import Attempt, as_zephon_error, fenced
 from zephon.errors import NotCommittedError
-from zephon.outage import guard
+from zephon.outage import DebtBeingPaid, guard
 from zephon.reconcile import manifest_facts
 
 __all__ = ["Save", "manifest_facts"]
@@ -173,6 +173,9 @@ class Save:
         with fenced():
             try:
                 if not self.armed:
+                    # owed again now that the marker exists: a payment made since begin may
+                    # have listed the run before it
+                    outage.defer_rows(location)
                     outage.call(lambda: outage.pay(location))
                     return
                 outage.call(
@@ -185,7 +188,7 @@ class Save:
                         **manifest_facts(manifest),
                     )
                 )
-            except CatalogUnavailableError:
+            except (CatalogUnavailableError, DebtBeingPaid):
                 outage.defer_rows(location)
                 log.warning(
                     "zephon: run %s step %d is committed on storage; its catalog row is "
@@ -258,14 +261,13 @@ def _arm_unless_down(catalog: Catalog, attempt: Attempt, step: int, save_id: str
     url = location.checkpoint_url(step)
 
     def pay_then_arm() -> bool:
-        if not outage.pay(location):
-            return False  # the background payer is at it: the row waits for it
+        outage.pay(location)  # the attempt and the rows first: the arm is fenced by them
         _arm(catalog, location.name, step, url, attempt, save_id)
         return True
 
     try:
         armed = outage.call(pay_then_arm)
-    except CatalogUnavailableError:
+    except (CatalogUnavailableError, DebtBeingPaid):
         armed = False
     if not armed:
         outage.defer_rows(location)

@@ -35,7 +35,7 @@ from zephon.checkpointing.saver import Saver
 from zephon.checkpointing.tiering import Tiering
 from zephon.config import CheckpointingConfig, ModelStageConfig
 from zephon.locations import RunLocation
-from zephon.outage import guard
+from zephon.outage import DebtBeingPaid, guard
 
 __all__ = ["CheckpointManager", "Resume", "ALREADY_COMPLETE"]
 
@@ -191,12 +191,15 @@ class CheckpointManager:
             def mark_finished() -> None:
                 catalog.update_run(self.name, status="finished", epoch=epoch)
 
+            def pay_then_finish() -> None:
+                outage.pay(location)
+                mark_finished()
+
             with fenced():
                 try:
-                    if outage.call(lambda: outage.pay(location)):
-                        outage.call(mark_finished)
-                        return
-                except CatalogUnavailableError:
+                    outage.call(pay_then_finish)
+                    return
+                except (CatalogUnavailableError, DebtBeingPaid):
                     pass
                 outage.defer(location, "finish", mark_finished)
 
