@@ -17,6 +17,7 @@ from catalog import CatalogError
 from storage import CheckpointNotFoundError, StorageError
 from zephon.errors import (
     ArgumentTypeError,
+    CatalogOutageError,
     ConfigError,
     NotCommittedError,
     SaveBelowLatestError,
@@ -55,6 +56,7 @@ _LAZY = {
 __all__ = [
     "ArgumentTypeError",
     "CatalogError",
+    "CatalogOutageError",
     "CheckpointNotFoundError",
     "ConfigError",
     "NotCommittedError",

@@ -14,6 +14,10 @@ writer that did not register when it loaded (or never loaded) registers at its f
 latest complete checkpoint, and ``Attempt.check_save`` refuses a save below it: a job that
 started over by mistake must not mix a second history into the run.
 
+With the catalog unreachable (``zephon.outage``), the claim and the decision are made on
+storage alone, which hands out the epoch and keeps the fence without a catalog; the catalog's
+record of them is owed, and mirrored from storage (``mirror_lineage``) once it answers.
+
 ``fenced`` turns the storage and catalog layers' ``StaleAttemptError`` into the one
 ``zephon.StaleAttemptError`` users catch.
 """
@@ -30,10 +34,11 @@ from typing import TypeVar
 
 import catalog as catalog_layer
 import storage
-from catalog import Catalog
+from catalog import Catalog, CatalogUnavailableError
 from storage import AttemptRecord, Fence, Lineage
 from zephon.errors import SaveBelowLatestError, StaleAttemptError
 from zephon.locations import RunLocation
+from zephon.outage import DebtBeingPaid, guard, record_missed
 
 __all__ = [
     "Attempt",
@@ -139,15 +144,46 @@ def claim(location: RunLocation, catalog: Catalog | None, lineage: Lineage) -> F
     attempt is fenced out, and nothing is abandoned yet (the attempt has not decided)."""
     store, storage_run, name = location.store, location.storage_run, location.name
     with fenced():
-        floor = 1
+        floor, online = 1, catalog is not None
         if catalog is not None:
-            mirror_lineage(catalog, location, lineage)
-            current = catalog.current_attempt(name)
-            floor = current.epoch + 1 if current is not None else 1
+            outage = guard(catalog)
+
+            def catalog_floor() -> int:
+                outage.pay(location)
+                mirror_lineage(catalog, location, lineage)
+                record_missed(catalog, location)
+                current = catalog.current_attempt(name)
+                return current.epoch + 1 if current is not None else 1
+
+            try:
+                floor = outage.call(catalog_floor)
+            except (CatalogUnavailableError, DebtBeingPaid):
+                online = False  # storage alone hands out the epoch; the catalog mirrors it later
         fence = store.claim_attempt(storage_run, after=lineage, min_epoch=floor)
         if catalog is not None:
-            _register_in_catalog(catalog, name, fence.record)
+            _owe_unless_done(
+                catalog,
+                location,
+                lambda: _register_in_catalog(catalog, name, fence.record),
+                online=online,
+            )
     return fence
+
+
+def _owe_unless_done(
+    catalog: Catalog, location: RunLocation, change: Callable[[], None], *, online: bool
+) -> None:
+    """Make ``change`` in the catalog, retried while it is unreachable; if it stays so (or was
+    found so before: ``online`` false, or a debt still owed), the run's attempts are owed and
+    mirrored from storage once it answers."""
+    outage = guard(catalog)
+    if online and not outage.owes(location):
+        try:
+            outage.call(change)
+            return
+        except CatalogUnavailableError:
+            pass
+    outage.defer_rows(location)
 
 
 def decide(
@@ -158,7 +194,14 @@ def decide(
     with fenced():
         fence = location.store.decide_resume(location.storage_run, fence, resumed_from)
         if catalog is not None:
-            catalog.decide_resume(location.name, epoch=fence.epoch, resumed_from=resumed_from)
+            _owe_unless_done(
+                catalog,
+                location,
+                lambda: catalog.decide_resume(
+                    location.name, epoch=fence.epoch, resumed_from=resumed_from
+                ),
+                online=not guard(catalog).down,
+            )
     log.info(
         "zephon: run %s: attempt %s registered, resuming from %s",
         location.name,

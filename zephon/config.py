@@ -11,6 +11,7 @@
         num_to_keep: 2               # int >= 1 | null
         local_dir: /local_nvme/ckpt  # optional fast local tier, uploaded in the background
         retry: {max_attempts: 30, deadline_s: 120}  # transient storage failures (optional)
+        catalog_outage_s: 300        # the job fails once the catalog is unreachable this long
     model_stage_factory:
       checkpoint_only_trainable_parameters: false
       source_checkpoint: null
@@ -43,6 +44,13 @@ ON_CORRUPT = ("fallback", "fail")
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{key} = {redact(repr(value))} is invalid: {allowed}")
 
+
+#: how long the catalog may stay unreachable before a job fails (``catalog_outage_s``)
+DEFAULT_CATALOG_OUTAGE_S = 300.0
+#: the smallest ``catalog_outage_s`` a job may set
+MIN_CATALOG_OUTAGE_S = 1.0
+#: the largest: a day (a longer outage is an abandoned catalog, not a blip)
+MAX_CATALOG_OUTAGE_S = 86400.0
 
 #: the largest num_to_keep a catalog column holds (INTEGER)
 MAX_KEEP = 2**31 - 1
@@ -118,6 +126,9 @@ class CheckpointingConfig:
     #: how transient storage failures (5xx, throttling, timeouts, broken connections) are
     #: tried again, for every store the job opens; YAML: a mapping of ``RetryPolicy`` fields
     retry: RetryPolicy = DEFAULT_RETRY
+    #: seconds the catalog may stay unreachable: saves go on to storage meanwhile and the
+    #: catalog is brought up to date once it answers; past this the job fails
+    catalog_outage_s: float = DEFAULT_CATALOG_OUTAGE_S
     prefix: str = "trainer.checkpointing"
 
     def __post_init__(self) -> None:
@@ -157,6 +168,19 @@ class CheckpointingConfig:
         self.storage_options = dict(self.storage_options)
         if self.on_corrupt not in ON_CORRUPT:
             raise _fail(f"{p}.on_corrupt", self.on_corrupt, 'use "fallback" or "fail"')
+        outage = self.catalog_outage_s
+        if (
+            isinstance(outage, bool)
+            or not isinstance(outage, int | float)
+            or not MIN_CATALOG_OUTAGE_S <= outage <= MAX_CATALOG_OUTAGE_S
+        ):
+            raise _fail(
+                f"{p}.catalog_outage_s",
+                outage,
+                f"use a number of seconds from {MIN_CATALOG_OUTAGE_S:g} to "
+                f"{MAX_CATALOG_OUTAGE_S:g}",
+            )
+        self.catalog_outage_s = float(outage)
         for key in ("async_save", "verify_on_load"):
             if not isinstance(getattr(self, key), bool):
                 raise _fail(f"{p}.{key}", getattr(self, key), "use true or false")
@@ -288,6 +312,7 @@ _CHECKPOINTING_KEYS = {
     "local_num_to_keep",
     "max_pending_uploads",
     "retry",
+    "catalog_outage_s",
 }
 # model_stage_factory holds the product's other model settings too; only these are ours
 _MODEL_STAGE_KEYS = {"checkpoint_only_trainable_parameters", "source_checkpoint"}

@@ -57,3 +57,31 @@ class SaveBelowLatestError(ZephonError):
 
 def _rebuild_below_latest(message: str, run: str, step: int, latest: int) -> SaveBelowLatestError:
     return SaveBelowLatestError(message, run=run, step=step, latest=latest)
+
+
+class CatalogOutageError(ZephonError):
+    """The catalog has been unreachable for longer than ``catalog_outage_s``: a job saves to
+    storage through a shorter outage, and fails with this one past it. ``url`` is the
+    catalog's (password masked), ``elapsed`` the outage so far in seconds."""
+
+    def __init__(self, url: str, *, elapsed: float, deadline_s: float, reason: str) -> None:
+        super().__init__(
+            f"catalog {url} has been unavailable for {elapsed:.0f}s, longer than "
+            f"catalog_outage_s = {deadline_s:g}s ({reason}); bring the database back (then "
+            "`zephon sync` records what was saved meanwhile) or raise "
+            "trainer.checkpointing.catalog_outage_s"
+        )
+        self.url = url
+        self.elapsed = elapsed
+        self.deadline_s = deadline_s
+        self.reason = reason
+
+    def __reduce__(self):  # a rank's error is sent to the others: rebuilt from its data
+        return (
+            _outage_error,
+            (self.url, self.elapsed, self.deadline_s, self.reason),
+        )
+
+
+def _outage_error(url: str, elapsed: float, deadline_s: float, reason: str) -> CatalogOutageError:
+    return CatalogOutageError(url, elapsed=elapsed, deadline_s=deadline_s, reason=reason)

@@ -21,6 +21,7 @@ from catalog import (
     DEFAULT_LEASE,
     Catalog,
     CatalogError,
+    CatalogUnavailableError,
     CheckpointRecord,
     ResumePoint,
     StateConflictError,
@@ -31,6 +32,7 @@ from zephon.attempts import fenced, mirror_lineage
 from zephon.errors import StaleAttemptError
 from zephon.holders import held_claims, still_held
 from zephon.locations import RunLocation, run_location
+from zephon.outage import DebtBeingPaid, guard
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
 from zephon.sync import SyncReport, reconcile_run
 
@@ -359,12 +361,32 @@ def apply_retention(
     shares (the manager, the drop-in DCP writer, the framework integrations): with a catalog,
     the run's policy as the catalog holds it (``num_to_keep``, milestones, pins) through fenced
     claims; without one, ``num_to_keep`` and ``keep_every_steps`` over storage. Returns the
-    deleted steps."""
+    deleted steps.
+
+    With the catalog unreachable nothing is deleted (its claims are what make a deletion safe):
+    the retention is owed to it (``zephon.outage``) and runs once it answers, after the run's
+    rows are brought in line with storage."""
     if catalog is not None:
-        # The attempt's own lineage: its commit re-checked the fence just before the marker,
-        # and the claims below are fenced by its epoch in their transaction.
-        report = gc_run(catalog, location, orphans=False, epoch=fence.epoch, lineage=fence.lineage)
-        return [deleted["step"] for deleted in report.deleted]
+        outage = guard(catalog)
+
+        def retain() -> list[int]:
+            # The attempt's own lineage: its commit re-checked the fence just before the
+            # marker, and the claims below are fenced by its epoch in their transaction.
+            report = gc_run(
+                catalog, location, orphans=False, epoch=fence.epoch, lineage=fence.lineage
+            )
+            return [deleted["step"] for deleted in report.deleted]
+
+        def pay_then_retain() -> list[int]:
+            outage.pay(location)  # the rows first: retention judges by them
+            return retain()
+
+        try:
+            return outage.call(pay_then_retain)
+        except (CatalogUnavailableError, DebtBeingPaid):
+            pass
+        outage.defer(location, "retention", retain)
+        return []
     if num_to_keep is None and keep_every_steps is None:
         return []
     return retain_without_catalog(

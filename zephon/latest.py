@@ -12,19 +12,24 @@ independent requests: the marker (compared with the row's save and manifest chec
 save's ``_CORRUPT`` record and, unless the caller read the lineage, a listing of the run's
 attempts (storage may know an attempt the catalog missed). A row that fails it is reconciled
 (marked deleted, corrupt or stale) and never answered again, so no restart loop can follow.
+
+A catalog that cannot be reached is no reason to stop: the lookup falls back to the storage
+scan, the source of truth, and logs one warning (``zephon.outage`` counts the outage).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from catalog import Catalog, CheckpointRecord, RunNotFoundError
+from catalog import Catalog, CatalogUnavailableError, CheckpointRecord, RunNotFoundError
 from storage import CheckpointNotFoundError, Lineage, Manifest, newer_epochs
 from zephon.attempts import mirror_lineage
 from zephon.errors import ZephonError
 from zephon.locations import RunLocation
+from zephon.outage import guard
 from zephon.reconcile import (
     Examined,
     Judgement,
@@ -37,6 +42,8 @@ from zephon.reconcile import (
 )
 
 __all__ = ["LatestCheckpoint", "find_latest"]
+
+log = logging.getLogger("zephon")
 
 #: rows whose marker the probe above the newest committed one looks at
 _PROBED_STATES = ("pending", "failed", "deleted")
@@ -100,7 +107,8 @@ def find_latest(
     committed row (one indexed query), after probing the rows above it (pending, failed,
     deleted: normally none) for a complete marker of the current history, which is promoted
     (a crash between marker and catalog update) or, for a failed or deleted row, verified
-    deeply and then promoted. A run unknown to the catalog falls back to the storage scan.
+    deeply and then promoted. A run unknown to the catalog, or a catalog that cannot be
+    reached (one warning is logged), falls back to the storage scan.
 
     ``confirm`` (default: when ``lineage`` is given, i.e. for a job start that records the
     answer as its resume point): read and judge the row's marker before answering (one round
@@ -115,10 +123,19 @@ def find_latest(
     store, storage_run = location.store, location.storage_run
     if catalog is not None:
         try:
-            rule = _Rule(location, catalog, lineage, on_corrupt or _ignore)
-            return rule.latest(lineage is not None if confirm is None else confirm)
+            confirming = lineage is not None if confirm is None else confirm
+            return guard(catalog).call(
+                lambda: _Rule(location, catalog, lineage, on_corrupt or _ignore).latest(confirming),
+                retry_s=0,
+            )
         except RunNotFoundError:
             pass
+        except CatalogUnavailableError as exc:
+            log.warning(
+                "zephon: run %s: %s; finding its latest checkpoint by a storage scan",
+                location.name,
+                exc,
+            )
     manifest = store.latest(storage_run, lineage=lineage, on_corrupt=on_corrupt)
     if manifest is None:
         return None

@@ -38,7 +38,6 @@ from typing import Any
 from catalog import Catalog, CheckpointRecord, SyncOutcome
 from storage import CorruptCheckpointError, Lineage, Manifest, concurrently
 from zephon.locations import RunLocation
-from zephon.saving import manifest_facts
 
 __all__ = [
     "Examined",
@@ -47,6 +46,7 @@ __all__ = [
     "Verdict",
     "examine",
     "judge",
+    "manifest_facts",
     "probe",
     "quarantine",
     "record_history",
@@ -122,6 +122,17 @@ def judge(
         f"the marker of save {marker.save_id} is complete but the row says {state}"
         + ("" if same else f" for save {row.save_id}"),
     )
+
+
+def manifest_facts(manifest: Manifest) -> dict[str, Any]:
+    """The catalog's facts about a committed checkpoint, from its manifest: the one place
+    that turns a manifest into row values (save path, resume probe, gc and sync use it)."""
+    return {
+        "bytes": manifest.total_bytes,
+        "file_count": manifest.file_count,
+        "manifest_checksum": manifest.checksum(),
+        "metadata": manifest.metadata or None,
+    }
 
 
 # -- acting on a verdict -------------------------------------------------------------------

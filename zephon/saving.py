@@ -14,6 +14,11 @@ pending row name the same save). Every way out of the block that is not a commit
 failed and removes the save's own files, never another save's, and never files a marker may
 name (a marker request whose outcome is unknown: ``CheckpointWriter.abort`` keeps them).
 
+With the catalog unreachable (``zephon.outage``), steps 1 and 4 are retried briefly and then
+owed to the catalog: the save goes on under the storage fence alone (step 2 re-checks the epoch
+on storage, as without a catalog), and the run's rows are reconciled with storage once the
+catalog answers, before the next save arms its own row or by the background payer.
+
 Timings: a save measures its own phases with ``time.perf_counter`` (begin -> commit call ->
 marker created -> catalog commit) and records them on the row with the commit: ``write_s``,
 ``commit_s``, ``total_s`` (docs/catalog.md, Timings and replicas); callers add the phases they
@@ -25,30 +30,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from catalog import Catalog, InvalidTransitionError
+from catalog import Catalog, CatalogUnavailableError, InvalidTransitionError
 from storage import CheckpointWriter, Manifest, new_save_id, redact
 from zephon.attempts import Attempt, as_zephon_error, fenced
 from zephon.errors import NotCommittedError
+from zephon.outage import DebtBeingPaid, guard
+from zephon.reconcile import manifest_facts
 
 __all__ = ["Save", "manifest_facts"]
 
+log = logging.getLogger("zephon")
+
 #: how long a save waits for a gc that is deleting the step it wants (a stale checkpoint there)
 _DELETING_WAIT_S = 30.0
-
-
-def manifest_facts(manifest: Manifest) -> dict[str, Any]:
-    """The catalog's facts about a committed checkpoint, from its manifest: the one place
-    that turns a manifest into row values (save path, resume probe, gc and sync use it)."""
-    return {
-        "bytes": manifest.total_bytes,
-        "file_count": manifest.file_count,
-        "manifest_checksum": manifest.checksum(),
-        "metadata": manifest.metadata or None,
-    }
 
 
 class Save:
@@ -67,11 +66,14 @@ class Save:
         catalog: Catalog | None,
         *,
         began: float | None = None,
+        armed: bool | None = None,
     ) -> None:
         self.attempt = attempt
         self.step = step
         self.writer = writer
         self.catalog = catalog
+        #: whether the catalog holds this save's pending row (not when it was unreachable)
+        self.armed = catalog is not None if armed is None else armed
         self._settled = False
         #: phase -> seconds of this save, complete once ``committed()`` returned
         self.timings: dict[str, float] = {}
@@ -122,8 +124,7 @@ class Save:
         location = attempt.location
         save_id = save_id if save_id is not None else new_save_id(attempt.fence)
         with fenced():
-            if catalog is not None:
-                _arm(catalog, location.name, step, location.checkpoint_url(step), attempt, save_id)
+            armed = catalog is not None and _arm_unless_down(catalog, attempt, step, save_id)
             try:
                 writer = location.store.begin(
                     location.storage_run,
@@ -131,15 +132,16 @@ class Save:
                     fence=attempt.fence,
                     save_id=save_id,
                     metadata=metadata,
-                    # the catalog's fenced begin just checked the epoch in its transaction
-                    recheck=catalog is None,
+                    # the catalog's fenced begin just checked the epoch in its transaction;
+                    # without it (none, or unreachable) storage checks it
+                    recheck=not armed,
                 )
             except BaseException as exc:
-                if catalog is not None:
+                if armed:
                     with contextlib.suppress(Exception):
                         catalog.mark_failed(location.name, step, save_id, _reason(exc))
                 raise
-        return cls(attempt, step, writer, catalog, began=began)
+        return cls(attempt, step, writer, catalog, began=began, armed=armed)
 
     def commit(self, metadata: Mapping[str, Any] | None = None) -> Manifest:
         """``writer.commit()`` (the fence re-check, then the marker), a stale attempt's refusal
@@ -163,26 +165,53 @@ class Save:
         self.timings.update(self._measured())
         self.timings.update(timings or {})
         if self.catalog is not None:
-            with fenced():
-                self.catalog.mark_committed(
-                    self.attempt.location.name,
-                    self.step,
-                    self.save_id,
-                    epoch=self.attempt.epoch,
-                    timings=self.timings,
-                    **manifest_facts(manifest),
-                )
+            self._record(self.catalog, manifest)
         return manifest
+
+    def _record(self, catalog: Catalog, manifest: Manifest) -> None:
+        """``mark_committed`` of the armed row, retried briefly while the catalog is
+        unreachable, then owed (the rows are reconciled with storage once it answers). A save
+        that could not arm its row pays the run's debt now if the catalog is back."""
+        location = self.attempt.location
+        outage = guard(catalog)
+        with fenced():
+            try:
+                if not self.armed:
+                    # owed again now that the marker exists: a payment made since begin may
+                    # have listed the run before it
+                    outage.defer_rows(location)
+                    outage.call(lambda: outage.pay(location))
+                    return
+                outage.call(
+                    lambda: catalog.mark_committed(
+                        location.name,
+                        self.step,
+                        self.save_id,
+                        epoch=self.attempt.epoch,
+                        timings=self.timings,
+                        **manifest_facts(manifest),
+                    )
+                )
+            except (CatalogUnavailableError, DebtBeingPaid):
+                outage.defer_rows(location)
+                log.warning(
+                    "zephon: run %s step %d is committed on storage; its catalog row is "
+                    "recorded once the catalog answers",
+                    location.name,
+                    self.step,
+                )
 
     def add_timings(self, timings: Mapping[str, float]) -> None:
         """Merge phases measured after the commit (an async save's stall, an upload) into
         ``self.timings`` and the save's catalog row. Raises the catalog's
         ``CheckpointRecordNotFoundError`` when the row belongs to a newer save of the step now,
         ``InvalidValueError`` for an unknown phase (both ``zephon.CatalogError``)."""
-        if self.catalog is not None:
-            self.catalog.add_timings(
-                self.attempt.location.name, self.step, self.save_id, dict(timings)
-            )
+        if self.catalog is not None and not guard(self.catalog).down:
+            # timings are facts about a save, never worth failing a job for
+            with contextlib.suppress(CatalogUnavailableError):
+                self.catalog.add_timings(
+                    self.attempt.location.name, self.step, self.save_id, dict(timings)
+                )
         self.timings.update(timings)
 
     def _measured(self) -> dict[str, float]:
@@ -201,7 +230,7 @@ class Save:
         self._settled = True
         with contextlib.suppress(Exception):
             self.writer.abort()
-        if self.catalog is not None:
+        if self.catalog is not None and self.armed:
             with contextlib.suppress(Exception):
                 self.catalog.mark_failed(
                     self.attempt.location.name, self.step, self.save_id, _reason(exc)
@@ -225,6 +254,28 @@ class Save:
             self.failed(error)
             raise error
         self.committed()
+
+
+def _arm_unless_down(catalog: Catalog, attempt: Attempt, step: int, save_id: str) -> bool:
+    """Pay what the run owes the catalog (its attempt first), then arm this save's pending
+    row; False if the catalog stays unreachable through the retries (the row is owed then).
+    ``zephon.CatalogOutageError`` once it has been unreachable past the deadline."""
+    location = attempt.location
+    outage = guard(catalog)
+    url = location.checkpoint_url(step)
+
+    def pay_then_arm() -> bool:
+        outage.pay(location)  # the attempt and the rows first: the arm is fenced by them
+        _arm(catalog, location.name, step, url, attempt, save_id)
+        return True
+
+    try:
+        armed = outage.call(pay_then_arm)
+    except (CatalogUnavailableError, DebtBeingPaid):
+        armed = False
+    if not armed:
+        outage.defer_rows(location)
+    return armed
 
 
 def _arm(catalog: Catalog, name: str, step: int, url: str, attempt: Attempt, save_id: str) -> None:

@@ -4,10 +4,14 @@ tests/conftest.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
 from catalog import Catalog
+from tests.conftest import unavailable
+from tests.pg_cluster import PostgresCluster
+from tests.servers import ServerUnavailable
 from zephon.cli import main
 
 
@@ -46,3 +50,40 @@ def usage(tmp_path, monkeypatch, capsys):
         return _run_zephon(list(argv), capsys)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def own_postgres() -> Iterator[PostgresCluster]:
+    """A PostgreSQL cluster of the session's own (tests/pg_cluster.py), which tests may stop:
+    never the shared server. Fails under CI if it cannot be built, skips elsewhere."""
+    try:
+        cluster = PostgresCluster()
+    except ServerUnavailable as exc:
+        unavailable(f"a PostgreSQL cluster of our own: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.drop()
+
+
+@dataclass
+class StoppableCatalog:
+    """A fresh database in ``own_postgres``: its ``url`` and the ``cluster`` to stop."""
+
+    cluster: PostgresCluster
+    database: str
+
+    def url(self, password: str | None = None) -> str:
+        return self.cluster.url_for(self.database, password)
+
+
+@pytest.fixture
+def stoppable_catalog(own_postgres) -> Iterator[StoppableCatalog]:
+    """An empty catalog database on a server the test may stop (running again afterwards)."""
+    database = own_postgres.create_database()
+    try:
+        yield StoppableCatalog(own_postgres, database)
+    finally:
+        if not own_postgres.running:
+            own_postgres.start()
+        own_postgres.drop_database(database)

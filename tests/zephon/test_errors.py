@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -112,16 +113,18 @@ def test_a_state_that_does_not_fit_is_a_zephon_error_in_one_line(tmp_path):
     assert_one_root_one_line(caught.value)
 
 
-def test_a_checkpoint_the_catalog_has_no_row_for_is_not_resumed_from_and_raises_nothing(tmp_path):
-    """The catalog is the index: a marker it has no row of is not history until `zephon sync`
-    records it, so the job starts afresh (nothing raised, nothing deleted)."""
+def test_a_checkpoint_the_catalog_has_no_row_for_is_recorded_by_the_next_start(tmp_path):
+    """A marker the catalog has no row of above its newest committed one (a job that ended
+    during a catalog outage) is recorded by the next job start, by the one rule, and resumed
+    from: never abandoned for an older checkpoint (docs/catalog.md, "When the catalog is
+    down")."""
     import sqlite3
 
     config = saved(tmp_path)
     with sqlite3.connect(tmp_path / "catalog.db") as db:
         db.execute("DELETE FROM checkpoint_replicas")
         db.execute("DELETE FROM checkpoints")
-    assert load(config).step is None
+    assert load(config).step == 1
     assert os.path.exists(os.path.join(config.save_dir, "r", "save-1", "_COMMIT"))
 
 
@@ -157,10 +160,15 @@ def test_storage_that_cannot_be_used_is_a_storage_error_in_one_line(
     assert_one_root_one_line(caught.value)
 
 
-def test_a_catalog_that_does_not_answer_is_a_catalog_error_in_one_line(tmp_path):
-    config = config_at(tmp_path, catalog_url="postgresql://postgres@127.0.0.1:9/zephon")
-    with pytest.raises(zephon.CatalogError) as caught:
-        load(config)
+def test_a_catalog_that_does_not_answer_past_catalog_outage_s_is_one_line(tmp_path):
+    config = config_at(
+        tmp_path, catalog_url="postgresql://postgres@127.0.0.1:9/zephon", catalog_outage_s=1
+    )
+    with CheckpointManager(config, run_name="r", total_steps=10) as manager:
+        assert load(config).step is None  # a job starts from storage while the catalog is away
+        time.sleep(1.1)
+        with pytest.raises(zephon.CatalogOutageError) as caught:
+            manager.save(1, {"model": model()})
     assert_one_root_one_line(caught.value)
 
 

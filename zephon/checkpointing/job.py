@@ -19,6 +19,7 @@ from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError
 from zephon.gc import apply_retention
 from zephon.locations import RunLocation, inference_run_name
+from zephon.outage import close_guard, ensure_run, open_catalog
 
 __all__ = ["ALREADY_COMPLETE", "Job"]
 
@@ -114,18 +115,25 @@ class Job:
             raise
 
     def _open_catalog(self, url: str) -> Catalog:
-        catalog = Catalog(url)
+        """The catalog with the run's row; one that cannot be reached is owed the row
+        (``zephon.outage``): the job starts from storage meanwhile."""
+        catalog = open_catalog(url, self.config.catalog_outage_s)
         try:
-            catalog.ensure_run(
-                self.name,
-                self.store.location.canonical_url,
-                kind=self.kind,
-                status="active",
-                total_steps=self.total_steps,
-                num_to_keep=self.config.num_to_keep,
-                keep_every_steps=self.config.keep_every_steps,
+            ensure_run(
+                catalog,
+                self.location,
+                lambda: catalog.ensure_run(
+                    self.name,
+                    self.store.location.canonical_url,
+                    kind=self.kind,
+                    status="active",
+                    total_steps=self.total_steps,
+                    num_to_keep=self.config.num_to_keep,
+                    keep_every_steps=self.config.keep_every_steps,
+                ),
             )
         except BaseException:
+            close_guard(catalog)
             catalog.close()
             raise
         return catalog
@@ -171,6 +179,7 @@ class Job:
                 self.tier.close()
                 self.tier = None
             if self.catalog is not None:
+                close_guard(self.catalog)
                 self.catalog.close()
                 self.catalog = None
         finally:

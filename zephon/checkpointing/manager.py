@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from catalog import Catalog
+from catalog import Catalog, CatalogUnavailableError
 from storage import CheckpointStore
 from zephon.attempts import Attempt, fenced
 from zephon.checkpointing.background import Background
@@ -35,6 +35,7 @@ from zephon.checkpointing.saver import Saver
 from zephon.checkpointing.tiering import Tiering
 from zephon.config import CheckpointingConfig, ModelStageConfig
 from zephon.locations import RunLocation
+from zephon.outage import DebtBeingPaid, guard
 
 __all__ = ["CheckpointManager", "Resume", "ALREADY_COMPLETE"]
 
@@ -182,10 +183,25 @@ class CheckpointManager:
     def finish(self) -> None:
         """Wait for background work and mark the run finished in the catalog."""
         self.wait()
-        if self.catalog is not None:
+        catalog = self.catalog
+        if catalog is not None:
             epoch = self.attempt.epoch if self.attempt is not None else None
+            location, outage = self._job.location, guard(catalog)
+
+            def mark_finished() -> None:
+                catalog.update_run(self.name, status="finished", epoch=epoch)
+
+            def pay_then_finish() -> None:
+                outage.pay(location)
+                mark_finished()
+
             with fenced():
-                self.catalog.update_run(self.name, status="finished", epoch=epoch)
+                try:
+                    outage.call(pay_then_finish)
+                    return
+                except (CatalogUnavailableError, DebtBeingPaid):
+                    pass
+                outage.defer(location, "finish", mark_finished)
 
     def close(self) -> None:
         """Wait for background work, then release the stager, the local tier, the catalog, the

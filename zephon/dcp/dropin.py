@@ -46,6 +46,7 @@ from zephon.dcp.writer import CommitMetadata, ZephonStorageWriter, _FilePrefix
 from zephon.errors import ConfigError
 from zephon.gc import apply_retention
 from zephon.locations import RunLocation
+from zephon.outage import close_guard, ensure_run, open_catalog
 from zephon.saving import Save
 
 __all__ = ["RunURL", "Writer", "parse_run_url"]
@@ -481,11 +482,16 @@ class Writer(ZephonStorageWriter):
         if self._catalog_arg is None:
             return None
         if self._catalog is None:
-            self._catalog = Catalog(self._catalog_arg)  # type: ignore[arg-type]
+            self._catalog = open_catalog(self._catalog_arg)  # type: ignore[arg-type]
         if not self._catalog_ready:
+            catalog = self._catalog
             given = {"num_to_keep": self.num_to_keep} if self.num_to_keep is not None else {}
-            self._catalog.ensure_run(
-                self.run, self.store.location.canonical_url, status="active", **given
+            ensure_run(
+                catalog,
+                self.location,
+                lambda: catalog.ensure_run(
+                    self.run, self.store.location.canonical_url, status="active", **given
+                ),
             )
             self._catalog_ready = True
         return self._catalog
@@ -525,6 +531,7 @@ class Writer(ZephonStorageWriter):
 
     def _close_rest(self) -> None:
         if self._catalog is not None and isinstance(self._catalog_arg, str):
+            close_guard(self._catalog)
             with contextlib.suppress(Exception):
                 self._catalog.close()
             self._catalog = None

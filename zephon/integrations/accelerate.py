@@ -29,6 +29,7 @@ from zephon.errors import ConfigError, ZephonError
 from zephon.gc import apply_retention
 from zephon.integrations.download import FOLDER_FORMAT, VERIFIED, fetch_latest, open_catalog
 from zephon.locations import RunLocation
+from zephon.outage import close_guard, ensure_run
 from zephon.saving import Save
 
 __all__ = ["AcceleratorCheckpoints", "FolderCheckpoints", "fetch_latest"]
@@ -141,13 +142,18 @@ class FolderCheckpoints:
         assert self.store is not None
         if self.catalog is None:
             self.catalog, self._owns_catalog = open_catalog(self._catalog_arg)
-            if self.catalog is not None:
-                self.catalog.ensure_run(
-                    self.run,
-                    self.store.location.canonical_url,
-                    kind="train",
-                    status="active",
-                    num_to_keep=self.num_to_keep,
+            catalog = self.catalog
+            if catalog is not None:
+                ensure_run(
+                    catalog,
+                    self.location,
+                    lambda: catalog.ensure_run(
+                        self.run,
+                        self.store.location.canonical_url,
+                        kind="train",
+                        status="active",
+                        num_to_keep=self.num_to_keep,
+                    ),
                 )
         declared = self._resumed_from if self._resumed_from is not None else self.resume_step
         self.attempt = register_writer(self.location, self.catalog, resume_step=declared)
@@ -225,6 +231,7 @@ class FolderCheckpoints:
             self.coll.destroy()
             self.coll = None
         if self.catalog is not None and self._owns_catalog:
+            close_guard(self.catalog)
             self.catalog.close()
         self.catalog = None
         if self.store is not None:

@@ -43,6 +43,7 @@ from storage import (
     validate_run,
     verify_checkpoint,
 )
+from zephon import outage
 from zephon.errors import ConfigError, ZephonError
 from zephon.latest import find_latest
 from zephon.locations import CATALOG_URL_ENV, RunLocation
@@ -86,7 +87,7 @@ def open_catalog(catalog: Catalog | str | None) -> tuple[Catalog | None, bool]:
     url = catalog or os.environ.get(CATALOG_URL_ENV)
     if not url:
         return None, False
-    return Catalog(url), True
+    return outage.open_catalog(url), True
 
 
 def fetch_latest(
@@ -147,6 +148,7 @@ def _fetch(
                 _warn_damaged(latest.step, str(exc))
     finally:
         if owned and cat is not None:
+            outage.close_guard(cat)
             cat.close()
         store.close()
 

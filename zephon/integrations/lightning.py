@@ -43,6 +43,7 @@ from zephon.errors import ConfigError, SaveBelowLatestError, ZephonError
 from zephon.gc import apply_retention, delete_requested
 from zephon.latest import find_latest
 from zephon.locations import RunLocation
+from zephon.outage import close_guard, ensure_run, open_catalog
 from zephon.saving import Save
 from zephon.state_tree import join_state, split_state
 
@@ -109,14 +110,19 @@ class ZephonCheckpointIO(CheckpointIO):
         self.store = CheckpointStore(os.fspath(save_dir), dict(storage_options or {}))
         self.location = RunLocation(run_name, self.store, run_name)
         self._own_catalog = isinstance(catalog, str)
-        self.catalog: Catalog | None = Catalog(catalog) if isinstance(catalog, str) else catalog
-        if self.catalog is not None:
-            self.catalog.ensure_run(
-                run_name,
-                self.store.location.canonical_url,
-                kind="train",
-                status="active",
-                num_to_keep=num_to_keep,
+        opened = open_catalog(catalog) if isinstance(catalog, str) else catalog
+        self.catalog: Catalog | None = opened
+        if opened is not None:
+            ensure_run(
+                opened,
+                self.location,
+                lambda: opened.ensure_run(
+                    run_name,
+                    self.store.location.canonical_url,
+                    kind="train",
+                    status="active",
+                    num_to_keep=num_to_keep,
+                ),
             )
         self.attempt: Attempt | None = None
         #: Lightning names of each step this process knows of (a step saved twice, e.g.
@@ -304,6 +310,7 @@ class ZephonCheckpointIO(CheckpointIO):
         """Release the catalog this plugin opened from a URL (Lightning's ``teardown`` after
         each ``fit`` keeps it, so the plugin can serve another ``fit``)."""
         if self._own_catalog and self.catalog is not None:
+            close_guard(self.catalog)
             self.catalog.close()
             self.catalog = None
             self._own_catalog = False
