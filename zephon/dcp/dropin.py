@@ -236,6 +236,7 @@ class Writer(ZephonStorageWriter):
         config = CheckpointingConfig(
             save_dir=self.target.root,
             local_dir=os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir,
+            num_to_keep=self.num_to_keep,
             local_num_to_keep=keep,
             max_pending_uploads=max_pending,
             prefix="Writer",
