@@ -17,6 +17,7 @@ by threads (the pool hands each session its own connection); processes must buil
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 from collections.abc import Iterator
@@ -212,17 +213,82 @@ def driver_reason(exc: DBAPIError, secrets: frozenset[str] = frozenset()) -> str
     return redact_text(lines[0], secrets) if lines else type(original).__name__
 
 
+_SQLITE_FIX = (
+    "check that the URL (--catalog or ZEPHON_CATALOG_URL) names a SQLite file you can read "
+    "and write"
+)
+_SQLITE_WRITABLE_FIX = (
+    "writable or point the URL (--catalog or ZEPHON_CATALOG_URL) at a file in a "
+    "writable directory (SQLite writes -wal and -shm files beside the database, even to read)"
+)
+_SQLITE_FULL_FIX = (
+    "free space on that disk or point the URL (--catalog or ZEPHON_CATALOG_URL) at a file on "
+    "a larger disk"
+)
+#: SQLite result codes (extended ones start with these) that a path one cannot write gives
+_SQLITE_WRITE_REFUSED = ("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR", "SQLITE_PERM")
+
+
+def _nearly_full(directory: str) -> bool:
+    """Whether the disk holding ``directory`` has less than a SQLite page cache's worth free."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < 1 << 20
+
+
+def _sqlite_unavailable(url: str, exc: DBAPIError, reason: str) -> CatalogUnavailableError:
+    """A SQLite failure said as what it is: a full disk, a read-only file or directory (which
+    SQLite reports as "unable to open database file" or "attempt to write a readonly
+    database"), else the driver's reason with a fix about the file, not a server."""
+    code = str(getattr(exc.orig, "sqlite_errorname", "") or "")
+    database = make_url(url).database or ""
+    path = os.path.abspath(database) if database and not database.startswith("file:") else ""
+    if (
+        code.startswith("SQLITE_FULL")
+        or getattr(exc.orig, "errno", None) == errno.ENOSPC
+        # a write that met ENOSPC in the WAL or its index may come back as an I/O error
+        or (path and code.startswith("SQLITE_IOERR") and _nearly_full(os.path.dirname(path)))
+    ):
+        where = f"the disk holding {path}" if path else "the disk"
+        return CatalogUnavailableError(url, f"{where} is full ({reason})", _SQLITE_FULL_FIX)
+    if path and code.startswith(_SQLITE_WRITE_REFUSED):
+        directory = os.path.dirname(path)
+        # access() also answers EROFS for a read-only mount, where root's writes fail too.
+        refused = [
+            f"the {kind} {where}"
+            for kind, where, there in (
+                ("directory", directory, os.path.isdir(directory)),
+                ("file", path, os.path.exists(path)),
+            )
+            if there and not os.access(where, os.W_OK)
+        ]
+        if refused:
+            are, them = ("are", "them") if len(refused) > 1 else ("is", "it")
+            return CatalogUnavailableError(
+                url,
+                f"{' and '.join(refused)} {are} read-only ({reason})",
+                f"make {them} {_SQLITE_WRITABLE_FIX}",
+            )
+    return CatalogUnavailableError(url, reason, _SQLITE_FIX)
+
+
 @contextlib.contextmanager
 def translate_errors(
     url: str, action: str, secrets: frozenset[str] = frozenset()
 ) -> Iterator[None]:
     """Turn SQLAlchemy errors raised inside the block into catalog errors naming ``url``
-    (masked here too, whatever the caller passed)."""
+    (masked here too, whatever the caller passed). On SQLite a connection-level failure is
+    about the file: its message says so (read-only, disk full) and never asks for a server."""
     url = mask_url(url)
     try:
         yield
     except (OperationalError, InterfaceError) as exc:
-        raise CatalogUnavailableError(url, driver_reason(exc, secrets)) from exc
+        reason = driver_reason(exc, secrets)
+        if url.startswith("sqlite"):
+            raise _sqlite_unavailable(url, exc, reason) from exc
+        raise CatalogUnavailableError(url, reason) from exc
     except DBAPIError as exc:
         raise CatalogDatabaseError(url, action, driver_reason(exc, secrets)) from exc
 

@@ -8,8 +8,10 @@ Besides checkpoints, the public API offers what a layer that keeps its own small
 primitives of ``storage.backend`` (``list_files``, ``read_small``, ``create_exclusive``, ...,
 each a call of the location's ``Backend``), ``backend_errors`` (backend failures as
 ``BackendUnavailableError``), the CRC32C helpers of ``storage.checksum``, the name and step
-checks of ``storage.layout``, the redaction of secrets from messages (``storage.redact``) and
-``concurrently`` (requests sent together). Other layers import only these names.
+checks of ``storage.layout`` (``parse_number``: every number read from a name or argument),
+``parse_json`` (every JSON document read from storage, depth-limited), the redaction of
+secrets from messages (``storage.redact``) and ``concurrently`` (requests sent together).
+Other layers import only these names.
 """
 
 from storage.backend import (
@@ -38,9 +40,11 @@ from storage.errors import (
     StorageOptionsRefusedError,
     WriteAbortedError,
 )
+from storage.jsondoc import MAX_JSON_DEPTH, JsonDocumentError, parse_json
 from storage.layout import (
     MARKER_NAME,
     MAX_STEP,
+    parse_number,
     parse_step_dirname,
     validate_file_name,
     validate_run,
@@ -59,6 +63,9 @@ from storage.writer import CheckpointWriter
 
 __all__ = [
     "MARKER_NAME",
+    "MAX_JSON_DEPTH",
+    "JsonDocumentError",
+    "parse_json",
     "AttemptRecord",
     "Fence",
     "Lineage",
@@ -91,6 +98,7 @@ __all__ = [
     # names, steps and secrets in messages (storage.layout, storage.lineage, storage.redact)
     "MAX_STEP",
     "parse_step_dirname",
+    "parse_number",
     "validate_file_name",
     "newer_epochs",
     "redact",

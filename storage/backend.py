@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from storage.backends.base import ListedFile, mtime_of
@@ -84,13 +84,67 @@ def backend_errors(location: Location, action: str) -> Iterator[None]:
         what += redact(exc, location.secrets)
         if isinstance(exc, TypeError | AttributeError | KeyError):
             raise StorageOptionsRefusedError(what, url=location.url) from exc
-        if isinstance(exc, PermissionError):
+        if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+            fix = read_only_fix(location)
+        elif isinstance(exc, PermissionError) and location.backend.posix_paths:
+            fix = f"check that this user may read and write under {location.url}"
+        elif isinstance(exc, PermissionError):
             fix = "check the credentials and permissions in storage_options"
         elif isinstance(exc, OSError) and exc.errno in {errno.ENOSPC, errno.EDQUOT}:
-            fix = "free space or use another save_dir"
+            fix = full_disk_fix(location)
         else:
             fix = "check that the endpoint is reachable and storage_options are right"
         raise BackendUnavailableError(f"{what}; {fix}", url=location.url) from exc
+
+
+def read_only_fix(location: Location) -> str:
+    """What to do when the filesystem under ``location`` is mounted read-only."""
+    instead = (
+        f"set {location.role} to a writable directory"
+        if location.role is not None
+        else "use a writable location"
+    )
+    return f"{location.url} is on a read-only filesystem: remount it read-write or {instead}"
+
+
+def missing_parent_fix(location: Location) -> str:
+    """What to do when a file cannot be created because what holds it does not exist: the
+    bucket of an object store, a directory that cannot be made on local disk."""
+    if location.backend.has_directories:
+        return (
+            f"the directory {location.url} must exist or be creatable: create it first or fix "
+            "the path"
+        )
+    bucket = location.display(location.root.split("/", 1)[0])
+    return f"the bucket {bucket} must exist: create it first or fix the URL"
+
+
+def _created(location: Location, path: str, create: Callable[[], None]) -> None:
+    """Run ``create`` (a make-directories or a create-only write): "not found" (or "not a
+    directory") can only mean the bucket or a parent directory is missing, which is the
+    storage being unusable, not an answer for the caller to interpret (as it is for a read)."""
+    try:
+        create()
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise BackendUnavailableError(
+            f"creating {location.display(path)} failed: {type(exc).__name__}: "
+            f"{redact(exc, location.secrets)}; {missing_parent_fix(location)}",
+            url=location.url,
+        ) from exc
+
+
+def full_disk_fix(location: Location) -> str:
+    """What to do when the disk (or quota) under ``location`` is full: named by the setting
+    the location came from (``Location.role``), since only its owner knows which to change."""
+    if location.role is not None:
+        return (
+            f"the disk holding {location.role} {location.url} is full: free space there or "
+            f"set {location.role} to a directory on a larger disk"
+        )
+    return (
+        f"the disk holding {location.url} is full: free space there or use a location on a "
+        "larger disk"
+    )
 
 
 # -- the primitives: each asks the location's backend (storage.backends), chosen when the
@@ -124,8 +178,9 @@ def remove_dir(location: Location, path: str) -> None:
 
 def make_dirs(location: Location, path: str, *, durable: bool = False) -> None:
     """Make directory ``path`` and its parents where the backend needs them before a file is
-    written into it (local disk); ``durable``: the new entries survive a power loss."""
-    location.backend.make_dirs(path, durable=durable)
+    written into it (local disk); ``durable``: the new entries survive a power loss.
+    ``BackendUnavailableError`` if the directory cannot exist there."""
+    _created(location, path, lambda: location.backend.make_dirs(path, durable=durable))
 
 
 def sync_dirs(location: Location, paths: Iterable[str]) -> None:
@@ -161,8 +216,9 @@ def create_exclusive(location: Location, path: str, data: bytes) -> None:
     """Create ``path`` holding ``data`` or raise ``FileExistsError`` if it exists; a reader
     never sees it partly written. Exclusive (a race has exactly one winner) where
     ``location.backend.exclusive_create``: local disk (temp file + hard link), S3 and GCS
-    (create-only PUT), memory; elsewhere check-then-put, where the last of two racers wins."""
-    location.backend.create_exclusive(path, data)
+    (create-only PUT), memory; elsewhere check-then-put, where the last of two racers wins.
+    ``BackendUnavailableError`` naming the bucket or directory if it does not exist."""
+    _created(location, path, lambda: location.backend.create_exclusive(path, data))
 
 
 def put_small(location: Location, path: str, data: bytes) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "validate_file_name",
     "step_dirname",
     "parse_step_dirname",
+    "parse_number",
 ]
 
 MARKER_NAME = "_COMMIT"
@@ -33,6 +34,8 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _STEP_DIR = re.compile(r"save-(0|[1-9][0-9]*)")
 #: the largest step: what a catalog's BIGINT column holds
 MAX_STEP = 2**63 - 1
+# ASCII only: str.isdigit(), int() and the regex \d also take other scripts' digits ("٤" is 4)
+_ASCII_DIGITS = re.compile(r"[0-9]+")
 _RESERVED_PREFIXES = (MARKER_NAME,)
 
 
@@ -98,11 +101,20 @@ def step_dirname(step: int) -> str:
     return f"{STEP_PREFIX}{validate_step(step)}"
 
 
+def parse_number(text: object, maximum: int = MAX_STEP) -> int | None:
+    """``text`` as a whole number from 0 to ``maximum`` if it is ASCII digits and nothing else
+    (no sign, space, underscore or other script's digits, all of which ``int()`` takes), else
+    None. Every step, epoch or rank read from a name or an argument is parsed here."""
+    if not isinstance(text, str) or not _ASCII_DIGITS.fullmatch(text):
+        return None
+    if len(text.lstrip("0")) > len(str(maximum)):  # too large, and int() of it may be slow
+        return None
+    value = int(text)
+    return value if value <= maximum else None
+
+
 def parse_step_dirname(name: str) -> int | None:
     """The step of a ``save-<step>`` directory name, or None for anything else (a number
     beyond ``MAX_STEP`` included: no save can have written it)."""
-    match = _STEP_DIR.fullmatch(name)
-    if not match or len(match.group(1)) > 19:
-        return None
-    step = int(match.group(1))
-    return step if step <= MAX_STEP else None
+    match = _STEP_DIR.fullmatch(name) if isinstance(name, str) else None
+    return parse_number(match.group(1)) if match else None

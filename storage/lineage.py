@@ -36,6 +36,7 @@ from datetime import UTC, datetime
 
 from storage.backend import backend_errors, create_exclusive, list_files, make_dirs, read_small
 from storage.errors import CorruptCheckpointError, StaleAttemptError
+from storage.jsondoc import parse_json
 from storage.layout import ATTEMPTS_DIR
 from storage.location import Location
 
@@ -51,8 +52,8 @@ __all__ = [
     "read_records",
 ]
 
-_RECORD_NAME = re.compile(r"(\d{10,})\.json")
-_DECISION_NAME = re.compile(r"(\d{10,})\.resume\.json")
+_RECORD_NAME = re.compile(r"([0-9]{10,})\.json")  # ASCII: \d takes other scripts' digits
+_DECISION_NAME = re.compile(r"([0-9]{10,})\.resume\.json")
 _VERSION = 1
 
 
@@ -117,7 +118,7 @@ class AttemptRecord:
     @classmethod
     def from_json(cls, data: bytes, *, where: str, epoch: int) -> AttemptRecord:
         try:
-            body = json.loads(data.decode("utf-8"))
+            body = parse_json(data)
             if body["format_version"] > _VERSION:
                 raise ValueError(f"format_version {body['format_version']} is newer")
             record = cls(

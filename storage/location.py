@@ -50,6 +50,9 @@ class Location:
     backend: Backend = field(compare=False)
     #: credential values from the URL and storage_options, scrubbed from backend error texts
     secrets: frozenset[str] = field(default=frozenset(), compare=False)
+    #: the setting the user named this location with ("local_dir"), so that a message's fix
+    #: names what to change; None: a location without one (the fix names the location only)
+    role: str | None = field(default=None, compare=False)
 
     def __repr__(self) -> str:
         # Never the filesystem: its attributes (and some backends' reprs) hold the credentials.
@@ -105,8 +108,11 @@ def with_defaults(protocol: str, storage_options: Mapping[str, Any] | None) -> d
     return backend_for(protocol).default_options(storage_options)
 
 
-def open_location(url: str, storage_options: Mapping[str, Any] | None = None) -> Location:
-    """Resolve ``url`` (any fsspec URL or plain path) to a ``Location``.
+def open_location(
+    url: str, storage_options: Mapping[str, Any] | None = None, *, role: str | None = None
+) -> Location:
+    """Resolve ``url`` (any fsspec URL or plain path) to a ``Location``; ``role`` names the
+    setting it came from ("local_dir") in the fixes of its messages.
 
     Raises ``BackendUnavailableError`` naming the package to install when the protocol's
     implementation is missing, and ``InvalidNameError`` for an empty or chained URL.
@@ -165,4 +171,5 @@ def open_location(url: str, storage_options: Mapping[str, Any] | None = None) ->
         url=masked,
         backend=backend_class(fs, fs_protocol),
         secrets=secrets,
+        role=role,
     )

@@ -25,6 +25,7 @@ from typing import Any
 
 from storage.checksum import crc32c_of
 from storage.errors import CorruptCheckpointError, InvalidNameError
+from storage.jsondoc import parse_json
 from storage.layout import MAX_STEP, validate_file_name
 
 __all__ = ["FORMAT_VERSION", "FileEntry", "Manifest", "SAVE_ID", "validate_save_id"]
@@ -120,7 +121,7 @@ class Manifest:
         """Parse and validate a marker's bytes; ``where`` (the marker's URL) goes into every
         error. Anything malformed raises ``CorruptCheckpointError`` naming the problem."""
         try:
-            body = json.loads(data.decode("utf-8"))
+            body = parse_json(data)
             if not isinstance(body, dict):
                 raise ValueError("the marker is not a JSON object")
             version = body["format_version"]

@@ -97,6 +97,7 @@ class CheckpointStore:
         *,
         max_workers: int | None = None,
         part_size: int = 8 << 20,
+        role: str | None = None,
     ) -> None:
         if part_size < 5 << 20:
             raise InvalidArgumentError(
@@ -106,7 +107,7 @@ class CheckpointStore:
             raise InvalidArgumentError(
                 f"max_workers={max_workers} must be at least 1 (or None: the backend's default)"
             )
-        self.location: Location = open_location(url, dict(storage_options or {}))
+        self.location: Location = open_location(url, dict(storage_options or {}), role=role)
         #: threads writing or reading files of one checkpoint in parallel. By default the
         #: backend's ``default_workers``: 8 on local disk (bound by the disk and the CPU), 32
         #: elsewhere, where each upload mostly waits for its answer (as many as the S3

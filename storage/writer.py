@@ -26,6 +26,7 @@ from storage.backend import (
     file_exists,
     list_files,
     make_dirs,
+    missing_parent_fix,
     remove_dir,
     remove_empty_dirs,
     remove_files,
@@ -438,8 +439,8 @@ class CheckpointWriter:
                     yield
                 except FileNotFoundError as exc:
                     raise BackendUnavailableError(
-                        f"writing {name} to {self.url} failed: {exc}; the bucket or directory "
-                        f"{self._store.url} must exist: create it first",
+                        f"writing {name} to {self.url} failed: {exc}; "
+                        f"{missing_parent_fix(self._store.location)}",
                         url=self._store.url,
                         run=self.run,
                         step=self.step,

@@ -17,6 +17,7 @@ import pytest
 from storage.backends import BACKEND_CLASSES, backend_for
 from storage.backends import Backend as StorageBackend
 from tests import servers
+from tests.mounts import Mounts, MountUnavailable
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
@@ -34,6 +35,20 @@ def unavailable(reason: str) -> None:
     if IN_CI:
         pytest.fail(f"required under CI: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+@pytest.fixture
+def mounts() -> Iterator[Mounts]:
+    """Read-only bind mounts and small tmpfs disks (tests/mounts.py), unmounted after the
+    test; without root it skips locally and fails under CI."""
+    try:
+        made = Mounts()
+    except MountUnavailable as exc:
+        unavailable(str(exc))
+    try:
+        yield made
+    finally:
+        made.unmount_all()
 
 
 @pytest.fixture(scope="session")

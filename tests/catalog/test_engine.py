@@ -10,6 +10,7 @@ from sqlalchemy import text
 
 from catalog import Catalog, CatalogUnavailableError, InvalidValueError, mask_url
 from catalog.engine import Database
+from tests.mounts import fill
 
 
 def test_sqlite_connections_use_wal_busy_timeout_and_foreign_keys(tmp_path):
@@ -85,6 +86,49 @@ def test_a_sqlite_directory_that_cannot_be_created_is_unavailable_not_an_oserror
         Catalog(url)
     assert "\n" not in str(caught.value)
     assert "at a directory you can write" in str(caught.value)
+
+
+def _refusal(url: str) -> str:
+    """The one-line message of a catalog that cannot write its SQLite file."""
+    with pytest.raises(CatalogUnavailableError) as caught, Catalog(url) as catalog:
+        catalog.create_run("r2", "/data/ckpt")
+    message = str(caught.value)
+    assert "\n" not in message and "database server" not in message
+    return message
+
+
+def test_sqlite_in_a_read_only_directory_says_so_and_how_to_fix_it(tmp_path, mounts):
+    with Catalog(f"sqlite:///{tmp_path}/c.db") as catalog:
+        catalog.create_run("r1", "/data/ckpt")
+    mounts.read_only(tmp_path)
+    for name in ("c.db", "new.db"):  # an existing catalog, and one to create
+        message = _refusal(f"sqlite:///{tmp_path}/{name}")
+        assert f"the directory {tmp_path} " in message and "read-only" in message
+        assert "writable directory" in message
+
+
+def test_a_read_only_sqlite_file_says_so_and_how_to_fix_it(tmp_path, mounts):
+    with Catalog(f"sqlite:///{tmp_path}/c.db") as catalog:
+        catalog.create_run("r1", "/data/ckpt")
+    mounts.read_only(tmp_path / "c.db")
+    message = _refusal(f"sqlite:///{tmp_path}/c.db")
+    assert f"the file {tmp_path}/c.db is read-only" in message
+    assert "make it writable" in message
+
+
+def test_sqlite_on_a_full_disk_says_the_disk_is_full(tmp_path, mounts):
+    disk = mounts.small_disk(tmp_path / "disk", "512k")
+    url = f"sqlite:///{disk}/c.db"
+    with Catalog(url) as catalog:
+        catalog.create_run("r0", "/data/ckpt")
+        fill(disk)
+        with pytest.raises(CatalogUnavailableError) as caught:
+            for index in range(1, 200):
+                catalog.create_run(f"r{index}", "/data/" + "x" * 4000)
+    message = str(caught.value)
+    assert f"the disk holding {disk}/c.db is full" in message
+    assert "free space" in message and "database server" not in message
+    assert "\n" not in message
 
 
 @pytest.mark.parametrize(

@@ -83,3 +83,37 @@ def test_location_join_and_display_are_consistent(tmp_path):
     location = open_location(str(tmp_path))
     path = location.join("run", "save-1")
     assert path == f"{tmp_path}/run/save-1" and location.display(path) == path
+
+
+def _claim(store: CheckpointStore) -> str:
+    """The one-line error of claiming the first attempt of run "r" on ``store``."""
+    with pytest.raises(BackendUnavailableError) as caught:
+        store.claim_attempt("r", after=store.lineage("r"))
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_claiming_an_attempt_in_a_missing_bucket_names_the_bucket_and_the_fix(s3):
+    store = CheckpointStore("s3://no-such-bucket-zephon/ckpt", s3.storage_options())
+    message = _claim(store)
+    assert "creating s3://no-such-bucket-zephon/ckpt/r/_attempts/" in message
+    assert "the bucket s3://no-such-bucket-zephon must exist: create it first" in message
+
+
+@pytest.mark.parametrize("under", ["/proc/no-such-dir", "{file}"], ids=["proc", "file"])
+def test_claiming_an_attempt_where_no_directory_can_be_made_names_the_path(under, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    url = f"{under.format(file=blocker)}/ckpt"
+    message = _claim(CheckpointStore(url))
+    assert f"the directory {url} must exist or be creatable" in message
+
+
+def test_claiming_an_attempt_on_a_read_only_disk_says_so(tmp_path, mounts):
+    (tmp_path / "ro").mkdir()
+    mounts.read_only(tmp_path / "ro")
+    url = str(tmp_path / "ro" / "ckpt")
+    message = _claim(CheckpointStore(url))
+    assert f"{url} is on a read-only filesystem: remount it read-write" in message
+    assert "endpoint" not in message

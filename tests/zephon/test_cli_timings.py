@@ -8,8 +8,10 @@ import json
 
 import pytest
 from rich.console import Console
+from sqlalchemy import create_engine, update
 
 from catalog import CheckpointRecord
+from catalog.models import Checkpoint
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
 from zephon.cli import render, timing
@@ -234,3 +236,37 @@ def test_only_live_checkpoints_have_tiers():
     for state, shown in (("deleted", "-"), ("failed", "-"), ("pending", "-"), ("stale", "-")):
         record = CheckpointRecord(**{**values, "state": state})
         assert timing.tiers(record, []) == shown
+
+
+def _hand_edit_timings(catalog_url: str, step: int, timings: object) -> None:
+    """Store ``timings`` in step ``step``'s row as a hand edit or another tool would: past the
+    catalog's checks of what a save records."""
+    engine = create_engine(catalog_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                update(Checkpoint).where(Checkpoint.step == step).values(timings=timings)
+            )
+    finally:
+        engine.dispose()
+
+
+def test_timings_that_are_not_numbers_show_as_unknown(cli, tiered, catalog_url, narrow):
+    _hand_edit_timings(
+        catalog_url,
+        2,
+        {"write_s": "fast", "commit_s": None, "total_s": [1], "stall_s": "0.5", "local_s": True},
+    )
+    _hand_edit_timings(catalog_url, 6, {"local_s": {"x": 1}, "upload_s": -3, "stall_s": "slow"})
+    _hand_edit_timings(catalog_url, 4, ["not", "a", "mapping"])
+    code, out, err = cli("checkpoints", "r")
+    assert code == 0, err
+    rows = _rows(out)
+    for step in (2, 4, 6):
+        assert (rows[step]["duration"], rows[step]["MB/s"]) == ("-", "-")
+    code, out, err = cli("runs")
+    assert code == 0, err
+    assert out.rstrip("\n").split("\n")[-1].split()[-2] == "-"  # run r's latest: step 6
+    code, out, err = cli("checkpoints", "r", "--json")
+    assert code == 0, err
+    assert {c["step"]: c["timings"] for c in json.loads(out)}[4] == ["not", "a", "mapping"]

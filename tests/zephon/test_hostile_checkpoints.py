@@ -157,3 +157,59 @@ def test_with_fallback_a_zephon_json_not_shaped_as_zephon_writes_it_is_set_aside
     with CheckpointManager(config, run_name="r", total_steps=10) as manager:
         assert manager.load_latest(state_of(*build(), Counter())).step == 3
         assert manager.catalog.get_checkpoint("r", 6).state == "corrupt"
+
+
+DEEP = 5000  # far past Python's recursion limit
+
+
+def deeply_nested(depth: int = DEEP) -> str:
+    return "[" * depth + "]" * depth
+
+
+def replace_file(store, step: int, name: str, data: bytes) -> None:
+    """Replace one file of the step, with a marker that vouches for the new bytes."""
+    with open(f"{store.reader('r', step).path}/{name}", "wb") as handle:
+        handle.write(data)
+
+    def describe_it(body):
+        for entry in body["files"]:
+            if entry["name"] == name:
+                entry["size"], entry["crc32c"] = len(data), crc32c_of(data)
+        body["total_bytes"] = sum(e["size"] for e in body["files"])
+        return body
+
+    rewrite_marker(store, step, describe_it)
+
+
+def test_a_5000_deep_lightning_json_is_corrupt_in_one_line(tmp_path):
+    from zephon.integrations.lightning import LATEST, ZephonCheckpointIO
+
+    io = ZephonCheckpointIO(str(tmp_path / "ckpt"), "r", num_to_keep=None)
+    io.save_checkpoint({"global_step": 3, "epoch": 0, "state_dict": {"w": torch.ones(2)}}, "a")
+    document = '{"format_version": 1, "state": ' + deeply_nested() + "}"
+    replace_file(io.store, 3, "lightning.json", document.encode())
+    with pytest.raises(CorruptCheckpointError) as caught:
+        io.load_checkpoint(LATEST)
+    message = str(caught.value)
+    assert "lightning.json is damaged (nested deeper than 100 levels)" in message
+    assert "\n" not in message and len(message) < 400
+
+
+@pytest.mark.parametrize("name", ["zephon.json", "ranks/0.json"])
+def test_a_5000_deep_state_document_is_refused_as_corrupt(config, name):
+    store = saved(config)
+    replace_file(store, 3, name, ('{"state": ' + deeply_nested() + "}").encode())
+    with (
+        CheckpointManager(config, run_name="r", total_steps=10) as manager,
+        pytest.raises(CorruptCheckpointError, match=f"{name} is damaged .nested deeper than"),
+    ):
+        manager.load_latest(state_of(*build(), Counter()))
+
+
+def test_a_5000_deep_commit_marker_is_refused_as_corrupt(config):
+    store = saved(config)
+    marker = f"{store.checkpoint_path('r', 3)}/_COMMIT"
+    os.remove(marker)
+    create_exclusive(store.location, marker, deeply_nested().encode())
+    with pytest.raises(CorruptCheckpointError, match="nested deeper than 100 levels"):
+        store.read_manifest("r", 3)

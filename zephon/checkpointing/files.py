@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zephon.errors import ZephonError
+from storage import CorruptCheckpointError, JsonDocumentError, parse_json
 
 __all__ = [
     "DCP_SUBDIR",
@@ -42,10 +42,16 @@ def encode_json(value: Any) -> bytes:
 
 
 def decode_json(data: bytes, where: str) -> Any:
+    """A checkpoint's JSON document (``where``: its URL, for the message);
+    ``CorruptCheckpointError`` if it is not one Zephon reads (not JSON, nested too deep)."""
     try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ZephonError(f"{where} is not valid JSON ({exc}); the checkpoint is damaged") from None
+        return parse_json(data)
+    except JsonDocumentError as exc:
+        raise CorruptCheckpointError(
+            f"{where} is damaged ({exc.reason}); resume from an earlier checkpoint",
+            url=where,
+            problems=[f"{where}: {exc.reason}"],
+        ) from None
 
 
 def capture_rng() -> dict[str, Any]:

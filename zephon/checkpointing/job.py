@@ -77,7 +77,7 @@ class Job:
         self.total_steps = total_steps
         self.model_stage = model_stage or ModelStageConfig()
         self.save_rng = save_rng
-        self.store = CheckpointStore(config.save_dir, config.storage_options)
+        self.store = CheckpointStore(config.save_dir, config.storage_options, role="save_dir")
         self.run = run_name
         self.name = (
             catalog_name or run_name or inference_run_name(self.store.location.canonical_url)

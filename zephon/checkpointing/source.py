@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
-from storage import CheckpointNotFoundError, CheckpointStore
+from storage import CheckpointNotFoundError, CheckpointStore, parse_number, parse_step_dirname
 from zephon import dcp as zdcp
 from zephon.checkpointing.files import DCP_SUBDIR, META_FILE, decode_json
 from zephon.errors import ZephonError
@@ -34,7 +33,6 @@ _SOURCE_FIX = (
     "point model_stage_factory.source_checkpoint (zephon export --source) at the base model: a "
     ".safetensors file, a zephon export directory or a checkpoint <save_dir>/<run>/save-<step>"
 )
-_STEP_DIR = re.compile(r"^(?P<base>.*?)/save-(?P<step>0|[1-9][0-9]*)/?$")
 
 
 def parse_checkpoint_url(url: str) -> tuple[str, str | None, int]:
@@ -43,13 +41,13 @@ def parse_checkpoint_url(url: str) -> tuple[str, str | None, int]:
     ``<save_dir>/<run>/save-<step>`` is taken as a training checkpoint; a URL whose parent has
     no run component that is a valid run name reads as ``<save_dir>/save-<step>``.
     """
-    match = _STEP_DIR.match(url.rstrip("/"))
-    if match is None:
+    base, slash, last = url.rstrip("/").rpartition("/")
+    step = parse_step_dirname(last)
+    if step is None or not slash:
         raise ZephonError(
-            f"{url!r} is not a checkpoint directory: expected <save_dir>/<run>/save-<step> or "
-            "<save_dir>/save-<step>"
+            f"{url[:300]!r} is not a checkpoint directory: expected <save_dir>/<run>/save-<step> "
+            "or <save_dir>/save-<step>"
         )
-    base, step = match.group("base"), int(match.group("step"))
     parent, _, run = base.rpartition("/")
     if parent and "://" not in run and run:
         return parent, run, step
@@ -94,7 +92,9 @@ def read_model_tensors(
     except CheckpointException as exc:
         raise zdcp.as_zephon_error(exc, where=checkpoint.url, local_failure=reader.failure) from exc
     tree = join_state(skeleton, targets)
-    stages = bool(tree) and all(k.isdigit() and isinstance(v, dict) for k, v in tree.items())
+    stages = bool(tree) and all(
+        parse_number(k) is not None and isinstance(v, dict) for k, v in tree.items()
+    )
     return _flatten_model(tree, key, stages), meta
 
 
@@ -125,7 +125,7 @@ def read_source_tensors(
         single = os.path.join(source, "model.safetensors")
         if os.path.exists(single):
             return load_file(single)
-        if not re.search(r"save-\d+/?$", source):
+        if parse_step_dirname(source.rstrip("/").rsplit("/", 1)[-1]) is None:
             raise ZephonError(
                 f"source checkpoint {source!r} holds no model.safetensors or {INDEX_FILE}; "
                 "point it at a Zephon export or checkpoint directory"

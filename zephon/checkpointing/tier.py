@@ -47,7 +47,7 @@ class LocalTier:
     def __init__(
         self, local_dir: str, name: str, run: str | None, coll: Collectives, keep: int
     ) -> None:
-        self.store = CheckpointStore(local_dir)
+        self.store = CheckpointStore(local_dir, role="local_dir")
         self.location = RunLocation(name, self.store, run)
         self.run = run
         self.keep = keep

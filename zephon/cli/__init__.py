@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from catalog import CatalogError
-from storage import StorageError, validate_run
+from storage import MAX_STEP, StorageError, parse_number, validate_run
 from zephon.errors import ZephonError
 
 __all__ = ["main", "build_parser"]
@@ -46,14 +46,11 @@ EXIT_ZEPHON = 6
 EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
 
-#: the catalog stores steps as 64-bit signed integers (BIGINT)
-MAX_STEP = 2**63 - 1
 #: no retention duration is longer than this; a longer one is a slip (and overflows dates)
 MAX_DURATION = dt.timedelta(days=3650)
 #: no file is larger than this (1 PiB: the manifest refuses larger sizes as damage)
 MAX_SIZE = 1 << 50
 
-_STEP = re.compile(r"[0-9]{1,19}")
 _DURATION = re.compile(r"([0-9]{1,12}(?:\.[0-9]{1,9})?)\s*([smhdw]?)")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _SIZE = re.compile(r"([0-9]{1,16}(?:\.[0-9]{1,9})?)\s*([kmgtp]?i?b?)", re.IGNORECASE)
@@ -73,12 +70,12 @@ def _shown(text: str) -> str:
 
 def parse_step(text: str) -> int:
     """A step: an integer from 0 to ``MAX_STEP`` (every step argument and option)."""
-    digits = text.strip()
-    if not _STEP.fullmatch(digits) or int(digits) > MAX_STEP:
+    step = parse_number(text.strip())
+    if step is None:
         raise argparse.ArgumentTypeError(
             f"invalid step {_shown(text)}: use an integer from 0 to {MAX_STEP}"
         )
-    return int(digits)
+    return step
 
 
 def parse_run(text: str) -> str:

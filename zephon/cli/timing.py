@@ -2,11 +2,13 @@
 its duration, its write rate, and the storage tiers it is on. Pure functions of catalog
 records (``CheckpointRecord.timings``, ``ReplicaRecord``), so the table and the tests agree.
 
-A row nobody timed (older rows, a tool that does not time) shows ``-``.
+A row nobody timed (older rows, a tool that does not time) shows ``-``, and so does a phase
+whose value is not a number of seconds (a row edited by hand).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 
@@ -20,6 +22,7 @@ __all__ = [
     "local_only",
     "local_only_row",
     "rate",
+    "seconds",
     "stall",
     "tiers",
 ]
@@ -32,16 +35,28 @@ LOCAL_ONLY = "local only"
 _LIVE = ("pending", "committed")
 
 
+def seconds(timings: object, phase: str) -> float | None:
+    """The seconds ``timings`` gives ``phase``, or None (unknown) unless it is a finite,
+    non-negative number. The catalog checks timings when a save records them, but a row
+    edited by hand or written by another tool may hold anything: a table shows such a
+    value as unknown rather than failing on it."""
+    if not isinstance(timings, Mapping):
+        return None
+    value = timings.get(phase)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value >= 0 else None
+
+
 def duration_s(timings: Mapping[str, float] | None) -> float | None:
     """Seconds from the save's begin to its commit: ``total_s``, or the local tier's save
     plus its upload (``local_s + upload_s``) when only those are known; None otherwise."""
-    if not timings:
-        return None
-    if "total_s" in timings:
-        return timings["total_s"]
-    if "local_s" in timings and "upload_s" in timings:
-        return timings["local_s"] + timings["upload_s"]
-    return None
+    total = seconds(timings, "total_s")
+    if total is not None:
+        return total
+    local, upload = seconds(timings, "local_s"), seconds(timings, "upload_s")
+    return None if local is None or upload is None else local + upload
 
 
 def duration(timings: Mapping[str, float] | None) -> str:
@@ -50,14 +65,15 @@ def duration(timings: Mapping[str, float] | None) -> str:
 
 def rate(size: int | None, timings: Mapping[str, float] | None) -> str:
     """MB/s of writing the checkpoint: ``bytes / (write_s + commit_s)``."""
-    if not timings or "write_s" not in timings or "commit_s" not in timings:
+    write, commit = seconds(timings, "write_s"), seconds(timings, "commit_s")
+    if write is None or commit is None:
         return "-"
-    return human_rate(size, timings["write_s"] + timings["commit_s"])
+    return human_rate(size, write + commit)
 
 
 def stall(timings: Mapping[str, float] | None) -> str:
     """How long the save blocked training (``stall_s``)."""
-    return human_seconds((timings or {}).get("stall_s"))
+    return human_seconds(seconds(timings, "stall_s"))
 
 
 def tiers(row: CheckpointRecord, replicas: Iterable[ReplicaRecord]) -> str:
@@ -115,7 +131,7 @@ def local_only_row(
         None,
         human_bytes(copy.bytes),
         None,
-        human_seconds((copy.timings or {}).get("local_s")),
+        human_seconds(seconds(copy.timings, "local_s")),
         "-",
         "local (upload not begun)" if copy.state == "committed" else "local (saving)",
         "",

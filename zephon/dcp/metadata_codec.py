@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from storage import CorruptCheckpointError, decode_crc32c
+from storage import CorruptCheckpointError, decode_crc32c, parse_json
 from zephon import dtypes
 from zephon.dcp.errors import MetadataEncodingError
 
@@ -332,7 +332,7 @@ def decode_metadata(data: bytes, *, where: str) -> Metadata:
     version-2 slice without a valid ``crc32c`` included), or was written by a newer Zephon or
     on a host of the other byte order."""
     try:
-        body = json.loads(data.decode("utf-8"))
+        body = parse_json(data)
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise ValueError(f"it is not a {FORMAT} file")
         version = body.get("format_version")

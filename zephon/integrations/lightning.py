@@ -26,8 +26,10 @@ from catalog import Catalog
 from storage import (
     CheckpointNotFoundError,
     CheckpointStore,
+    CorruptCheckpointError,
     InvalidNameError,
     mask_url,
+    parse_number,
     validate_run,
 )
 from zephon.attempts import Attempt, register_resuming
@@ -212,7 +214,20 @@ class ZephonCheckpointIO(CheckpointIO):
                 )
             step = max(steps)
         reader = self.store.reader(self.run, step)
-        doc = decode_json(reader.read_bytes(JSON_FILE), f"{reader.url}/{JSON_FILE}")
+        where = f"{reader.url}/{JSON_FILE}"
+        doc = decode_json(reader.read_bytes(JSON_FILE), where)
+        if (
+            not isinstance(doc, dict)
+            or "state" not in doc
+            or type(doc.get("format_version", 0)) is not int
+        ):
+            raise CorruptCheckpointError(
+                f"{where} is not a Zephon Lightning checkpoint document (an object with "
+                "'state' and a whole format_version); the checkpoint is damaged: resume from "
+                "an earlier one",
+                url=where,
+                problems=[f"{where}: not a Zephon Lightning checkpoint document"],
+            )
         if doc.get("format_version", 0) > FORMAT_VERSION:
             raise ZephonError(f"{reader.url} was written by a newer Zephon; upgrade to load it")
         from safetensors.torch import load as load_safetensors
@@ -246,12 +261,13 @@ class _NoCheckpoint(dict):
 def _parse_step(name: str, run: str) -> int:
     rest = name[len(_SCHEME) :]
     owner, _, step = rest.partition("/")
-    if owner != run or not step.isdigit():
+    number = parse_number(step)
+    if owner != run or number is None:
         raise ZephonError(
-            f"ckpt_path {name!r} is not a checkpoint of run {run}; use {LATEST!r} or "
-            f"zephon://{run}/<step>"
+            f"ckpt_path {name[:200]!r} is not a checkpoint of run {run}; use {LATEST!r} or "
+            f"zephon://{run}/<step> (<step> in ASCII digits)"
         )
-    return int(step)
+    return number
 
 
 def _safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:

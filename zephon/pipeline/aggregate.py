@@ -51,6 +51,8 @@ from storage import (
     list_files,
     make_dirs,
     open_location,
+    parse_json,
+    parse_number,
     put_small,
     read_small,
     remove_empty_dirs,
@@ -71,13 +73,14 @@ def aggregation_key(epoch: str, seq: int) -> str:
 
 def _parse_key(name: str) -> tuple[str, int] | None:
     epoch, _, seq = name.rpartition("-")
-    return (epoch, int(seq)) if epoch and seq.isdigit() else None
+    number = parse_number(seq)
+    return (epoch, number) if epoch and number is not None else None
 
 
 def _part_rank(path: str) -> int | None:
     base = path.rsplit("/", 1)[-1]
     digits = base[5:-5] if base.startswith("rank-") and base.endswith(".json") else ""
-    return int(digits) if digits.isdigit() else None
+    return parse_number(digits)
 
 
 class Aggregator:
@@ -176,10 +179,10 @@ class Aggregator:
         with backend_errors(self.location, f"reading {path}"):
             data = read_small(self.location, path)
         try:
-            return json.loads(data)
+            return parse_json(data)
         except ValueError as exc:
             raise AggregationError(
-                f"the {what} {self.location.display(path)} is not JSON ({exc}); remove it and "
+                f"the {what} {self.location.display(path)} is {exc}; remove it and "
                 "checkpoint again",
                 run_id=self.run_id,
                 url=self.location.url,

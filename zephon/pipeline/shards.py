@@ -7,12 +7,12 @@ File shards (JSONL, Parquet) are read through fsspec on first use and cached, a 
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from storage import parse_json
 from zephon.errors import ArgumentTypeError
 from zephon.pipeline.errors import DataSourceError
 
@@ -127,11 +127,10 @@ class JsonlShard(_FileShard):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append(parse_json(line))
             except ValueError as exc:
                 raise DataSourceError(
-                    f"JSONL shard {self._display} line {number} is not valid JSON ({exc}); "
-                    "fix or remove that line",
+                    f"JSONL shard {self._display} line {number} is {exc}; fix or remove that line",
                     url=self._display,
                 ) from exc
         return rows

@@ -18,6 +18,7 @@ from typing import Any
 # importing it (``zephon.PipelineStateful``) fails here, at once, as documented.
 import torch  # noqa: F401
 
+from storage import parse_json
 from zephon.errors import ArgumentTypeError
 from zephon.pipeline.errors import PipelineStateError
 from zephon.pipeline.pipeline import Pipeline
@@ -58,10 +59,10 @@ class PipelineStateful:
                 expected="a JSON string",
             )
         try:
-            state = json.loads(text)
+            state = parse_json(text)
         except ValueError as exc:
             raise PipelineStateError(
-                f"{STATE_KEY} is not valid JSON ({exc}); the checkpoint is damaged",
+                f"{STATE_KEY} is {exc}; the checkpoint is damaged",
                 field=STATE_KEY,
                 value=text[:80],
                 expected="a JSON string",

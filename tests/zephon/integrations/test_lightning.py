@@ -175,3 +175,18 @@ def test_errors_are_one_line_and_name_the_fix(tmp_path):
     assert "\n" not in str(info.value)
     with pytest.raises(ZephonError, match="global_step"):
         io.save_checkpoint({"state_dict": {}}, "a.ckpt")
+
+
+@pytest.mark.parametrize("step", ["٤", "4 ", "-4", "+4", "4_0", "9" * 5000])
+def test_a_ckpt_path_step_that_is_not_ascii_digits_is_refused_in_one_line(tmp_path, step):
+    import torch
+
+    from zephon.errors import ZephonError
+    from zephon.integrations.lightning import ZephonCheckpointIO
+
+    io = ZephonCheckpointIO(str(tmp_path), "r", num_to_keep=None)
+    io.save_checkpoint({"global_step": 4, "epoch": 0, "state_dict": {"w": torch.ones(2)}}, "a")
+    with pytest.raises(ZephonError, match="is not a checkpoint of run r") as caught:
+        io.load_checkpoint(f"zephon://r/{step}")
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
+    assert io.load_checkpoint("zephon://r/4")["global_step"] == 4

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from catalog import Catalog
-from storage import CheckpointStore, CorruptCheckpointError
+from storage import BackendUnavailableError, CheckpointStore, CorruptCheckpointError
 from tests.conftest import Backend
 from zephon import StaleAttemptError
 from zephon.attempts import register
@@ -390,3 +390,16 @@ def test_files_upload_several_at_once_and_one_damaged_file_fails_the_copy(s3_bac
         copy_verified(entries, str(payload), again, threads=4)
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_backend.storage_options)
     assert not fs.exists(f"{again.payload_path}/shard-5.bin")
+
+
+def test_a_full_local_dir_names_local_dir_and_the_fix(tmp_path, mounts):
+    disk = mounts.small_disk(tmp_path / "nvme", "64k")
+    cfg = CheckpointingConfig(save_dir=str(tmp_path / "save"), local_dir=str(disk / "local"))
+    manager = CheckpointManager(cfg, run_name=RUN, total_steps=10)
+    with pytest.raises(BackendUnavailableError) as caught:
+        manager.save(1, {"model": nn.Linear(200, 200)})  # 160 kB of weights
+    manager.close()
+    message = str(caught.value)
+    assert "\n" not in message and "save_dir" not in message
+    assert f"the disk holding local_dir {disk}/local is full" in message
+    assert "set local_dir to a directory on a larger disk" in message
