@@ -197,6 +197,10 @@ class Uploader:
         self._incoming: deque[UploadJob | None] = deque()
         self._retrying: list[UploadJob] = []
         self._running: UploadJob | None = None
+        #: rank 0: the decider found nothing to do yet (``wait_all`` may return)
+        self._idle = False
+        #: uploads attempted so far (a wait sees a retry happen)
+        self._finished = 0
         #: queued, running and failed-to-retry uploads (the backpressure counts them all)
         self._pending = 0
         #: steps whose local copy must stay: queued, running, or failed for a reason that may
@@ -221,6 +225,7 @@ class Uploader:
             self._pending += 1
             self._unsettled.add(job.step)
             self._incoming.append(job)
+            self._idle = False
             self._cond.notify_all()
 
     @property
@@ -238,17 +243,36 @@ class Uploader:
                 raise self.dead
 
     def wait_all(self) -> None:
-        """Wait until no upload is queued or running (failed ones wait for their retry in the
-        background); raise every failure not reported yet, in one exception."""
+        """Wait until no upload is queued or running, except those waiting behind a failed one
+        (uploads go in step order) once it was retried since this call; raise every failure
+        not reported yet and every upload still waiting, in one exception, one line each."""
         with self._cond:
-            while (any(self._incoming) or self._running is not None) and self.dead is None:
+            began = self._finished
+            while self.dead is None and not (
+                self._quiet() and (not self._retrying or self._finished > began)
+            ):
                 self._cond.wait()
-            failures = sorted(self._failures.items())
+            failures = [(s, e, again) for s, (e, again) in sorted(self._failures.items())]
             self._failures = {}
+            if self._retrying:
+                head = min(j.step for j in self._retrying)
+                failures += [
+                    (j.step, UploadError(f"waits behind the retry of step {head}"), True)
+                    for j in self._incoming
+                    if j is not None and not j.void
+                ]
             dead = self.dead
         if dead is not None:
             raise dead
-        _report(self.remote.store.url, [(s, e, r) for s, (e, r) in failures])
+        _report(self.remote.store.url, failures)
+
+    def _quiet(self) -> bool:
+        """Under the lock: nothing runs, and nothing can until a retry's backoff passes."""
+        if self._running is not None:
+            return False
+        if self.is_main:  # the decider looked at everything since the last change
+            return self._idle
+        return not (any(self._incoming) and not self._retrying)
 
     def close(self) -> None:
         """Stop the thread once the queue is done (failed uploads still waiting for a retry
@@ -281,8 +305,10 @@ class Uploader:
         """Rank 0: the next thing every uploader does, once there is one."""
         with self._cond:
             while True:
-                if self._incoming and self._incoming[0] is None:
-                    return ("stop", None)
+                if self._incoming and (
+                    self._incoming[0] is None or (self._retrying and None in self._incoming)
+                ):
+                    return ("stop", None)  # failed uploads still waiting stay local
                 wait: float = IDLE_POLL_S
                 if self._retrying:
                     oldest = min(self._retrying, key=lambda j: j.step)
@@ -296,7 +322,10 @@ class Uploader:
                     wait = min(wait, oldest.due - now)
                 elif self._incoming:
                     return ("upload", self._incoming[0].step)  # type: ignore[union-attr]
+                self._idle = True  # nothing to do before a backoff passes or a job comes
+                self._cond.notify_all()
                 self._cond.wait(wait)
+                self._idle = False
                 self.exchange.check_alive()
 
     def _follow(self) -> tuple[Any, ...]:
@@ -344,6 +373,7 @@ class Uploader:
         outcome, exc = self._upload(job)
         with self._cond:
             self._running = None
+            self._finished += 1
             if outcome.ok:
                 self._pending -= 1
                 self._unsettled.discard(job.step)
@@ -373,6 +403,10 @@ class Uploader:
             self._pending -= 1
             self._unsettled.discard(job.step)
             earlier = self._failures.pop(job.step, None)
+            self._failures[job.step] = (
+                UploadError(f"superseded by steps {by} (retention would drop it): not retried"),
+                False,
+            )
             self._cond.notify_all()
         if self.is_main:
             why = _line(_reason(earlier[0])) if earlier else ""
