@@ -25,7 +25,7 @@ from zephon.errors import ZephonError
 
 __all__ = ["Exchange", "UploaderDiedError"]
 
-#: how often a rank waiting for the others looks for them and for a death notice
+#: how often, at most, a rank waiting for the others looks for them and for a death notice
 POLL_S = 0.1
 #: how long a rank waits for the others to arrive (a peer process gone without closing its
 #: sockets, or one stuck for good); the process groups' own timeout
@@ -96,6 +96,7 @@ class Exchange:
     def _arrive(self, keys: list[str]) -> None:
         """Wait until every rank set its key; raise if an uploader died meanwhile."""
         deadline = time.monotonic() + self.arrival_timeout_s
+        pause = 0.001  # peers usually arrive within milliseconds: look again soon, then less
         while not self._store.check(keys):
             self.check_alive()
             if time.monotonic() > deadline:
@@ -105,7 +106,8 @@ class Exchange:
                     f"{self.arrival_timeout_s:g} s; restart the job (its local checkpoints are "
                     "uploaded by the next start)"
                 )
-            time.sleep(self.poll_s)
+            time.sleep(pause)
+            pause = min(pause * 2, self.poll_s)
         self.check_alive()
 
     def check_alive(self) -> None:
