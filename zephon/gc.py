@@ -45,6 +45,7 @@ __all__ = [
     "delete_requested",
     "gc_run",
     "retain_without_catalog",
+    "retention_drops",
 ]
 
 #: how long the audit log keeps an event before a full gc pass prunes it
@@ -446,3 +447,23 @@ def retain_without_catalog(
             store.check_fence(storage_run, fence)
             store.delete_many(storage_run, plan.to_delete)
     return plan.to_delete
+
+
+def retention_drops(
+    step: int, newer: Iterable[int], num_to_keep: int | None, keep_every_steps: int | None
+) -> bool:
+    """Whether retention would delete ``step`` once it and the ``newer`` steps are committed:
+    the question a failed upload asks before it is retried (docs/tiers.md, "Retries"); a step
+    retention would drop anyway is superseded, not uploaded. Pins and resume points, which
+    only committed rows carry, do not apply."""
+    if num_to_keep is None and keep_every_steps is None:
+        return False
+    steps = {step, *(s for s in newer if s > step)}
+    plan = plan_retention(
+        [_StorageRow(s, "") for s in steps],
+        num_to_keep,
+        keep_every_steps,
+        dt.datetime.now(dt.UTC),
+        DEFAULT_GRACE,
+    )
+    return step in plan.to_delete

@@ -47,7 +47,14 @@ class Tiering:
             config.local_dir, remote.name, remote.storage_run, coll, config.local_num_to_keep
         )
         self.uploader = Uploader(
-            coll, self.tier, remote, tracker=self.tracker, attempt=attempt, retain=retain
+            coll,
+            self.tier,
+            remote,
+            tracker=self.tracker,
+            attempt=attempt,
+            retain=retain,
+            num_to_keep=config.num_to_keep,
+            keep_every_steps=config.keep_every_steps,
         )
 
     @property
@@ -60,7 +67,10 @@ class Tiering:
     # -- saving ------------------------------------------------------------------------------
 
     def before_save(self) -> None:
-        """A stale attempt stops here; else wait while ``max_pending_uploads`` are pending."""
+        """A stale attempt, or a job whose uploader died on any rank, stops here; else wait
+        while ``max_pending_uploads`` are pending (failed uploads waiting for a retry too)."""
+        if self.uploader.dead is not None:
+            raise self.uploader.dead
         if self.uploader.stale is not None:
             raise self.uploader.stale
         self.uploader.wait_below(self.max_pending)
@@ -93,7 +103,8 @@ class Tiering:
         self.tracker.failed(save.step, LOCAL, save.save_id, f"{type(exc).__name__}: {exc}")
 
     def wait(self) -> None:
-        """Every pending upload done; the first failure raised."""
+        """No upload queued or running; every failure not reported yet raised, in one
+        exception (``uploader.Uploader.wait_all``)."""
         self.uploader.wait_all()
 
     # -- resuming ----------------------------------------------------------------------------

@@ -97,3 +97,24 @@ class Tracker:
 
     def deleted(self, step: int, tier: str) -> None:
         self._call("replica_deleted", step, tier=tier, host=self.host_of(tier))
+
+    def superseded(self, step: int, by: list[int], reason: str) -> None:
+        """A failed upload of ``step`` given up for the newer steps ``by`` (retention would drop
+        it once they are uploaded): an ``upload_superseded`` event, the replica row stays
+        failed with its last reason."""
+        if self.catalog is None:
+            return
+        try:
+            self.catalog.record_event(
+                "upload_superseded",
+                run=self.name,
+                step=step,
+                detail={"superseded_by": by, "last_failure": redact(reason)[:500]},
+            )
+        except Exception as exc:  # noqa: BLE001 - a record, never a reason to fail an upload
+            log.warning(
+                "zephon: run %s step %d: could not record upload_superseded in the catalog (%s)",
+                self.name,
+                step,
+                redact(f"{type(exc).__name__}: {exc}")[:300],
+            )

@@ -1,9 +1,17 @@
 """The background upload of local-tier checkpoints to ``save_dir``, in step order, one step at a
-time (docs/manager.md, "Local tier").
+time, retried until it succeeds or is superseded (docs/tiers.md).
 
-Every rank runs one uploader thread; they talk over a gloo process group of their own (created
-at manager start, used by nothing else), so an upload never interleaves with the training
-loop's or the manager's collectives. For each step, in the same order on every rank:
+Every rank runs one uploader thread; they talk over a gloo process group of their own
+(``exchange.Exchange``: created at manager start, used by nothing else, every collective
+entered once every rank arrived), so an upload never interleaves with the training loop's or
+the manager's collectives, and an uploader that dies on one rank fails the others at once.
+
+**What comes next** is rank 0's decision, broadcast to every rank, so every rank does the same
+uploads in the same order: the oldest failed upload once its backoff passed (failed uploads
+are retried in step order, and newer ones wait behind them), else the next queued one; a
+failed step that retention would drop once the newer pending steps are on save_dir is
+superseded instead: dropped, never uploaded, its local copy left to local retention, the
+catalog told (an ``upload_superseded`` event). Then, for the step chosen:
 
 1. rank 0 begins the save_dir save through the one save path (``Save.begin``: the catalog row
    ``pending``, refused there for a stale attempt) with a fresh save id, and plans local
@@ -19,91 +27,97 @@ loop's or the manager's collectives. For each step, in the same order on every r
    save_dir retention, and plans local retention again; one broadcast tells every rank the
    outcome.
 
-An upload that fails is logged at once in one line and raised by ``wait_all`` (the manager's
-``wait``, ``finish`` and ``close``); its local copy is kept, unless the upload was refused for
-good (a stale attempt, or a damaged local copy): nothing it holds can ever be uploaded.
+An upload that fails is logged at once in one line and kept for a retry, its local copy kept;
+every failure not yet reported is raised by ``wait_all`` (the manager's ``wait``, ``finish``
+and ``close``), all of them in one exception. An upload refused for good (a stale attempt, or
+a damaged local copy) is not retried and its local copy becomes removable: nothing it holds
+can ever be uploaded. Failed uploads count as pending: ``max_pending_uploads`` bounds them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
-from storage import (
-    CheckpointWriter,
-    CorruptCheckpointError,
-    FileEntry,
-    Manifest,
-    new_save_id,
-    redact,
-)
-from zephon.attempts import Attempt, as_zephon_error
+from zephon.attempts import Attempt
 from zephon.checkpointing.collectives import Collectives
+from zephon.checkpointing.exchange import Exchange, UploaderDiedError
 from zephon.checkpointing.tier import LocalTier
-from zephon.checkpointing.tracking import LOCAL, SAVE_DIR, Tracker
-from zephon.errors import StaleAttemptError, ZephonError
+from zephon.checkpointing.tracking import Tracker
+from zephon.checkpointing.transfer import UPLOAD_THREADS, copy_verified
+from zephon.checkpointing.upload_protocol import (
+    UploadError,
+    UploadJob,
+    UploadProtocol,
+    failure_reason,
+    first_line,
+)
+from zephon.errors import StaleAttemptError
+from zephon.gc import retention_drops
 from zephon.locations import RunLocation
-from zephon.saving import Save
 
-__all__ = ["UPLOAD_THREADS", "UploadError", "UploadJob", "Uploader", "copy_verified"]
+__all__ = [
+    "UPLOAD_THREADS",
+    "UploadError",
+    "UploadJob",
+    "Uploader",
+    "UploaderDiedError",
+    "UploadsFailedError",
+    "copy_verified",
+]
 
 log = logging.getLogger("zephon")
 
-_CHUNK = 8 << 20
+#: the first retry of a failed upload waits this long; each next one twice as long, at most
+#: ``RETRY_MAX_S`` (storage's own per-request retries have already run out by then)
+RETRY_BASE_S = 1.0
+RETRY_MAX_S = 30.0
+#: how often an idle uploader looks for another rank's death notice
+IDLE_POLL_S = 1.0
 
 
-class UploadError(ZephonError):
-    """An upload of a local checkpoint to save_dir failed (on another rank, or for a reason
-    that is not an exception of this process)."""
+class UploadsFailedError(UploadError):
+    """Uploads that failed since the last report, one line each: ``failures`` holds
+    ``(step, exception)`` in step order; those not refused for good are being retried."""
+
+    def __init__(self, message: str, failures: list[tuple[int, BaseException]]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+    @property
+    def steps(self) -> list[int]:
+        return [step for step, _ in self.failures]
 
 
-@dataclass
-class UploadJob:
-    """One local checkpoint to upload, as this rank knows it."""
-
-    step: int
-    #: the local save's payload directory on this rank
-    local_payload: str
-    #: the files this rank wrote (rank 0: ignored, it takes the local manifest's files that no
-    #: other rank reports)
-    own: list[FileEntry] = field(default_factory=list)
-    #: phases measured so far (``stall_s``, ``stage_s``, ``local_s``), completed by the upload
-    timings: dict[str, float] = field(default_factory=dict)
-    #: when the save began (time.monotonic), for ``total_s``
-    started: float = field(default_factory=time.monotonic)
-    #: the local save id (for its replica row)
-    local_save_id: str = ""
-    #: rank 0: the local save never committed (its other ranks had already queued their
-    #: part, e.g. the drop-in ``zephon.dcp.Writer``'s, which queue as their write ends): the
-    #: job only keeps every rank's uploader in step; nothing is uploaded, nothing reported
-    void: bool = False
-
-
-@dataclass
-class _Outcome:
-    ok: bool
-    error: str = ""
-    for_good: bool = False
-    doomed: list[int] = field(default_factory=list)
-    #: refused because a newer attempt holds the run (``current`` describes it)
-    stale: bool = False
-    current: Any = None
+def _report(url: str, failures: list[tuple[int, BaseException, bool]]) -> None:
+    """Raise every failure in one exception, one line each: a stale attempt's refusal itself
+    (the job must stop; the others as a note), else an ``UploadsFailedError``."""
+    if not failures:
+        return
+    lines = [
+        f"  step {step}{'' if retried else ' (not retried)'}: {first_line(failure_reason(exc))}"
+        for step, exc, retried in failures
+    ]
+    stale = next((exc for _, exc, _ in failures if isinstance(exc, StaleAttemptError)), None)
+    if stale is not None:
+        raise StaleAttemptError(
+            f"{stale}; the uploads that failed:\n" + "\n".join(lines),
+            current=getattr(stale, "current", None),
+        ) from stale
+    retried = sum(1 for *_, again in failures if again)
+    raise UploadsFailedError(
+        f"{len(failures)} upload(s) to {url} failed ({retried} being retried, their local "
+        "copies kept; check that save_dir is reachable):\n" + "\n".join(lines),
+        [(step, exc) for step, exc, _ in failures],
+    ) from failures[0][1]
 
 
-def _reason(exc: BaseException) -> str:
-    return redact(f"{type(exc).__name__}: {exc}")[:2000]
-
-
-class Uploader:
+class Uploader(UploadProtocol):
     """The uploader thread of this rank and its queue."""
 
     def __init__(
@@ -115,26 +129,46 @@ class Uploader:
         tracker: Tracker | None,
         attempt: Callable[[], Attempt],
         retain: Callable[[], Any],
+        num_to_keep: int | None = None,
+        keep_every_steps: int | None = None,
     ) -> None:
         self.rank = coll.rank
         self.world_size = coll.world_size
         self.is_main = coll.is_main
         # Every rank creates the group at the same point (the manager's constructor).
-        self.group = dist.new_group(backend="gloo") if coll.distributed else None
+        self.exchange = Exchange(coll.distributed, coll.rank, coll.world_size)
         self.tier = tier
         self.remote = remote
         self.tracker = tracker
         self._attempt = attempt
         self._retain = retain
-        self._queue: queue.Queue[UploadJob | None] = queue.Queue()
+        #: save_dir's retention, which decides when a failed upload is superseded
+        self.num_to_keep = num_to_keep
+        self.keep_every_steps = keep_every_steps
+        self.retry_base_s = RETRY_BASE_S
+        self.retry_max_s = RETRY_MAX_S
         self._cond = threading.Condition()
+        #: queued uploads in step order (None: the thread stops), and failed ones to retry
+        self._incoming: deque[UploadJob | None] = deque()
+        self._retrying: list[UploadJob] = []
+        self._running: UploadJob | None = None
+        #: rank 0: the decider found nothing to do yet (``wait_all`` may return)
+        self._idle = False
+        #: uploads attempted so far (a wait sees a retry happen)
+        self._finished = 0
+        #: queued, running and failed-to-retry uploads (the backpressure counts them all)
         self._pending = 0
         #: steps whose local copy must stay: queued, running, or failed for a reason that may
         #: pass (rank 0 plans local retention from it)
         self._unsettled: set[int] = set()
-        self._failures: list[BaseException] = []
+        #: failures not yet reported: step -> (exception, whether it is retried)
+        self._failures: dict[int, tuple[BaseException, bool]] = {}
+        #: rank 0: steps this uploader committed on save_dir
+        self._uploaded: set[int] = set()
         #: the refusal of a stale attempt, once one was met: the job must stop
         self.stale: StaleAttemptError | None = None
+        #: set once the uploader of any rank stopped: no rank uploads any more
+        self.dead: UploaderDiedError | None = None
         self._thread = threading.Thread(target=self._loop, name="zephon-upload", daemon=True)
         self._thread.start()
 
@@ -145,7 +179,9 @@ class Uploader:
         with self._cond:
             self._pending += 1
             self._unsettled.add(job.step)
-        self._queue.put(job)
+            self._incoming.append(job)
+            self._idle = False
+            self._cond.notify_all()
 
     @property
     def pending(self) -> int:
@@ -153,346 +189,209 @@ class Uploader:
             return self._pending
 
     def wait_below(self, most: int) -> None:
-        """Backpressure: wait while ``most`` or more uploads are pending."""
+        """Backpressure: wait while ``most`` or more uploads are pending (failed ones waiting
+        for a retry count); raise if an uploader died."""
         with self._cond:
-            while self._pending >= most:
+            while self._pending >= most and self.dead is None:
                 self._cond.wait()
+            if self.dead is not None:
+                raise self.dead
 
     def wait_all(self) -> None:
-        """Wait for every pending upload; raise the first failure (once)."""
+        """Wait until no upload is queued or running, except those waiting behind a failed one
+        (uploads go in step order) once it was retried since this call; raise every failure
+        not reported yet and every upload still waiting, in one exception, one line each."""
         with self._cond:
-            while self._pending:
+            began = self._finished
+            while self.dead is None and not (
+                self._quiet() and (not self._retrying or self._finished > began)
+            ):
                 self._cond.wait()
-            failures, self._failures = self._failures, []
-        if failures:
-            first = failures[0]
-            if len(failures) > 1:
-                first.add_note(f"({len(failures) - 1} more upload(s) failed; see the log)")
-            raise first
+            failures = [(s, e, again) for s, (e, again) in sorted(self._failures.items())]
+            self._failures = {}
+            if self._retrying:
+                head = min(j.step for j in self._retrying)
+                failures += [
+                    (j.step, UploadError(f"waits behind the retry of step {head}"), True)
+                    for j in self._incoming
+                    if j is not None and not j.void
+                ]
+            dead = self.dead
+        if dead is not None:
+            raise dead
+        _report(self.remote.store.url, failures)
+
+    def _quiet(self) -> bool:
+        """Under the lock: nothing runs, and nothing can until a retry's backoff passes."""
+        if self._running is not None:
+            return False
+        if self.is_main:  # the decider looked at everything since the last change
+            return self._idle
+        return not (any(self._incoming) and not self._retrying)
 
     def close(self) -> None:
-        """Stop the thread once the queue is empty; release the process group."""
-        self._queue.put(None)
+        """Stop the thread once the queue is done (failed uploads still waiting for a retry
+        stay local: the next start uploads the newest); release the process group."""
+        with self._cond:
+            self._incoming.append(None)
+            self._cond.notify_all()
         self._thread.join()
-        if self.group is not None:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(self.group)
-            self.group = None
+        self.exchange.close()
 
-    # -- the uploader thread -------------------------------------------------------------------
+    # -- the uploader thread: what comes next ----------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                outcome, exc = self._upload(job)
-            except BaseException as crash:  # noqa: BLE001 - a bug must not kill the queue
-                outcome, exc = _Outcome(ok=False, error=_reason(crash)), crash
-            with self._cond:
+        try:
+            while True:
+                decision = self._decide() if self.is_main else self._follow()
+                decision = self.exchange.broadcast(decision)
+                kind, step = decision[0], decision[1]
+                if kind == "stop":
+                    return
+                job = self._take(step)
+                if kind == "drop":
+                    self._drop(job, decision[2], decision[3])
+                else:
+                    self._run(job)
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn it, at once
+            self._die(exc)
+
+    def _decide(self) -> tuple[Any, ...]:
+        """Rank 0: the next thing every uploader does, once there is one."""
+        with self._cond:
+            while True:
+                if self._incoming and (
+                    self._incoming[0] is None or (self._retrying and None in self._incoming)
+                ):
+                    return ("stop", None)  # failed uploads still waiting stay local
+                wait: float = IDLE_POLL_S
+                if self._retrying:
+                    oldest = min(self._retrying, key=lambda j: j.step)
+                    newer = self._newer_than(oldest.step)
+                    if retention_drops(oldest.step, newer, self.num_to_keep, self.keep_every_steps):
+                        by = sorted(s for s in newer if s > oldest.step)
+                        return ("drop", oldest.step, by, self._plan_dropping(oldest.step))
+                    now = time.monotonic()
+                    if oldest.due <= now:
+                        return ("upload", oldest.step)
+                    wait = min(wait, oldest.due - now)
+                elif self._incoming:
+                    return ("upload", self._incoming[0].step)  # type: ignore[union-attr]
+                self._idle = True  # nothing to do before a backoff passes or a job comes
+                self._cond.notify_all()
+                self._cond.wait(wait)
+                self._idle = False
+                self.exchange.check_alive()
+
+    def _follow(self) -> tuple[Any, ...]:
+        """Other ranks: wait until there is something rank 0 may decide on (a queued upload,
+        a failed one, the end), then hear its decision."""
+        with self._cond:
+            while not self._incoming and not self._retrying:
+                self._cond.wait(IDLE_POLL_S)
+                self.exchange.check_alive()
+        return ("follow", None)
+
+    def _newer_than(self, step: int) -> list[int]:
+        """Rank 0: the steps newer than ``step`` that are on save_dir or on their way."""
+        queued = [j.step for j in self._incoming if j is not None and not j.void]
+        retried = [j.step for j in self._retrying]
+        return [s for s in (*queued, *retried, *self._uploaded) if s > step]
+
+    def _plan_dropping(self, step: int) -> list[int]:
+        """Rank 0: local retention once ``step`` is no longer protected."""
+        with contextlib.suppress(Exception):
+            return self._plan(self._attempt(), drop=step)
+        return []
+
+    def _take(self, step: int) -> UploadJob:
+        """The job of ``step``: a failed one to retry, or the next queued one."""
+        with self._cond:
+            for job in self._retrying:
+                if job.step == step:
+                    self._retrying.remove(job)
+                    self._running = job
+                    return job
+            while not self._incoming:
+                self._cond.wait(IDLE_POLL_S)
+                self.exchange.check_alive()
+            job = self._incoming.popleft()
+            if job is None or job.step != step:
+                raise UploadError(
+                    f"rank {self.rank}'s uploader holds step {job and job.step} where rank 0's "
+                    f"holds {step}: every rank must save the same steps in the same order"
+                )
+            self._running = job
+            return job
+
+    def _run(self, job: UploadJob) -> None:
+        outcome, exc = self._upload(job)
+        with self._cond:
+            self._running = None
+            self._finished += 1
+            if outcome.ok:
                 self._pending -= 1
-                if outcome.ok or outcome.for_good:
-                    self._unsettled.discard(job.step)
+                self._unsettled.discard(job.step)
+                self._failures.pop(job.step, None)
+            else:
                 if outcome.stale and not isinstance(exc, StaleAttemptError):
                     exc = StaleAttemptError(outcome.error, current=outcome.current)
-                if not outcome.ok:
-                    self._failures.append(exc or UploadError(outcome.error))
+                exc = exc or UploadError(outcome.error)
+                self._failures[job.step] = (exc, not outcome.for_good)
                 if outcome.stale:
                     self.stale = exc  # type: ignore[assignment]
-                self._cond.notify_all()
-
-    def _protected(self) -> set[int]:
-        with self._cond:
-            return set(self._unsettled)
-
-    def _all_gather(self, value: Any) -> list[Any]:
-        if self.group is None:
-            return [value]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
-
-    def _gather(self, value: Any) -> list[Any] | None:
-        if self.group is None:
-            return [value]
-        out: list[Any] | None = [None] * self.world_size if self.is_main else None
-        dist.gather_object(value, out, dst=0, group=self.group)
-        return out
-
-    def _broadcast(self, value: Any) -> Any:
-        if self.group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def _upload(self, job: UploadJob) -> tuple[_Outcome, BaseException | None]:
-        """One step's upload on this rank (the protocol in the module docstring)."""
-        began = time.monotonic()
-        step = job.step
-        save: Save | None = None
-        manifest: Manifest | None = None
-        error: BaseException | None = None
-        head: dict[str, Any] | None = None
-        if self.is_main and job.void:
-            head = {"ok": False, "void": True, "doomed": []}
-        elif self.is_main:
-            head, save, manifest, error = self._begin(job)
-        mine = [e.to_dict() for e in job.own]
-        everything = self._all_gather(head if self.is_main else mine)
-        head = everything[0]
-        if head.get("void"):
-            return _Outcome(ok=True), None
-        self.tier.delete(head["doomed"], self.tracker)
-        if not head["ok"]:
-            outcome = _Outcome(
-                ok=False,
-                error=head["error"],
-                for_good=head["for_good"],
-                stale=head["stale"],
-                current=head["current"],
-            )
-            self._log_failure(step, outcome.error)
-            return outcome, error
-
-        status: str | None = None
-        damaged = False
-        try:
-            if self.is_main:
-                assert save is not None and manifest is not None
-                others = {e["name"] for entries in everything[1:] for e in entries}
-                own = [e for e in manifest.files if e.name not in others]
-                copy_verified(own, self.tier.payload_path(manifest), save.writer)
-            else:
-                writer = self.remote.store.attach(
-                    self.remote.storage_run, step, save_id=head["save_id"], fence=head["fence"]
-                )
-                copy_verified(job.own, job.local_payload, writer)
-        except Exception as exc:
-            error = exc
-            damaged = isinstance(exc, CorruptCheckpointError)
-            status = _reason(exc)
-        statuses = self._gather((status, damaged))
-
-        outcome = _Outcome(ok=True)
-        if self.is_main:
-            assert save is not None and manifest is not None and statuses is not None
-            elsewhere = [FileEntry(**e) for entries in everything[1:] for e in entries]
-            outcome, error = self._finish(job, save, manifest, elsewhere, statuses, error, began)
-        outcome = self._broadcast(outcome)
-        self.tier.delete(outcome.doomed, self.tracker)
-        if not outcome.ok:
-            self._log_failure(step, outcome.error)
-            if error is None:
-                error = UploadError(
-                    f"the upload of step {step} to {self.remote.checkpoint_url(step)} failed: "
-                    f"{outcome.error}"
-                )
-        return outcome, error
-
-    def _begin(
-        self, job: UploadJob
-    ) -> tuple[dict[str, Any], Save | None, Manifest | None, BaseException | None]:
-        """Rank 0: read the local manifest, begin the save_dir save, plan local retention."""
-        doomed: list[int] = []
-        attempt: Attempt | None = None
-        save_id = ""
-        try:
-            attempt = self._attempt()
-            manifest = self.tier.manifest(job.step)
-            job.local_save_id = job.local_save_id or manifest.save_id
-            save_id = new_save_id(attempt.fence)
-            save = Save.begin(
-                attempt,
-                job.step,
-                catalog=self.tracker.catalog if self.tracker is not None else None,
-                save_id=save_id,
-                metadata=manifest.metadata,
-            )
-        except Exception as exc:
-            exc = as_zephon_error(exc)
-            for_good = isinstance(exc, StaleAttemptError | CorruptCheckpointError)
-            self._settle_local(job, exc, for_good)
-            if save_id and self.tracker is not None:  # the upload was refused as it began
-                url = self.remote.checkpoint_url(job.step)
-                self.tracker.started(job.step, SAVE_DIR, url, save_id)
-                self.tracker.failed(job.step, SAVE_DIR, save_id, _reason(exc))
-            if attempt is not None:
-                with contextlib.suppress(Exception):
-                    doomed = self._plan(attempt, drop=job.step if for_good else None)
-            head = {
-                "ok": False,
-                "error": _reason(exc),
-                "for_good": for_good,
-                "stale": isinstance(exc, StaleAttemptError),
-                "current": getattr(exc, "current", None),
-                "doomed": doomed,
-            }
-            return head, None, None, exc
-        if self.tracker is not None:
-            self.tracker.started(
-                job.step, SAVE_DIR, self.remote.checkpoint_url(job.step), save.save_id
-            )
-        with contextlib.suppress(Exception):
-            doomed = self._plan(attempt)
-        head = {
-            "ok": True,
-            "save_id": save.save_id,
-            "fence": attempt.fence,
-            "doomed": doomed,
-        }
-        return head, save, manifest, None
-
-    def _finish(
-        self,
-        job: UploadJob,
-        save: Save,
-        manifest: Manifest,
-        elsewhere: list[FileEntry],
-        statuses: list[tuple[str | None, bool]],
-        error: BaseException | None,
-        began: float,
-    ) -> tuple[_Outcome, BaseException | None]:
-        """Rank 0: commit the save_dir save if every rank uploaded its files, else fail it."""
-        attempt = self._attempt()
-        failed = [(rank, text) for rank, (text, _) in enumerate(statuses) if text is not None]
-        damaged = any(flag for _, flag in statuses)
-        if not failed:
-            try:
-                save.writer.add_entries(manifest.files)
-                save.writer.add_entries(elsewhere)  # files of local directories not rank 0's
-                save.commit()
-                timings = dict(job.timings)
-                now = time.monotonic()
-                timings["upload_s"] = now - began
-                timings["total_s"] = now - job.started
-                committed = save.committed(timings=timings)
-            except Exception as exc:
-                error = as_zephon_error(exc)
-                failed = [(0, _reason(error))]
-            else:
-                if self.tracker is not None:
-                    self.tracker.committed(job.step, SAVE_DIR, committed, timings)
-                try:
-                    self._retain()
-                except Exception as exc:  # noqa: BLE001 - the checkpoint is committed
-                    log.warning(
-                        "zephon: retention of save_dir after step %d failed: %s",
-                        job.step,
-                        _reason(exc),
-                    )
-                doomed: list[int] = []
-                with self._cond:
+                if outcome.for_good:
+                    self._pending -= 1
                     self._unsettled.discard(job.step)
-                with contextlib.suppress(Exception):
-                    doomed = self._plan(attempt)
-                return _Outcome(ok=True, doomed=doomed), None
-        rank, text = failed[0]
-        if error is None:
-            error = UploadError(
-                f"rank {rank} could not upload step {job.step} to "
-                f"{self.remote.checkpoint_url(job.step)}: {text}"
+                else:
+                    job.attempts += 1
+                    delay = min(self.retry_base_s * 2 ** (job.attempts - 1), self.retry_max_s)
+                    job.due = time.monotonic() + delay
+                    self._retrying.append(job)
+            self._cond.notify_all()
+
+    def _drop(self, job: UploadJob, by: list[int], doomed: list[int]) -> None:
+        """Every rank: a failed upload superseded by newer steps: never uploaded; its local
+        copy goes to local retention; rank 0 tells the catalog."""
+        with self._cond:
+            self._running = None
+            self._pending -= 1
+            self._unsettled.discard(job.step)
+            earlier = self._failures.pop(job.step, None)
+            self._failures[job.step] = (
+                UploadError(f"superseded by steps {by} (retention would drop it): not retried"),
+                False,
             )
-        save.failed(error)
-        stale = isinstance(error, StaleAttemptError)
-        for_good = stale or damaged
-        if damaged:
-            self.tier.condemn(job.step, text)
-        self._settle_local(job, error, for_good)
-        if self.tracker is not None:
-            self.tracker.failed(job.step, SAVE_DIR, save.save_id, text)
-        doomed = []
-        with contextlib.suppress(Exception):
-            doomed = self._plan(attempt, drop=job.step if for_good else None)
-        outcome = _Outcome(
-            ok=False,
-            error=f"rank {rank}: {text}",
-            for_good=for_good,
-            doomed=doomed,
-            stale=stale,
-            current=getattr(error, "current", None),
-        )
-        return outcome, error
-
-    def _settle_local(self, job: UploadJob, exc: BaseException, for_good: bool) -> None:
-        """Rank 0: an upload refused for good marks the local replica failed with the reason
-        (its files are then removable)."""
-        if for_good and self.tracker is not None and job.local_save_id:
-            self.tracker.failed(job.step, LOCAL, job.local_save_id, _reason(exc))
-
-    def _plan(self, attempt: Attempt, drop: int | None = None) -> list[int]:
-        protected = self._protected()
-        if drop is not None:
-            protected.discard(drop)
-        return self.tier.doomed(protected, attempt.fence)
-
-    def _log_failure(self, step: int, error: str) -> None:
-        if not self.is_main:  # one line per failed upload, not one per rank
-            return
-        log.error(
-            "zephon: upload of step %d to %s failed: %s",
-            step,
-            self.remote.checkpoint_url(step),
-            error.splitlines()[0][:300] if error else "",
-        )
-
-
-#: files one rank uploads at once: each holds about a read chunk and an upload part in memory
-UPLOAD_THREADS = 8
-
-
-def copy_verified(
-    files: list[FileEntry],
-    local_payload: str,
-    writer: CheckpointWriter,
-    *,
-    threads: int = UPLOAD_THREADS,
-) -> None:
-    """Stream each local file of ``local_payload`` into ``writer``, ``threads`` files at once,
-    refusing one whose bytes are not its entry's (size and CRC32C, checked before the object
-    is completed, so a local file damaged on disk is never published). The first failure is
-    raised once the files under way have finished; no new file starts after it."""
-    if not files:
-        return
-    failed = threading.Event()
-
-    def copy(entry: FileEntry) -> None:
-        if not failed.is_set():
-            try:
-                _copy_one(entry, local_payload, writer)
-            except BaseException:
-                failed.set()
-                raise
-
-    with ThreadPoolExecutor(
-        max(1, min(threads, len(files))), thread_name_prefix="zephon-upload"
-    ) as pool:
-        futures = [pool.submit(copy, entry) for entry in files]
-    for future in futures:
-        future.result()
-
-
-def _copy_one(entry: FileEntry, local_payload: str, writer: CheckpointWriter) -> None:
-    path = f"{local_payload}/{entry.name}"
-    try:
-        source = open(path, "rb")  # noqa: SIM115 - closed below
-    except FileNotFoundError:
-        raise CorruptCheckpointError(
-            f"local file {path} of step {writer.step} is missing; it cannot be uploaded",
-            run=writer.run,
-            step=writer.step,
-            problems=[f"{entry.name}: missing"],
-        ) from None
-    with source, writer.open(entry.name) as out:
-        while chunk := source.read(_CHUNK):
-            out.write(chunk)
-        if out.crc.size != entry.size or out.crc.encoded() != entry.crc32c:
-            raise CorruptCheckpointError(
-                f"local file {path} of step {writer.step} has {out.crc.size} bytes with "
-                f"CRC32C {out.crc.encoded()}, its manifest says {entry.size} bytes "
-                f"{entry.crc32c}: the local copy is damaged and is not uploaded",
-                run=writer.run,
-                step=writer.step,
-                problems=[f"{entry.name}: checksum mismatch"],
+            self._cond.notify_all()
+        if self.is_main:
+            why = first_line(failure_reason(earlier[0])) if earlier else ""
+            log.warning(
+                "zephon: the upload of step %d to %s is superseded by steps %s (retention "
+                "would drop it once they are uploaded): it is not retried",
+                job.step,
+                self.remote.checkpoint_url(job.step),
+                by,
             )
+            if self.tracker is not None:
+                self.tracker.superseded(job.step, by, why)
+        self.tier.delete(doomed, self.tracker)
+
+    def _die(self, exc: BaseException) -> None:
+        """This rank's uploader stops: every rank learns it (the store's death notice), and
+        every wait on this rank raises from now on."""
+        if isinstance(exc, UploaderDiedError):
+            dead = exc
+        else:
+            reason = first_line(failure_reason(exc))
+            self.exchange.announce_death(reason)
+            log.error("zephon: the uploader of rank %d stopped: %s", self.rank, reason)
+            dead = UploaderDiedError(
+                f"the uploader of rank {self.rank} stopped ({reason}); no rank uploads any "
+                "more: restart the job (its local checkpoints are uploaded by the next start)",
+                rank=self.rank,
+            )
+            dead.__cause__ = exc
+        with self._cond:
+            self.dead = dead
+            self._running = None
+            self._cond.notify_all()

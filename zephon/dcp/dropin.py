@@ -171,7 +171,7 @@ class Writer(ZephonStorageWriter):
     into ``local_dir`` and returns, and this Writer's uploader copies each checkpoint to ``url``
     in the background, in step order, through the one save path (``local_num_to_keep`` and
     ``max_pending_uploads`` mean what the manager's config keys do). ``wait_uploads`` waits
-    for them and raises an upload's failure; ``close`` waits too. With ``local_dir`` the
+    for them and raises every upload failure; ``close`` waits too. With ``local_dir`` the
     Writer is a collective object: construct it on every rank at the same point.
 
     Failures: plain ``dcp.save`` raises DCP's ``CheckpointException`` (a BaseException) whose
@@ -247,6 +247,7 @@ class Writer(ZephonStorageWriter):
         config = CheckpointingConfig(
             save_dir=self.target.root,
             local_dir=os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir,
+            num_to_keep=self.num_to_keep,
             local_num_to_keep=keep,
             max_pending_uploads=max_pending,
             prefix="Writer",
@@ -505,13 +506,13 @@ class Writer(ZephonStorageWriter):
 
     def wait_uploads(self) -> None:
         """Every rank (with ``local_dir``): wait until every queued upload to ``url`` is done;
-        raise the first that failed (``zephon.StaleAttemptError`` for a stale attempt's).
+        raise every failure in one exception (``zephon.StaleAttemptError`` for a stale attempt's).
         Without ``local_dir``, nothing to wait for."""
         if self.tiering is not None:
             self.tiering.wait()
 
     def close(self) -> None:
-        """Settle an unfinished save, wait for the uploads (raising the first failure, after
+        """Settle an unfinished save, wait for the uploads (raising every failure, after
         everything is closed), close a catalog opened from its URL, and the store."""
         self._settle_unfinished(None)
         failure: BaseException | None = None

@@ -6,7 +6,9 @@ The multi-process runs are in test_tier_distributed.py."""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,10 +19,11 @@ from torch import nn
 from catalog import Catalog
 from storage import BackendUnavailableError, CheckpointStore, CorruptCheckpointError
 from tests.conftest import Backend
+from tests.faults import FaultProxy
 from zephon import StaleAttemptError
 from zephon.attempts import register
 from zephon.checkpointing import CheckpointManager
-from zephon.checkpointing.uploader import copy_verified
+from zephon.checkpointing.uploader import UploadsFailedError, copy_verified
 from zephon.config import CheckpointingConfig, load_job_config
 from zephon.errors import ConfigError
 from zephon.locations import RunLocation
@@ -153,33 +156,81 @@ def test_the_upload_commits_the_local_files_with_replica_rows_and_timings(
         assert {"upload_s", "total_s"} <= set(uploaded.timings or {})
 
 
-def test_local_retention_keeps_what_is_not_uploaded(s3_backend, tmp_path, catalog_url, caplog):
+def through(backend: Backend, proxy: FaultProxy) -> Backend:
+    """The same save_dir through ``proxy``, each failed request given up at once (what
+    reaches the uploader is a failure that outlived storage's own retries)."""
+    options = {
+        **backend.storage_options,
+        "client_kwargs": {"endpoint_url": proxy.url},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+    }
+    return replace(backend, storage_options=options)
+
+
+def commits_seen(proxy: FaultProxy) -> list[int]:
+    """The steps whose save_dir marker the proxy saw committed, in the order it did."""
+    return [
+        int(m.group(1))
+        for seen in proxy.log
+        if seen.method == "PUT" and seen.outcome == "ok"
+        for m in [re.search(r"/save-(\d+)/_COMMIT", seen.path)]
+        if m
+    ]
+
+
+def test_uploads_failed_in_an_outage_are_retried_in_step_order_once_the_store_is_back(
+    s3, s3_backend, tmp_path, catalog_url, caplog
+):
     local = CheckpointStore(str(tmp_path / "local"))
     remote = s3_backend.open_store()
-    cfg = config(s3_backend, tmp_path / "local", catalog_url, max_pending_uploads=1)
-    manager = CheckpointManager(cfg, run_name=RUN, total_steps=10)
-    manager.save(1, state_at(1))
-    manager.wait()
-    with BucketAway(s3_backend), caplog.at_level(logging.ERROR, logger="zephon"):
-        manager.save(2, state_at(2))
-        manager.save(3, state_at(3))  # waits for step 2's upload (max_pending_uploads 1)
-        assert manager.tier.uploader.pending <= 1
-        with pytest.raises(Exception) as caught:
-            manager.wait()  # both uploads failed: the first failure is raised
-        assert "1 more upload(s) failed" in " ".join(getattr(caught.value, "__notes__", []))
-    failures = [r.getMessage() for r in caplog.records if "upload of step" in r.getMessage()]
-    assert len(failures) == 2 and all("\n" not in line for line in failures)
-    assert local.committed_steps(RUN) == [2, 3]  # never uploaded: kept beyond num_to_keep 1
-    manager.save(4, state_at(4))  # the bucket is back
-    manager.wait()
-    assert remote.committed_steps(RUN) == [1, 4]
-    assert local.committed_steps(RUN) == [2, 3, 4]
+    with FaultProxy(s3.endpoint_url, seed=7) as proxy:
+        cfg = config(
+            through(s3_backend, proxy),
+            tmp_path / "local",
+            catalog_url,
+            num_to_keep=2,
+            max_pending_uploads=3,
+        )
+        manager = CheckpointManager(cfg, run_name=RUN, total_steps=10)
+        manager.tier.uploader.retry_base_s = manager.tier.uploader.retry_max_s = 0.3
+        manager.save(1, state_at(1))
+        manager.wait()
+        proxy.outage(True)
+        with caplog.at_level(logging.WARNING, logger="zephon"):
+            for step in (2, 3, 4):
+                manager.save(step, state_at(step))  # a 4th pending one would wait
+            with pytest.raises(UploadsFailedError) as caught:
+                manager.wait()
+            # 2 is superseded (3 and 4 are newer, num_to_keep 2), 3 fails and is retried, 4
+            # waits behind it: every one reported, one line each
+            assert caught.value.steps == [2, 3, 4]
+            lines = str(caught.value).splitlines()
+            assert len(lines) == 4 and "superseded by steps [3, 4]" in lines[1]
+            assert local.committed_steps(RUN) == [3, 4]  # 2 dropped; 3, 4 kept until uploaded
+            with pytest.raises(UploadsFailedError) as again:
+                manager.finish()  # still down: finish reports what is still failing
+            assert 4 in again.value.steps
+        assert any("superseded" in r.getMessage() for r in caplog.records)
+        proxy.outage(False)
+        manager.wait()  # the retries go through, in step order
+        manager.finish()
+        manager.close()
+        assert commits_seen(proxy) == [1, 3, 4]
+    assert remote.committed_steps(RUN) == [3, 4]  # num_to_keep 2 dropped 1 after 3 and 4
+    assert local.committed_steps(RUN) == [4]
     with Catalog(catalog_url) as catalog:
         states = {(r.step, r.tier): r.state for r in catalog.replicas(RUN)}
-        assert catalog.get_checkpoint(RUN, 2).state == "failed"
-    assert states[(2, "save_dir")] == states[(3, "save_dir")] == "failed"
-    assert states[(4, "save_dir")] == "committed" and states[(1, "local")] == "deleted"
-    manager.close()
+        events = [e for e in catalog.events(run=RUN) if e.action == "upload_superseded"]
+        assert catalog.get_checkpoint(RUN, 4).state == "committed"
+    assert [(e.step, e.detail["superseded_by"]) for e in events] == [(2, [3, 4])]
+    assert states[(2, "local")] == "deleted" and states[(2, "save_dir")] == "failed"
+    assert states[(3, "save_dir")] == states[(4, "save_dir")] == "committed"
+    shutil.rmtree(tmp_path / "local")
+    with CheckpointManager(
+        config(s3_backend, tmp_path / "local", catalog_url), run_name=RUN, total_steps=10
+    ) as fresh:
+        resume, equal = loads(fresh, 4)
+    assert (resume.step, equal, resume.url) == (4, True, remote.checkpoint_url(RUN, 4))
 
 
 def test_resume_from_the_local_tier_reads_no_payload_of_save_dir(s3_backend, tmp_path):

@@ -407,3 +407,37 @@ def test_an_old_attempt_with_uploads_pending_commits_nothing_after_a_new_one_reg
     for record in new_ranks:  # resumed from step 1, the old attempt's; then step 3, its own
         loads = [a for a in record["actions"] if a["action"][0] == "load"]
         assert [(a["ok"]["step"], a["ok"]["differing"]) for a in loads] == [(1, []), (3, [])]
+
+
+# -- an uploader that dies ---------------------------------------------------------------------
+
+
+def test_an_uploader_that_dies_on_one_rank_fails_every_rank_within_seconds(
+    monkeypatch, bucket, tmp_path
+):
+    config = {
+        "run": "broken",
+        "catalog_url": None,
+        "local_dir": str(tmp_path / "local"),
+        "script": [
+            ["save", 1, "a"],
+            ["wait"],
+            ["break_uploader", 1],
+            ["save", 2, "a"],  # committed locally; rank 1's uploader dies uploading it
+            ["wait"],
+            ["save", 3, "a"],
+        ],
+    }
+    ranks = start(monkeypatch, bucket, config)
+    for record in ranks:
+        done = actions(record)
+        assert "error" not in done["save 1 a"] and "error" not in done["save 2 a"], done
+        waited = done["wait #2"]
+        assert waited["error"]["type"] == "UploaderDiedError", (record["rank"], waited)
+        assert "rank 1" in waited["error"]["message"], waited
+        assert "injected" in waited["error"]["message"], waited
+        assert waited["seconds"] < 10, (record["rank"], waited)  # not the group's timeout
+        refused = done["save 3 a"]
+        assert refused["error"]["type"] in {"UploaderDiedError", "ZephonError"}, refused
+        assert refused["seconds"] < 10, refused
+    assert CheckpointStore(bucket.url, bucket.storage_options).committed_steps("broken") == [1]

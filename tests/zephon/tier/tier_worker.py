@@ -19,6 +19,7 @@ script's actions in order, each recorded as ``{"action", "ok": value}`` or ``{"a
                            url, whether every tensor equals (tag, step)'s, the plain values
     signal <name>          create ``<sync_dir>/<name>-r<rank>`` (the test waits on it)
     await <name>           wait until the test created ``<sync_dir>/<name>``
+    break_uploader <rank>  on that rank, the uploader thread dies in its next upload
     kill                   a barrier, then SIGKILL this process (pending uploads and all)
     close                  ``manager.close()``
     reopen <local_dir>     close the manager and open another with this local_dir (a new
@@ -224,6 +225,18 @@ class Job:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{path} did not appear in {AWAIT_TIMEOUT_S} s")
             time.sleep(0.02)
+
+    def do_break_uploader(self, rank: int) -> None:
+        """On ``rank`` only: its uploader thread dies in the middle of the next upload (after
+        the first collective, between two others), as a bug in it would."""
+        if self.rank != rank:
+            return
+        uploader = self.manager.tier.uploader
+
+        def broken(steps, tracker):
+            raise RuntimeError(f"injected: the uploader of rank {rank} breaks")
+
+        uploader.tier.delete = broken
 
     def do_kill(self) -> None:
         dist.barrier()
