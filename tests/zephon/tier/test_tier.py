@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from catalog import Catalog
-from storage import BackendUnavailableError, CheckpointStore, CorruptCheckpointError
+from storage import NO_RETRY, BackendUnavailableError, CheckpointStore, CorruptCheckpointError
 from tests.conftest import Backend
 from tests.faults import FaultProxy
 from zephon import StaleAttemptError
@@ -157,12 +157,13 @@ def test_the_upload_commits_the_local_files_with_replica_rows_and_timings(
 
 
 def through(backend: Backend, proxy: FaultProxy) -> Backend:
-    """The same save_dir through ``proxy``, each failed request given up at once (what
-    reaches the uploader is a failure that outlived storage's own retries)."""
+    """The same save_dir through ``proxy`` (the job gives each failed request up at once:
+    ``retry=NO_RETRY``, so what reaches the uploader is a failure that outlived storage's own
+    retries)."""
     options = {
         **backend.storage_options,
         "client_kwargs": {"endpoint_url": proxy.url},
-        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+        "config_kwargs": {"connect_timeout": 2},
     }
     return replace(backend, storage_options=options)
 
@@ -190,6 +191,7 @@ def test_uploads_failed_in_an_outage_are_retried_in_step_order_once_the_store_is
             catalog_url,
             num_to_keep=2,
             max_pending_uploads=3,
+            retry=NO_RETRY,
         )
         manager = CheckpointManager(cfg, run_name=RUN, total_steps=10)
         manager.tier.uploader.retry_base_s = manager.tier.uploader.retry_max_s = 0.3
