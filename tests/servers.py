@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -31,8 +32,34 @@ class ServerUnavailable(RuntimeError):
     """A local test server could not be started or reached."""
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux; a common default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = (int(x) for x in handle.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A free port of 127.0.0.1 for a server a test starts (moto, a rank 0's TCPStore...).
+
+    Chosen at random below the kernel's ephemeral range: a port the kernel hands out itself
+    (``bind(0)``) comes from the range every outgoing connection also draws from, so under
+    parallel test workers another process's connection could take it before the server binds
+    it (seen: gloo's rendezvous failing with EADDRINUSE)."""
+    low, _ = _ephemeral_ports()
+    chooser = random.SystemRandom()
+    for _ in range(200):
+        port = chooser.randrange(10_000, low) if low > 11_000 else chooser.randrange(1024, 10_000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # every try was taken: let the kernel choose
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
