@@ -62,13 +62,9 @@ def storage_options_from_env(explicit: str | Mapping[str, Any] | None = None) ->
     if not text:
         return {}
     source = "--storage-options" if explicit is not None else f"${STORAGE_OPTIONS_ENV}"
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"{source} is not valid JSON ({exc.msg} at character {exc.pos}); give an object "
-            'such as {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}'
-        ) from None
+    options = _json_value(
+        text, source, '{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}'
+    )
     if not isinstance(options, dict):
         # not the text itself: a list or string of credentials has no key names to mask by
         raise ConfigError(
@@ -85,14 +81,21 @@ def retry_from_env() -> RetryPolicy:
     text = os.environ.get(RETRY_ENV)
     if not text:
         return DEFAULT_RETRY
+    value = _json_value(text, f"${RETRY_ENV}", '{"max_attempts": 10, "deadline_s": 60}')
+    return retry_policy_from(value, f"${RETRY_ENV}")
+
+
+def _json_value(text: str, source: str, example: str) -> Any:
+    """The JSON value a user gave in ``source`` (a flag or an environment variable); invalid
+    JSON is a ``ConfigError`` naming ``source`` and an ``example`` object. The text itself is
+    never echoed: it may hold credentials."""
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(
-            f"${RETRY_ENV} is not valid JSON ({exc.msg} at character {exc.pos}); give an "
-            'object such as {"max_attempts": 10, "deadline_s": 60}'
+            f"{source} is not valid JSON ({exc.msg} at character {exc.pos}); give an object "
+            f"such as {example}"
         ) from None
-    return retry_policy_from(value, f"${RETRY_ENV}")
 
 
 def known_secrets(argv: Sequence[str] = ()) -> frozenset[str]:
