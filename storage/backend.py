@@ -332,7 +332,8 @@ def create_settled(
     ``path`` decides: holding exactly ``data``, it is this call's (callers put something
     unique to the writer in ``data``: a save id, an attempt id, a timestamp), so the write
     succeeded; holding other bytes, another writer won (returned for the caller to judge);
-    absent, the write did not land and is sent again, up to ``tries`` requests in all.
+    absent, the write did not land and is sent again, up to ``tries`` requests in all (none
+    more after a failure the retry policy already tried until its deadline: an outage).
 
     Raises what the last request raised if it never settled (an error of unknown outcome:
     the file may be there, or still appear), a refusal (``PermissionError``,
@@ -355,13 +356,21 @@ def create_settled(
             if not outcome_unknown(exc):
                 raise
             last, unknown = exc, unknown + 1
+        # A failure the location's retry policy already tried until its deadline is an outage,
+        # not a lost reply: read back once, but never send again (that would be the policy's
+        # whole deadline once more per try).
+        final = retry_summary(last) is not None
         try:
             found = location.backend.read_small(path)
         except FileNotFoundError:
+            if final:
+                break
             continue  # not there: the create did not land (yet); send it again
         except Exception as exc:
             if not outcome_unknown(exc):
                 raise
+            if final:
+                break
             last = exc  # cannot tell yet, even after a FileExistsError: it may be this call's
             continue
         return CreateOutcome(None if found == data else found, unknown)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import s3fs
 
-from storage import NO_RETRY, BackendUnavailableError, CheckpointStore
+from storage import NO_RETRY, BackendUnavailableError, CheckpointStore, RetryPolicy
 from tests.conftest import Backend
 from tests.faults import FaultProxy
 
@@ -250,3 +250,20 @@ def test_a_local_commit_committed_twice_finds_its_own_marker(local_backend, monk
         manifest = writer.commit()
         assert manifest.save_id == writer.save_id
         assert_complete(store, "r", 2, writer.save_id)
+
+
+def test_a_marker_put_that_outlived_the_retry_deadline_is_not_sent_again(s3_backend, proxy):
+    # an outage the policy rode until its deadline: the commit reads back once and reports the
+    # unknown outcome, instead of spending the whole deadline again on each further try
+    policy = RetryPolicy(max_attempts=3, deadline_s=5, base_backoff_s=0.05, jitter=0.0)
+    with CheckpointStore(s3_backend.url, through(s3_backend, proxy, False), retry=policy) as store:
+        writer = store.begin("r", 9, fence=start(store))
+        writer.write_many(FILES)
+        proxy.fail(method="PUT", path=MARKER, status=500, count=100)  # never forwarded
+        with pytest.raises(BackendUnavailableError, match="was created is unknown"):
+            writer.commit()
+        puts = [r for r in proxy.log if r.method == "PUT" and r.path.endswith("/_COMMIT")]
+        assert len(puts) == policy.max_attempts, proxy.log
+        writer.abort()
+        proxy.clear()
+        assert payload_of(store, writer) == set(FILES)  # the marker may still name it
