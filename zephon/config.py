@@ -28,6 +28,7 @@ from typing import Any
 
 from storage import DEFAULT_RETRY, MAX_STEP, InvalidArgumentError, RetryPolicy, redact
 from zephon.errors import ConfigError
+from zephon.retention import MAX_KEEP, Retention
 
 __all__ = [
     "CheckpointingConfig",
@@ -51,9 +52,6 @@ DEFAULT_CATALOG_OUTAGE_S = 300.0
 MIN_CATALOG_OUTAGE_S = 1.0
 #: the largest: a day (a longer outage is an abandoned catalog, not a blip)
 MAX_CATALOG_OUTAGE_S = 86400.0
-
-#: the largest num_to_keep a catalog column holds (INTEGER)
-MAX_KEEP = 2**31 - 1
 
 
 def _positive_int(value: Any, most: int = MAX_STEP) -> bool:
@@ -146,12 +144,7 @@ class CheckpointingConfig:
                 period,
                 f'use an integer from 1 to {MAX_STEP}, "last_step" or "disable"',
             )
-        for key, most in (("num_to_keep", MAX_KEEP), ("keep_every_steps", MAX_STEP)):
-            value = getattr(self, key)
-            if value is not None and not _positive_int(value, most):
-                raise _fail(
-                    f"{p}.{key}", value, f"use an integer from 1 to {most}, or null to keep all"
-                )
+        Retention.checked(f"{p}.", self.num_to_keep, self.keep_every_steps)
         if self.catalog_url is not None and (
             not isinstance(self.catalog_url, str) or "://" not in self.catalog_url
         ):
@@ -231,6 +224,11 @@ class CheckpointingConfig:
                 f"it is save_dir ({os.path.realpath(save_dir)}); use a separate directory on a "
                 "node-local disk, uploaded to save_dir in the background",
             )
+
+    @property
+    def retention(self) -> Retention:
+        """``num_to_keep`` and ``keep_every_steps``, as every entry point takes them."""
+        return Retention(self.num_to_keep, self.keep_every_steps)
 
     @property
     def resolved_catalog_url(self) -> str | None:
