@@ -62,6 +62,11 @@ def record_event(
     )
 
 
+def with_previous(detail: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
+    """An event's ``detail``, plus ``previous`` (what a re-armed row was) when there was one."""
+    return detail if previous is None else {**detail, "previous": previous}
+
+
 def delete_batch(cutoff: datetime, limit: int, dialect: str) -> Delete:
     """``DELETE`` of up to ``limit`` of the oldest events with ``at < cutoff``.
 

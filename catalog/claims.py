@@ -39,7 +39,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, and_, or_, select
 from sqlalchemy.orm import Session
 
-from catalog import attempts, guarded, queries
+from catalog import attempts, guarded, queries, replicas
 from catalog.models import Checkpoint, CheckpointState, Run
 from catalog.retention import DEFAULT_GRACE, RetentionPlan, plan_retention
 
@@ -170,8 +170,9 @@ def claim(
 
 
 def finish(session: Session, run: Run, step: int, token: str, now: datetime) -> Checkpoint | None:
-    """deleting -> deleted, only for the holder of ``token``; the moved row or None."""
-    return guarded.update_one(
+    """deleting -> deleted, only for the holder of ``token``; the moved row or None. The
+    step's committed ``save_dir`` replica goes with it (``replicas.save_dir_copy_gone``)."""
+    row = guarded.update_one(
         session,
         Checkpoint,
         [
@@ -182,6 +183,9 @@ def finish(session: Session, run: Run, step: int, token: str, now: datetime) -> 
         ],
         {"state": DELETED, "updated_at": now},
     )
+    if row is not None:
+        replicas.save_dir_copy_gone(session, run.id, step, now)
+    return row
 
 
 def release(session: Session, run: Run, tokens: Sequence[str], now: datetime) -> list[Checkpoint]:

@@ -17,10 +17,10 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import and_, or_
+from sqlalchemy import ColumnElement, and_, or_
 from sqlalchemy.orm import Session
 
-from catalog import attempts, guarded
+from catalog import attempts, guarded, replicas
 from catalog.models import Checkpoint, CheckpointState, Run
 from catalog.transitions import insert, load
 
@@ -175,16 +175,20 @@ def mark_missing(
     session: Session, run: Run, step: int, reason: str, now: datetime
 ) -> Checkpoint | None:
     """committed -> deleted because storage no longer holds its marker; the moved row or None.
+    The step's committed ``save_dir`` replica goes with it (``replicas.save_dir_copy_gone``).
 
     The caller holds the run's ``update`` lock (see ``catalog.runs``), because removing a
     committed row can move an older one into the newest ``num_to_keep``.
     """
-    return guarded.update_one(
+    row = guarded.update_one(
         session,
         Checkpoint,
         [Checkpoint.run_id == run.id, Checkpoint.step == step, Checkpoint.state == COMMITTED],
         {"state": DELETED, "failure_reason": reason, "updated_at": now},
     )
+    if row is not None:
+        replicas.save_dir_copy_gone(session, run.id, step, now)
+    return row
 
 
 def mark_corrupt(
@@ -202,17 +206,7 @@ def mark_corrupt(
         Checkpoint.state.in_([PENDING, COMMITTED, FAILED]),
         and_(Checkpoint.state == DELETED, Checkpoint.claimed_by.is_(None)),
     )
-    return guarded.update_one(
-        session,
-        Checkpoint,
-        [
-            Checkpoint.run_id == run.id,
-            Checkpoint.step == step,
-            Checkpoint.save_id == save_id,
-            movable,
-        ],
-        {"state": CORRUPT, "failure_reason": reason, "updated_at": now},
-    )
+    return _mark_save(session, run, step, save_id, movable, CORRUPT, reason, now)
 
 
 def mark_stale(
@@ -222,6 +216,21 @@ def mark_stale(
     attempt the catalog learnt of late, or an unregistered epoch): pending, committed or
     failed rows of that save move; returns the moved row or None. The caller holds the run's
     ``update`` lock: a committed row leaves the retention count."""
+    movable = Checkpoint.state.in_([PENDING, COMMITTED, FAILED])
+    return _mark_save(session, run, step, save_id, movable, STALE, reason, now)
+
+
+def _mark_save(
+    session: Session,
+    run: Run,
+    step: int,
+    save_id: str,
+    movable: ColumnElement[bool],
+    state: CheckpointState,
+    reason: str,
+    now: datetime,
+) -> Checkpoint | None:
+    """The row of ``save_id`` at ``step``, if ``movable``, -> ``state`` for ``reason``."""
     return guarded.update_one(
         session,
         Checkpoint,
@@ -229,7 +238,7 @@ def mark_stale(
             Checkpoint.run_id == run.id,
             Checkpoint.step == step,
             Checkpoint.save_id == save_id,
-            Checkpoint.state.in_([PENDING, COMMITTED, FAILED]),
+            movable,
         ],
-        {"state": STALE, "failure_reason": reason, "updated_at": now},
+        {"state": state, "failure_reason": reason, "updated_at": now},
     )

@@ -287,6 +287,27 @@ def timings(value: Mapping[str, float] | None) -> dict[str, float] | None:
     return checked
 
 
+def checkpoint_facts(
+    size: int | None,
+    files: int | None,
+    manifest_checksum: str | None,
+    metadata: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What a committed checkpoint's row records about its files (``bytes``, ``file_count``,
+    ``manifest_checksum``, ``meta``: the ``metadata``), checked, as column values."""
+    byte_count(size)
+    file_count(files)
+    if manifest_checksum is not None:
+        text("manifest_checksum", manifest_checksum, maximum=128)
+    json_document("metadata", metadata)
+    return {
+        "bytes": size,
+        "file_count": files,
+        "manifest_checksum": manifest_checksum,
+        "meta": metadata,
+    }
+
+
 def tier(value: str) -> str:
     return _member("tier", value, ReplicaTier)
 
