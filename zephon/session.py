@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
+from typing import Any
 
-from catalog import Catalog
+from catalog import UNSET, Catalog
 from zephon.attempts import Attempt, register_writer
 from zephon.config import DEFAULT_CATALOG_OUTAGE_S
 from zephon.errors import ConfigError
@@ -69,7 +70,9 @@ class RunSession:
     """One job's session with its run (see the module docstring). Construct it on every
     process; the catalog, the attempt and retention live on the main process (``is_main``).
 
-    ``kind``/``total_steps`` describe the run's row; ``resume_step`` is the step the job
+    ``kind``/``total_steps`` describe the run's row (``total_steps`` left ``catalog.UNSET``
+    by an entry point with no notion of a total: the row's stays as it is; None clears it);
+    ``resume_step`` is the step the job
     declared it resumed from (``note_loaded`` records the step it loaded, which wins);
     ``on_corrupt`` is called for a damaged checkpoint passed over while registering."""
 
@@ -80,7 +83,7 @@ class RunSession:
         catalog: CatalogArg = None,
         retention: Retention = NO_RETENTION,
         kind: str = "train",
-        total_steps: int | None = None,
+        total_steps: Any = UNSET,
         resume_step: int | None = None,
         catalog_outage_s: float = DEFAULT_CATALOG_OUTAGE_S,
         is_main: bool = True,
@@ -129,7 +132,7 @@ class RunSession:
         """The run's row with the job's kind, total and retention; owed to the catalog
         while it cannot be reached (``zephon.outage``)."""
         location, retention = self.location, self.retention
-        given = {"total_steps": self.total_steps} if self.total_steps is not None else {}
+        given = {"total_steps": self.total_steps} if self.total_steps is not UNSET else {}
         try:
             ensure_run(
                 catalog,
