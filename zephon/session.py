@@ -11,7 +11,9 @@ and keep only their framework adapter. The session
 - registers the job's attempt: at ``load_latest`` (``register_resuming``, by the resume path),
   or at the first save (``attempt_for_save``), resuming from the step the job loaded or
   declared (``resume_step``), else continuing the run's latest checkpoint;
-- applies one frozen ``Retention`` after each commit (``retain``).
+- applies one frozen ``Retention`` after each commit (``retain``);
+- chooses once where the job's saves go (``open_destination``: direct, or the local tier
+  with a ``TierConfig``; ``zephon.destinations``).
 
 Retention options are checked once, with one message, whichever entry point takes them
 (``zephon.retention``).
@@ -22,16 +24,20 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from catalog import UNSET, Catalog
 from zephon.attempts import Attempt, register_writer
 from zephon.config import DEFAULT_CATALOG_OUTAGE_S
+from zephon.destinations import Destination, TierConfig, choose_destination
 from zephon.errors import ConfigError
 from zephon.gc import apply_retention
 from zephon.locations import CATALOG_URL_ENV, RunLocation
 from zephon.outage import close_guard, ensure_run, open_catalog
 from zephon.retention import Retention, check_resume_step, option_name
+
+if TYPE_CHECKING:
+    from zephon.collectives import Collectives
 
 __all__ = [
     "CatalogArg",
@@ -105,6 +111,8 @@ class RunSession:
         self.attempt: Attempt | None = None
         #: main process: the step the job loaded, its resume point unless it declared one
         self.loaded_step: int | None = None
+        #: where the job's saves go, once chosen (``open_destination``)
+        self.destination: Destination | None = None
 
     # -- the catalog ------------------------------------------------------------------------
 
@@ -193,6 +201,19 @@ class RunSession:
             self.retention.keep_every_steps,
         )
 
+    # -- the destination --------------------------------------------------------------------
+
+    def open_destination(
+        self, tier: TierConfig | None = None, coll: Collectives | None = None
+    ) -> Destination:
+        """Choose, once, where this job's saves go: the local tier when ``tier`` names a
+        ``local_dir`` (collective: every process, at the same point, ``coll`` the job's
+        process group), else straight to storage (``zephon.destinations``)."""
+        if self.destination is not None:
+            raise RuntimeError("this run session chose its destination already")
+        self.destination = choose_destination(self, tier, coll)
+        return self.destination
+
     # -- the end ----------------------------------------------------------------------------
 
     def close_catalog(self) -> None:
@@ -206,6 +227,11 @@ class RunSession:
                 catalog.close()
 
     def close(self) -> None:
-        """Release the catalog (the store is its owner's)."""
-        self.close_catalog()
-        self.attempt = None
+        """Close the destination (its background work stops after its queue), then the
+        catalog (the store is its owner's)."""
+        destination, self.destination = self.destination, None
+        try:
+            if destination is not None:
+                destination.close()
+        finally:
+            self.close_catalog()

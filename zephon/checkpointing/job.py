@@ -1,7 +1,8 @@
 """One job's checkpointing parts, shared by the saver, the loader and the manager: the checked
 arguments, the store and run location, the manager's process group, the run session
 (``zephon.session.RunSession``: the catalog on rank 0, the run's row, the job's attempt and its
-retention), and the local tier.
+retention) and the destination it chose (``zephon.destinations``: save_dir directly, or the
+local tier first).
 
 They live here, apart from what is done with them, so that saving (``saver``), resuming
 (``loader``) and the public methods (``manager``) each read the same parts without reaching
@@ -13,9 +14,8 @@ from __future__ import annotations
 from catalog import Catalog
 from storage import CheckpointStore, InvalidNameError, validate_run
 from zephon.attempts import Attempt
-from zephon.checkpointing.collectives import Collectives
 from zephon.checkpointing.damage import report_passed_over
-from zephon.checkpointing.tiering import Tiering
+from zephon.collectives import Collectives
 from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError
 from zephon.locations import RunLocation, inference_run_name
@@ -97,23 +97,14 @@ class Job:
             is_main=self.coll.is_main,
             on_corrupt=lambda step, why: report_passed_over(self, step, why),
         )
-        #: the local tier (``local_dir``) and its uploads, if configured
-        self.tier: Tiering | None = None
 
         def open_catalog_on_main() -> None:
             _ = self.session.catalog  # opened with the run's row (owed through an outage)
 
         try:
             self.coll.from_main(open_catalog_on_main, "set up checkpointing")
-            if config.local_dir is not None:
-                self.tier = Tiering(
-                    config,
-                    self.coll,
-                    self.location,
-                    self.catalog,
-                    attempt=self.current_attempt,
-                    retain=self.retain,
-                )
+            #: where saves go: save_dir directly, or the local tier (``local_dir``) first
+            self.destination = self.session.open_destination(config.tier, self.coll)
         except BaseException:
             self.session.close_catalog()
             self.coll.destroy()
@@ -167,12 +158,10 @@ class Job:
         return self.session.retain()
 
     def close(self) -> None:
-        """Release the tier, the catalog, the process group and the store (in that order)."""
+        """Release the destination, the catalog, the process group and the store (in that
+        order)."""
         try:
-            if self.tier is not None:
-                self.tier.close()
-                self.tier = None
-            self.session.close_catalog()
+            self.session.close()
         finally:
             self.coll.destroy()
             self.store.close()
