@@ -113,6 +113,7 @@ class RunSession:
         self.loaded_step: int | None = None
         #: where the job's saves go, once chosen (``open_destination``)
         self.destination: Destination | None = None
+        self._closed = False
 
     # -- the catalog ------------------------------------------------------------------------
 
@@ -124,8 +125,8 @@ class RunSession:
     @property
     def catalog(self) -> Catalog | None:
         """Main process: the catalog with this run's row (opened at first use); None
-        without one, and on every other process."""
-        if not self.is_main or self._catalog_arg is None:
+        without one, on every other process, and once the session is closed."""
+        if not self.is_main or self._catalog_arg is None or self._closed:
             return None
         if self._catalog is None:
             arg = self._catalog_arg
@@ -232,6 +233,7 @@ class RunSession:
         destination, self.destination = self.destination, None
         try:
             if destination is not None:
-                destination.close()
+                destination.close()  # its last uploads still record in the catalog
         finally:
+            self._closed = True
             self.close_catalog()

@@ -1,13 +1,15 @@
 """``zephon.dcp.Writer``: a drop-in DCP storage writer addressed by URL.
 
 ``dcp.save(sd, storage_writer=Writer("s3://bucket/ckpt/run", step=100))`` on every rank writes
-checkpoint ``s3://bucket/ckpt/run/save-100`` through the project's one save path: the
-coordinator registers the job's attempt on the Writer's first save (``zephon.attempts``), begins
-the save with ``zephon.saving.Save`` (catalog row ``pending``, fenced storage ``begin``) while DCP
-plans, so before any rank writes; the save id travels to the other ranks inside the plan. Every
-rank then writes its shards with ``ZephonStorageWriter``'s code; ``finish`` commits the marker,
-records the row ``committed`` and applies retention with the code the checkpoint manager uses.
-See "Drop-in writer and reader" in ``docs/dcp.md``.
+checkpoint ``s3://bucket/ckpt/run/save-100`` through the project's one save path. The Writer
+holds a run session (``zephon.session.RunSession``, the checkpoint manager's too) and the
+destination it chose once (``zephon.destinations``: ``url`` directly, or ``local_dir`` first):
+the coordinator registers the job's attempt on the Writer's first save, begins the save through
+the destination (``zephon.saving.Save``: catalog row ``pending``, fenced storage ``begin``)
+while DCP plans, so before any rank writes; the save id travels to the other ranks inside the
+plan. Every rank then writes its shards with ``ZephonStorageWriter``'s code; ``finish`` commits
+the marker and hands the checkpoint to the destination (the row ``committed`` and retention,
+or the local replica and its upload). See "Drop-in writer and reader" in ``docs/dcp.md``.
 """
 
 from __future__ import annotations
