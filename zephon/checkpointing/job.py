@@ -122,19 +122,6 @@ class Job:
         """Rank 0: this job's attempt, registered by ``load_latest`` (or the first save)."""
         return self.session.attempt
 
-    @attempt.setter
-    def attempt(self, attempt: Attempt | None) -> None:
-        self.session.attempt = attempt
-
-    @property
-    def loaded_step(self) -> int | None:
-        """Rank 0: the step a job that registers at its first save loaded (its resume point)."""
-        return self.session.loaded_step
-
-    @loaded_step.setter
-    def loaded_step(self, step: int | None) -> None:
-        self.session.note_loaded(step)
-
     @property
     def reads_only_until_save(self) -> bool:
         """An inference job reads a run (often a training run's folder) before it writes

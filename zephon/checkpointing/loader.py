@@ -212,7 +212,7 @@ class Loader:
             if job.reads_only_until_save:  # no attempt until its first save (Job.current_attempt)
                 _, (latest, use_local) = choose(job.store.lineage(job.location.storage_run))
             else:
-                job.attempt, (latest, use_local) = register_resuming(
+                job.session.attempt, (latest, use_local) = register_resuming(
                     job.location, job.catalog, choose
                 )
             if use_local and local is not None:
@@ -223,7 +223,7 @@ class Loader:
                     local = None
                     continue
                 newer = latest is None or latest.step < local
-                job.loaded_step = local
+                job.session.note_loaded(local)
                 return ResumePoint(
                     local, destination.checkpoint_url(local), meta, local=True, upload=newer
                 )
@@ -236,7 +236,7 @@ class Loader:
                     raise  # docs/manager.md: a damaged checkpoint is raised, not passed over
                 set_aside(job, latest.step, str(exc))
                 continue
-            job.loaded_step = latest.step
+            job.session.note_loaded(latest.step)
             return ResumePoint(latest.step, latest.url, meta)
 
     def _read_meta(self, step: int, store: CheckpointStore) -> dict[str, Any]:
