@@ -62,3 +62,29 @@ def test_the_check_sees_a_submodule_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import os\nfrom storage.layout import validate_run\n")
     assert imports_of(str(module)) == [(1, "os"), (2, "storage.layout")]
+
+
+#: zephon's packages below others: package (or module) -> zephon packages it may not import
+ZEPHON_BELOW = {
+    "zephon/destinations": {"zephon.checkpointing", "zephon.dcp"},
+    "zephon/collectives.py": {"zephon.checkpointing", "zephon.dcp"},
+    "zephon/dcp": {"zephon.checkpointing"},
+}
+
+
+@pytest.mark.parametrize("below", sorted(ZEPHON_BELOW))
+def test_destinations_and_dcp_import_nothing_of_the_packages_above_them(below):
+    """Where saves go (``zephon.destinations``, ``zephon.collectives``) sits below both the
+    checkpoint manager and ``zephon.dcp``, and ``zephon.dcp`` below the manager: no circle."""
+    where = os.path.join(REPO, below)
+    paths = [where] if where.endswith(".py") else sources(below)
+    assert paths, f"{below} has no sources"
+    wrong = [
+        f"{os.path.relpath(path, REPO)}:{line} imports {module}"
+        for path in paths
+        for line, module in imports_of(path)
+        if any(
+            module == banned or module.startswith(f"{banned}.") for banned in ZEPHON_BELOW[below]
+        )
+    ]
+    assert not wrong, "\n".join(wrong)

@@ -26,9 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from storage import DEFAULT_RETRY, MAX_STEP, InvalidArgumentError, RetryPolicy, redact
-from zephon.errors import ConfigError
-from zephon.retention import MAX_KEEP, Retention
+from storage import DEFAULT_RETRY, MAX_STEP, InvalidArgumentError, RetryPolicy
+from zephon.destinations.local.config import TierConfig
+from zephon.errors import ConfigError, invalid_option
+from zephon.retention import Retention
 
 __all__ = [
     "CheckpointingConfig",
@@ -42,8 +43,7 @@ PERIOD_WORDS = ("last_step", "disable")
 ON_CORRUPT = ("fallback", "fail")
 
 
-def _fail(key: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"{key} = {redact(repr(value))} is invalid: {allowed}")
+_fail = invalid_option
 
 
 #: how long the catalog may stay unreachable before a job fails (``catalog_outage_s``)
@@ -181,49 +181,29 @@ class CheckpointingConfig:
         self.retry = retry_policy_from(self.retry, f"{p}.retry")
 
     def _check_local_tier(self) -> None:
-        p = self.prefix
-        local = self.local_dir
-        if local is not None:
-            if not isinstance(local, str) or not local.strip():
-                raise _fail(
-                    f"{p}.local_dir", local, "use a node-local directory, or leave it unset"
-                )
-            if "://" in local and not local.startswith("file://"):
-                raise _fail(
-                    f"{p}.local_dir",
-                    local,
-                    "use a plain path on a node-local disk (e.g. /local_nvme/ckpt); remote "
-                    "storage belongs in save_dir",
-                )
-            if local.startswith("file://"):
-                self.local_dir = local[len("file://") :]
-            self._check_local_dir_is_its_own(self.local_dir)
-        for key in ("local_num_to_keep", "max_pending_uploads"):
-            value = getattr(self, key)
-            if not _positive_int(value, MAX_KEEP):
-                raise _fail(f"{p}.{key}", value, f"use an integer from 1 to {MAX_KEEP}")
+        """``local_dir``, ``local_num_to_keep`` and ``max_pending_uploads``: the local tier's
+        own config (``TierConfig``) checks them, named under this config's prefix."""
+        tier = TierConfig(
+            local_dir=self.local_dir,
+            local_num_to_keep=self.local_num_to_keep,
+            max_pending_uploads=self.max_pending_uploads,
+            save_dir=self.save_dir,
+            prefix=self.prefix,
+        )
+        self.local_dir = tier.local_dir
 
-    def _check_local_dir_is_its_own(self, local: str) -> None:
-        """``local_dir`` must be a directory of its own: the local tier keeps only its newest
-        ``local_num_to_keep`` checkpoints, so if it were ``save_dir`` (directly or through a
-        symlink) its pruning would delete save_dir's checkpoints; a file there cannot hold any."""
-        p = self.prefix
-        if os.path.exists(local) and not os.path.isdir(local):
-            raise _fail(
-                f"{p}.local_dir", local, "it names a file; use a directory on a node-local disk"
-            )
-        save_dir = self.save_dir
-        if save_dir.startswith("file://"):
-            save_dir = save_dir[len("file://") :]
-        elif "://" in save_dir:
-            return  # remote save_dir: a local path is never the same place
-        if os.path.realpath(local) == os.path.realpath(save_dir):
-            raise _fail(
-                f"{p}.local_dir",
-                local,
-                f"it is save_dir ({os.path.realpath(save_dir)}); use a separate directory on a "
-                "node-local disk, uploaded to save_dir in the background",
-            )
+    @property
+    def tier(self) -> TierConfig | None:
+        """The local tier's config, or None without ``local_dir``."""
+        if self.local_dir is None:
+            return None
+        return TierConfig(
+            local_dir=self.local_dir,
+            local_num_to_keep=self.local_num_to_keep,
+            max_pending_uploads=self.max_pending_uploads,
+            save_dir=self.save_dir,
+            prefix=self.prefix,
+        )
 
     @property
     def retention(self) -> Retention:

@@ -11,6 +11,14 @@ class ConfigError(ZephonError, ValueError):
     """An invalid configuration value; the message names the key, the value and what is allowed."""
 
 
+def invalid_option(key: str, value: object, allowed: str) -> ConfigError:
+    """The one-line ``ConfigError`` for option ``key``: its value (secrets redacted) and what
+    is allowed instead."""
+    from storage import redact  # the storage layer is below; imported when a message is made
+
+    return ConfigError(f"{key} = {redact(repr(value))} is invalid: {allowed}")
+
+
 class StaleAttemptError(ZephonError):
     """A newer attempt (job start) of the run took over; this process must stop saving.
 

@@ -58,7 +58,7 @@ class Retention:
             ):
                 raise ConfigError(
                     f"{option_name(owner, key)} = {redact(repr(value))} is invalid: use an "
-                    f"integer from 1 to {most}, or None (YAML: null) {_NONE_MEANS[key]}"
+                    f"integer from 1 to {most}, or null (Python: None) {_NONE_MEANS[key]}"
                 )
         return cls(num_to_keep, keep_every_steps)
 

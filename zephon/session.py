@@ -11,7 +11,9 @@ and keep only their framework adapter. The session
 - registers the job's attempt: at ``load_latest`` (``register_resuming``, by the resume path),
   or at the first save (``attempt_for_save``), resuming from the step the job loaded or
   declared (``resume_step``), else continuing the run's latest checkpoint;
-- applies one frozen ``Retention`` after each commit (``retain``).
+- applies one frozen ``Retention`` after each commit (``retain``);
+- chooses once where the job's saves go (``open_destination``: direct, or the local tier
+  with a ``TierConfig``; ``zephon.destinations``).
 
 Retention options are checked once, with one message, whichever entry point takes them
 (``zephon.retention``).
@@ -22,15 +24,20 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from catalog import Catalog
+from catalog import UNSET, Catalog
 from zephon.attempts import Attempt, register_writer
 from zephon.config import DEFAULT_CATALOG_OUTAGE_S
+from zephon.destinations import Destination, TierConfig, choose_destination
 from zephon.errors import ConfigError
 from zephon.gc import apply_retention
 from zephon.locations import CATALOG_URL_ENV, RunLocation
 from zephon.outage import close_guard, ensure_run, open_catalog
 from zephon.retention import Retention, check_resume_step, option_name
+
+if TYPE_CHECKING:
+    from zephon.collectives import Collectives
 
 __all__ = [
     "CatalogArg",
@@ -69,7 +76,9 @@ class RunSession:
     """One job's session with its run (see the module docstring). Construct it on every
     process; the catalog, the attempt and retention live on the main process (``is_main``).
 
-    ``kind``/``total_steps`` describe the run's row; ``resume_step`` is the step the job
+    ``kind``/``total_steps`` describe the run's row (``total_steps`` left ``catalog.UNSET``
+    by an entry point with no notion of a total: the row's stays as it is; None clears it);
+    ``resume_step`` is the step the job
     declared it resumed from (``note_loaded`` records the step it loaded, which wins);
     ``on_corrupt`` is called for a damaged checkpoint passed over while registering."""
 
@@ -80,7 +89,7 @@ class RunSession:
         catalog: CatalogArg = None,
         retention: Retention = NO_RETENTION,
         kind: str = "train",
-        total_steps: int | None = None,
+        total_steps: Any = UNSET,
         resume_step: int | None = None,
         catalog_outage_s: float = DEFAULT_CATALOG_OUTAGE_S,
         is_main: bool = True,
@@ -102,6 +111,9 @@ class RunSession:
         self.attempt: Attempt | None = None
         #: main process: the step the job loaded, its resume point unless it declared one
         self.loaded_step: int | None = None
+        #: where the job's saves go, once chosen (``open_destination``)
+        self.destination: Destination | None = None
+        self._closed = False
 
     # -- the catalog ------------------------------------------------------------------------
 
@@ -113,8 +125,8 @@ class RunSession:
     @property
     def catalog(self) -> Catalog | None:
         """Main process: the catalog with this run's row (opened at first use); None
-        without one, and on every other process."""
-        if not self.is_main or self._catalog_arg is None:
+        without one, on every other process, and once the session is closed."""
+        if not self.is_main or self._catalog_arg is None or self._closed:
             return None
         if self._catalog is None:
             arg = self._catalog_arg
@@ -129,7 +141,7 @@ class RunSession:
         """The run's row with the job's kind, total and retention; owed to the catalog
         while it cannot be reached (``zephon.outage``)."""
         location, retention = self.location, self.retention
-        given = {"total_steps": self.total_steps} if self.total_steps is not None else {}
+        given = {"total_steps": self.total_steps} if self.total_steps is not UNSET else {}
         try:
             ensure_run(
                 catalog,
@@ -190,6 +202,19 @@ class RunSession:
             self.retention.keep_every_steps,
         )
 
+    # -- the destination --------------------------------------------------------------------
+
+    def open_destination(
+        self, tier: TierConfig | None = None, coll: Collectives | None = None
+    ) -> Destination:
+        """Choose, once, where this job's saves go: the local tier when ``tier`` names a
+        ``local_dir`` (collective: every process, at the same point, ``coll`` the job's
+        process group), else straight to storage (``zephon.destinations``)."""
+        if self.destination is not None:
+            raise RuntimeError("this run session chose its destination already")
+        self.destination = choose_destination(self, tier, coll)
+        return self.destination
+
     # -- the end ----------------------------------------------------------------------------
 
     def close_catalog(self) -> None:
@@ -203,6 +228,12 @@ class RunSession:
                 catalog.close()
 
     def close(self) -> None:
-        """Release the catalog (the store is its owner's)."""
-        self.close_catalog()
-        self.attempt = None
+        """Close the destination (its background work stops after its queue), then the
+        catalog (the store is its owner's)."""
+        destination, self.destination = self.destination, None
+        try:
+            if destination is not None:
+                destination.close()  # its last uploads still record in the catalog
+        finally:
+            self._closed = True
+            self.close_catalog()

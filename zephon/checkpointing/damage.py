@@ -13,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from storage import CheckpointNotFoundError, CorruptCheckpointError
-from zephon.checkpointing.collectives import Collectives
+from zephon.collectives import Collectives
 from zephon.reconcile import quarantine
 
 if TYPE_CHECKING:

@@ -1,6 +1,8 @@
 """One job's checkpointing parts, shared by the saver, the loader and the manager: the checked
-arguments, the store and run location, the manager's process group, the catalog (rank 0), the
-local tier, and the job's attempt (its fencing token).
+arguments, the store and run location, the manager's process group, the run session
+(``zephon.session.RunSession``: the catalog on rank 0, the run's row, the job's attempt and its
+retention) and the destination it chose (``zephon.destinations``: save_dir directly, or the
+local tier first).
 
 They live here, apart from what is done with them, so that saving (``saver``), resuming
 (``loader``) and the public methods (``manager``) each read the same parts without reaching
@@ -11,15 +13,13 @@ from __future__ import annotations
 
 from catalog import Catalog
 from storage import CheckpointStore, InvalidNameError, validate_run
-from zephon.attempts import Attempt, register_writer
-from zephon.checkpointing.collectives import Collectives
+from zephon.attempts import Attempt
 from zephon.checkpointing.damage import report_passed_over
-from zephon.checkpointing.tiering import Tiering
+from zephon.collectives import Collectives
 from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError
-from zephon.gc import apply_retention
 from zephon.locations import RunLocation, inference_run_name
-from zephon.outage import close_guard, ensure_run, open_catalog
+from zephon.session import RunSession
 
 __all__ = ["ALREADY_COMPLETE", "Job"]
 
@@ -86,57 +86,41 @@ class Job:
         )
         self.location = RunLocation(self.name, self.store, self.run)
         self.coll = Collectives()
-        #: rank 0: the catalog, when one is configured
-        self.catalog: Catalog | None = None
-        #: rank 0: this job's attempt, registered by ``load_latest`` (or the first save)
-        self.attempt: Attempt | None = None
-        #: rank 0: the step a job that registers at its first save loaded (its resume point)
-        self.loaded_step: int | None = None
-        #: the local tier (``local_dir``) and its uploads, if configured
-        self.tier: Tiering | None = None
+        #: the run session: the catalog (rank 0), the run's row, the attempt, retention
+        self.session = RunSession(
+            self.location,
+            catalog=config.catalog_url,
+            retention=config.retention,
+            kind=kind,
+            total_steps=total_steps,
+            catalog_outage_s=config.catalog_outage_s,
+            is_main=self.coll.is_main,
+            on_corrupt=lambda step, why: report_passed_over(self, step, why),
+        )
 
         def open_catalog_on_main() -> None:
-            if config.resolved_catalog_url:
-                self.catalog = self._open_catalog(config.resolved_catalog_url)
+            _ = self.session.catalog  # opened with the run's row (owed through an outage)
 
         try:
             self.coll.from_main(open_catalog_on_main, "set up checkpointing")
-            if config.local_dir is not None:
-                self.tier = Tiering(
-                    config,
-                    self.coll,
-                    self.location,
-                    self.catalog,
-                    attempt=self.current_attempt,
-                    retain=self.retain,
-                )
+            #: where saves go: save_dir directly, or the local tier (``local_dir``) first
+            self.destination = self.session.open_destination(config.tier, self.coll)
         except BaseException:
+            self.session.close_catalog()
             self.coll.destroy()
             raise
 
-    def _open_catalog(self, url: str) -> Catalog:
-        """The catalog with the run's row; one that cannot be reached is owed the row
-        (``zephon.outage``): the job starts from storage meanwhile."""
-        catalog = open_catalog(url, self.config.catalog_outage_s)
-        try:
-            ensure_run(
-                catalog,
-                self.location,
-                lambda: catalog.ensure_run(
-                    self.name,
-                    self.store.location.canonical_url,
-                    kind=self.kind,
-                    status="active",
-                    total_steps=self.total_steps,
-                    num_to_keep=self.config.num_to_keep,
-                    keep_every_steps=self.config.keep_every_steps,
-                ),
-            )
-        except BaseException:
-            close_guard(catalog)
-            catalog.close()
-            raise
-        return catalog
+    # -- the session's parts, as the saver, the loader and the manager read them ---------------
+
+    @property
+    def catalog(self) -> Catalog | None:
+        """Rank 0: the catalog, when one is configured (None on the other ranks)."""
+        return self.session.catalog
+
+    @property
+    def attempt(self) -> Attempt | None:
+        """Rank 0: this job's attempt, registered by ``load_latest`` (or the first save)."""
+        return self.session.attempt
 
     @property
     def reads_only_until_save(self) -> bool:
@@ -150,38 +134,21 @@ class Job:
         ``load_latest`` registers it now: resuming from the step it loaded, or continuing the
         run's latest checkpoint (it never abandons history implicitly, and a save below that
         checkpoint is refused)."""
-        if self.attempt is None:
-            self.attempt = register_writer(
-                self.location,
-                self.catalog,
-                resume_step=self.loaded_step,
-                on_corrupt=lambda step, why: report_passed_over(self, step, why),
-            )
-        return self.attempt
+        return self.session.attempt_for_save()
 
     def retain(self) -> list[int]:
         """Rank 0: delete the checkpoints ``num_to_keep`` no longer keeps (``zephon.gc``'s
         retention, fenced by this job's attempt). Returns the deleted steps; [] elsewhere."""
         if not self.coll.is_main:
             return []
-        return apply_retention(
-            self.location,
-            self.catalog,
-            self.current_attempt().fence,
-            self.config.num_to_keep,
-            self.config.keep_every_steps,
-        )
+        self.current_attempt()
+        return self.session.retain()
 
     def close(self) -> None:
-        """Release the tier, the catalog, the process group and the store (in that order)."""
+        """Release the destination, the catalog, the process group and the store (in that
+        order)."""
         try:
-            if self.tier is not None:
-                self.tier.close()
-                self.tier = None
-            if self.catalog is not None:
-                close_guard(self.catalog)
-                self.catalog.close()
-                self.catalog = None
+            self.session.close()
         finally:
             self.coll.destroy()
             self.store.close()

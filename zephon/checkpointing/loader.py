@@ -1,8 +1,8 @@
 """The manager's resume (docs/manager.md, "Resuming"): choose the checkpoint to resume from
-(save_dir's latest complete one, or the local tier's), register the job's attempt as resuming
-from it, plan and run the collective load, and pass over damaged checkpoints as
-``on_corrupt`` says (``damage``). Frozen parameters of a trainable-only checkpoint come from
-the source checkpoint (``source``).
+(save_dir's latest complete one, or the destination's own copy: the local tier's), register
+the job's attempt as resuming from it, plan and run the collective load, and pass over damaged
+checkpoints as ``on_corrupt`` says (``damage``). Frozen parameters of a trainable-only
+checkpoint come from the source checkpoint (``source``).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class Loader:
     def load_latest(self, state: Mapping[str, Any], allow_partial_load: bool) -> Resume:
         """``CheckpointManager.load_latest`` (see there), after background work is done."""
         job, coll = self.job, self.job.coll
-        local = job.tier.candidate() if job.tier is not None else None
+        destination = job.destination
+        local = destination.resume_candidate()
         while True:
             # One process asks the catalog and reads the small JSON; the others get the answer.
             point: ResumePoint | None = coll.from_main(
@@ -120,7 +121,7 @@ class Loader:
             if job.total_steps is not None and step >= job.total_steps:
                 log.info(ALREADY_COMPLETE[job.kind])
                 if point.upload:  # the last step, never uploaded: upload it now
-                    job.tier.upload_resumed(step)
+                    destination.persist_resumed(step)
                 return Resume(
                     step=step,
                     next_step=step + 1,
@@ -131,7 +132,7 @@ class Loader:
             # Before the damage check: a source that fails is never this checkpoint's damage.
             self._load_source(point, state)
             problem: Exception | None = None
-            store = job.tier.store if point.local and job.tier else job.store
+            store = destination.store if point.local else job.store
             try:
                 values, rank_state = self._load(point, state, allow_partial_load, store)
             except Exception as exc:
@@ -141,7 +142,7 @@ class Loader:
                 if problem is not None:
                     raise problem
                 if point.upload:  # never uploaded (the last attempt died): now, fenced
-                    job.tier.upload_resumed(step)
+                    destination.persist_resumed(step)
                 return Resume(
                     step=step,
                     next_step=step + 1,
@@ -151,8 +152,8 @@ class Loader:
                     saved_total_steps=saved_total,
                 )
             if point.local:  # a damaged local copy: condemned there only, save_dir next
-                if coll.is_main and job.tier is not None:
-                    job.tier.damaged(step, damaged)
+                if coll.is_main:
+                    destination.damaged(step, damaged)
                 local = None
                 continue
             if job.config.on_corrupt == "fail":
@@ -176,7 +177,7 @@ class Loader:
         every rank holds, taken if it is at least save_dir's latest (and uploaded after the
         load if it is newer)."""
         job = self.job
-        tier = job.tier
+        destination = job.destination
         while True:
 
             def passed_over(step: int, why: str) -> None:
@@ -185,7 +186,7 @@ class Loader:
             def choose(
                 lineage, local=local
             ) -> tuple[int | None, tuple[LatestCheckpoint | None, bool]]:
-                if local is not None and tier is not None and job.catalog is not None:
+                if local is not None and job.catalog is not None:
                     # The catalog's newest committed row at or below L: L wins (judged by the
                     # lineage the claim read) and R's marker is not read, since R is not loaded.
                     latest = find_latest(
@@ -196,33 +197,35 @@ class Loader:
                         confirm=False,
                     )
                     remote = latest.step if latest is not None else None
-                    if (remote is None or remote <= local) and tier.prefers(local, lineage, remote):
+                    if (remote is None or remote <= local) and destination.prefers(
+                        local, lineage, remote
+                    ):
                         return local, (latest, True)
                 latest = find_latest(
                     job.location, catalog=job.catalog, lineage=lineage, on_corrupt=passed_over
                 )
                 remote = latest.step if latest is not None else None
-                if tier is not None and tier.prefers(local, lineage, remote):
+                if destination.prefers(local, lineage, remote):
                     return local, (latest, True)
                 return remote, (latest, False)
 
             if job.reads_only_until_save:  # no attempt until its first save (Job.current_attempt)
                 _, (latest, use_local) = choose(job.store.lineage(job.location.storage_run))
             else:
-                job.attempt, (latest, use_local) = register_resuming(
+                job.session.attempt, (latest, use_local) = register_resuming(
                     job.location, job.catalog, choose
                 )
-            if use_local and tier is not None and local is not None:
+            if use_local and local is not None:
                 try:
-                    meta = self._read_meta(local, tier.store)
+                    meta = self._read_meta(local, destination.store)
                 except DAMAGE as exc:
-                    tier.damaged(local, str(exc))
+                    destination.damaged(local, str(exc))
                     local = None
                     continue
                 newer = latest is None or latest.step < local
-                job.loaded_step = local
+                job.session.note_loaded(local)
                 return ResumePoint(
-                    local, tier.checkpoint_url(local), meta, local=True, upload=newer
+                    local, destination.checkpoint_url(local), meta, local=True, upload=newer
                 )
             if latest is None:
                 return None
@@ -233,7 +236,7 @@ class Loader:
                     raise  # docs/manager.md: a damaged checkpoint is raised, not passed over
                 set_aside(job, latest.step, str(exc))
                 continue
-            job.loaded_step = latest.step
+            job.session.note_loaded(latest.step)
             return ResumePoint(latest.step, latest.url, meta)
 
     def _read_meta(self, step: int, store: CheckpointStore) -> dict[str, Any]:

@@ -6,8 +6,8 @@ gloo process group of the manager's own. Rank 0 alone talks to the catalog and c
 
 This module is the public face only; the work is done by one module per job:
 
-- ``job``: the checked arguments and the open parts (store, process group, catalog, local
-  tier, the job's attempt), and retention;
+- ``job``: the checked arguments and the open parts (store, process group, the run session:
+  catalog, attempt and retention, and the destination: save_dir or the local tier first);
 - ``saver``: the save sequence, through ``zephon.saving.Save`` (the one fenced save path);
 - ``background``: the pending ``async_save`` and its commit thread;
 - ``loader``: the resume point, the load, and ``damage``: damaged checkpoints met on the way.
@@ -28,12 +28,12 @@ from catalog import Catalog, CatalogUnavailableError
 from storage import CheckpointStore
 from zephon.attempts import Attempt, fenced
 from zephon.checkpointing.background import Background
-from zephon.checkpointing.collectives import Collectives
 from zephon.checkpointing.job import ALREADY_COMPLETE, Job
 from zephon.checkpointing.loader import Loader, Resume
 from zephon.checkpointing.saver import Saver
-from zephon.checkpointing.tiering import Tiering
+from zephon.collectives import Collectives
 from zephon.config import CheckpointingConfig, ModelStageConfig
+from zephon.destinations import Destination
 from zephon.locations import RunLocation
 from zephon.outage import DebtBeingPaid, guard
 
@@ -95,9 +95,15 @@ class CheckpointManager:
         return self._job.catalog
 
     @property
-    def tier(self) -> Tiering | None:
+    def destination(self) -> Destination:
+        """Where saves go: save_dir directly, or the local tier first
+        (``zephon.destinations``)."""
+        return self._job.destination
+
+    @property
+    def tier(self) -> Destination | None:
         """The local tier (``local_dir``) and its uploads, if configured."""
-        return self._job.tier
+        return self._job.destination if self.config.local_dir is not None else None
 
     @property
     def attempt(self) -> Attempt | None:
@@ -147,8 +153,7 @@ class CheckpointManager:
         """Wait for a background save and every pending upload; raise a failure, if one
         failed."""
         self._background.wait()
-        if self.tier is not None:
-            self.tier.wait()
+        self._job.destination.wait()
 
     # -- resume -------------------------------------------------------------------------------
 

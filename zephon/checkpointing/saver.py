@@ -1,6 +1,8 @@
 """The manager's save sequence (docs/manager.md, "Saving"): prepare the state on every rank,
-begin the fenced save on rank 0 (``zephon.saving.Save``, the one save path, or the local
-tier's), write the JSON files and the DCP shards, commit, then record it and apply retention.
+begin the fenced save on rank 0 through the job's destination (``zephon.destinations``:
+``zephon.saving.Save`` into save_dir, or into the local tier), write the JSON files and the DCP
+shards, commit, then hand the checkpoint to the destination (record it, apply retention or
+queue its upload).
 
 Every step is a collective: a failure on any rank raises on every rank, and the save's own
 files and catalog row are failed and removed (``Save.failed``), never another save's.
@@ -67,24 +69,19 @@ class Saver:
         prepared: PreparedState | None = None
         problem: Exception | None = None
         try:
-            if job.tier is not None:
-                job.tier.before_save()  # backpressure; a stale attempt stops here
+            job.destination.before_save()  # backpressure; a stale attempt stops here
             prepared = self.prepare(state, rank_state)
         except Exception as exc:
             problem = exc
         # Doubles as the barrier before the save.
         coll.agree(problem, f"prepare the state of step {step}")
         assert prepared is not None
-        store = job.tier.store if job.tier is not None else job.store
+        store = job.destination.store
         save: Save | None = None
         primary: CheckpointWriter | None = None
         if coll.is_main:
             try:
-                attempt = job.current_attempt()
-                if job.tier is not None:
-                    save = job.tier.begin(attempt, step)
-                else:
-                    save = Save.begin(attempt, step, catalog=job.catalog)
+                save = job.destination.begin(job.current_attempt(), step)
                 primary = save.writer
             except Exception as exc:
                 problem = exc
@@ -193,16 +190,15 @@ class Saver:
         timings: dict[str, float],
         started: float,
     ) -> None:
-        """Every rank, after the marker. Without a local tier, rank 0 records the commit (with
-        its timings) and applies retention; with one, the local commit is recorded and every
-        rank queues the upload of what it wrote."""
-        job = self.job
-        if job.tier is not None:
-            job.tier.committed(step, save, writer, timings, started)
-        elif job.coll.is_main:
+        """Every rank, after the marker: rank 0 hands the save to the destination (direct: the
+        catalog row with its timings, then retention; the local tier: the local replica and
+        the upload), every other rank its own part (the local tier uploads what it wrote)."""
+        destination = self.job.destination
+        if self.job.coll.is_main:
             assert save is not None
-            save.committed(timings=timings)
-            job.retain()
+            destination.committed(save, timings, started)
+        else:
+            destination.handed_in(step, writer, timings, started)
 
     def _failed(self, writer: CheckpointWriter, save: Save | None, exc: BaseException) -> None:
         """Rank 0: the save did not complete: fail it (its files and row), or abort the writer
@@ -210,9 +206,7 @@ class Saver:
         if not self.job.coll.is_main:
             return
         if save is not None:
-            save.failed(exc)
-            if self.job.tier is not None:
-                self.job.tier.failed(save, exc)
+            self.job.destination.failed(save, exc)
         else:
             with contextlib.suppress(Exception):
                 writer.abort()

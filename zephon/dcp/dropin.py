@@ -1,18 +1,19 @@
 """``zephon.dcp.Writer``: a drop-in DCP storage writer addressed by URL.
 
 ``dcp.save(sd, storage_writer=Writer("s3://bucket/ckpt/run", step=100))`` on every rank writes
-checkpoint ``s3://bucket/ckpt/run/save-100`` through the project's one save path: the
-coordinator registers the job's attempt on the Writer's first save (``zephon.attempts``), begins
-the save with ``zephon.saving.Save`` (catalog row ``pending``, fenced storage ``begin``) while DCP
-plans, so before any rank writes; the save id travels to the other ranks inside the plan. Every
-rank then writes its shards with ``ZephonStorageWriter``'s code; ``finish`` commits the marker,
-records the row ``committed`` and applies retention with the code the checkpoint manager uses.
-See "Drop-in writer and reader" in ``docs/dcp.md``.
+checkpoint ``s3://bucket/ckpt/run/save-100`` through the project's one save path. The Writer
+holds a run session (``zephon.session.RunSession``, the checkpoint manager's too) and the
+destination it chose once (``zephon.destinations``: ``url`` directly, or ``local_dir`` first):
+the coordinator registers the job's attempt on the Writer's first save, begins the save through
+the destination (``zephon.saving.Save``: catalog row ``pending``, fenced storage ``begin``)
+while DCP plans, so before any rank writes; the save id travels to the other ranks inside the
+plan. Every rank then writes its shards with ``ZephonStorageWriter``'s code; ``finish`` commits
+the marker and hands the checkpoint to the destination (the row ``committed`` and retention,
+or the local replica and its upload). See "Drop-in writer and reader" in ``docs/dcp.md``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -25,106 +26,20 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from catalog import Catalog
-from storage import (
-    CheckpointStore,
-    CheckpointWriter,
-    Manifest,
-    RetryPolicy,
-    mask_url,
-    parse_step_dirname,
-    validate_run,
-    validate_step,
-)
-from zephon.attempts import Attempt, as_zephon_error, fenced, register_writer
-from zephon.checkpointing.collectives import Collectives
-from zephon.checkpointing.tiering import Tiering
-from zephon.checkpointing.uploader import UploadJob
-from zephon.config import CheckpointingConfig
+from storage import CheckpointStore, CheckpointWriter, Manifest, RetryPolicy
+from zephon.attempts import Attempt, as_zephon_error, fenced
+from zephon.collectives import Collectives
+from zephon.dcp.addressing import RunURL, check_step, parse_run_url, step_of_checkpoint_id
 from zephon.dcp.errors import WriterSetupError, portable
 from zephon.dcp.writer import CommitMetadata, ZephonStorageWriter, _FilePrefix
+from zephon.destinations import Destination, TierConfig
 from zephon.errors import ConfigError
-from zephon.gc import apply_retention
 from zephon.locations import RunLocation
-from zephon.outage import close_guard, ensure_run, open_catalog
+from zephon.retention import Retention, check_resume_step
 from zephon.saving import Save
+from zephon.session import CatalogArg, RunSession, resolve_catalog
 
 __all__ = ["RunURL", "Writer", "parse_run_url"]
-
-CatalogArg = Catalog | str | None
-
-
-@dataclass(frozen=True, slots=True)
-class RunURL:
-    """``<save_dir>/<run>`` split: the store's root as given, and the run name."""
-
-    given: str
-    root: str
-    run: str
-
-
-def parse_run_url(url: str | os.PathLike, what: str) -> RunURL:
-    """Split a Writer's or Reader's ``url`` into its save_dir and run (the last component);
-    a one-line ``ConfigError`` naming the URL (credentials masked) and the fix otherwise."""
-    if isinstance(url, os.PathLike):
-        url = os.fspath(url)
-    if not isinstance(url, str) or not url.strip():
-        raise ConfigError(
-            f"{what} url = {url!r} is invalid: give the run's URL, <save_dir>/<run>, e.g. "
-            "'s3://bucket/ckpt/my-run' or '/data/ckpt/my-run'"
-        )
-    given = url.rstrip("/")
-    root, sep, run = given.rpartition("/")
-    if not sep or not root or root.endswith(":/") or root.endswith(":"):
-        raise ConfigError(
-            f"{what} url {mask_url(url)!r} has no run component: give <save_dir>/<run>, e.g. "
-            f"'{mask_url(given)}/my-run'"
-        )
-    try:
-        validate_run(run)
-    except ValueError:
-        raise ConfigError(
-            f"{what} url {mask_url(url)!r}: its last component {run[:60]!r} is not a valid run "
-            "name (1-128 of A-Z a-z 0-9 . _ -, not a step directory like 'save-5'): give "
-            "<save_dir>/<run>"
-        ) from None
-    return RunURL(given, root, run)
-
-
-def check_step(step: Any, what: str, name: str = "step") -> int | None:
-    """``step`` as given to a Writer or Reader (its argument ``name``): None, or a step
-    number."""
-    if step is None:
-        return None
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ConfigError(f"{what} {name} = {step!r} is invalid: give an integer >= 0, or None")
-    try:
-        return validate_step(step)
-    except ValueError as exc:
-        raise ConfigError(f"{what} {name} = {step!r} is invalid: {exc}") from None
-
-
-def step_of_checkpoint_id(
-    checkpoint_id: str | os.PathLike, url: RunURL, store: CheckpointStore, what: str
-) -> int:
-    """The step a ``checkpoint_id`` names: ``<run url>/save-<step>`` (also in the store's own
-    path form). Anything else is refused, naming what this object is bound to."""
-    given = os.fspath(checkpoint_id).rstrip("/") if checkpoint_id is not None else ""
-    parent, _, last = given.rpartition("/")
-    step = parse_step_dirname(last)
-    run_forms = {
-        url.given,
-        store.run_path(url.run).rstrip("/"),
-        store.location.display(store.run_path(url.run)).rstrip("/"),
-    }
-    if step is None or parent not in run_forms:
-        shown = mask_url(given) if "://" in given else given
-        raise WriterSetupError(
-            f"checkpoint_id {shown!r} is not a checkpoint of this {what}'s run "
-            f"{mask_url(url.given)}: pass checkpoint_id='{mask_url(url.given)}/save-<step>', or "
-            f"make a {what} for the other run"
-        )
-    return step
 
 
 @dataclass(frozen=True)
@@ -161,9 +76,12 @@ class Writer(ZephonStorageWriter):
     refused (``zephon.SaveBelowLatestError``): a job that restarted from scratch by mistake
     never mixes a second history into the run.
 
-    ``catalog`` (a ``catalog.Catalog`` or its URL, opened on the coordinator only) records every
-    save; ``num_to_keep`` keeps that many newest checkpoints (with a catalog it is stored as the
-    run's policy, and the catalog's retention applies whatever policy the run has).
+    ``catalog`` (a ``catalog.Catalog`` or its URL, opened on the coordinator only; without it
+    ``$ZEPHON_CATALOG_URL``, if set) records every save. ``num_to_keep`` keeps that many newest
+    checkpoints, ``keep_every_steps`` also every checkpoint whose step is a multiple of it;
+    checked as every entry point's (``zephon.retention``) and authoritative: with a catalog
+    they become the run's policy, None included (keep every checkpoint), so the Writer keeps
+    the same checkpoints with a catalog as without one (pins in the catalog are kept too).
     ``commit_metadata`` and ``on_commit`` are ``ZephonStorageWriter``'s. One save at a time:
     wait for an ``async_save`` future before the next save.
 
@@ -191,6 +109,7 @@ class Writer(ZephonStorageWriter):
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         num_to_keep: int | None = None,
+        keep_every_steps: int | None = None,
         thread_count: int = 4,
         subdir: str = "",
         commit_metadata: CommitMetadata | None = None,
@@ -204,80 +123,56 @@ class Writer(ZephonStorageWriter):
         self.target = parse_run_url(url, "Writer")
         self._next_step = check_step(step, "Writer")
         #: the step this job resumed from, if it says so (None: it continues the latest)
-        self.resume_step = check_step(resume_step, "Writer", "resume_step")
-        if num_to_keep is not None and (
-            isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep < 1
-        ):
-            raise ConfigError(
-                f"Writer num_to_keep = {num_to_keep!r} is invalid: give an integer >= 1, or None "
-                "to keep every checkpoint"
-            )
-        if catalog is not None and not isinstance(catalog, Catalog | str):
-            raise ConfigError(
-                f"Writer catalog must be a catalog.Catalog or its URL, got {type(catalog).__name__}"
+        self.resume_step = check_resume_step("Writer", resume_step)
+        retention = Retention.checked("Writer", num_to_keep, keep_every_steps)
+        catalog = resolve_catalog(catalog, "Writer")
+        tier = None
+        if local_dir is not None:
+            tier = TierConfig(
+                local_dir=os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir,
+                local_num_to_keep=local_num_to_keep,
+                max_pending_uploads=max_pending_uploads,
+                save_dir=self.target.root,
+                prefix="Writer",
             )
         try:
             self._configure(subdir, thread_count, commit_metadata, on_commit)
         except ValueError as exc:
             raise ConfigError(f"Writer: {exc}") from None
-        self.num_to_keep = num_to_keep
+        self.num_to_keep = retention.num_to_keep
+        self.keep_every_steps = retention.keep_every_steps
         self.store = CheckpointStore(self.target.root, storage_options, retry=retry)
         self.location = RunLocation(self.target.run, self.store, self.target.run)
-        self._catalog_arg = catalog
-        self._catalog: Catalog | None = catalog if isinstance(catalog, Catalog) else None
-        self._catalog_ready = False
         self.writer: CheckpointWriter | None = None  # type: ignore[assignment]
-        #: coordinator: the job's attempt, registered by the first save
-        self.attempt: Attempt | None = None
         self._save: Save | None = None
         #: coordinator: the steps this Writer committed, in order (with ``local_dir``: into
         #: the local tier; their uploads follow)
         self.committed_steps: list[int] = []
         self._started = time.monotonic()
-        #: the local tier and its uploader (``local_dir``), shared with the checkpoint manager
-        self.tiering: Tiering | None = None
-        self._coll: Collectives | None = None
-        if local_dir is not None:
-            self._set_up_tier(local_dir, local_num_to_keep, max_pending_uploads)
-
-    def _set_up_tier(self, local_dir: str | os.PathLike, keep: int, max_pending: int) -> None:
-        """Every rank: the manager's local tier (``Tiering``) for this Writer's run, checked
-        as the manager's config keys are; the catalog is opened on rank 0 (it records the
-        replicas)."""
-        config = CheckpointingConfig(
-            save_dir=self.target.root,
-            local_dir=os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir,
-            num_to_keep=self.num_to_keep,
-            local_num_to_keep=keep,
-            max_pending_uploads=max_pending,
-            prefix="Writer",
+        #: with ``local_dir``: the Writer's own process group (the local tier's collectives)
+        self._coll = Collectives() if tier is not None else None
+        #: the run session: the catalog (coordinator), the run's row, the attempt, retention
+        self.session = RunSession(
+            self.location,
+            catalog=catalog,
+            retention=retention,
+            resume_step=self.resume_step,
+            is_main=self._coll.is_main if self._coll is not None else True,
         )
-        coll = Collectives()
-
-        def open_catalog_on_main() -> None:
-            self._open_catalog()
-
         try:
-            coll.from_main(open_catalog_on_main, "open the catalog")
-            self.tiering = Tiering(
-                config,
-                coll,
-                self.location,
-                self._catalog if coll.is_main else None,
-                attempt=self._tier_attempt,
-                retain=self.apply_retention,
-            )
+            #: where saves go: ``url`` directly, or ``local_dir`` first (``zephon.destinations``)
+            self.destination: Destination = self.session.open_destination(tier, self._coll)
         except BaseException:
-            coll.destroy()
+            self.session.close()
+            if self._coll is not None:
+                self._coll.destroy()
             self.store.close()
             raise
-        self._coll = coll
 
-    def _tier_attempt(self) -> Attempt:
-        """The uploader's (rank 0) attempt: the one this Writer's first save registered."""
-        if self.attempt is None:
-            raise WriterSetupError(f"no attempt registered for {self.url}: save first")
-        return self.attempt
+    @property
+    def attempt(self) -> Attempt | None:
+        """Coordinator: the job's attempt, registered by the first save."""
+        return self.session.attempt
 
     # -- identity -------------------------------------------------------------------------
 
@@ -319,8 +214,7 @@ class Writer(ZephonStorageWriter):
         self._settle_unfinished(None)
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
-        if self.tiering is not None:
-            self.tiering.before_save()  # a stale attempt stops here; else backpressure
+        self.destination.before_save()  # a stale attempt stops here; else backpressure
         self.writer = None
         self.manifest = None
         if not kwargs.get("use_collectives", True):
@@ -365,13 +259,9 @@ class Writer(ZephonStorageWriter):
                 "save-<step>' to dcp.save for the next step"
             )
         try:
-            catalog = self._open_catalog()
-            attempt = self._current_attempt(catalog)
+            attempt = self.session.attempt_for_save()
             self._started = time.monotonic()
-            if self.tiering is not None:
-                self._save = self.tiering.begin(attempt, step)
-            else:
-                self._save = Save.begin(attempt, step, catalog=catalog)
+            self._save = self.destination.begin(attempt, step)
         except Exception as exc:
             translated = portable(exc)
             if translated is exc:
@@ -403,62 +293,44 @@ class Writer(ZephonStorageWriter):
             self._settle_unfinished(exc)
             raise
         finally:
-            if self.tiering is not None and not self.is_coordinator:
-                self._queue_upload(target.step)
-
-    def _queue_upload(self, step: int) -> None:
-        """A non-coordinator rank of a tiered save, its write done (or failed): queue its part
-        of the upload. Its uploader waits in the upload's first collective for rank 0, which
-        queues the step once the local marker is committed (or a void job if it never is)."""
-        writer = self.writer
-        own = list(writer.entries) if writer is not None else []
-        payload = writer.payload_path if writer is not None else ""
-        save_id = writer.save_id if writer is not None else ""
-        assert self.tiering is not None
-        self.tiering.uploader.submit(UploadJob(step, payload, own, {}, self._started, save_id))
+            if not self.is_coordinator:  # its part handed in, written or not (rank 0 decides)
+                self.destination.handed_in(target.step, self.writer, {}, self._started)
 
     def _attach(self, target: _SaveTarget) -> CheckpointWriter:
-        """A secondary writer into the coordinator's save (the local tier's, with one)."""
-        store = self.tiering.store if self.tiering is not None else self.store
-        return store.attach(self.run, target.step, save_id=target.save_id)
+        """A secondary writer into the coordinator's save, in the destination's store."""
+        return self.destination.store.attach(self.run, target.step, save_id=target.save_id)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, after every rank wrote: the metadata, the marker (fenced), the catalog
-        row, then retention."""
+        """Coordinator, after every rank wrote: the metadata, the marker (fenced), then the
+        destination records the checkpoint (the catalog row and retention, or the local
+        replica and its upload)."""
         save = self._save
         if save is None:
             raise WriterSetupError(f"finish of {self.url} without a save begun on this rank")
         try:
             with fenced():
                 super().finish(metadata, results)
-            if self.tiering is None:
-                save.committed()
         except BaseException as exc:
-            if self.tiering is not None and save.writer.manifest is not None:
-                # the local marker is committed (``on_commit`` raised after it): a checkpoint,
-                # uploaded like any other; the other ranks queued their part already
+            if save.writer.manifest is not None:  # ``on_commit`` raised after the marker
                 self._save = None
-                self.tiering.committed(save.step, save, save.writer, {}, self._started)
+                self.destination.committed_then_failed(save, self._started)
             self._settle_unfinished(exc)
-            translated = portable(as_zephon_error(exc))
-            if translated is not exc:
-                raise translated from exc
+            _raise_translated(exc)
             raise
         self._save = None
         self.committed_steps.append(save.step)
-        if self.tiering is not None:
-            # the local replica recorded, the upload queued; save_dir retention follows it
-            self.tiering.committed(save.step, save, save.writer, {}, self._started)
-        else:
-            self.apply_retention()
+        try:
+            self.destination.committed(save, {}, self._started)
+        except BaseException as exc:
+            _raise_translated(exc)
+            raise
 
     def apply_retention(self) -> list[int]:
         """Coordinator: the checkpoint manager's retention (``zephon.gc``): with a catalog the
-        run's policy through fenced claims, without one ``num_to_keep`` over storage."""
-        attempt = self.attempt
-        if attempt is None or not self.is_coordinator:
+        run's policy through fenced claims, without one the Writer's over storage."""
+        if not self.is_coordinator:
             return []
-        return apply_retention(self.location, self._catalog, attempt.fence, self.num_to_keep)
+        return self.session.retain()
 
     # -- failures and the end --------------------------------------------------------------
 
@@ -467,82 +339,52 @@ class Writer(ZephonStorageWriter):
 
     def _settle_unfinished(self, exc: BaseException | None) -> None:
         """Coordinator: a save that began and never committed is marked failed and its files
-        removed (``Save.failed`` never raises)."""
+        removed (``Save.failed`` never raises); the other ranks' parts, handed in as their
+        write ended, are voided."""
         save, self._save = self._save, None
         if save is not None and save.writer.manifest is None:
-            exc = exc or RuntimeError("the DCP save did not finish")
-            save.failed(exc)
-            if self.tiering is not None:
-                self.tiering.failed(save, exc)
-                # the other ranks queued their part as their write ended: keep them in step
-                job = UploadJob(save.step, "", [], {}, self._started, save.save_id, void=True)
-                self.tiering.uploader.submit(job)
-
-    def _open_catalog(self) -> Catalog | None:
-        """Coordinator: the catalog (opened from its URL here, once) with this run in it."""
-        if self._catalog_arg is None:
-            return None
-        if self._catalog is None:
-            self._catalog = open_catalog(self._catalog_arg)  # type: ignore[arg-type]
-        if not self._catalog_ready:
-            catalog = self._catalog
-            given = {"num_to_keep": self.num_to_keep} if self.num_to_keep is not None else {}
-            ensure_run(
-                catalog,
-                self.location,
-                lambda: catalog.ensure_run(
-                    self.run, self.store.location.canonical_url, status="active", **given
-                ),
-            )
-            self._catalog_ready = True
-        return self._catalog
-
-    def _current_attempt(self, catalog: Catalog | None) -> Attempt:
-        """The job's attempt, registered on the first save: resuming from ``resume_step``, or
-        continuing the run's latest complete checkpoint (a save below it is then refused)."""
-        if self.attempt is None:
-            self.attempt = register_writer(self.location, catalog, resume_step=self.resume_step)
-        return self.attempt
+            self.destination.failed(save, exc or RuntimeError("the DCP save did not finish"))
+            self.destination.void(save, self._started)
 
     def wait_uploads(self) -> None:
         """Every rank (with ``local_dir``): wait until every queued upload to ``url`` is done;
         raise every failure in one exception (``zephon.StaleAttemptError`` for a stale attempt's).
         Without ``local_dir``, nothing to wait for."""
-        if self.tiering is not None:
-            self.tiering.wait()
+        self.destination.wait()
 
     def close(self) -> None:
         """Settle an unfinished save, wait for the uploads (raising every failure, after
-        everything is closed), close a catalog opened from its URL, and the store."""
+        everything is closed), close the destination, a catalog opened from its URL, and the
+        store."""
         self._settle_unfinished(None)
         failure: BaseException | None = None
-        if self.tiering is not None:
-            try:
-                self.tiering.wait()
-            except BaseException as exc:  # noqa: BLE001 - raised once everything is closed
-                failure = exc
-            self.tiering.close()
-            self.tiering = None
+        try:
+            self.destination.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised once everything is closed
+            failure = exc
+        try:
+            self.session.close()
+        finally:
             if self._coll is not None:
                 self._coll.destroy()
                 self._coll = None
-        self._close_rest()
+            self.store.close()
         if failure is not None:
             raise failure
-
-    def _close_rest(self) -> None:
-        if self._catalog is not None and isinstance(self._catalog_arg, str):
-            close_guard(self._catalog)
-            with contextlib.suppress(Exception):
-                self._catalog.close()
-            self._catalog = None
-        self.store.close()
 
     def __enter__(self) -> Writer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _raise_translated(exc: BaseException) -> None:
+    """Raise what the Writer raises for ``exc`` when it differs from ``exc``: Zephon's own
+    error for a newer attempt's refusal, in a form DCP can carry between ranks."""
+    translated = portable(as_zephon_error(exc))
+    if translated is not exc:
+        raise translated from exc
 
 
 def _shown(url: str, step: int | None) -> str:

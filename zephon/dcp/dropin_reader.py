@@ -28,13 +28,14 @@ from storage import (
     RetryPolicy,
     StorageError,
 )
-from zephon.config import CheckpointingConfig
-from zephon.dcp.dropin import CatalogArg, check_step, parse_run_url, step_of_checkpoint_id
+from zephon.dcp.addressing import check_step, parse_run_url, step_of_checkpoint_id
 from zephon.dcp.errors import DCPError
 from zephon.dcp.reader import MAX_REQUEST_BYTES, ZephonStorageReader
+from zephon.destinations import TierConfig
 from zephon.errors import ConfigError
 from zephon.latest import LatestCheckpoint, find_latest
 from zephon.locations import RunLocation
+from zephon.session import CatalogArg, resolve_catalog
 
 __all__ = ["Reader", "ReaderDisagreementError"]
 
@@ -60,8 +61,9 @@ class Reader(ZephonStorageReader):
     way on every rank.
 
     ``step=None`` loads the latest complete checkpoint, looked up when the load opens it (with
-    ``catalog``, a ``catalog.Catalog`` or its URL: the catalog's answer, checked against the
-    marker; without one, a storage scan); the step found stays this Reader's (``reader.step``)
+    ``catalog``, a ``catalog.Catalog`` or its URL, else ``$ZEPHON_CATALOG_URL`` if set: the
+    catalog's answer, checked against the marker; without one, a storage scan; a Reader never
+    registers an attempt); the step found stays this Reader's (``reader.step``)
     until ``dcp.load(..., checkpoint_id="<url>/save-<n>")`` names another. Every rank looks the
     step up itself; if they find different ones (a save committed in between), the load fails on
     every rank with ``ReaderDisagreementError`` before anything is read: load again.
@@ -90,10 +92,7 @@ class Reader(ZephonStorageReader):
         self.target = parse_run_url(url, "Reader")
         local = _local_dir(local_dir)
         step = check_step(step, "Reader")
-        if catalog is not None and not isinstance(catalog, Catalog | str):
-            raise ConfigError(
-                f"Reader catalog must be a catalog.Catalog or its URL, got {type(catalog).__name__}"
-            )
+        catalog = resolve_catalog(catalog, "Reader")  # the argument, else $ZEPHON_CATALOG_URL
         store = CheckpointStore(self.target.root, storage_options, retry=retry)
         try:
             super().__init__(
@@ -260,8 +259,7 @@ def _local_dir(local_dir: str | os.PathLike | None) -> str | None:
     if local_dir is None:
         return None
     given = os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir
-    config = CheckpointingConfig(save_dir="unused", local_dir=given, prefix="Reader")
-    return config.local_dir
+    return TierConfig(local_dir=given, prefix="Reader").local_dir
 
 
 def _whole(manifest: Manifest) -> bool:

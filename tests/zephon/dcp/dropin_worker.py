@@ -154,7 +154,8 @@ def main_scenario(rank: int, world: int, config: dict) -> dict:
     dist.barrier()
 
     # a second Writer is a new attempt: a committed step is refused, and the first is fenced out
-    second = zd.Writer(url, step=4, **kwargs)
+    # (the same job's retention: a Writer's retention is the run's policy, None included)
+    second = zd.Writer(url, step=4, num_to_keep=2, **kwargs)
     out["conflict"] = attempt(lambda: zd.save(state_at(4, rank), second))
     out["stale"] = attempt(
         lambda: zd.save(state_at(6, rank), writer, checkpoint_id=f"{url}/save-6")

@@ -166,6 +166,38 @@ def test_bad_input_gets_one_line_naming_it_and_the_fix(tmp_path):
         assert "supersecretvalue" not in message
 
 
+def test_the_writer_takes_the_managers_retention_and_catalog_from_the_environment(
+    tmp_path, monkeypatch
+):
+    """Retention is checked as every entry point's, and is the run's policy with a catalog
+    (None included); without ``catalog=`` the Writer and the Reader use $ZEPHON_CATALOG_URL."""
+    with pytest.raises(ConfigError, match="Writer keep_every_steps = 0 is invalid"):
+        zd.Writer(f"{tmp_path}/r", keep_every_steps=0)
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    monkeypatch.setenv("ZEPHON_CATALOG_URL", url)
+    run_url = f"{tmp_path}/ckpt/r"
+    with zd.Writer(run_url, num_to_keep=1, keep_every_steps=2) as writer:
+        for step in (1, 2, 3):
+            zd.save(
+                {"w": torch.full((2,), float(step))}, writer, checkpoint_id=f"{run_url}/save-{step}"
+            )
+        assert writer.store.committed_steps("r") == [2, 3]  # 2: a milestone
+    with Catalog(url) as catalog:
+        run = catalog.get_run("r")
+        assert (run.num_to_keep, run.keep_every_steps) == (1, 2)
+        assert {row.step for row in catalog.list_checkpoints("r", states="committed")} == {2, 3}
+    with zd.Writer(run_url) as writer:  # the next job keeps every checkpoint, and says so
+        zd.save({"w": torch.ones(2)}, writer, checkpoint_id=f"{run_url}/save-4")
+    with Catalog(url) as catalog:
+        run = catalog.get_run("r")
+        assert (run.num_to_keep, run.keep_every_steps) == (None, None)
+    reader = zd.Reader(run_url)
+    with reader:
+        target = {"w": torch.zeros(2)}
+        dcp.load(target, storage_reader=reader)
+        assert reader.step == 4 and reader._open_catalog() is not None  # the environment's
+
+
 def test_plain_dcp_wraps_zephon_errors_and_zephon_dcp_raises_them(tmp_path):
     url = f"{tmp_path}/r"
     with zd.Writer(url) as writer:  # no step

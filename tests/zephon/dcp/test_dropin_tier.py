@@ -50,7 +50,7 @@ class Gate:
 
     def __init__(self, writer: zd.Writer) -> None:
         self.open_ = threading.Event()
-        uploader = writer.tiering.uploader
+        uploader = writer.destination.uploader
         attempt = uploader._attempt
 
         def held():

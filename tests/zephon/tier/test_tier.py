@@ -23,8 +23,8 @@ from tests.faults import FaultProxy
 from zephon import StaleAttemptError
 from zephon.attempts import register
 from zephon.checkpointing import CheckpointManager
-from zephon.checkpointing.uploader import UploadsFailedError, copy_verified
 from zephon.config import CheckpointingConfig, load_job_config
+from zephon.destinations.local.uploader import UploadsFailedError, copy_verified
 from zephon.errors import ConfigError
 from zephon.locations import RunLocation
 

@@ -28,8 +28,8 @@ from storage import (
     StorageError,
 )
 from zephon.attempts import Attempt
-from zephon.checkpointing.collectives import Collectives
-from zephon.checkpointing.tracking import LOCAL, Tracker
+from zephon.collectives import Collectives
+from zephon.destinations.local.tracking import LOCAL, Tracker
 from zephon.locations import RunLocation
 from zephon.saving import Save
 

@@ -45,12 +45,12 @@ from collections.abc import Callable
 from typing import Any
 
 from zephon.attempts import Attempt
-from zephon.checkpointing.collectives import Collectives
-from zephon.checkpointing.exchange import Exchange, UploaderDiedError
-from zephon.checkpointing.tier import LocalTier
-from zephon.checkpointing.tracking import Tracker
-from zephon.checkpointing.transfer import UPLOAD_THREADS, copy_verified
-from zephon.checkpointing.upload_protocol import (
+from zephon.collectives import Collectives
+from zephon.destinations.local.exchange import Exchange, UploaderDiedError
+from zephon.destinations.local.tier import LocalTier
+from zephon.destinations.local.tracking import Tracker
+from zephon.destinations.local.transfer import UPLOAD_THREADS, copy_verified
+from zephon.destinations.local.upload_protocol import (
     UploadError,
     UploadJob,
     UploadProtocol,

@@ -17,10 +17,10 @@ from typing import Any
 
 from storage import CorruptCheckpointError, FileEntry, Manifest, new_save_id, redact
 from zephon.attempts import Attempt, as_zephon_error
-from zephon.checkpointing.exchange import Exchange
-from zephon.checkpointing.tier import LocalTier
-from zephon.checkpointing.tracking import LOCAL, SAVE_DIR, Tracker
-from zephon.checkpointing.transfer import copy_verified
+from zephon.destinations.local.exchange import Exchange
+from zephon.destinations.local.tier import LocalTier
+from zephon.destinations.local.tracking import LOCAL, SAVE_DIR, Tracker
+from zephon.destinations.local.transfer import copy_verified
 from zephon.errors import StaleAttemptError, ZephonError
 from zephon.locations import RunLocation
 from zephon.saving import Save

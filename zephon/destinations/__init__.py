@@ -1,0 +1,62 @@
+"""Where a job's saves go: the one decision a run session makes once, and the one interface
+the checkpoint manager and ``zephon.dcp.Writer`` save and resume through (docs/tiers.md).
+
+- ``direct.DirectDestination``: a save commits straight into ``save_dir``; rank 0 then
+  records the catalog row and applies retention;
+- ``local.destination.TieredDestination`` (``local_dir``): a save commits into a node-local
+  directory and returns; every rank's uploader copies it to ``save_dir`` in the background.
+
+This package sits below both ``zephon.checkpointing`` and ``zephon.dcp`` and imports neither
+(tests/test_layers.py). Importing it imports only the contract and ``TierConfig`` (the job
+config composes it, so it must not import the save path back); the destinations themselves
+are imported when chosen, the local tier's torch.distributed only when a job has one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from zephon.destinations.base import Destination
+from zephon.destinations.local.config import TierConfig
+
+if TYPE_CHECKING:
+    from zephon.collectives import Collectives
+    from zephon.session import RunSession
+
+__all__ = [
+    "Destination",
+    "DirectDestination",
+    "TierConfig",
+    "TieredDestination",
+    "choose_destination",
+]
+
+
+def choose_destination(
+    session: RunSession, tier: TierConfig | None = None, coll: Collectives | None = None
+) -> Destination:
+    """The destination of ``session``'s saves: tiered when ``tier`` names a ``local_dir``
+    (collective: construct on every rank at the same point, ``coll`` the job's process group),
+    else direct."""
+    if tier is None or tier.local_dir is None:
+        from zephon.destinations.direct import DirectDestination
+
+        return DirectDestination(session)
+    from zephon.destinations.local.destination import TieredDestination
+
+    if coll is None:
+        raise ValueError("a tiered destination needs the job's process group (coll)")
+    return TieredDestination(session, tier, coll)
+
+
+def __getattr__(name: str) -> Any:
+    """``DirectDestination`` and ``TieredDestination``, imported when first asked for."""
+    if name == "DirectDestination":
+        from zephon.destinations.direct import DirectDestination
+
+        return DirectDestination
+    if name == "TieredDestination":
+        from zephon.destinations.local.destination import TieredDestination
+
+        return TieredDestination
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
