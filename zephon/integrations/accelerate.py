@@ -24,13 +24,13 @@ from typing import Any
 
 from catalog import Catalog
 from storage import CheckpointStore, FileEntry, InvalidNameError, validate_run
-from zephon.attempts import Attempt, register_writer
+from zephon.attempts import Attempt
 from zephon.errors import ConfigError, ZephonError
-from zephon.gc import apply_retention
-from zephon.integrations.download import FOLDER_FORMAT, VERIFIED, fetch_latest, open_catalog
+from zephon.integrations.download import FOLDER_FORMAT, VERIFIED, fetch_latest
 from zephon.locations import RunLocation
-from zephon.outage import close_guard, ensure_run
+from zephon.retention import Retention, check_resume_step
 from zephon.saving import Save
+from zephon.session import CatalogArg, RunSession, resolve_catalog
 
 __all__ = ["AcceleratorCheckpoints", "FolderCheckpoints", "fetch_latest"]
 
@@ -75,6 +75,11 @@ class FolderCheckpoints:
     process sees are uploaded by the lowest rank that sees them, so ranks that write different
     files (per-rank RNG states, sharded optimizers) each upload their own and a shared file
     system uploads each file once.
+
+    The run's lifecycle (the catalog: ``catalog``, else ``$ZEPHON_CATALOG_URL``; the run's
+    row; the attempt; retention of ``num_to_keep`` and ``keep_every_steps``) is one
+    ``zephon.session.RunSession``, made by ``start``. ``owner`` is the entry point that takes
+    the options, named by their error messages.
     """
 
     def __init__(
@@ -82,81 +87,72 @@ class FolderCheckpoints:
         save_dir: str,
         run_name: str,
         *,
-        catalog: Catalog | str | None = None,
+        catalog: CatalogArg = None,
         storage_options: Mapping[str, Any] | None = None,
         num_to_keep: int | None = None,
+        keep_every_steps: int | None = None,
         framework: str = "accelerate",
         resume_step: int | None = None,
+        owner: str = "FolderCheckpoints",
     ) -> None:
-        if num_to_keep is not None and (
-            isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep < 1
-        ):
-            raise ConfigError(
-                f"num_to_keep = {num_to_keep!r} is invalid: use an integer >= 1, or None to "
-                "keep all"
-            )
-        if resume_step is not None and (
-            isinstance(resume_step, bool) or not isinstance(resume_step, int) or resume_step < 0
-        ):
-            raise ConfigError(
-                f"resume_step = {resume_step!r} is invalid: use an integer >= 0 (the step this "
-                "job resumes from), or None"
-            )
+        self.retention = Retention.checked(owner, num_to_keep, keep_every_steps)
+        self.resume_step = check_resume_step(owner, resume_step)
+        #: the catalog to use (an open one, or its URL), or None: storage alone decides
+        self.catalog_arg = resolve_catalog(catalog, owner)
         self.run = _check_run(run_name)
-        self.resume_step = resume_step
-        #: main process: the step the job resumed from (``start``), if it loaded one
-        self._resumed_from: int | None = None
         self.save_dir = save_dir
         self.storage_options = dict(storage_options or {})
-        self.num_to_keep = num_to_keep
         self.framework = framework
-        self._catalog_arg = catalog
         self.store: CheckpointStore | None = None
-        self.catalog: Catalog | None = None
-        self._owns_catalog = False
-        self.attempt: Attempt | None = None
+        #: the run's session (``start``): catalog, run row, attempt, retention
+        self.session: RunSession | None = None
         self.coll = None
         self._save: Save | None = None  # main process: the save under way
+
+    @property
+    def num_to_keep(self) -> int | None:
+        return self.retention.num_to_keep
+
+    @property
+    def keep_every_steps(self) -> int | None:
+        return self.retention.keep_every_steps
 
     @property
     def location(self) -> RunLocation:
         assert self.store is not None, "call start() first"
         return RunLocation(self.run, self.store, self.run)
 
+    @property
+    def catalog(self) -> Catalog | None:
+        """Main process, once started: the catalog with the run's row (None without one)."""
+        return self.session.catalog if self.session is not None else None
+
+    @property
+    def attempt(self) -> Attempt | None:
+        """Main process: this job's attempt, once its first save registered it."""
+        return self.session.attempt if self.session is not None else None
+
     def start(self, resumed_from: int | None = None) -> None:
-        """Every process: set up collectives and storage, and note ``resumed_from``, the step
-        the job loaded (None: ``resume_step``, else the run's latest checkpoint). Nothing is
-        written to the run: the first ``save_folder`` registers this job's attempt, and from
-        then on an older attempt of the run still running can no longer save, mark or delete
-        anything."""
+        """Every process: set up collectives, storage and the run's session, and note
+        ``resumed_from``, the step the job loaded (None: ``resume_step``, else the run's latest
+        checkpoint). Nothing is written to the run: the first ``save_folder`` registers this
+        job's attempt, and from then on an older attempt of the run still running can no
+        longer save, mark or delete anything."""
         from zephon.checkpointing.collectives import Collectives
 
         if self.coll is None:
             self.coll = Collectives()
         if self.store is None:
             self.store = CheckpointStore(self.save_dir, self.storage_options)
-        self._resumed_from = resumed_from
-
-    def _register(self) -> None:
-        """Main process, at the first save: open the catalog and register the attempt."""
-        assert self.store is not None
-        if self.catalog is None:
-            self.catalog, self._owns_catalog = open_catalog(self._catalog_arg)
-            catalog = self.catalog
-            if catalog is not None:
-                ensure_run(
-                    catalog,
-                    self.location,
-                    lambda: catalog.ensure_run(
-                        self.run,
-                        self.store.location.canonical_url,
-                        kind="train",
-                        status="active",
-                        num_to_keep=self.num_to_keep,
-                    ),
-                )
-        declared = self._resumed_from if self._resumed_from is not None else self.resume_step
-        self.attempt = register_writer(self.location, self.catalog, resume_step=declared)
+        if self.session is None:
+            self.session = RunSession(
+                self.location,
+                catalog=self.catalog_arg,
+                retention=self.retention,
+                resume_step=self.resume_step,
+                is_main=self.coll.is_main,
+            )
+        self.session.note_loaded(resumed_from)
 
     def save_folder(
         self, folder: str, step: int, metadata: Mapping[str, Any] | None = None
@@ -203,11 +199,12 @@ class FolderCheckpoints:
             raise
 
     def _begin(self, step: int, metadata: Mapping[str, Any] | None) -> Any:
-        if self.attempt is None:
-            self._register()
-        assert self.attempt is not None
+        """Main process: register the attempt at the first save, then begin this one."""
+        session = self.session
+        assert session is not None
+        attempt = session.attempt_for_save()
         info = {"format": FOLDER_FORMAT, "framework": self.framework, **(metadata or {})}
-        self._save = Save.begin(self.attempt, step, catalog=self.catalog, metadata=info)
+        self._save = Save.begin(attempt, step, catalog=session.catalog, metadata=info)
         return self._save.save_id
 
     def _commit(self, gathered: list[list[dict[str, Any]]] | None) -> None:
@@ -220,24 +217,24 @@ class FolderCheckpoints:
         self.apply_retention()
 
     def apply_retention(self) -> list[int]:
-        """Main process: delete what ``num_to_keep`` no longer keeps, with the same fenced code
-        the checkpoint manager and ``zephon gc`` use."""
-        assert self.attempt is not None and self.store is not None
-        return apply_retention(self.location, self.catalog, self.attempt.fence, self.num_to_keep)
+        """Main process: delete what the retention (``num_to_keep``, ``keep_every_steps``, the
+        catalog's pins) no longer keeps, with the same fenced code the checkpoint manager and
+        ``zephon gc`` use (``RunSession.retain``)."""
+        assert self.session is not None and self.session.attempt is not None
+        return self.session.retain()
 
     def close(self) -> None:
-        """Release the process group, the store and a catalog this object opened."""
+        """Release the process group, the run's session (a catalog it opened) and the
+        store."""
         if self.coll is not None:
             self.coll.destroy()
             self.coll = None
-        if self.catalog is not None and self._owns_catalog:
-            close_guard(self.catalog)
-            self.catalog.close()
-        self.catalog = None
+        if self.session is not None:
+            self.session.close()
+            self.session = None
         if self.store is not None:
             self.store.close()
             self.store = None
-        self.attempt = None
 
 
 # -- accelerate -------------------------------------------------------------------------------
@@ -250,7 +247,9 @@ class AcceleratorCheckpoints:
     and returns its step (None: a fresh start); ``save_state(step)`` (every process) has
     accelerate write its folder into a local staging directory, then uploads and commits it as
     checkpoint ``step``. accelerate's own ``total_limit`` pruning is not used: ``num_to_keep``
-    is applied after a commit, never before the new checkpoint exists.
+    (and ``keep_every_steps``: also keep each checkpoint whose step is a multiple of it) is
+    applied after a commit, never before the new checkpoint exists. ``catalog``: a
+    ``catalog.Catalog`` or its URL, else ``$ZEPHON_CATALOG_URL`` (unset: storage alone).
 
     ``local_dir`` holds the staging folders and the downloads (reused across jobs, re-verified
     before each use); without it both go to private temporary directories (mode 0700) that are
@@ -268,9 +267,10 @@ class AcceleratorCheckpoints:
         save_dir: str,
         run_name: str,
         *,
-        catalog: Catalog | str | None = None,
+        catalog: CatalogArg = None,
         storage_options: Mapping[str, Any] | None = None,
         num_to_keep: int | None = None,
+        keep_every_steps: int | None = None,
         local_dir: str | None = None,
         trust_custom_states: bool = False,
         resume_step: int | None = None,
@@ -282,8 +282,10 @@ class AcceleratorCheckpoints:
             catalog=catalog,
             storage_options=storage_options,
             num_to_keep=num_to_keep,
+            keep_every_steps=keep_every_steps,
             framework="accelerate",
             resume_step=resume_step,
+            owner="AcceleratorCheckpoints",
         )
         self.local_dir = local_dir
         self.trust_custom_states = bool(trust_custom_states)
@@ -299,7 +301,7 @@ class AcceleratorCheckpoints:
         found = fetch_latest(
             folders.save_dir,
             folders.run,
-            catalog=folders._catalog_arg,
+            catalog=folders.catalog_arg,
             storage_options=folders.storage_options,
             local_dir=self.local_dir,
         )

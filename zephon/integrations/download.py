@@ -46,8 +46,9 @@ from storage import (
 from zephon import outage
 from zephon.errors import ConfigError, ZephonError
 from zephon.latest import find_latest
-from zephon.locations import CATALOG_URL_ENV, RunLocation
+from zephon.locations import RunLocation
 from zephon.reconcile import quarantine
+from zephon.session import CatalogArg, resolve_catalog
 
 __all__ = ["FOLDER_FORMAT", "VERIFIED", "Fetched", "fetch_latest", "open_catalog"]
 
@@ -79,22 +80,23 @@ class Fetched(NamedTuple):
             shutil.rmtree(self.temporary, ignore_errors=True)
 
 
-def open_catalog(catalog: Catalog | str | None) -> tuple[Catalog | None, bool]:
-    """The catalog to use and whether this code opened it (and so closes it): a ``Catalog``,
-    a SQLAlchemy URL, or None for ``$ZEPHON_CATALOG_URL`` (unset: no catalog)."""
-    if isinstance(catalog, Catalog):
-        return catalog, False
-    url = catalog or os.environ.get(CATALOG_URL_ENV)
-    if not url:
-        return None, False
-    return outage.open_catalog(url), True
+def open_catalog(catalog: CatalogArg, owner: str = "") -> tuple[Catalog | None, bool]:
+    """The catalog a reader uses and whether this code opened it (and so closes it): a
+    ``Catalog``, a SQLAlchemy URL, or None for ``$ZEPHON_CATALOG_URL`` (unset: no catalog),
+    resolved by ``zephon.session.resolve_catalog`` (``owner`` names the argument in its
+    error). A reader writes nothing to the run, so no run row is made here (a saving job's
+    ``RunSession`` makes it)."""
+    resolved = resolve_catalog(catalog, owner)
+    if resolved is None or isinstance(resolved, Catalog):
+        return resolved, False
+    return outage.open_catalog(resolved), True
 
 
 def fetch_latest(
     save_dir: str,
     run_name: str,
     *,
-    catalog: Catalog | str | None = None,
+    catalog: CatalogArg = None,
     storage_options: Mapping[str, Any] | None = None,
     local_dir: str | None = None,
 ) -> Fetched | None:
@@ -111,6 +113,7 @@ def fetch_latest(
         validate_run(run_name)
     except InvalidNameError as exc:
         raise ConfigError(f"run_name: {exc}") from None
+    catalog = resolve_catalog(catalog, "fetch_latest")  # on every process, before any fetches
 
     def fetch(base: str | None) -> Fetched | None:
         return _fetch(save_dir, run_name, catalog, storage_options, local_dir, base)
@@ -125,7 +128,7 @@ def fetch_latest(
 def _fetch(
     save_dir: str,
     run: str,
-    catalog: Catalog | str | None,
+    catalog: CatalogArg,
     storage_options: Mapping[str, Any] | None,
     local_dir: str | None,
     base: str | None,

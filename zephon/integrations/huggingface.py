@@ -21,14 +21,17 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from catalog import Catalog
 from storage import InvalidNameError, validate_run
 from zephon.errors import ConfigError
 from zephon.integrations.accelerate import FolderCheckpoints
 from zephon.integrations.download import Fetched, fetch_latest
+from zephon.retention import Retention, check_resume_step
+from zephon.session import CatalogArg, resolve_catalog
 
 __all__ = ["ZephonCallback", "latest_checkpoint", "remove_temporary_downloads"]
 
+#: who takes the callback's options, as its error messages name it
+OWNER = "ZephonCallback"
 #: temporary downloads ``latest_checkpoint`` made in this process, removed when training ends
 _temporary: list[Fetched] = []
 _temporary_lock = threading.Lock()
@@ -50,7 +53,7 @@ def latest_checkpoint(
     save_dir: str,
     run_name: str,
     *,
-    catalog: Catalog | str | None = None,
+    catalog: CatalogArg = None,
     storage_options: Mapping[str, Any] | None = None,
     local_dir: str | None = None,
 ) -> str | None:
@@ -70,7 +73,7 @@ def latest_checkpoint(
     found = fetch_latest(
         save_dir,
         run_name,
-        catalog=catalog,
+        catalog=resolve_catalog(catalog, "latest_checkpoint"),
         storage_options=storage_options,
         local_dir=local_dir,
     )
@@ -92,10 +95,12 @@ class ZephonCallback(TrainerCallback):
     out from then on. A Trainer that resumed from nothing and no ``resume_step`` continues the
     run's latest checkpoint: a save below it is refused (``zephon.SaveBelowLatestError``), since
     such a job started over by mistake. At ``on_save`` (every process) the folder is uploaded
-    and committed; ``num_to_keep``
-    deletes the oldest afterwards (the Trainer's ``save_total_limit`` only prunes the local
-    ``output_dir``). ``run_name`` defaults to ``args.run_name``, else the last component of
-    ``args.output_dir``.
+    and committed; ``num_to_keep`` deletes the oldest afterwards, except each checkpoint whose
+    step is a multiple of ``keep_every_steps`` (the Trainer's ``save_total_limit`` only prunes
+    the local ``output_dir``). ``catalog``: a ``catalog.Catalog`` or its URL, else
+    ``$ZEPHON_CATALOG_URL`` (unset: storage alone). ``run_name`` defaults to
+    ``args.run_name``, else the last component of ``args.output_dir``. Every option is checked
+    here, at construction (``zephon.retention``).
     """
 
     def __init__(
@@ -103,18 +108,27 @@ class ZephonCallback(TrainerCallback):
         save_dir: str,
         run_name: str | None = None,
         *,
-        catalog: Catalog | str | None = None,
+        catalog: CatalogArg = None,
         storage_options: Mapping[str, Any] | None = None,
         num_to_keep: int | None = None,
+        keep_every_steps: int | None = None,
         resume_step: int | None = None,
     ) -> None:
+        self.retention = Retention.checked(OWNER, num_to_keep, keep_every_steps)
+        self.resume_step = check_resume_step(OWNER, resume_step)
+        self.catalog = resolve_catalog(catalog, OWNER)
         self.save_dir = save_dir
-        self.resume_step = resume_step
         self.run_name = run_name
-        self.catalog = catalog
         self.storage_options = dict(storage_options or {})
-        self.num_to_keep = num_to_keep
         self.folders: FolderCheckpoints | None = None
+
+    @property
+    def num_to_keep(self) -> int | None:
+        return self.retention.num_to_keep
+
+    @property
+    def keep_every_steps(self) -> int | None:
+        return self.retention.keep_every_steps
 
     def _run_name(self, args: Any) -> str:
         if self.run_name is not None:
@@ -139,9 +153,11 @@ class ZephonCallback(TrainerCallback):
             self._run_name(args),
             catalog=self.catalog,
             storage_options=self.storage_options,
-            num_to_keep=self.num_to_keep,
+            num_to_keep=self.retention.num_to_keep,
+            keep_every_steps=self.retention.keep_every_steps,
             framework="transformers",
             resume_step=self.resume_step,
+            owner=OWNER,
         )
         self.folders.start(resumed_from=state.global_step or None)
 

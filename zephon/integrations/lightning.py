@@ -37,20 +37,25 @@ from storage import (
     parse_number,
     validate_run,
 )
-from zephon.attempts import Attempt, register_writer
+from zephon.attempts import Attempt
 from zephon.checkpointing.files import capture_rng, decode_json, encode_json, restore_rng
 from zephon.errors import ConfigError, SaveBelowLatestError, ZephonError
-from zephon.gc import apply_retention, delete_requested
+from zephon.gc import delete_requested
+from zephon.integrations.download import open_catalog
 from zephon.latest import find_latest
 from zephon.locations import RunLocation
-from zephon.outage import close_guard, ensure_run, open_catalog
+from zephon.outage import close_guard
+from zephon.retention import Retention, check_resume_step
 from zephon.saving import Save
+from zephon.session import RunSession, resolve_catalog
 from zephon.state_tree import join_state, split_state
 
 __all__ = ["LATEST", "ZephonCheckpointIO", "ZephonRNG", "latest_ckpt_path"]
 
 log = logging.getLogger("zephon")
 
+#: who takes the plugin's options, as its error messages name it
+OWNER = "ZephonCheckpointIO"
 #: ``ckpt_path`` value that resumes from the run's latest complete checkpoint (or starts fresh)
 LATEST = "zephon://latest"
 _SCHEME = "zephon://"
@@ -63,14 +68,20 @@ class ZephonCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves every checkpoint as Zephon checkpoint
     ``global_step`` of ``run_name`` under ``save_dir`` (a path or fsspec URL).
 
-    ``catalog``: a SQLAlchemy URL or an open ``catalog.Catalog`` (None: storage only).
+    ``catalog``: a SQLAlchemy URL or an open ``catalog.Catalog`` (None: ``$ZEPHON_CATALOG_URL``,
+    unset: storage only).
     ``num_to_keep``: after each save the oldest checkpoints beyond this many are deleted by
-    Zephon's retention (None keeps all; Lightning's ``save_top_k`` removals also reach it,
+    Zephon's retention (None keeps all), except each checkpoint whose step is a multiple of
+    ``keep_every_steps`` (milestones); Lightning's ``save_top_k`` removals also reach it,
     also through ``AsyncCheckpointIO``: a removal that arrives while its save is still queued
-    or running is applied once that save committed).
+    or running is applied once that save committed.
     ``resume_step``: the step this job resumes from when it does not load through this plugin
     (0: it starts over); the run's older checkpoints above it are abandoned. Without it and
     without a load, a save below the run's latest checkpoint is refused.
+
+    The run's lifecycle (catalog, run row, attempt, retention) is one
+    ``zephon.session.RunSession`` (``session``); every option is checked here, at
+    construction (``zephon.retention``).
     """
 
     def __init__(
@@ -81,50 +92,26 @@ class ZephonCheckpointIO(CheckpointIO):
         catalog: str | Catalog | None = None,
         storage_options: Mapping[str, Any] | None = None,
         num_to_keep: int | None = None,
+        keep_every_steps: int | None = None,
         resume_step: int | None = None,
     ) -> None:
         super().__init__()
         try:
             validate_run(run_name)
         except InvalidNameError as exc:
-            raise ConfigError(f"ZephonCheckpointIO run_name: {exc}") from None
-        if num_to_keep is not None and (
-            isinstance(num_to_keep, bool) or not isinstance(num_to_keep, int) or num_to_keep < 1
-        ):
-            raise ConfigError(
-                f"ZephonCheckpointIO num_to_keep = {num_to_keep!r} is invalid: use an integer "
-                ">= 1 or None"
-            )
-        if resume_step is not None and (
-            isinstance(resume_step, bool) or not isinstance(resume_step, int) or resume_step < 0
-        ):
-            raise ConfigError(
-                f"ZephonCheckpointIO resume_step = {resume_step!r} is invalid: use an integer "
-                ">= 0 (the step this job resumes from) or None"
-            )
+            raise ConfigError(f"{OWNER} run_name: {exc}") from None
+        retention = Retention.checked(OWNER, num_to_keep, keep_every_steps)
+        resume_step = check_resume_step(OWNER, resume_step)
+        resolved = resolve_catalog(catalog, OWNER)
         self.run = run_name
-        self.num_to_keep = num_to_keep
-        self.resume_step = resume_step
-        #: the step ``load_checkpoint`` loaded: where this job resumes, if it did not say
-        self._loaded_step: int | None = None
         self.store = CheckpointStore(os.fspath(save_dir), dict(storage_options or {}))
         self.location = RunLocation(run_name, self.store, run_name)
-        self._own_catalog = isinstance(catalog, str)
-        opened = open_catalog(catalog) if isinstance(catalog, str) else catalog
-        self.catalog: Catalog | None = opened
-        if opened is not None:
-            ensure_run(
-                opened,
-                self.location,
-                lambda: opened.ensure_run(
-                    run_name,
-                    self.store.location.canonical_url,
-                    kind="train",
-                    status="active",
-                    num_to_keep=num_to_keep,
-                ),
-            )
-        self.attempt: Attempt | None = None
+        #: the run's session: the catalog (opened now, with the run's row), the attempt
+        #: (registered at the first save), retention
+        self.session = RunSession(
+            self.location, catalog=resolved, retention=retention, resume_step=resume_step
+        )
+        _ = self.session.catalog  # open it and record the run's row now, as a job starts
         #: Lightning names of each step this process knows of (a step saved twice, e.g.
         #: top-k and ``last.ckpt``, is one checkpoint with two names)
         self._names: dict[int, set[str]] = {}
@@ -135,6 +122,28 @@ class ZephonCheckpointIO(CheckpointIO):
         #: ``_names``, ``_saving``, ``_removed_early`` and the attempt, between the saving
         #: thread and the trainer's (never held while bytes are written)
         self._lock = threading.RLock()
+
+    @property
+    def catalog(self) -> Catalog | None:
+        """The catalog with the run's row, or None (storage alone decides)."""
+        return self.session.catalog
+
+    @property
+    def attempt(self) -> Attempt | None:
+        """This job's attempt, once its first save (or removal) registered it."""
+        return self.session.attempt
+
+    @property
+    def num_to_keep(self) -> int | None:
+        return self.session.retention.num_to_keep
+
+    @property
+    def keep_every_steps(self) -> int | None:
+        return self.session.retention.keep_every_steps
+
+    @property
+    def resume_step(self) -> int | None:
+        return self.session.resume_step
 
     # -- save ------------------------------------------------------------------------------
 
@@ -190,7 +199,7 @@ class ZephonCheckpointIO(CheckpointIO):
             self._saving.pop(name, None)
             self._names[step] = {name}
             self._apply_early_removal(name)
-        self._apply_retention(attempt)
+        self.session.retain()
 
     def _apply_early_removal(self, name: str) -> None:
         """``name`` was removed by Lightning before its save committed (``AsyncCheckpointIO``
@@ -200,17 +209,11 @@ class ZephonCheckpointIO(CheckpointIO):
             self.remove_checkpoint(name)
 
     def _current_attempt(self) -> Attempt:
-        """This job's attempt, registered at the first save (or removal): resuming from
-        ``resume_step`` or the step loaded, else continuing the latest complete checkpoint
+        """This job's attempt, registered at the first save (or removal): resuming from the
+        step loaded or ``resume_step``, else continuing the latest complete checkpoint
         (never abandoning history implicitly; a save below it is refused)."""
         with self._lock:
-            if self.attempt is None:
-                declared = self.resume_step if self.resume_step is not None else self._loaded_step
-                self.attempt = register_writer(self.location, self.catalog, resume_step=declared)
-            return self.attempt
-
-    def _apply_retention(self, attempt: Attempt) -> None:
-        apply_retention(self.location, self.catalog, attempt.fence, self.num_to_keep)
+            return self.session.attempt_for_save()
 
     # -- remove ----------------------------------------------------------------------------
 
@@ -303,17 +306,13 @@ class ZephonCheckpointIO(CheckpointIO):
         tensors = load_safetensors(reader.read_bytes(TENSOR_FILE))
         with self._lock:
             self._names.setdefault(step, set())
-            self._loaded_step = step
+            self.session.note_loaded(step)
         return join_state(doc["state"], tensors)
 
     def close(self) -> None:
         """Release the catalog this plugin opened from a URL (Lightning's ``teardown`` after
-        each ``fit`` keeps it, so the plugin can serve another ``fit``)."""
-        if self._own_catalog and self.catalog is not None:
-            close_guard(self.catalog)
-            self.catalog.close()
-            self.catalog = None
-            self._own_catalog = False
+        each ``fit`` keeps it, so the plugin can serve another ``fit``); the attempt stays."""
+        self.session.close_catalog()
 
 
 class _NoCheckpoint(dict):
@@ -366,9 +365,10 @@ def latest_ckpt_path(
     storage_options: Mapping[str, Any] | None = None,
 ) -> str | None:
     """``zephon://<run>/<step>`` of the run's latest complete checkpoint, or None: for code
-    that wants to know before ``fit`` (``ckpt_path=LATEST`` does the same inside ``fit``)."""
+    that wants to know before ``fit`` (``ckpt_path=LATEST`` does the same inside ``fit``).
+    ``catalog``: as ``ZephonCheckpointIO``'s (None: ``$ZEPHON_CATALOG_URL``)."""
     store = CheckpointStore(os.fspath(save_dir), dict(storage_options or {}))
-    opened = Catalog(catalog) if isinstance(catalog, str) else catalog
+    opened, owned = open_catalog(catalog, "latest_ckpt_path")
     try:
         latest = find_latest(RunLocation(run_name, store, run_name), catalog=opened, confirm=True)
     except Exception as exc:
@@ -377,7 +377,8 @@ def latest_ckpt_path(
             f"{mask_url(os.fspath(save_dir))}: {type(exc).__name__}: {exc}"
         ) from exc
     finally:
-        if isinstance(catalog, str) and opened is not None:
+        if owned and opened is not None:
+            close_guard(opened)
             opened.close()
     return None if latest is None else f"{_SCHEME}{run_name}/{latest.step}"
 

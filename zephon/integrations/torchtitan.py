@@ -9,8 +9,9 @@ Switched on with torchtitan's own override mechanism, nothing else in the job ch
 
 ``checkpoint.folder`` is the run's URL, ``<save_dir>/<run>`` (any fsspec URL, or a path; a
 relative one is under ``dump_folder`` as torchtitan has it). Options go with the override
-target as JSON (``zephon_checkpointer={"catalog": "postgresql://...", "num_to_keep": 3}``), or
-come from ``$ZEPHON_CATALOG_URL`` and ``$ZEPHON_STORAGE_OPTIONS``.
+target as JSON (``zephon_checkpointer={"catalog": "postgresql://...", "num_to_keep": 3,
+"keep_every_steps": 1000}``), or come from ``$ZEPHON_CATALOG_URL`` and
+``$ZEPHON_STORAGE_OPTIONS``.
 
 Why: torchtitan's ``CheckpointManager`` saves with plain DCP into ``step-N`` folders, resumes from
 the highest ``step-N`` that has a ``.metadata`` file (a torn save whose metadata landed looks
@@ -45,9 +46,14 @@ from storage import mask_url
 from zephon import dcp as zd
 from zephon.errors import ConfigError, ZephonError
 from zephon.latest import find_latest
-from zephon.locations import CATALOG_URL_ENV, storage_options_from_env
+from zephon.locations import storage_options_from_env
+from zephon.retention import Retention
+from zephon.session import resolve_catalog
 
 __all__ = ["ZephonCheckpointManager", "zephon_checkpointer"]
+
+#: who takes the options (the override's JSON), as their error messages name it
+OWNER = "zephon_checkpointer"
 
 
 class ZephonCheckpointManager(CheckpointManager):
@@ -65,8 +71,9 @@ class ZephonCheckpointManager(CheckpointManager):
       ``initial_load_path`` is used as torchtitan uses it when the run has no complete
       checkpoint.
     - retention: ``num_to_keep`` (else ``keep_latest_k``, 0 keeping all) newest *committed*
-      checkpoints, applied by the Writer after each commit with the checkpoint manager's code
-      (``zephon.gc``); torchtitan's purge thread is never started.
+      checkpoints and each one whose step is a multiple of ``keep_every_steps``, applied by
+      the Writer (its ``zephon.session.RunSession``) after each commit with the checkpoint
+      manager's code (``zephon.gc``); torchtitan's purge thread is never started.
 
     ``async_mode="async_with_pinned_mem"`` runs as ``"async"`` (a background thread with
     ``zephon.dcp.ZephonStager``'s reused host buffers): DCP's process-based saver would run the
@@ -86,19 +93,17 @@ class ZephonCheckpointManager(CheckpointManager):
         num_to_keep: int | None = None
         """Committed checkpoints to keep; None: ``keep_latest_k`` (0 keeps every one)."""
 
+        keep_every_steps: int | None = None
+        """Also keep each checkpoint whose step is a multiple of this (milestones); None:
+        none."""
+
         verify: bool = True
         """Check every byte read on load against its recorded CRC32C."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            keep = self.num_to_keep
-            if keep is not None and (
-                isinstance(keep, bool) or not isinstance(keep, int) or keep < 1
-            ):
-                raise ConfigError(
-                    f"zephon_checkpointer num_to_keep = {keep!r} is invalid: give an integer >= 1, "
-                    "or leave it out to use checkpoint.keep_latest_k"
-                )
+            Retention.checked(OWNER, self.num_to_keep, self.keep_every_steps)
+            resolve_catalog(self.catalog, OWNER)
             if self.last_save_in_hf:
                 raise ConfigError(
                     "checkpoint.last_save_in_hf is not supported with zephon_checkpointer: a "
@@ -135,8 +140,10 @@ class ZephonCheckpointManager(CheckpointManager):
         if not filesystem.is_remote(self.folder):
             self.folder = os.path.abspath(self.folder)
         self.folder = self.folder.rstrip("/")
+        self.retention = Retention.checked(OWNER, keep, config.keep_every_steps)
         self.num_to_keep: int | None = keep
-        self.catalog_url: str | None = config.catalog or os.environ.get(CATALOG_URL_ENV) or None
+        resolved = resolve_catalog(config.catalog, OWNER)
+        self.catalog_url: str | None = resolved if isinstance(resolved, str) else None
         self.storage_options: dict[str, Any] = storage_options_from_env(config.storage_options)
         self.verify = config.verify
         # An explicit checkpoint.load_step is where this job resumes: the Writer's attempt
@@ -147,6 +154,7 @@ class ZephonCheckpointManager(CheckpointManager):
             catalog=self.catalog_url,
             storage_options=self.storage_options,
             num_to_keep=keep,
+            keep_every_steps=config.keep_every_steps,
             resume_step=load_step if isinstance(load_step, int) and load_step >= 0 else None,
         )
         self.zephon_stager: zd.ZephonStager | None = None
@@ -154,6 +162,11 @@ class ZephonCheckpointManager(CheckpointManager):
             f"Zephon checkpoints: run {self.writer.run!r} at {self.writer.url}, "
             f"catalog {mask_url(self.catalog_url) if self.catalog_url else 'none (storage scan)'}, "
             f"keeping {keep if keep is not None else 'every'} committed checkpoint(s)"
+            + (
+                f" and every multiple of step {config.keep_every_steps}"
+                if config.keep_every_steps is not None
+                else ""
+            )
         )
 
     # -- where checkpoints are -------------------------------------------------------------
@@ -315,6 +328,7 @@ def zephon_checkpointer(
     catalog: str | None = None,
     storage_options: dict[str, Any] | None = None,
     num_to_keep: int | None = None,
+    keep_every_steps: int | None = None,
     verify: bool = True,
 ) -> ZephonCheckpointManager.Config:
     """The torchtitan override that switches Zephon on
@@ -327,5 +341,6 @@ def zephon_checkpointer(
         catalog=catalog,
         storage_options=storage_options,
         num_to_keep=num_to_keep,
+        keep_every_steps=keep_every_steps,
         verify=verify,
     )

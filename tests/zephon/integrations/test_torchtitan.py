@@ -121,6 +121,26 @@ def test_sigkill_between_files_and_marker_resumes_with_equal_losses(tmp_path, as
     assert not any(n.startswith("step-") for n in os.listdir(os.path.join(dump, "checkpoint")))
 
 
+def test_keep_every_steps_keeps_the_milestones_with_the_catalog_from_the_environment(
+    tmp_path, assets
+):
+    """The retention options of every entry point (tests/zephon/test_entry_points.py) through
+    the override's JSON: num_to_keep=1 with keep_every_steps=4 keeps 4 and 8 of the saves 2,
+    4, 6, 8; the catalog named by $ZEPHON_CATALOG_URL holds the rows and the run's policy."""
+    from catalog import Catalog
+
+    tmp, dump = str(tmp_path), str(tmp_path / "out")
+    catalog = f"sqlite:///{tmp_path / 'catalog.db'}"
+    flags = zephon_flags(dump, num_to_keep=1, keep_every_steps=4)
+    found = run_titan(tmp, assets, *flags, env={"ZEPHON_CATALOG_URL": catalog})
+    assert [s for s, _ in found] == list(range(1, STEPS + 1))
+    assert CheckpointStore(dump).committed_steps("checkpoint") == [4, 8]
+    assert committed_rows(catalog, "checkpoint") == [4, 8]
+    with Catalog(catalog) as opened:
+        run = opened.get_run("checkpoint")
+    assert (run.num_to_keep, run.keep_every_steps) == (1, 4)
+
+
 def test_storage_reads_markers_with_this_s3fs(s3_backend):
     """The storage layer on this environment's s3fs (datasets<4.8 holds it at an older release
     than the main environment's, whose cat_file takes other arguments)."""
@@ -167,6 +187,7 @@ def test_override_carries_the_config_over_and_errors_name_the_fix():
 
     from zephon.errors import ConfigError
     from zephon.integrations.torchtitan import ZephonCheckpointManager, zephon_checkpointer
+    from zephon.retention import Retention
 
     stock = CheckpointManager.Config(enable=True, folder="s3://b/ckpt/r", interval=7)
     cfg = zephon_checkpointer(
@@ -178,6 +199,16 @@ def test_override_carries_the_config_over_and_errors_name_the_fix():
     assert "hunter2" not in shown and "s3cr3t" not in shown
     with pytest.raises(ConfigError, match="num_to_keep = 0 is invalid"):
         zephon_checkpointer(stock, num_to_keep=0)
+    kept = zephon_checkpointer(stock, num_to_keep=2, keep_every_steps=3)
+    assert (kept.num_to_keep, kept.keep_every_steps) == (2, 3)
+    for key, value in [("num_to_keep", True), ("keep_every_steps", 0), ("keep_every_steps", "3")]:
+        with pytest.raises(ConfigError) as caught:
+            zephon_checkpointer(stock, **{key: value})
+        with pytest.raises(ConfigError) as expected:  # the one message of every entry point
+            Retention.checked("zephon_checkpointer", **{key: value})
+        assert str(caught.value) == str(expected.value)
+    with pytest.raises(ConfigError, match="zephon_checkpointer catalog = 'catalog.db'"):
+        zephon_checkpointer(stock, catalog="catalog.db")
     with pytest.raises(ConfigError, match="last_save_in_hf is not supported"):
         zephon_checkpointer(
             CheckpointManager.Config(last_save_in_hf=True, last_save_model_only=True)
