@@ -91,8 +91,10 @@ def load_yaml(doc: Block, tmp_path: Path):
 
 
 def _ci_commands(script: str) -> list[str]:
+    """The script's command lines, a leading ``time`` (CI records each phase's time) dropped."""
     with open(os.path.join(REPO, ".ci", script)) as handle:
-        return [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+        lines = [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+    return [line.removeprefix("time ") for line in lines]
 
 
 def _without_quiet(command: str) -> str:

@@ -10,11 +10,15 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from catalog import Catalog
 from tests.faults import FaultProxy
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
 from tests.zephon.test_gc_processes import assert_deleted_rows_are_gone, gc_argv
+
+pytestmark = pytest.mark.slow
 
 KEEP = 2
 STEPS = range(6)

@@ -16,6 +16,8 @@ from tests.conftest import Backend, make_backend
 from tests.ranks import launch, store_config
 from tests.zephon.dcp.worker import RUN
 
+pytestmark = pytest.mark.slow
+
 
 @dataclass
 class Run:

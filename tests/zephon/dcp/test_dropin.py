@@ -59,6 +59,7 @@ def _launch(backend: Backend, world: int, catalog: str | None, scenario: str, **
     return launch("tests.zephon.dcp.dropin_worker", world, config, timeout=120, **kwargs)
 
 
+@pytest.mark.slow
 def test_sync_async_and_reset_saves_commit_and_retention_keeps_two(run):
     assert run.ranks[0]["coordinator_committed"] == [1, 2, 3, 4]
     assert all(r["coordinator_committed"] == [] for r in run.ranks[1:])
@@ -69,12 +70,14 @@ def test_sync_async_and_reset_saves_commit_and_retention_keeps_two(run):
     assert {f"__{r}_0.distcp" for r in range(run.world)} <= names
 
 
+@pytest.mark.slow
 def test_step_none_loads_the_latest_and_checkpoint_id_another(run):
     for record in run.ranks:
         assert record["latest_step"] == 4 and record["latest_equal"]
         assert record["reset_step"] == 3 and record["reset_equal"]
 
 
+@pytest.mark.slow
 def test_ranks_disagreeing_on_step_or_run_raise_on_every_rank(run):
     for record in run.ranks:
         for key in ("step_disagreement", "run_disagreement"):
@@ -91,6 +94,7 @@ def test_ranks_disagreeing_on_step_or_run_raise_on_every_rank(run):
     assert 10 + run.world - 1 not in [s.step for s in store.list_steps(RUN)]
 
 
+@pytest.mark.slow
 def test_a_storage_failure_on_one_rank_raises_on_every_rank_without_a_marker(run):
     for record in run.ranks:
         error = record["write_failure"]
@@ -99,6 +103,7 @@ def test_a_storage_failure_on_one_rank_raises_on_every_rank_without_a_marker(run
     assert not run.store().is_committed(RUN, 5)
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_a_new_attempt_that_fences_out_the_first(run):
     for record in run.ranks:
         conflict = record["conflict"]
@@ -111,6 +116,7 @@ def test_a_second_writer_is_a_new_attempt_that_fences_out_the_first(run):
     assert not run.store().is_committed(RUN, 6)
 
 
+@pytest.mark.slow
 def test_the_catalog_records_every_save(run):
     if run.catalog is None:  # storage alone holds the same history
         assert run.store().committed_steps(RUN) == [3, 4]
@@ -124,6 +130,7 @@ def test_the_catalog_records_every_save(run):
     assert states[5] in {"failed", "stale"}
 
 
+@pytest.mark.slow
 def test_a_rank_killed_inside_write_data_leaves_no_marker_and_readers_take_the_last(
     request, tmp_path
 ):

@@ -237,6 +237,7 @@ def test_bad_tier_arguments_get_the_managers_one_line_errors(tmp_path):
 # -- two gloo ranks ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-local-dir", "local-dir-per-rank"])
 def test_two_ranks_upload_in_step_past_a_failed_save_and_load_the_latest(
     s3_backend, tmp_path, catalog_url, shared

@@ -19,6 +19,8 @@ from tests.conftest import make_backend
 from tests.ranks import launch, store_config
 from tests.zephon.dcp.reshard_worker import DOCS, SAVED_LR, SECTION
 
+pytestmark = pytest.mark.slow
+
 #: 10 and 6 rows over 4 ranks: chunks of ceil(rows / 4), so uneven, and the last one empty
 SAVED = {
     "0.weight": ([3, 3, 3, 1], [12]),

@@ -272,11 +272,13 @@ def ranks(request, tmp_path_factory) -> list[dict]:
     return launch("tests.zephon.dcp.verify_worker", 2, store_config(backend))
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_load_a_narrowed_dtensor_and_verify_it(ranks):
     # each rank needed only its own rows of the one saved slice of w
     assert [r["resharded_equal"] for r in ranks] == [True, True]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_both_refuse_a_byte_flipped_in_one_ranks_rows(ranks):
     name = ranks[0]["file"]
     for record in ranks:

@@ -76,6 +76,7 @@ def assert_same_losses(resumed: dict, reference: dict, first: int) -> None:
         assert resumed[str(step)] == reference[str(step)], f"step {step}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("storage", "database", "kill"),
     [("local", "sqlite", "trainer_save"), ("s3", "postgresql", "zephon_commit")],
@@ -130,6 +131,7 @@ def test_sigkill_during_a_save_resumes_exactly_where_stock_resume_crashes(
         assert rows[16] == rows[24] == "committed" and rows[8] == "deleted"
 
 
+@pytest.mark.slow
 def test_latest_checkpoint_skips_a_damaged_checkpoint(tmp_path, reference):
     from zephon.integrations.huggingface import latest_checkpoint
 
@@ -148,6 +150,7 @@ def test_latest_checkpoint_skips_a_damaged_checkpoint(tmp_path, reference):
     assert latest_checkpoint(save_dir, "no-such-run") is None
 
 
+@pytest.mark.slow
 def test_accelerate_save_and_load_round_trip_on_s3(s3_backend, tmp_path, sqlite_catalog):
     import torch
     from accelerate import Accelerator
@@ -196,6 +199,7 @@ def test_accelerate_save_and_load_round_trip_on_s3(s3_backend, tmp_path, sqlite_
     assert any(f.name == "optimizer.bin" for f in manifest.files)
 
 
+@pytest.mark.slow
 def test_accelerate_on_two_ranks_saves_every_ranks_files_and_resumes_exactly(s3_backend, tmp_path):
     """Two gloo ranks under torchrun on S3: each rank writes its own RNG state file; both are in
     the manifest, and a resumed job continues every rank's losses exactly. The ranks share a

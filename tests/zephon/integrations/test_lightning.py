@@ -57,6 +57,7 @@ def reference(tmp_path_factory) -> dict[int, float]:
     return dict(found)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_and_mid_save_resume_with_equal_losses_local(tmp_path, reference):
     tmp, save_dir = str(tmp_path), str(tmp_path / "ckpt")
     catalog = f"sqlite:///{tmp_path / 'catalog.db'}"
@@ -73,6 +74,7 @@ def test_sigkill_mid_run_and_mid_save_resume_with_equal_losses_local(tmp_path, r
     assert store.latest("r").step == 16
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_and_mid_save_resume_with_equal_losses_on_s3_and_postgresql(
     tmp_path, request, s3_backend, reference
 ):
@@ -96,6 +98,7 @@ def test_sigkill_mid_run_and_mid_save_resume_with_equal_losses_on_s3_and_postgre
     assert committed == [4, 8, 12, 16]
 
 
+@pytest.mark.slow
 def test_num_to_keep_and_save_top_k_reach_zephon_retention(tmp_path):
     tmp = str(tmp_path)
     keep_dir, topk_dir = str(tmp_path / "keep"), str(tmp_path / "topk")

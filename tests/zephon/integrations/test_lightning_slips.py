@@ -22,6 +22,8 @@ from storage import CheckpointStore  # noqa: E402
 from zephon import SaveBelowLatestError  # noqa: E402
 from zephon.integrations.lightning import LATEST, ZephonCheckpointIO  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 RUN = "lit"
 STEPS_PER_EPOCH = 4
 

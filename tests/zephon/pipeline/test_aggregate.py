@@ -26,6 +26,7 @@ def _expected_states(tmp_path, checkpoints, world_size, dp_degree) -> list[dict]
     return states_at(pipelines, checkpoints)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name", backends_with(cross_process=True, one_winner_races=True))
 def test_separate_processes_assemble_one_state_and_leave_nothing_behind(
     request, tmp_path, backend_name

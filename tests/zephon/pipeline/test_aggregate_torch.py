@@ -48,6 +48,7 @@ def runs(tmp_path_factory) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_the_torch_transport_gives_every_rank_the_storage_transports_bytes(runs, tmp_path):
     expected = _expected_texts(tmp_path)
     for rank, result in enumerate(runs["first"]):
@@ -61,6 +62,7 @@ def test_the_torch_transport_gives_every_rank_the_storage_transports_bytes(runs,
     assert [f for _, _, files in os.walk(agg) for f in files] == []
 
 
+@pytest.mark.slow
 def test_pipelines_on_groups_of_their_own_assemble_their_own_states(runs, tmp_path):
     agg = str(tmp_path / "pair")
     pipelines = [build(r, 2, aggregate_dir=agg, run_id="pair") for r in range(2)]
@@ -72,6 +74,7 @@ def test_pipelines_on_groups_of_their_own_assemble_their_own_states(runs, tmp_pa
     assert [r["pair_state"] for r in runs["first"]] == [expected] * 4
 
 
+@pytest.mark.slow
 def test_a_pipeline_restored_on_any_rank_continues_exactly(runs):
     for rank, result in enumerate(runs["first"]):
         assert result["again"] == result["after"], rank
@@ -80,6 +83,7 @@ def test_a_pipeline_restored_on_any_rank_continues_exactly(runs):
     assert len({r["next_states"][0] for r in runs["first"]}) == 1
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_calls_checkpoint_is_named_on_every_rank(runs):
     for rank, result in enumerate(runs["first"][:3]):
         timeout = result["timeout"]
@@ -91,6 +95,7 @@ def test_a_rank_that_never_calls_checkpoint_is_named_on_every_rank(runs):
     assert "rank 3 arrived after the others had waited 2 s for ranks [3]" in late["message"]
 
 
+@pytest.mark.slow
 def test_4_ranks_resume_on_2_through_the_torch_transport_with_the_same_global_steps(runs, tmp_path):
     done = CHECKPOINTS[-1]
     reference = _reference_steps(tmp_path, done + RESUMED_STEPS)
@@ -106,6 +111,7 @@ def test_4_ranks_resume_on_2_through_the_torch_transport_with_the_same_global_st
     assert [lane["batches"] for lane in json.loads(finals.pop())["lanes"]] == [9, 9, 9, 9]
 
 
+@pytest.mark.slow
 def test_a_wrong_topology_under_torch_distributed_is_one_line_naming_the_fix(runs):
     for rank, result in enumerate(runs["first"]):
         errors = result["errors"]

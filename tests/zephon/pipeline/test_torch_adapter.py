@@ -79,6 +79,7 @@ def test_the_pipeline_imports_and_runs_without_torch():
     assert "adapter needs torch" in out.stdout
 
 
+@pytest.mark.slow
 def test_every_rank_saves_the_merged_state_and_dcp_restores_it(tmp_path):
     """Two gloo ranks: each saves the merged state checkpoint() gave it, DCP saves and loads it."""
     from tests.ranks import launch
