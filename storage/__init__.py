@@ -6,8 +6,8 @@ Knows nothing of the catalog or torch.
 Besides checkpoints, the public API offers what a layer that keeps its own small files on a
 ``Location`` needs (``zephon.pipeline``'s aggregation, ``zephon.dcp``'s reader): the backend
 primitives of ``storage.backend`` (``list_files``, ``read_small``, ``create_settled``, ...,
-each a call of the location's ``Backend``), ``backend_errors`` (backend failures as
-``BackendUnavailableError``), the CRC32C helpers of ``storage.checksum``, the name and step
+each a call of the location's ``Backend``, which translates its failures into
+``BackendUnavailableError`` once), the CRC32C helpers of ``storage.checksum``, the name and step
 checks of ``storage.layout`` (``parse_number``: every number read from a name or argument),
 ``parse_json`` (every JSON document read from storage, depth-limited), the redaction of
 secrets from messages (``storage.redact``), ``concurrently`` (requests sent together) and
@@ -19,10 +19,11 @@ manifest). Every backend primitive tries transient failures again under the loca
 from storage.backend import (
     CreateOutcome,
     ListedFile,
-    backend_errors,
     create_exclusive,
     create_settled,
     file_exists,
+    forget_cached,
+    is_dir,
     list_files,
     make_dirs,
     put_small,
@@ -119,10 +120,11 @@ __all__ = [
     "Backend",
     "CreateOutcome",
     "ListedFile",
-    "backend_errors",
     "create_exclusive",
     "create_settled",
     "file_exists",
+    "forget_cached",
+    "is_dir",
     "list_files",
     "make_dirs",
     "put_small",

@@ -15,7 +15,6 @@ import time
 from typing import TYPE_CHECKING
 
 from storage.backend import (
-    backend_errors,
     create_settled,
     file_exists,
     list_files,
@@ -140,17 +139,16 @@ def replace_marker(
     """
     location = store.location
     step_path = store.checkpoint_path(run, step)
-    with backend_errors(location, f"superseding {store.checkpoint_url(run, step)}"):
-        keep = manifest is None or why == "condemned"
-        if keep:
-            key = manifest.save_id if manifest is not None else f"marker-{crc32c_of(data)}"
-            write_record(store, run, step, key, why, data)
-        remove_files(location, [store.marker_path(run, step)])
-        sync_dirs(location, [step_path])
-        if not keep and manifest is not None and manifest.payload:
-            payload = f"{step_path}/{manifest.payload}"
-            remove_files(location, [f.path for f in list_files(location, payload)])
-            remove_empty_dirs(location, payload)
+    keep = manifest is None or why == "condemned"
+    if keep:
+        key = manifest.save_id if manifest is not None else f"marker-{crc32c_of(data)}"
+        write_record(store, run, step, key, why, data)
+    remove_files(location, [store.marker_path(run, step)])
+    sync_dirs(location, [step_path])
+    if not keep and manifest is not None and manifest.payload:
+        payload = f"{step_path}/{manifest.payload}"
+        remove_files(location, [f.path for f in list_files(location, payload)])
+        remove_empty_dirs(location, payload)
 
 
 def condemn(
@@ -172,14 +170,12 @@ def write_record(
     ).encode("utf-8")
     path = f"{store.checkpoint_path(run, step)}/{CORRUPT_PREFIX}{key}"
     location = store.location
-    with backend_errors(location, f"condemning {store.checkpoint_url(run, step)}"):
-        make_dirs(location, store.checkpoint_path(run, step))
-        with contextlib.suppress(FileExistsError):
-            create_settled(location, path, record)  # one there already (any reason) will do
+    make_dirs(location, store.checkpoint_path(run, step))
+    with contextlib.suppress(FileExistsError):
+        create_settled(location, path, record)  # one there already (any reason) will do
 
 
 def is_condemned(store: CheckpointStore, run: str | None, step: int, save_id: str) -> bool:
     """Whether a ``_CORRUPT`` record condemns save ``save_id`` of the step (one request)."""
     path = f"{store.checkpoint_path(run, step)}/{CORRUPT_PREFIX}{save_id}"
-    with backend_errors(store.location, f"checking {store.checkpoint_url(run, step)}"):
-        return file_exists(store.location, path)
+    return file_exists(store.location, path)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from storage.backend import backend_errors, list_files, remove_dir, remove_empty_dirs, remove_files
+from storage.backend import list_files, remove_dir, remove_empty_dirs, remove_files
 from storage.errors import CheckpointNotFoundError, CorruptCheckpointError
 from storage.layout import CORRUPT_PREFIX, MARKER_NAME
 
@@ -78,21 +78,20 @@ def remove_orphan(store: CheckpointStore, orphan: Orphan) -> None:
     """Delete one leftover found by ``orphans``: a payload directory, or the loose files of
     an uncommitted step (never a marker, a record or another save's directory)."""
     location = store.location
-    with backend_errors(location, f"removing {orphan.url}"):
-        if orphan.save_id is not None:
-            remove_files(location, [f.path for f in list_files(location, orphan.path)])
-            remove_empty_dirs(location, orphan.path)
-        else:
-            step_path = orphan.path
-            loose = [
-                f.path
-                for f in list_files(location, step_path)
-                if "/" not in f.path[len(step_path) + 1 :]
-                and f.path.rsplit("/", 1)[-1] != MARKER_NAME
-                and not f.path.rsplit("/", 1)[-1].startswith(CORRUPT_PREFIX)
-            ]
-            remove_files(location, loose)
-        remove_dir(location, store.checkpoint_path(orphan.run, orphan.step))  # if now empty
+    if orphan.save_id is not None:
+        remove_files(location, [f.path for f in list_files(location, orphan.path)])
+        remove_empty_dirs(location, orphan.path)
+    else:
+        step_path = orphan.path
+        loose = [
+            f.path
+            for f in list_files(location, step_path)
+            if "/" not in f.path[len(step_path) + 1 :]
+            and f.path.rsplit("/", 1)[-1] != MARKER_NAME
+            and not f.path.rsplit("/", 1)[-1].startswith(CORRUPT_PREFIX)
+        ]
+        remove_files(location, loose)
+    remove_dir(location, store.checkpoint_path(orphan.run, orphan.step))  # if now empty
 
 
 def condemned_saves(store: CheckpointStore, run: str | None) -> list[tuple[int, str]]:
@@ -106,14 +105,13 @@ def remove_condemned(store: CheckpointStore, run: str | None, step: int, save_id
     directory, then its ``_CORRUPT`` record (last, so a crash leaves it findable)."""
     step_path = store.checkpoint_path(run, step)
     location = store.location
-    with backend_errors(location, f"removing condemned {store.checkpoint_url(run, step)}"):
-        try:
-            if store.read_manifest(run, step).save_id == save_id:
-                remove_files(location, [store.marker_path(run, step)])
-        except (CorruptCheckpointError, CheckpointNotFoundError):
-            pass
-        payload = f"{step_path}/{save_id}"
-        remove_files(location, [f.path for f in list_files(location, payload)])
-        remove_empty_dirs(location, payload)
-        remove_files(location, [f"{step_path}/{CORRUPT_PREFIX}{save_id}"])
-        remove_dir(location, step_path)  # if now empty
+    try:
+        if store.read_manifest(run, step).save_id == save_id:
+            remove_files(location, [store.marker_path(run, step)])
+    except (CorruptCheckpointError, CheckpointNotFoundError):
+        pass
+    payload = f"{step_path}/{save_id}"
+    remove_files(location, [f.path for f in list_files(location, payload)])
+    remove_empty_dirs(location, payload)
+    remove_files(location, [f"{step_path}/{CORRUPT_PREFIX}{save_id}"])
+    remove_dir(location, step_path)  # if now empty

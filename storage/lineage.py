@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from storage.backend import backend_errors, create_settled, list_files, make_dirs, read_small
+from storage.backend import create_settled, list_files, make_dirs, read_small
 from storage.errors import CorruptCheckpointError, StaleAttemptError
 from storage.jsondoc import parse_json
 from storage.layout import ATTEMPTS_DIR
@@ -272,34 +272,31 @@ def _read_record(location: Location, directory: str, epoch: int, decided_: bool)
 def read_lineage(location: Location, run_path: str) -> Lineage:
     """The run's lineage: one listing of its attempt records and one read of the newest."""
     directory = attempts_path(location, run_path)
-    with backend_errors(location, f"reading the attempts of {location.display(run_path)}"):
-        claimed, decided_epochs = _epochs(location, directory)
-        if not claimed:
-            return Lineage(None)
-        newest = claimed[-1]
-        return Lineage(_read_record(location, directory, newest, newest in decided_epochs))
+    claimed, decided_epochs = _epochs(location, directory)
+    if not claimed:
+        return Lineage(None)
+    newest = claimed[-1]
+    return Lineage(_read_record(location, directory, newest, newest in decided_epochs))
 
 
 def read_records(location: Location, run_path: str) -> list[AttemptRecord]:
     """Every attempt record of the run, oldest first (one listing, one read per record)."""
     directory = attempts_path(location, run_path)
-    with backend_errors(location, f"reading the attempts of {location.display(run_path)}"):
-        claimed, decided_epochs = _epochs(location, directory)
-        return [_read_record(location, directory, e, e in decided_epochs) for e in claimed]
+    claimed, decided_epochs = _epochs(location, directory)
+    return [_read_record(location, directory, e, e in decided_epochs) for e in claimed]
 
 
 def newer_epochs(location: Location, run_path: str, epoch: int) -> AttemptRecord | None:
     """The newest attempt record if one is newer than ``epoch`` (the fence re-check: one
     listing), else None."""
     directory = attempts_path(location, run_path)
-    with backend_errors(location, f"checking the attempts of {location.display(run_path)}"):
-        claimed, _ = _epochs(location, directory)
-        if not claimed or claimed[-1] <= epoch:
-            return None
-        try:
-            return _read_record(location, directory, claimed[-1], False)
-        except (CorruptCheckpointError, FileNotFoundError):
-            return AttemptRecord(None, claimed[-1], "?", "?", 0, "?", None)
+    claimed, _ = _epochs(location, directory)
+    if not claimed or claimed[-1] <= epoch:
+        return None
+    try:
+        return _read_record(location, directory, claimed[-1], False)
+    except (CorruptCheckpointError, FileNotFoundError):
+        return AttemptRecord(None, claimed[-1], "?", "?", 0, "?", None)
 
 
 def claim_attempt(
@@ -358,22 +355,21 @@ def _create(
 ) -> None:
     directory = attempts_path(location, run_path)
     path = f"{directory}/{name}"
-    with backend_errors(location, f"registering attempt {epoch} of {location.display(run_path)}"):
-        make_dirs(location, directory)
-        try:
-            # The record is this attempt's own if it holds these very bytes (its attempt id
-            # and start time): a create whose reply was lost succeeded.
-            won = create_settled(location, path, record.to_json()).created
-        except FileExistsError:
-            won = False
-        if not won:
-            holder = newer_epochs(location, run_path, epoch - 1)
-            raise StaleAttemptError(
-                f"attempt epoch {epoch} of {location.display(run_path)} was registered by "
-                f"another start first ({holder.describe() if holder else 'unknown'}); decide "
-                "the resume point again on the new lineage",
-                epoch=epoch,
-                current=holder,
-                url=location.display(run_path),
-                run=run,
-            ) from None
+    make_dirs(location, directory)
+    try:
+        # The record is this attempt's own if it holds these very bytes (its attempt id
+        # and start time): a create whose reply was lost succeeded.
+        won = create_settled(location, path, record.to_json()).created
+    except FileExistsError:
+        won = False
+    if not won:
+        holder = newer_epochs(location, run_path, epoch - 1)
+        raise StaleAttemptError(
+            f"attempt epoch {epoch} of {location.display(run_path)} was registered by "
+            f"another start first ({holder.describe() if holder else 'unknown'}); decide "
+            "the resume point again on the new lineage",
+            epoch=epoch,
+            current=holder,
+            url=location.display(run_path),
+            run=run,
+        ) from None

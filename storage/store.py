@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from storage.backend import (
-    backend_errors,
     file_exists,
     list_dirs,
     list_files,
@@ -277,10 +276,9 @@ class CheckpointStore:
         writer = CheckpointWriter(
             self, run, step, save_id, primary=True, fence=fence, metadata=metadata
         )
-        with backend_errors(self.location, f"preparing {self.checkpoint_url(run, step)}"):
-            # Local disk: made durably, so a power loss cannot drop the step directory out
-            # from under a committed marker. Object stores have no directories to make.
-            make_dirs(self.location, writer.payload_path, durable=True)
+        # Local disk: made durably, so a power loss cannot drop the step directory out
+        # from under a committed marker. Object stores have no directories to make.
+        make_dirs(self.location, writer.payload_path, durable=True)
         return writer
 
     def supersede(
@@ -324,8 +322,7 @@ class CheckpointStore:
         lineage or verification: use ``latest`` to find the checkpoint to resume from."""
         marker = self.marker_path(run, step)
         location = self.location
-        with backend_errors(location, f"checking {self.checkpoint_url(run, step)}"):
-            return file_exists(location, marker)
+        return file_exists(location, marker)
 
     def list_steps(self, run: str | None, *, detail: bool = False) -> list[StepListing]:
         """Every step directory of a run, committed or not, from one listing."""
@@ -400,11 +397,10 @@ class CheckpointStore:
     def marker_bytes(self, run: str | None, step: int) -> bytes | None:
         """The raw bytes of the step's marker (one GET), or None if there is none."""
         location = self.location
-        with backend_errors(location, f"reading the marker of {self.checkpoint_url(run, step)}"):
-            try:
-                return read_small(location, self.marker_path(run, step))
-            except FileNotFoundError:
-                return None
+        try:
+            return read_small(location, self.marker_path(run, step))
+        except FileNotFoundError:
+            return None
 
     def read_manifest(self, run: str | None, step: int) -> Manifest:
         """The manifest of a committed checkpoint; ``CheckpointNotFoundError`` if there is no
@@ -475,19 +471,13 @@ class CheckpointStore:
         if not steps:
             return {}
         location = self.location
-        where = (
-            self.checkpoint_url(run, steps[0])
-            if len(steps) == 1
-            else f"{len(steps)} checkpoints of {self.location.display(self.run_path(run))}"
-        )
-        with backend_errors(location, f"deleting {where}"):
-            remove_files(location, [self.marker_path(run, step) for step in steps])
-            # the markers' removal is durable before any payload goes (local disk: fsync)
-            sync_dirs(location, [self.checkpoint_path(run, step) for step in steps])
-            payload = self._payload_of(run, steps)
-            remove_files(location, [path for paths in payload.values() for path in paths])
-            for step in steps:
-                remove_empty_dirs(location, self.checkpoint_path(run, step))
+        remove_files(location, [self.marker_path(run, step) for step in steps])
+        # the markers' removal is durable before any payload goes (local disk: fsync)
+        sync_dirs(location, [self.checkpoint_path(run, step) for step in steps])
+        payload = self._payload_of(run, steps)
+        remove_files(location, [path for paths in payload.values() for path in paths])
+        for step in steps:
+            remove_empty_dirs(location, self.checkpoint_path(run, step))
         return {step: len(payload[step]) for step in steps}
 
     def _payload_of(self, run: str | None, steps: list[int]) -> dict[int, list[str]]:
@@ -515,8 +505,7 @@ class CheckpointStore:
     def runs(self) -> list[str]:
         """Names of the run directories under the root (one delimited listing)."""
         location = self.location
-        with backend_errors(location, f"listing {location.url}"):
-            found = list_dirs(location, location.root)
+        found = list_dirs(location, location.root)
         names = []
         for name in found:
             with contextlib.suppress(Exception):

@@ -20,12 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from storage.backend import (
-    backend_errors,
     create_settled,
     file_exists,
     list_files,
     make_dirs,
-    missing_parent_fix,
     outcome_unknown,
     put_bytes,
     remove_dir,
@@ -281,15 +279,14 @@ class CheckpointWriter:
             self._state = "aborted"
             return
         location = self._store.location
-        with backend_errors(location, f"aborting {self.url}"):
-            if self.primary:
-                remove_files(location, [f.path for f in list_files(location, self.payload_path)])
-                remove_empty_dirs(location, self.payload_path)
-                remove_dir(location, self.path)  # only if nothing else is in it
-            else:
-                with self._lock:
-                    own = [f"{self.payload_path}/{n}" for n in self._own]
-                remove_files(location, own)
+        if self.primary:
+            remove_files(location, [f.path for f in list_files(location, self.payload_path)])
+            remove_empty_dirs(location, self.payload_path)
+            remove_dir(location, self.path)  # only if nothing else is in it
+        else:
+            with self._lock:
+                own = [f"{self.payload_path}/{n}" for n in self._own]
+            remove_files(location, own)
         self._state = "aborted"
 
     def _prepare(self, metadata: Mapping[str, Any] | None) -> Manifest:
@@ -337,8 +334,7 @@ class CheckpointWriter:
         earlier = self._marker_may_exist
         self._marker_may_exist = True
         try:
-            with backend_errors(location, f"committing {self.url}"):
-                outcome = create_settled(location, marker, data)
+            outcome = create_settled(location, marker, data)
         except FileExistsError:
             self._state = "lost"
             raise CommitConflictError(
@@ -421,20 +417,10 @@ class CheckpointWriter:
 
     @contextlib.contextmanager
     def _guard(self, name: str) -> Iterator[None]:
-        """On failure, forget the claimed name so the caller may retry it, and translate."""
+        """On failure, forget the claimed name so the caller may retry it (the backend
+        translated the failure)."""
         try:
-            with backend_errors(self._store.location, f"writing {name} to {self.url}"):
-                try:
-                    yield
-                except FileNotFoundError as exc:
-                    raise BackendUnavailableError(
-                        f"writing {name} to {self.url} failed: {exc}; "
-                        f"{missing_parent_fix(self._store.location)}",
-                        url=self._store.url,
-                        run=self.run,
-                        step=self.step,
-                        path=name,
-                    ) from exc
+            yield
         except BaseException:
             with self._lock:
                 self._own.discard(name)
@@ -464,8 +450,7 @@ class CheckpointWriter:
 
     def _check_payload_present(self, entries: list[FileEntry]) -> None:
         location = self._store.location
-        with backend_errors(location, f"listing {self.url} before commit"):
-            listed = {f.path: f.size for f in list_files(location, self.payload_path)}
+        listed = {f.path: f.size for f in list_files(location, self.payload_path)}
         prefix = f"{self.payload_path}/"
         problems = []
         for entry in entries:

@@ -211,7 +211,7 @@ def lose_results(monkeypatch, store: CheckpointStore, *, reads_fail: int = 0) ->
     """Every marker create on ``store``'s disk is done, then reported as a reset connection
     (its result lost); the first ``reads_fail`` reads of a marker fail the same way."""
     backend = store.location.backend
-    create, read = backend.create_exclusive, backend.read_small
+    create, read = backend._create_exclusive, backend._read_small
     failing = {"reads": reads_fail}
 
     def create_then_lose(path: str, data: bytes) -> None:
@@ -225,8 +225,11 @@ def lose_results(monkeypatch, store: CheckpointStore, *, reads_fail: int = 0) ->
             raise ConnectionResetError(f"lost the reply reading {path}")
         return read(path)
 
-    monkeypatch.setattr(backend, "create_exclusive", create_then_lose)
-    monkeypatch.setattr(backend, "read_small", read_or_fail)
+    # beneath the backend's translation of errors, with its retry policy off (it would ride
+    # out these faults, as on S3 above)
+    monkeypatch.setattr(backend, "_create_exclusive", create_then_lose)
+    monkeypatch.setattr(backend, "_read_small", read_or_fail)
+    monkeypatch.setattr(backend, "retry", NO_RETRY)
 
 
 def test_a_local_commit_whose_result_was_lost_has_committed(local_backend, monkeypatch):

@@ -38,7 +38,7 @@ from storage import (
     Location,
     StorageError,
     StorageOptionsRefusedError,
-    backend_errors,
+    is_dir,
     mask_url,
 )
 from zephon.cli import render, storage_options_object, timing
@@ -401,8 +401,7 @@ def _require_directory(url: str, options: dict[str, Any]) -> None:
     """Refuse a storage URL with nothing there: syncing it would report "0 runs", true of
     any typo."""
     location = CheckpointStore(url, options, retry=retry_from_env()).location
-    with backend_errors(location, f"looking for {location.url}"):
-        found = location.retry.call(location.fs.isdir, location.root)
+    found = is_dir(location, location.root)
     if not found:
         raise StorageError(
             f"{location.url} is no directory or bucket that exists, so there is nothing to "

@@ -38,7 +38,6 @@ from storage import (
     CheckpointStore,
     CorruptCheckpointError,
     Manifest,
-    backend_errors,
     crc32c_extend,
     decode_crc32c,
     encode_crc32c,
@@ -415,16 +414,6 @@ class ZephonStorageReader(StorageReader):
         done.set_result(None)
         return done
 
-    def _path(self, name: str) -> str:
-        assert self._reader is not None
-        path = self._reader.local_path(name)
-        assert path is not None, "only local checkpoints are read in place"
-        return path
-
-    def _missing(self, name: str) -> CorruptCheckpointError:
-        assert self._reader is not None
-        return self._reader.missing(name)
-
     def _mismatch(self, r: _Read, crc: int) -> CorruptCheckpointError:
         assert r.crc is not None
         index = r.req.storage_index
@@ -462,23 +451,18 @@ class ZephonStorageReader(StorageReader):
         )
 
     def _read_local(self, group: _Group, planner: LoadPlanner) -> None:
-        location = self.store.location
-        with backend_errors(location, f"reading {group.file} of {self.url}"):
-            try:
-                handle = open(self._path(group.file), "rb", buffering=0)  # noqa: SIM115
-            except FileNotFoundError:
-                raise self._missing(group.file) from None
-            with handle:
-                for r in group.reads:
-                    target = self._target(r, planner)
-                    if target is not None and self._direct(r, target):
-                        if r.length:
-                            self._fill(handle, r, _writable_bytes(target))
-                        self._commit(r, planner, target)
-                        continue
-                    buffer = bytearray(r.length)
-                    self._fill(handle, r, memoryview(buffer))
-                    self._deliver(r, planner, buffer, target)
+        assert self._reader is not None
+        with self._reader.open_in_place(group.file) as handle:
+            for r in group.reads:
+                target = self._target(r, planner)
+                if target is not None and self._direct(r, target):
+                    if r.length:
+                        self._fill(handle, r, _writable_bytes(target))
+                    self._commit(r, planner, target)
+                    continue
+                buffer = bytearray(r.length)
+                self._fill(handle, r, memoryview(buffer))
+                self._deliver(r, planner, buffer, target)
 
     def _fill(self, handle: BinaryIO, r: _Read, view: memoryview) -> None:
         """Read ``r``'s bytes into ``view``; when ``r`` is checked, in chunks, each one
