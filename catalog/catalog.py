@@ -10,7 +10,7 @@ not cross a ``fork()``: each process opens its own.
 Fencing: a job registers each of its starts with ``register_attempt`` and passes that
 attempt's ``epoch`` to the fenced calls (``begin_checkpoint``, ``mark_committed``, and
 ``update_run``/``claim_for_deletion`` when given an epoch), which are refused with
-``StaleAttemptError`` unless it is the run's current epoch, checked in the transaction that
+``FencedOutError`` unless it is the run's current epoch, checked in the transaction that
 makes the change (``catalog.attempts``).
 
 Errors: argument problems raise ``InvalidValueError`` before any database work; database
@@ -295,7 +295,7 @@ class Catalog(replicas.ReplicaMethods):
     ) -> RunRecord:
         """Change the given fields of a run (``RunNotFoundError`` if missing).
 
-        With ``epoch`` (a job updating its own run) the call is fenced: ``StaleAttemptError``
+        With ``epoch`` (a job updating its own run) the call is fenced: ``FencedOutError``
         unless it is the run's current epoch, so a superseded job cannot, say, mark the run
         finished under its successor. On PostgreSQL this waits for deletion claims in flight
         on the run, so a claim never decides on a retention policy that is being changed.
@@ -386,7 +386,7 @@ class Catalog(replicas.ReplicaMethods):
         ``epoch`` is the attempt's fencing token from storage (>= 1, above every earlier one),
         ``attempt_id`` its uuid hex, ``host``/``pid``/``started_at`` its process,
         ``resumed_from`` the step it resumed from (None: a fresh start). In one transaction,
-        holding the run row's update lock: refuse with ``StaleAttemptError`` (naming the
+        holding the run row's update lock: refuse with ``FencedOutError`` (naming the
         current attempt) unless ``epoch`` is above the run's epoch; insert the attempt; set the
         run's epoch; and move every row of an older attempt above ``resumed_from`` (every step
         for a fresh start) that is pending, committed or failed to ``stale``. The step
@@ -424,7 +424,7 @@ class Catalog(replicas.ReplicaMethods):
         self, run: str, *, epoch: int, resumed_from: int | None
     ) -> AttemptRegistration:
         """The current attempt ``epoch`` (registered undecided) resumes from ``resumed_from``
-        (None: a fresh start). Fenced: ``StaleAttemptError`` unless ``epoch`` is current. In
+        (None: a fresh start). Fenced: ``FencedOutError`` unless ``epoch`` is current. In
         the same transaction every older attempt's pending, committed or failed row above it
         moves to ``stale``. Deciding the same again is a no-op; a different second decision
         raises ``InvalidValueError`` (a new resume point needs a new attempt)."""
@@ -462,7 +462,7 @@ class Catalog(replicas.ReplicaMethods):
         """Arm ``(run, step)`` as ``pending`` before writing it; the record's ``save_id`` is
         what ``mark_committed``/``mark_failed`` need.
 
-        Fenced: refused with ``StaleAttemptError`` unless ``epoch`` is the run's current epoch
+        Fenced: refused with ``FencedOutError`` unless ``epoch`` is the run's current epoch
         (epoch 0 works only while the run never had a fenced attempt). ``save_id`` (1-64
         characters of ``[A-Za-z0-9_-]``) names the save, e.g. the id storage writes into the
         marker; without it one is generated. The row records ``epoch``.
@@ -513,7 +513,7 @@ class Catalog(replicas.ReplicaMethods):
         Idempotent: if the row is already committed by the same save (a retry, or the marker
         probe promoted it), returns it unchanged, even if a newer attempt has registered since
         (the commit happened while this attempt was current). Otherwise fenced like
-        ``begin_checkpoint``: ``StaleAttemptError`` unless ``epoch`` is the run's current
+        ``begin_checkpoint``: ``FencedOutError`` unless ``epoch`` is the run's current
         epoch. Raises ``StateConflictError`` when the row is no longer this save's pending row
         (re-armed by a newer save, failed by gc after the grace period),
         ``InvalidTransitionError`` when the save was begun by another attempt (only the
@@ -829,7 +829,7 @@ class Catalog(replicas.ReplicaMethods):
         left out: losing is normal, not an error.
 
         With ``epoch`` (a job applying its own retention) the call is fenced in the same
-        transaction: ``StaleAttemptError`` unless it is the run's current epoch. Each returned
+        transaction: ``FencedOutError`` unless it is the run's current epoch. Each returned
         record's ``claimed_by`` is the token ``mark_deleted`` needs. Then delete from storage
         (marker first) and ``mark_deleted``.
         """

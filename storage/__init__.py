@@ -38,9 +38,9 @@ from storage.errors import (
     CheckpointNotFoundError,
     CommitConflictError,
     CorruptCheckpointError,
+    FencedOutError,
     InvalidArgumentError,
     InvalidNameError,
-    StaleAttemptError,
     StorageError,
     StorageOptionsRefusedError,
     WriteAbortedError,
@@ -62,8 +62,9 @@ from storage.parallel import concurrently
 from storage.reader import CheckpointReader
 from storage.redact import redact, redact_options, secrets_in
 from storage.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
+from storage.run_store import RunStore, new_save_id
 from storage.scan import StepListing
-from storage.store import CheckpointStore, Orphan, new_save_id
+from storage.store import CheckpointStore, Orphan
 from storage.verify import FileProblem, VerifyReport, verify_checkpoint
 from storage.writer import CheckpointWriter
 
@@ -75,7 +76,7 @@ __all__ = [
     "AttemptRecord",
     "Fence",
     "Lineage",
-    "StaleAttemptError",
+    "FencedOutError",
     "new_save_id",
     "validate_save_id",
     "BackendUnavailableError",
@@ -93,6 +94,7 @@ __all__ = [
     "Location",
     "Manifest",
     "Orphan",
+    "RunStore",
     "RetryPolicy",
     "DEFAULT_RETRY",
     "NO_RETRY",

@@ -29,8 +29,8 @@ __all__ = [
     "create_settled",
     "file_exists",
     "forget_cached",
-    "is_dir",
     "get_file",
+    "is_dir",
     "list_dirs",
     "list_files",
     "make_dirs",
@@ -216,7 +216,8 @@ def outcome_unknown(exc: BaseException) -> bool:
         return False
     if isinstance(exc, BackendUnavailableError):  # judged by what it translated, if anything
         return exc.__cause__ is None or outcome_unknown(exc.__cause__)
-    return is_backend_failure(exc) and not isinstance(exc, TypeError | AttributeError | KeyError)
+    refusals = TypeError | AttributeError | KeyError | NotImplementedError
+    return is_backend_failure(exc) and not isinstance(exc, refusals)
 
 
 def create_settled(

@@ -5,7 +5,7 @@ Every start of a job that writes checkpoints claims the next **epoch** of its ru
 ``<run>/_attempts/<epoch>.json`` exclusively, with the same create-only write that publishes a
 commit marker (POSIX ``link``, S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``). Of two
 attempts racing for one epoch exactly one wins; the newest record is the current attempt, and
-every write of an older one is refused once it re-checks (``StaleAttemptError``).
+every write of an older one is refused once it re-checks (``FencedOutError``).
 
 The claim comes first and fences older attempts; only then does the attempt choose where it
 resumes, and record it, again create-only, as ``<epoch>.resume.json``. Choosing before the claim
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from storage.backend import create_settled, list_files, make_dirs, read_small
-from storage.errors import CorruptCheckpointError, StaleAttemptError
+from storage.errors import CorruptCheckpointError, FencedOutError
 from storage.jsondoc import parse_json
 from storage.layout import ATTEMPTS_DIR
 from storage.location import Location
@@ -310,7 +310,7 @@ def claim_attempt(
 ) -> AttemptRecord:
     """Create the (undecided) record of a new attempt, the epoch after ``after`` (or
     ``min_epoch`` if higher), exclusively. If another attempt registered since ``after`` was
-    read, the create fails and ``StaleAttemptError`` names it: read the lineage again."""
+    read, the create fails and ``FencedOutError`` names it: read the lineage again."""
     epoch = max(after.epoch + 1, min_epoch)
     record = after.claim(run, epoch, attempt_id=attempt_id)
     _create(location, run_path, run, record_name(epoch), record, epoch)
@@ -321,11 +321,11 @@ def decide_resume(
     location: Location, run_path: str, record: AttemptRecord, resumed_from: int | None
 ) -> AttemptRecord:
     """Record where the attempt ``record`` resumes (create-only ``<epoch>.resume.json``) and
-    return its decided record. Refused with ``StaleAttemptError`` if a newer attempt claimed
+    return its decided record. Refused with ``FencedOutError`` if a newer attempt claimed
     the run meanwhile; deciding the same again returns the existing decision."""
     newer = newer_epochs(location, run_path, record.epoch)
     if newer is not None:
-        raise StaleAttemptError(
+        raise FencedOutError(
             f"attempt epoch {record.epoch} of {location.display(run_path)} is no longer "
             f"current: {newer.describe()} took over before it chose where to resume; stop",
             epoch=record.epoch,
@@ -337,7 +337,7 @@ def decide_resume(
     name = decision_name(record.epoch)
     try:
         _create(location, run_path, record.run, name, final, record.epoch)
-    except StaleAttemptError:
+    except FencedOutError:
         existing = _read_record(location, attempts_path(location, run_path), record.epoch, True)
         if existing.resumed_from != resumed_from:
             raise
@@ -364,7 +364,7 @@ def _create(
         won = False
     if not won:
         holder = newer_epochs(location, run_path, epoch - 1)
-        raise StaleAttemptError(
+        raise FencedOutError(
             f"attempt epoch {epoch} of {location.display(run_path)} was registered by "
             f"another start first ({holder.describe() if holder else 'unknown'}); decide "
             "the resume point again on the new lineage",

@@ -25,7 +25,7 @@ class CheckpointReader:
         self.manifest = manifest
         #: whether ``read_bytes`` compares every file's CRC32C with the manifest
         self.verify = verify
-        step_path = store.checkpoint_path(manifest.run, manifest.step)
+        step_path = store.run(manifest.run).checkpoint_path(manifest.step)
         self.url = store.location.display(step_path)
         #: the directory holding the files (``save-<step>/<save_id>``; format 1: the step's)
         self.path = f"{step_path}/{manifest.payload}" if manifest.payload else step_path
@@ -93,14 +93,11 @@ class CheckpointReader:
                 if running.size != entry.size
                 else f"crc32c {running.encoded()}, the manifest says {entry.crc32c}"
             )
-            raise CorruptCheckpointError(
+            raise self._damaged(
+                name,
                 f"{name} of checkpoint {self.url} does not match its manifest ({detail}); the "
                 "checkpoint is damaged: resume from an earlier checkpoint",
-                url=self.url,
-                run=self.manifest.run,
-                step=self.manifest.step,
-                path=name,
-                problems=[f"{name}: {detail}"],
+                detail,
             )
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
@@ -148,12 +145,20 @@ class CheckpointReader:
             raise self._missing(name) from None
 
     def _missing(self, name: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
+        return self._damaged(
+            name,
             f"{name} of committed checkpoint {self.url} is missing from storage; the checkpoint "
             "is damaged: run `zephon verify` and resume from an earlier checkpoint",
+            "missing",
+        )
+
+    def _damaged(self, name: str, message: str, problem: str) -> CorruptCheckpointError:
+        """The error for file ``name`` of this checkpoint found damaged (``problem``)."""
+        return CorruptCheckpointError(
+            message,
             url=self.url,
             run=self.manifest.run,
             step=self.manifest.step,
             path=name,
-            problems=[f"{name}: missing"],
+            problems=[f"{name}: {problem}"],
         )

@@ -91,7 +91,7 @@ class CheckpointWriter:
         self.primary = primary
         self.fence = fence
         #: the step directory (``save-<step>``) and its URL, as messages and DCP name it
-        self.path = store.checkpoint_path(run, step)
+        self.path = store.run(run).checkpoint_path(step)
         self.url = store.location.display(self.path)
         #: where this save's files go
         self.payload_path = f"{self.path}/{self.save_id}"
@@ -220,7 +220,7 @@ class CheckpointWriter:
 
         Raises ``CommitConflictError`` if the step is already committed (by anyone else),
         ``WriteAbortedError`` if a file this writer recorded is missing from storage (it wins
-        over the other refusals) and ``StaleAttemptError`` if a newer attempt registered.
+        over the other refusals) and ``FencedOutError`` if a newer attempt registered.
         ``BackendUnavailableError`` after the marker was sent means its outcome is unknown:
         the payload is kept (``abort`` removes nothing) and the marker decides; calling
         ``commit`` again settles it, sending (or finding) the very same marker (``metadata``
@@ -241,7 +241,7 @@ class CheckpointWriter:
             # again; anything else is a real conflict.
             self._state = "lost"
             if self.fence is None:
-                holder = self._store.describe_commit(self.run, self.step, marker=existing)
+                holder = self._store.run(self.run).describe_commit(self.step, marker=existing)
                 raise CommitConflictError(
                     f"{self.url} is already committed{holder}; a committed step is never "
                     "overwritten: save under a new step, or delete that checkpoint first",
@@ -249,7 +249,7 @@ class CheckpointWriter:
                     run=self.run,
                     step=self.step,
                 )
-            self._store.supersede(self.run, self.step, self.fence, marker=existing)  # or raises
+            self._store.run(self.run).supersede(self.step, self.fence, marker=existing)  # or raises
             self._state = "open"
         else:
             self._state = "lost"
@@ -309,7 +309,7 @@ class CheckpointWriter:
         # marker; readers ignore one that slips through (its epoch is not in the lineage).
         checks = [functools.partial(self._check_payload_present, entries)]
         if self.fence is not None:
-            checks.append(functools.partial(self._store.check_fence, self.run, self.fence))
+            checks.append(functools.partial(self._store.run(self.run).check_fence, self.fence))
         concurrently(*checks)
         return Manifest(
             run=self.run,

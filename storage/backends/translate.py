@@ -37,7 +37,7 @@ _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "gcsfs", "re
 _BACKEND_MODULES = (*_NETWORK_MODULES, "s3fs", "gcsfs", "adlfs", "fsspec.implementations")
 
 
-def _raised_in_backend(exc: BaseException) -> bool:
+def _raised_in_backend(exc: BaseException, modules: tuple[str, ...] = _BACKEND_MODULES) -> bool:
     """Whether the exception was raised inside a backend library (s3fs, gcsfs, fsspec's
     implementations, botocore, ...): a TypeError or AttributeError there means the backend was
     given options it cannot use (s3fs builds its session lazily, on the first request)."""
@@ -46,7 +46,7 @@ def _raised_in_backend(exc: BaseException) -> bool:
     while tb is not None:
         module = tb.tb_frame.f_globals.get("__name__", "") or ""
         tb = tb.tb_next
-    return module.startswith(_BACKEND_MODULES)
+    return module.startswith(modules)
 
 
 def is_backend_failure(exc: BaseException) -> bool:
@@ -59,6 +59,8 @@ def is_backend_failure(exc: BaseException) -> bool:
     module = type(exc).__module__ or ""
     if module.startswith(_NETWORK_MODULES):
         return True
+    if isinstance(exc, NotImplementedError):  # a filesystem that cannot list, write, ...
+        return _raised_in_backend(exc, ("fsspec", *_BACKEND_MODULES))
     return isinstance(exc, TypeError | AttributeError | KeyError) and _raised_in_backend(exc)
 
 
@@ -100,6 +102,11 @@ def _translation(backend: Backend, action: str, exc: Exception) -> StorageError:
 
 
 def _fix(backend: Backend, exc: Exception, tried: str | None) -> str:
+    if isinstance(exc, NotImplementedError):
+        return (
+            f"the {backend.protocol}:// filesystem cannot do this: keep checkpoints on local "
+            "disk, S3, GCS or another filesystem that lists, reads and writes files"
+        )
     if isinstance(exc, OSError) and exc.errno == errno.EROFS:
         return read_only_fix(backend)
     if isinstance(exc, PermissionError) and backend.posix_paths:

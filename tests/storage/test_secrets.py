@@ -254,9 +254,9 @@ def test_unreachable_endpoint_errors_mask_every_secret_on_every_operation():
     store = CheckpointStore("s3://bucket/ckpt", dead_s3_options(), retry=NO_RETRY)
     operations = [
         lambda: store.runs(),
-        lambda: store.committed_steps("r"),
-        lambda: store.latest("r"),
-        lambda: store.lineage("r"),
+        lambda: store.run("r").committed_steps(),
+        lambda: store.run("r").latest(),
+        lambda: store.run("r").lineage(),
     ]
     for operation in operations:
         with pytest.raises(BackendUnavailableError) as info:
@@ -267,8 +267,8 @@ def test_unreachable_endpoint_errors_mask_every_secret_on_every_operation():
 def test_a_bucket_that_does_not_exist_is_reported_without_secrets(s3):
     options = {**s3.storage_options(), "key": "AKIAIOSFODNN7EXAMPLE", "secret": SECRET}
     store = CheckpointStore("s3://zephon-no-such-bucket/ckpt", options)
-    assert store.latest("r") is None and store.runs() == []
-    writer = store.begin("r", 1)
+    assert store.run("r").latest() is None and store.runs() == []
+    writer = store.run("r").begin(1)
     with pytest.raises(StorageError) as info:
         writer.write_bytes("a.bin", b"1")
     assert_masked(str(info.value), SECRET, keeps=("s3://zephon-no-such-bucket/ckpt",))

@@ -196,7 +196,7 @@ def test_folder_checkpoints_register_at_their_first_save_and_refuse_a_save_below
     over.save_folder(str(folder), 2)
     over.close()
     store = CheckpointStore(save_dir)
-    assert store.lineage(RUN).current.resumed_from == 0 and store.latest(RUN).step == 2
+    assert store.run(RUN).lineage().current.resumed_from == 0 and store.run(RUN).latest().step == 2
 
 
 def _attempts_on_storage(save_dir: str) -> list[str]:

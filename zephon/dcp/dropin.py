@@ -36,14 +36,14 @@ from storage import (
     validate_run,
     validate_step,
 )
-from zephon.attempts import Attempt, as_zephon_error, fenced, register_writer
+from zephon.attempts import Attempt, fenced, register_writer
 from zephon.checkpointing.collectives import Collectives
 from zephon.checkpointing.tiering import Tiering
 from zephon.checkpointing.uploader import UploadJob
 from zephon.config import CheckpointingConfig
 from zephon.dcp.errors import WriterSetupError, portable
 from zephon.dcp.writer import CommitMetadata, ZephonStorageWriter, _FilePrefix
-from zephon.errors import ConfigError
+from zephon.errors import ConfigError, as_zephon_error
 from zephon.gc import apply_retention
 from zephon.locations import RunLocation
 from zephon.outage import close_guard, ensure_run, open_catalog
@@ -114,8 +114,8 @@ def step_of_checkpoint_id(
     step = parse_step_dirname(last)
     run_forms = {
         url.given,
-        store.run_path(url.run).rstrip("/"),
-        store.location.display(store.run_path(url.run)).rstrip("/"),
+        store.run(url.run).run_path().rstrip("/"),
+        store.location.display(store.run(url.run).run_path()).rstrip("/"),
     }
     if step is None or parent not in run_forms:
         shown = mask_url(given) if "://" in given else given
@@ -294,8 +294,8 @@ class Writer(ZephonStorageWriter):
     def url(self) -> str:  # type: ignore[override]
         """The checkpoint's URL (the run's while no step is set), credentials masked."""
         if self._next_step is None:
-            return self.store.location.display(self.store.run_path(self.run))
-        return self.store.checkpoint_url(self.run, self._next_step)
+            return self.store.location.display(self.store.run(self.run).run_path())
+        return self.store.run(self.run).checkpoint_url(self._next_step)
 
     @property
     def checkpoint_id(self) -> str:  # type: ignore[override]
@@ -361,7 +361,7 @@ class Writer(ZephonStorageWriter):
         if step in self.committed_steps:
             raise WriterSetupError(
                 f"this Writer already committed {self.url}; pass "
-                f"checkpoint_id='{self.store.location.display(self.store.run_path(self.run))}/"
+                f"checkpoint_id='{self.store.location.display(self.store.run(self.run).run_path())}/"
                 "save-<step>' to dcp.save for the next step"
             )
         try:
@@ -420,7 +420,7 @@ class Writer(ZephonStorageWriter):
     def _attach(self, target: _SaveTarget) -> CheckpointWriter:
         """A secondary writer into the coordinator's save (the local tier's, with one)."""
         store = self.tiering.store if self.tiering is not None else self.store
-        return store.attach(self.run, target.step, save_id=target.save_id)
+        return store.run(self.run).attach(target.step, save_id=target.save_id)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator, after every rank wrote: the metadata, the marker (fenced), the catalog

@@ -231,9 +231,9 @@ class ZephonStorageReader(StorageReader):
         self.max_gap_bytes = 0 if local else max_gap_bytes
         # (step None: ``zephon.dcp.Reader`` finds the step when it first opens the checkpoint)
         self.url = (
-            store.checkpoint_url(run, step)
+            store.run(run).checkpoint_url(step)
             if step is not None
-            else store.location.display(store.run_path(run))
+            else store.location.display(store.run(run).run_path())
         )
         self.failure: BaseException | None = None
         self._reader: CheckpointReader | None = None
@@ -263,7 +263,7 @@ class ZephonStorageReader(StorageReader):
         if checkpoint_id is None:
             return
         given = os.fspath(checkpoint_id).rstrip("/")
-        path = self.store.checkpoint_path(self.run, self.step)
+        path = self.store.run(self.run).checkpoint_path(self.step)
         if given not in {self.url.rstrip("/"), path.rstrip("/")}:
             raise UsageError(
                 f"this ZephonStorageReader reads {self.url}, not {given!r}; call dcp.load with "
@@ -298,7 +298,7 @@ class ZephonStorageReader(StorageReader):
         self._check_slices(metadata, reader)
         if self.verify and any(s.crc32c is None for s in (metadata.storage_data or {}).values()):
             # The legacy path (format version 1, no per-slice CRC): every file once, up front.
-            self.store.verify(self.run, self.step, deep=True).raise_for_problems()
+            self.store.run(self.run).verify(self.step, deep=True).raise_for_problems()
         self._reader = reader
         self._metadata = metadata
         return metadata
@@ -309,7 +309,7 @@ class ZephonStorageReader(StorageReader):
         known, self._known = self._known, None
         if known is not None and (known.run, known.step) == (self.run, self.step):
             return CheckpointReader(self.store, known)
-        return self.store.reader(self.run, self.step)
+        return self.store.run(self.run).reader(self.step)
 
     def use_manifest(self, manifest: Manifest) -> None:
         """Open the checkpoint with ``manifest``, the marker of ``(run, step)`` the caller has

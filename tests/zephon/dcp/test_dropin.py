@@ -63,9 +63,9 @@ def test_sync_async_and_reset_saves_commit_and_retention_keeps_two(run):
     assert run.ranks[0]["coordinator_committed"] == [1, 2, 3, 4]
     assert all(r["coordinator_committed"] == [] for r in run.ranks[1:])
     store = run.store()
-    assert store.committed_steps(RUN) == [3, 4]  # num_to_keep=2; 5 failed, 6 was refused
-    assert store.verify(RUN, 4, deep=True).ok
-    names = {e.name for e in store.read_manifest(RUN, 4).files}
+    assert store.run(RUN).committed_steps() == [3, 4]  # num_to_keep=2; 5 failed, 6 was refused
+    assert store.run(RUN).verify(4, deep=True).ok
+    names = {e.name for e in store.run(RUN).read_manifest(4).files}
     assert {f"__{r}_0.distcp" for r in range(run.world)} <= names
 
 
@@ -87,8 +87,8 @@ def test_ranks_disagreeing_on_step_or_run_raise_on_every_rank(run):
         assert error["type"] == "ReaderDisagreementError", error
         assert "ranks disagree on the checkpoint to load" in error["message"]
     store = run.store()
-    assert not store.list_steps(RUN + "-0") and 10 not in store.committed_steps(RUN)
-    assert 10 + run.world - 1 not in [s.step for s in store.list_steps(RUN)]
+    assert not store.run(RUN + "-0").list_steps() and 10 not in store.run(RUN).committed_steps()
+    assert 10 + run.world - 1 not in [s.step for s in store.run(RUN).list_steps()]
 
 
 def test_a_storage_failure_on_one_rank_raises_on_every_rank_without_a_marker(run):
@@ -133,8 +133,8 @@ def test_a_rank_killed_inside_write_data_leaves_no_marker_and_readers_take_the_l
         assert ranks[0]["saved"] == [1]
         assert ranks[0]["killed_save"] is not None  # the survivor raised, it did not hang
         store = backend.open_store()
-        assert not store.is_committed(RUN, 2)
-        assert [s.step for s in store.list_steps(RUN)] == [1, 2]  # 2: files, no marker
+        assert not store.run(RUN).is_committed(2)
+        assert [s.step for s in store.run(RUN).list_steps()] == [1, 2]  # 2: files, no marker
         for given in (catalog, None):
             with zd.Reader(f"{backend.url}/{RUN}", catalog=given) as reader:
                 target = empty_at(0)

@@ -102,9 +102,9 @@ def test_sigkill_during_a_save_resumes_exactly_where_stock_resume_crashes(
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         partial = tmp_path / "out" / "checkpoint-16"
         store = CheckpointStore(backend.url, backend.storage_options)
-        assert [m.step for m in store.complete("llama")] == [8]
+        assert [m.step for m in store.run("llama").complete()] == [8]
         if kill == "zephon_commit":  # its files are there, uncommitted
-            assert 16 in [listing.step for listing in store.list_steps("llama")]
+            assert 16 in [listing.step for listing in store.run("llama").list_steps()]
             assert (partial / "trainer_state.json").exists()  # the Trainer's folder is whole
             modes = ["zephon"]
         else:  # the same output_dir: first the stock resume, then Zephon's
@@ -121,8 +121,8 @@ def test_sigkill_during_a_save_resumes_exactly_where_stock_resume_crashes(
         assert re.search(r"resuming from \S*checkpoint-8\n", resumed.stdout), resumed.stdout
         assert_same_losses(losses, reference_losses, first=9)
 
-        assert [m.step for m in store.complete("llama")] == [16, MAX_STEPS]  # num_to_keep=2
-        assert store.lineage("llama").current.resumed_from == 8
+        assert [m.step for m in store.run("llama").complete()] == [16, MAX_STEPS]  # num_to_keep=2
+        assert store.run("llama").lineage().current.resumed_from == 8
         from catalog import Catalog
 
         with Catalog(catalog_url) as catalog:

@@ -65,12 +65,12 @@ def test_sigkill_mid_run_and_mid_save_resume_with_equal_losses_local(tmp_path, r
     # marker of step 12
     run_worker(tmp, save_dir, "r", "--catalog", catalog, "--kill-in-save-of", "12", killed=True)
     store = CheckpointStore(save_dir)
-    assert store.latest("r").step == 8
+    assert store.run("r").latest().step == 8
     losses = run_worker(tmp, save_dir, "r", "--catalog", catalog)
     steps = [s for s, _ in read_losses(losses)]
     assert steps == [*range(1, 11), *range(9, 13), *range(9, 17)]
     assert final_losses(losses) == reference
-    assert store.latest("r").step == 16
+    assert store.run("r").latest().step == 16
 
 
 def test_sigkill_mid_run_and_mid_save_resume_with_equal_losses_on_s3_and_postgresql(
