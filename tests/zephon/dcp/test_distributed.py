@@ -89,7 +89,7 @@ def test_a_rank_failing_in_write_data_fails_the_save_everywhere_without_a_marker
         assert error["type"] == "BackendUnavailableError", error
         assert "simulated" in error["message"] and f"__{last}_" in error["message"]
         assert record["step2_committed"] is False
-    assert not run.store().is_committed(RUN, 2)
+    assert not run.store().run(RUN).is_committed(2)
 
 
 def test_loading_an_uncommitted_checkpoint_is_refused_naming_the_marker(run):

@@ -96,7 +96,7 @@ def test_a_storage_failure_on_one_rank_raises_on_every_rank_without_a_marker(run
         error = record["write_failure"]
         assert error["type"] == "BackendUnavailableError" and error["is_exception"], error
         assert "simulated" in error["message"]
-    assert not run.store().is_committed(RUN, 5)
+    assert not run.store().run(RUN).is_committed(5)
 
 
 def test_a_second_writer_is_a_new_attempt_that_fences_out_the_first(run):
@@ -108,12 +108,12 @@ def test_a_second_writer_is_a_new_attempt_that_fences_out_the_first(run):
             assert conflict["type"] == "CheckpointExistsError", conflict
         assert "never overwritten" in conflict["message"]
         assert record["stale"]["type"] == "StaleAttemptError", record["stale"]
-    assert not run.store().is_committed(RUN, 6)
+    assert not run.store().run(RUN).is_committed(6)
 
 
 def test_the_catalog_records_every_save(run):
     if run.catalog is None:  # storage alone holds the same history
-        assert run.store().committed_steps(RUN) == [3, 4]
+        assert run.store().run(RUN).committed_steps() == [3, 4]
         return
     with Catalog(run.catalog) as catalog:
         states = {row.step: row.state for row in catalog.list_checkpoints(RUN)}

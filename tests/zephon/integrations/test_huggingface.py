@@ -61,7 +61,7 @@ def reference(tmp_path_factory) -> tuple[dict, str]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert losses is not None and sorted(map(int, losses)) == list(range(1, MAX_STEPS + 1))
-    kept = CheckpointStore(str(tmp / "ckpt")).complete("reference")
+    kept = CheckpointStore(str(tmp / "ckpt")).run("reference").complete()
     assert [m.step for m in kept] == [16, MAX_STEPS]  # retention without a catalog
     return losses, str(tmp / "ckpt")
 
@@ -191,7 +191,7 @@ def test_accelerate_save_and_load_round_trip_on_s3(s3_backend, tmp_path, sqlite_
     again.close()
     rows = {row.step: row.state for row in sqlite_catalog.list_checkpoints("acc")}
     assert rows == {3: "committed", 5: "committed"}
-    manifest = CheckpointStore(s3_backend.url, s3_backend.storage_options).latest("acc")
+    manifest = CheckpointStore(s3_backend.url, s3_backend.storage_options).run("acc").latest()
     assert manifest.step == 5 and manifest.metadata["framework"] == "accelerate"
     assert any(f.name == "optimizer.bin" for f in manifest.files)
 
@@ -234,7 +234,7 @@ def test_accelerate_on_two_ranks_saves_every_ranks_files_and_resumes_exactly(s3_
         assert sorted(resumed[rank]) == ["4", "5", "6"]
         assert resumed[rank] == {k: v for k, v in full[rank].items() if int(k) > 3}
     assert full[0] != full[1]  # the ranks really drew different data
-    manifest = CheckpointStore(s3_backend.url, s3_backend.storage_options).latest("acc2")
+    manifest = CheckpointStore(s3_backend.url, s3_backend.storage_options).run("acc2").latest()
     names = {f.name for f in manifest.files}
     assert {"random_states_0.pkl", "random_states_1.pkl", "optimizer.bin"} <= names
     assert sorted(downloads[0]) == sorted(names) and downloads[1] == []  # one per host

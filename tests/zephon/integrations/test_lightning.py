@@ -101,7 +101,7 @@ def test_num_to_keep_and_save_top_k_reach_zephon_retention(tmp_path):
     keep_dir, topk_dir = str(tmp_path / "keep"), str(tmp_path / "topk")
     catalog = f"sqlite:///{tmp_path / 'catalog.db'}"
     run_worker(tmp, keep_dir, "keep", "--catalog", catalog, "--keep", "2", "--epochs", "3")
-    assert [m.step for m in CheckpointStore(keep_dir).complete("keep")] == [8, 12]
+    assert [m.step for m in CheckpointStore(keep_dir).run("keep").complete()] == [8, 12]
     from catalog import Catalog
 
     with Catalog(catalog) as opened:
@@ -111,7 +111,7 @@ def test_num_to_keep_and_save_top_k_reach_zephon_retention(tmp_path):
     # checkpoint with two names) and 12 (better), then removes the name of step 4 through
     # remove_checkpoint; last.ckpt moved to 12, so step 4 is deleted
     run_worker(tmp, topk_dir, "topk", "--top-k", "1", "--epochs", "3")
-    assert [m.step for m in CheckpointStore(topk_dir).complete("topk")] == [12]
+    assert [m.step for m in CheckpointStore(topk_dir).run("topk").complete()] == [12]
 
 
 def test_round_trip_stores_only_safetensors_and_json(tmp_path):

@@ -131,7 +131,7 @@ def _top_k_run(tmp_path, name: str, plugin_of) -> tuple[list[int], list[int]]:
     trainer.fit(Tiny(), _loader(), ckpt_path=LATEST)
     kept = trainer.checkpoint_callback.best_k_models
     steps = sorted(int(p.rsplit("step=", 1)[1].split(".")[0]) for p in kept)
-    return steps, [m.step for m in CheckpointStore(save_dir).complete(RUN)]
+    return steps, [m.step for m in CheckpointStore(save_dir).run(RUN).complete()]
 
 
 def test_async_checkpoint_io_keeps_the_deletions_of_save_top_k(tmp_path):

@@ -247,7 +247,7 @@ def test_resume_from_the_local_tier_reads_no_payload_of_save_dir(s3_backend, tmp
     with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
         resume, equal = loads(manager, 3)
     assert (resume.step, equal, resume.values["notes"]) == (3, True, {"step": 3})
-    assert resume.url == CheckpointStore(str(tmp_path / "local")).checkpoint_url(RUN, 3)
+    assert resume.url == CheckpointStore(str(tmp_path / "local")).run(RUN).checkpoint_url(3)
 
 
 @pytest.mark.parametrize("damage", ["missing", "flipped"])
@@ -273,7 +273,7 @@ def test_resume_from_save_dir_when_the_local_copy_is_missing_or_damaged(
     ):
         resume, equal = loads(manager, 2)
     assert (resume.step, equal) == (2, True)
-    assert resume.url == s3_backend.open_store().checkpoint_url(RUN, 2)
+    assert resume.url == s3_backend.open_store().run(RUN).checkpoint_url(2)
     with Catalog(catalog_url) as catalog:
         assert catalog.get_checkpoint(RUN, 2).state == "committed"  # never quarantined
     if damage == "flipped":
@@ -369,8 +369,8 @@ def test_without_a_catalog_everything_works_untracked(s3_backend, tmp_path):
         for step in (1, 2, 3):
             manager.save(step, state_at(step))
         manager.finish()
-    assert s3_backend.open_store().committed_steps(RUN) == [3]
-    assert CheckpointStore(str(tmp_path / "local")).committed_steps(RUN) == [3]
+    assert s3_backend.open_store().run(RUN).committed_steps() == [3]
+    assert CheckpointStore(str(tmp_path / "local")).run(RUN).committed_steps() == [3]
     with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
         resume, equal = loads(manager, 3)
     assert (resume.step, equal) == (3, True)
@@ -417,7 +417,7 @@ def test_a_stale_attempt_never_touches_the_current_ones_local_checkpoints(
     new.wait()
     # 10 is of an abandoned history: it goes, and never counts as the newest local checkpoint
     assert local.run(RUN).committed_steps() == [4]
-    assert s3_backend.open_store().committed_steps(RUN) == [2, 3, 4]
+    assert s3_backend.open_store().run(RUN).committed_steps() == [2, 3, 4]
     old.close()
     new.close()
 

@@ -440,4 +440,6 @@ def test_an_uploader_that_dies_on_one_rank_fails_every_rank_within_seconds(
         refused = done["save 3 a"]
         assert refused["error"]["type"] in {"UploaderDiedError", "ZephonError"}, refused
         assert refused["seconds"] < 10, refused
-    assert CheckpointStore(bucket.url, bucket.storage_options).committed_steps("broken") == [1]
+    assert CheckpointStore(bucket.url, bucket.storage_options).run("broken").committed_steps() == [
+        1
+    ]
