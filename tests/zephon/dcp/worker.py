@@ -88,7 +88,8 @@ def error_record(exc: BaseException) -> dict:
 
 
 class FailingOpen:
-    """Wraps a CheckpointWriter's ``open`` so every file it opens fails after 10 bytes."""
+    """Wraps a CheckpointWriter's ``open`` so every file it opens fails after 10 bytes, as a
+    full disk under the backend does."""
 
     def __init__(self, writer) -> None:
         self.real_open = writer.open
@@ -103,7 +104,10 @@ class FailingOpen:
 
                 def write(data, crc=None):
                     real_write(bytes(memoryview(data).cast("B")[:10]))
-                    raise OSError(28, "simulated: no space left on device")
+                    # the disk fills beneath the backend, which translates what it raises
+                    target = handle._handle  # the backend's write handle (Backend.open_write)
+                    with target._backend._doing("writing", target.path, creating=True):
+                        raise OSError(28, "simulated: no space left on device")
 
                 handle.write = write
                 return handle
