@@ -172,7 +172,7 @@ class Sides:
     def zephon_writer(self, run: str, step: int, fence=None):
         from zephon import dcp as zd
 
-        primary = self.store.begin(run, step, fence=fence) if self.rank == 0 else None
+        primary = self.store.run(run).begin(step, fence=fence) if self.rank == 0 else None
         writer = zd.attach_ranks(self.store, run, step, primary)
         return zd.ZephonStorageWriter(writer, thread_count=self.threads)
 
@@ -184,7 +184,7 @@ class Sides:
         dist.barrier()
         if self.rank == 0:
             for step in steps:
-                self.store.delete(run, step)
+                self.store.run(run).delete(step)
             for name in dcp_names:
                 if self.local:
                     shutil.rmtree(self.dcp_dir(name), ignore_errors=True)

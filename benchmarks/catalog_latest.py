@@ -287,7 +287,7 @@ def _plant_checkpoints(store, run: str, steps: range, files: int, size: int = 64
     entry_crc = crc32c_of(payload)
     objects: dict[str, bytes] = {}
     for step in steps:
-        base = store.checkpoint_path(run, step)
+        base = store.run(run).checkpoint_path(step)
         names = [f"part-{i:03d}.bin" for i in range(files)]
         save_id = uuid.uuid4().hex
         manifest = Manifest(
@@ -318,7 +318,7 @@ def section_storage_scan(args: argparse.Namespace, results: list[Row]) -> list[R
         for _ in range(3):
             with count_s3_requests(fs) as counter:
                 start = time.perf_counter()
-                latest = store.latest_step("run")
+                latest = store.run("run").latest_step()
                 times.append((time.perf_counter() - start) * 1000)
             requests = counter.count
             assert latest == steps - 1, latest
@@ -366,7 +366,7 @@ def section_gc_requests(args: argparse.Namespace, results: list[Row]) -> list[Ro
                 report = collect_garbage(catalog, storage_options=server.storage_options())
                 seconds = time.perf_counter() - start
         assert len(report.deleted) == count, report
-        assert store.committed_steps("run") == [count]
+        assert store.run("run").committed_steps() == [count]
     deletes = counter.by_operation.get("DeleteObjects", 0) + counter.by_operation.get(
         "DeleteObject", 0
     )

@@ -148,12 +148,12 @@ def outage_case(proxy: FaultProxy, config: dict, store_url: str) -> dict:
     reached = None
     deadline = recovered + max(120.0, 4 * config["outage_s"])
     while time.perf_counter() < deadline:
-        if set(direct.committed_steps(run)) >= {1, 2, 3}:
+        if set(direct.run(run).committed_steps()) >= {1, 2, 3}:
             reached = time.perf_counter() - recovered
             break
         time.sleep(0.1)
     waiter.join(timeout=max(1.0, deadline - time.perf_counter()))
-    with_steps = sorted(direct.committed_steps(run))
+    with_steps = sorted(direct.run(run).committed_steps())
     manager.close()
     direct.close()
     return {

@@ -53,7 +53,7 @@ class Case:
             catalog.ensure_run(run, self.store.location.canonical_url)
         location = RunLocation(self.fenced_run, self.store, self.fenced_run)
         self.attempt = register(
-            location, catalog, lineage=self.store.lineage(self.fenced_run), resumed_from=None
+            location, catalog, lineage=self.store.run(self.fenced_run).lineage(), resumed_from=None
         )
         self.step = 0
 
@@ -66,8 +66,8 @@ class Case:
     def plain(self, files: dict[str, bytes]) -> None:
         self.step += 1
         run, step, store, catalog = self.plain_run, self.step, self.store, self.catalog
-        row = catalog.begin_checkpoint(run, step, store.checkpoint_url(run, step))
-        with store.begin(run, step, save_id=row.save_id) as writer:
+        row = catalog.begin_checkpoint(run, step, store.run(run).checkpoint_url(step))
+        with store.run(run).begin(step, save_id=row.save_id) as writer:
             writer.write_many(files)
             manifest = writer.commit()
         catalog.mark_committed(run, step, row.save_id, **manifest_facts(manifest))
@@ -96,7 +96,7 @@ def fence_seconds(case: Case, samples: int = 50) -> float:
     transaction, so storage's begin skips its check; without a catalog it makes it too)."""
     times = []
     for _ in range(samples):
-        times.append(timed(lambda: case.store.check_fence(case.fenced_run, case.attempt.fence)))
+        times.append(timed(lambda: case.store.run(case.fenced_run).check_fence(case.attempt.fence)))
     return statistics.median(times)
 
 

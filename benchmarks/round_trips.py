@@ -125,8 +125,8 @@ def storage_cases(endpoint: str, payloads: dict[str, dict[str, bytes]]) -> dict[
     cases: dict[str, Case] = {}
 
     def fenced(run: str):
-        fence = store.claim_attempt(run, after=store.lineage(run))
-        return store.decide_resume(run, fence, resumed_from=None)
+        fence = store.run(run).claim_attempt(after=store.run(run).lineage())
+        return store.run(run).decide_resume(fence, resumed_from=None)
 
     def commit_case(run: str, payload: dict[str, bytes]) -> Case:
         fence = fenced(run)
@@ -136,12 +136,12 @@ def storage_cases(endpoint: str, payloads: dict[str, dict[str, bytes]]) -> dict[
             step[0] += 1
 
         def fn() -> None:
-            with store.begin(run, step[0], fence=fence) as writer:
+            with store.run(run).begin(step[0], fence=fence) as writer:
                 writer.write_many(payload)
                 writer.commit()
 
         def teardown() -> None:  # keeps moto's memory small
-            store.delete_many(run, [step[0]])
+            store.run(run).delete_many([step[0]])
 
         return setup, fn, teardown
 
@@ -151,7 +151,7 @@ def storage_cases(endpoint: str, payloads: dict[str, dict[str, bytes]]) -> dict[
     run, fence, holder = f"begin-{tag}", fenced(f"begin-{tag}"), {}
     cases["begin"] = (
         lambda: None,
-        lambda: holder.update(writer=store.begin(run, 1, fence=fence)),
+        lambda: holder.update(writer=store.run(run).begin(1, fence=fence)),
         lambda: holder.pop("writer").abort(),
     )
     return cases
@@ -245,7 +245,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
                 t = timed(lambda loc=location: find_latest(loc, catalog=catalog))
                 record("latest, catalog", i, sample(proxies[i], t))
                 proxies[i].reset()
-                t = timed(lambda s=stores[i], r=run: s.latest(r))
+                t = timed(lambda s=stores[i], r=run: s.run(r).latest())
                 record("latest, no catalog", i, sample(proxies[i], t))
         catalog.close()
     for w in (w for per_variant in writers.values() for w in per_variant):

@@ -174,8 +174,8 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
 
     fence = None
     if rank == 0:  # one attempt of the fenced run, as a job start registers it
-        claimed = store.claim_attempt(FENCED_RUN, after=store.lineage(FENCED_RUN))
-        fence = store.decide_resume(FENCED_RUN, claimed, None)
+        claimed = store.run(FENCED_RUN).claim_attempt(after=store.run(FENCED_RUN).lineage())
+        fence = store.run(FENCED_RUN).decide_resume(claimed, None)
 
     def zephon_writer(step: int, run: str = RUN) -> zd.ZephonStorageWriter:
         return bench.zephon_writer(run, step, fence=fence if run == FENCED_RUN else None)
@@ -188,7 +188,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
         samples = []
         for _ in range(30):
             start = time.perf_counter()
-            store.check_fence(FENCED_RUN, fence)
+            store.run(FENCED_RUN).check_fence(fence)
             samples.append(time.perf_counter() - start)
         return 2 * statistics.median(samples)
 
@@ -202,7 +202,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
     dcp.save(state, storage_writer=dropin, checkpoint_id=f"{dropin_url}/save-999999")
     dist.barrier()
     if rank == 0:
-        store.delete(DROPIN_RUN, 999999)
+        store.run(DROPIN_RUN).delete(999999)
     dist.barrier()
 
     def dropin_save(step: int) -> None:
@@ -227,7 +227,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
                 "zephon",
                 lambda s=step: zephon_save(s),
                 lambda s=step: zephon_load(s),
-                store.checkpoint_path(RUN, step),
+                store.run(RUN).checkpoint_path(step),
             ),
         ]
         if i % 2:
@@ -258,7 +258,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
                 "dropin",
                 lambda s=step: dropin_save(s),
                 dropin_load,
-                store.checkpoint_path(DROPIN_RUN, step),
+                store.run(DROPIN_RUN).checkpoint_path(step),
             ),
         ]
         if i % 2:
@@ -294,7 +294,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
         for mode in ["load_cold", "load_warm"] if local else ["load"]:
             for label, verify in checks:
                 if mode == "load_cold" and rank == 0:
-                    evict(store.checkpoint_path(RUN, step))
+                    evict(store.run(RUN).checkpoint_path(step))
                 wall, cpu = timed_with_cpu(lambda s=step, v=verify: zephon_load(s, v))
                 r[f"{label}_{mode}"], r[f"{label}_{mode}_cpu"] = wall, cpu
                 check_loaded(f"{label} {mode}")
@@ -307,8 +307,8 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
             r[label] = timed(lambda s=step, run=run: zephon_save(s + 100, run))
         if rank == 0:
             r["fence_checks"] = fence_check_seconds()
-            store.delete(RUN, step + 100)
-            store.delete(FENCED_RUN, step + 100)
+            store.run(RUN).delete(step + 100)
+            store.run(FENCED_RUN).delete(step + 100)
         dist.barrier()
 
         # async: what the training loop waits for, then the whole background save

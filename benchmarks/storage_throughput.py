@@ -70,7 +70,7 @@ def bench_local(total_mib: int, repeats: int) -> list[tuple]:
         step = iter(range(10**6))
 
         def zephon():
-            with store.begin("bench", next(step)) as writer:
+            with store.run("bench").begin(next(step)) as writer:
                 writer.write_many(payload)
                 writer.commit()
 
@@ -107,7 +107,7 @@ def bench_s3(s3: servers.S3Server, total_mib: int, repeats: int) -> list[tuple]:
         store = CheckpointStore(f"s3://{bucket}/zephon", s3.storage_options())
 
         def zephon():
-            with store.begin("bench", next(counter)) as writer:
+            with store.run("bench").begin(next(counter)) as writer:
                 writer.write_many(files)
                 writer.commit()
 
@@ -127,7 +127,7 @@ def bench_scan(s3: servers.S3Server, steps: int) -> list[tuple]:
     store = CheckpointStore(f"s3://{bucket}/ckpt", s3.storage_options())
 
     def save(step: int) -> None:
-        with store.begin("run", step) as writer:
+        with store.run("run").begin(step) as writer:
             writer.write_bytes("state.json", b"{}")
             writer.commit()
 
@@ -136,8 +136,8 @@ def bench_scan(s3: servers.S3Server, steps: int) -> list[tuple]:
     fs = store.location.fs
 
     with count_s3_requests(fs) as zephon_requests:
-        zephon_time = timed(lambda: store.committed_steps("run"))
-    found = store.committed_steps("run")
+        zephon_time = timed(lambda: store.run("run").committed_steps())
+    found = store.run("run").committed_steps()
     assert len(found) == steps, len(found)
 
     def naive():
@@ -147,7 +147,7 @@ def bench_scan(s3: servers.S3Server, steps: int) -> list[tuple]:
     with count_s3_requests(fs) as naive_requests:
         naive_time = timed(naive)
     with count_s3_requests(fs) as latest_requests:
-        latest_time = timed(lambda: store.latest_step("run"))
+        latest_time = timed(lambda: store.run("run").latest_step())
     return [
         (
             f"scan {steps} steps: list + HEAD per step (baseline)",

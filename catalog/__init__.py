@@ -19,6 +19,7 @@ from catalog.errors import (
     CatalogUnavailableError,
     CheckpointExistsError,
     CheckpointRecordNotFoundError,
+    FencedOutError,
     InvalidTransitionError,
     InvalidValueError,
     MigrationsNotFoundError,
@@ -30,7 +31,6 @@ from catalog.errors import (
     SchemaError,
     SchemaOutdatedError,
     SchemaUnversionedError,
-    StaleAttemptError,
     StateConflictError,
 )
 from catalog.models import CheckpointState, ReplicaState, ReplicaTier, RunKind, RunStatus
@@ -115,7 +115,7 @@ __all__ = [
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaUnversionedError",
-    "StaleAttemptError",
+    "FencedOutError",
     "StateConflictError",
     "SyncOutcome",
     "claim_holder",

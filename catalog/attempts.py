@@ -35,7 +35,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from catalog import guarded
-from catalog.errors import InvalidValueError, StaleAttemptError
+from catalog.errors import FencedOutError, InvalidValueError
 from catalog.models import Attempt, Checkpoint, CheckpointState, Run
 from catalog.records import AttemptRecord
 from catalog.retention import ResumePoint
@@ -67,13 +67,13 @@ def all_of(session: Session, run: Run) -> list[Attempt]:
 
 
 def check_current(session: Session, url: str, run: Run, epoch: int) -> None:
-    """The fence: raise ``StaleAttemptError`` unless ``epoch`` is the run's current epoch.
+    """The fence: raise ``FencedOutError`` unless ``epoch`` is the run's current epoch.
 
     The caller must hold the run row's ``share`` (or ``update``) lock, taken when it read
     ``run``, and make its change in the same transaction; see the module docstring.
     """
     if run.epoch != epoch:
-        raise StaleAttemptError(url, run.name, epoch, current_record(session, run))
+        raise FencedOutError(url, run.name, epoch, current_record(session, run))
 
 
 def abandonment_reason(epoch: int, resumed_from: int | None) -> str:
@@ -92,7 +92,7 @@ def register(
     Returns ``(attempt, abandoned steps ascending, registered)``; ``registered`` is False when
     the same attempt (same epoch and attempt id) was already current: a retried call, which
     changes nothing. The caller holds the run row's ``update`` lock. Raises
-    ``StaleAttemptError`` for an epoch not above the current one.
+    ``FencedOutError`` for an epoch not above the current one.
     """
     epoch = values["epoch"]
     existing = current(session, run)
@@ -102,7 +102,7 @@ def register(
     ):
         return existing, [], False
     if epoch <= run.epoch:
-        raise StaleAttemptError(url, run.name, epoch, current_record(session, run))
+        raise FencedOutError(url, run.name, epoch, current_record(session, run))
     decided = "resumed_from" in values
     attempt = Attempt(
         run_id=run.id,
@@ -124,7 +124,7 @@ def decide(
     """The current attempt ``epoch`` resumes from ``resumed_from``: record it and, in the same
     transaction, abandon every older attempt's row above it. ``(attempt, abandoned, changed)``;
     deciding the same again changes nothing. The caller holds the run row's ``update`` lock;
-    a stale ``epoch`` raises ``StaleAttemptError``, another decision ``InvalidValueError``."""
+    a stale ``epoch`` raises ``FencedOutError``, another decision ``InvalidValueError``."""
     check_current(session, url, run, epoch)
     attempt = current(session, run)
     assert attempt is not None

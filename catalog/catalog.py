@@ -15,7 +15,7 @@ not cross a ``fork()``: each process opens its own.
 Fencing: a job registers each of its starts with ``register_attempt`` and passes that
 attempt's ``epoch`` to the fenced calls (``begin_checkpoint``, ``mark_committed``, and
 ``update_run``/``claim_for_deletion`` when given an epoch), which are refused with
-``StaleAttemptError`` unless it is the run's current epoch, checked in the transaction that
+``FencedOutError`` unless it is the run's current epoch, checked in the transaction that
 makes the change (``catalog.attempts``).
 
 Errors: argument problems raise ``InvalidValueError`` before any database work; database

@@ -444,7 +444,7 @@ class StateConflictError(InvalidTransitionError):
         )
 
 
-class StaleAttemptError(CatalogError):
+class FencedOutError(CatalogError):
     """A fenced call presented an epoch that is not the run's current attempt.
 
     ``epoch`` is the caller's, ``current`` the run's current attempt (None when the run never

@@ -6,8 +6,8 @@ Knows nothing of the catalog or torch.
 Besides checkpoints, the public API offers what a layer that keeps its own small files on a
 ``Location`` needs (``zephon.pipeline``'s aggregation, ``zephon.dcp``'s reader): the backend
 primitives of ``storage.backend`` (``list_files``, ``read_small``, ``create_settled``, ...,
-each a call of the location's ``Backend``), ``backend_errors`` (backend failures as
-``BackendUnavailableError``), the CRC32C helpers of ``storage.checksum``, the name and step
+each a call of the location's ``Backend``, which translates its failures into
+``BackendUnavailableError`` once), the CRC32C helpers of ``storage.checksum``, the name and step
 checks of ``storage.layout`` (``parse_number``: every number read from a name or argument),
 ``parse_json`` (every JSON document read from storage, depth-limited), the redaction of
 secrets from messages (``storage.redact``), ``concurrently`` (requests sent together) and
@@ -19,10 +19,11 @@ manifest). Every backend primitive tries transient failures again under the loca
 from storage.backend import (
     CreateOutcome,
     ListedFile,
-    backend_errors,
     create_exclusive,
     create_settled,
     file_exists,
+    forget_cached,
+    is_dir,
     list_files,
     make_dirs,
     put_small,
@@ -37,9 +38,9 @@ from storage.errors import (
     CheckpointNotFoundError,
     CommitConflictError,
     CorruptCheckpointError,
+    FencedOutError,
     InvalidArgumentError,
     InvalidNameError,
-    StaleAttemptError,
     StorageError,
     StorageOptionsRefusedError,
     WriteAbortedError,
@@ -61,8 +62,9 @@ from storage.parallel import concurrently
 from storage.reader import CheckpointReader
 from storage.redact import redact, redact_options, secrets_in
 from storage.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
+from storage.run_store import RunStore, new_save_id
 from storage.scan import StepListing
-from storage.store import CheckpointStore, Orphan, new_save_id
+from storage.store import CheckpointStore, Orphan
 from storage.verify import FileProblem, VerifyReport, verify_checkpoint
 from storage.writer import CheckpointWriter
 
@@ -74,7 +76,7 @@ __all__ = [
     "AttemptRecord",
     "Fence",
     "Lineage",
-    "StaleAttemptError",
+    "FencedOutError",
     "new_save_id",
     "validate_save_id",
     "BackendUnavailableError",
@@ -92,6 +94,7 @@ __all__ = [
     "Location",
     "Manifest",
     "Orphan",
+    "RunStore",
     "RetryPolicy",
     "DEFAULT_RETRY",
     "NO_RETRY",
@@ -119,10 +122,11 @@ __all__ = [
     "Backend",
     "CreateOutcome",
     "ListedFile",
-    "backend_errors",
     "create_exclusive",
     "create_settled",
     "file_exists",
+    "forget_cached",
+    "is_dir",
     "list_files",
     "make_dirs",
     "put_small",

@@ -1,22 +1,22 @@
-"""The boundary between the storage layer and fsspec: backend errors translated once, and the
-few primitive operations whose behaviour differs per backend, each a call of the location's
-``Backend`` (``storage.backends``: one class per family of filesystems, chosen once when the
-location was opened). Everything in the storage layer (and zephon, through ``storage``) calls
-these functions; what differs between backends lives only in the backend classes.
+"""The few primitive operations whose behaviour differs per backend, each a call of the
+location's ``Backend`` (``storage.backends``: one class per family of filesystems, chosen once
+when the location was opened), and ``create_settled``, the create-only write whose lost reply
+is settled by reading back. The backend classes are the only code that calls fsspec, and
+they translate its errors once (``storage.backends.translate``): every function here raises a
+``StorageError`` naming the location's URL, or the file-level ``FileNotFoundError`` and
+``FileExistsError`` answers for the caller to interpret.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
 from storage.backends.base import ListedFile, mtime_of
-from storage.errors import BackendUnavailableError, StorageError, StorageOptionsRefusedError
-from storage.redact import redact
+from storage.backends.translate import is_backend_failure
+from storage.errors import BackendUnavailableError, StorageOptionsRefusedError
 from storage.retry import retry_summary
 
 if TYPE_CHECKING:
@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 __all__ = [
     "CreateOutcome",
     "ListedFile",
-    "backend_errors",
     "create_exclusive",
     "create_settled",
     "file_exists",
+    "forget_cached",
     "get_file",
+    "is_dir",
     "list_dirs",
     "list_files",
     "make_dirs",
@@ -49,122 +50,10 @@ __all__ = [
     "sync_dirs",
 ]
 
-_PASSTHROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
-_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "gcsfs", "requests", "urllib3")
-#: libraries whose own code raising a TypeError or AttributeError means unusable options
-_BACKEND_MODULES = (*_NETWORK_MODULES, "s3fs", "gcsfs", "adlfs", "fsspec.implementations")
-
-
-def _raised_in_backend(exc: BaseException) -> bool:
-    """Whether the exception was raised inside a backend library (s3fs, gcsfs, fsspec's
-    implementations, botocore, ...): a TypeError or AttributeError there means the backend was
-    given options it cannot use (s3fs builds its session lazily, on the first request)."""
-    tb = exc.__traceback__
-    module = ""
-    while tb is not None:
-        module = tb.tb_frame.f_globals.get("__name__", "") or ""
-        tb = tb.tb_next
-    return module.startswith(_BACKEND_MODULES)
-
-
-def _is_backend_failure(exc: BaseException) -> bool:
-    if isinstance(exc, (*_PASSTHROUGH, StorageError)):
-        return False
-    if isinstance(exc, OSError | ConnectionError | TimeoutError):
-        return True
-    module = type(exc).__module__ or ""
-    if module.startswith(_NETWORK_MODULES):
-        return True
-    return isinstance(exc, TypeError | AttributeError | KeyError) and _raised_in_backend(exc)
-
-
-@contextlib.contextmanager
-def backend_errors(location: Location, action: str) -> Iterator[None]:
-    """Turn a backend's transport, permission and disk errors into ``BackendUnavailableError``.
-
-    ``action`` says what was being done ("listing run r1", "writing save-5/x.bin"); file-level
-    not-found and exists errors pass through for the caller to interpret. The backend's text is
-    redacted: botocore, aiohttp and fsspec echo URLs, bucket names and request parameters,
-    which may carry the credentials of the URL or storage_options.
-    """
-    try:
-        yield
-    except Exception as exc:
-        if not _is_backend_failure(exc):
-            raise
-        tried = retry_summary(exc)
-        what = f"{action} failed on {location.url}{f' {tried}' if tried else ''}: "
-        what += f"{type(exc).__name__}: {redact(exc, location.secrets)}"
-        if isinstance(exc, TypeError | AttributeError | KeyError):
-            raise StorageOptionsRefusedError(what, url=location.url) from exc
-        if isinstance(exc, OSError) and exc.errno == errno.EROFS:
-            fix = read_only_fix(location)
-        elif isinstance(exc, PermissionError) and location.backend.posix_paths:
-            fix = f"check that this user may read and write under {location.url}"
-        elif isinstance(exc, PermissionError):
-            fix = "check the credentials and permissions in storage_options"
-        elif isinstance(exc, OSError) and exc.errno in {errno.ENOSPC, errno.EDQUOT}:
-            fix = full_disk_fix(location)
-        elif tried:
-            fix = "check that the endpoint is reachable, or give the store a longer retry deadline"
-        else:
-            fix = "check that the endpoint is reachable and storage_options are right"
-        raise BackendUnavailableError(f"{what}; {fix}", url=location.url) from exc
-
-
-def read_only_fix(location: Location) -> str:
-    """What to do when the filesystem under ``location`` is mounted read-only."""
-    instead = (
-        f"set {location.role} to a writable directory"
-        if location.role is not None
-        else "use a writable location"
-    )
-    return f"{location.url} is on a read-only filesystem: remount it read-write or {instead}"
-
-
-def missing_parent_fix(location: Location) -> str:
-    """What to do when a file cannot be created because what holds it does not exist: the
-    bucket of an object store, a directory that cannot be made on local disk."""
-    if location.backend.has_directories:
-        return (
-            f"the directory {location.url} must exist or be creatable: create it first or fix "
-            "the path"
-        )
-    bucket = location.display(location.root.split("/", 1)[0])
-    return f"the bucket {bucket} must exist: create it first or fix the URL"
-
-
-def _created(location: Location, path: str, create: Callable[[], None]) -> None:
-    """Run ``create`` (a make-directories or a create-only write): "not found" (or "not a
-    directory") can only mean the bucket or a parent directory is missing, which is the
-    storage being unusable, not an answer for the caller to interpret (as it is for a read)."""
-    try:
-        create()
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        raise BackendUnavailableError(
-            f"creating {location.display(path)} failed: {type(exc).__name__}: "
-            f"{redact(exc, location.secrets)}; {missing_parent_fix(location)}",
-            url=location.url,
-        ) from exc
-
-
-def full_disk_fix(location: Location) -> str:
-    """What to do when the disk (or quota) under ``location`` is full: named by the setting
-    the location came from (``Location.role``), since only its owner knows which to change."""
-    if location.role is not None:
-        return (
-            f"the disk holding {location.role} {location.url} is full: free space there or "
-            f"set {location.role} to a directory on a larger disk"
-        )
-    return (
-        f"the disk holding {location.url} is full: free space there or use a location on a "
-        "larger disk"
-    )
-
-
 # -- the primitives: each asks the location's backend (storage.backends), chosen when the
 # location was opened, which tries transient failures again under its policy
-# (``location.retry``). One call style everywhere: ``operation(location, path, ...)``.
+# (``location.retry``) and translates its errors. One call style everywhere:
+# ``operation(location, path, ...)``.
 
 
 def list_files(location: Location, path: str, *, prefix: str = "") -> list[ListedFile]:
@@ -201,7 +90,7 @@ def make_dirs(location: Location, path: str, *, durable: bool = False) -> None:
     """Make directory ``path`` and its parents where the backend needs them before a file is
     written into it (local disk); ``durable``: the new entries survive a power loss.
     ``BackendUnavailableError`` if the directory cannot exist there."""
-    _created(location, path, lambda: location.backend.make_dirs(path, durable=durable))
+    location.backend.make_dirs(path, durable=durable)
 
 
 def sync_dirs(location: Location, paths: Iterable[str]) -> None:
@@ -249,6 +138,17 @@ def get_file(location: Location, path: str, local_path: str) -> None:
     location.backend.get_file(path, local_path)
 
 
+def is_dir(location: Location, path: str) -> bool:
+    """Whether ``path`` is a directory (on object stores: a prefix with keys below it)."""
+    return location.backend.is_dir(path)
+
+
+def forget_cached(location: Location, path: str) -> None:
+    """Drop what the location's filesystem cached about ``path`` and below, so that the next
+    listing asks the backend (another process may have written there)."""
+    location.backend.forget_cached(path)
+
+
 def read_ranges(location: Location, path: str, size: int, chunk: int) -> Iterator[bytes]:
     """A file of known size as consecutive chunks, without first asking the backend its size."""
     return location.backend.read_ranges(path, size, chunk)
@@ -260,7 +160,7 @@ def create_exclusive(location: Location, path: str, data: bytes) -> None:
     ``location.backend.exclusive_create``: local disk (temp file + hard link), S3 and GCS
     (create-only PUT), memory; elsewhere check-then-put, where the last of two racers wins.
     ``BackendUnavailableError`` naming the bucket or directory if it does not exist."""
-    _created(location, path, lambda: location.backend.create_exclusive(path, data))
+    location.backend.create_exclusive(path, data)
 
 
 def put_bytes(location: Location, path: str, data: bytes, part_size: int) -> None:
@@ -316,7 +216,8 @@ def outcome_unknown(exc: BaseException) -> bool:
         return False
     if isinstance(exc, BackendUnavailableError):  # judged by what it translated, if anything
         return exc.__cause__ is None or outcome_unknown(exc.__cause__)
-    return _is_backend_failure(exc) and not isinstance(exc, TypeError | AttributeError | KeyError)
+    refusals = TypeError | AttributeError | KeyError | NotImplementedError
+    return is_backend_failure(exc) and not isinstance(exc, refusals)
 
 
 def create_settled(
@@ -339,8 +240,8 @@ def create_settled(
     the file may be there, or still appear), a refusal (``PermissionError``,
     ``FileNotFoundError``...) at once, and ``FileExistsError`` only if something keeps
     refusing the create while ``path`` reads as absent (a POSIX ``.claim`` file left by a
-    crashed creator). Translate with ``backend_errors`` around the call, as for the other
-    primitives.
+    crashed creator); a failure of the backend is a ``BackendUnavailableError`` (translated by
+    the backend, as for every primitive).
     """
     unknown = 0
     last: BaseException | None = None

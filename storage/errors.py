@@ -77,7 +77,7 @@ class WriteAbortedError(StorageError):
     """A writer was used after it was committed or aborted, or a write into it failed."""
 
 
-class StaleAttemptError(StorageError):
+class FencedOutError(StorageError):
     """A newer attempt (job start) of the run took over: this process must stop saving.
 
     ``epoch`` is the caller's fencing token; ``current`` describes the attempt that holds the

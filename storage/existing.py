@@ -15,7 +15,6 @@ import time
 from typing import TYPE_CHECKING
 
 from storage.backend import (
-    backend_errors,
     create_settled,
     file_exists,
     list_files,
@@ -25,7 +24,7 @@ from storage.backend import (
     sync_dirs,
 )
 from storage.checksum import crc32c_of
-from storage.errors import CommitConflictError, CorruptCheckpointError, StaleAttemptError
+from storage.errors import CommitConflictError, CorruptCheckpointError, FencedOutError
 from storage.layout import CORRUPT_PREFIX
 from storage.lineage import AttemptRecord, Fence, Lineage, newer_epochs
 from storage.manifest import Manifest
@@ -61,10 +60,10 @@ def stale_error(
     current: AttemptRecord | None,
     *,
     unfenced: bool = False,
-) -> StaleAttemptError:
+) -> FencedOutError:
     """The error for a writer of ``epoch`` that ``current`` superseded (or, ``unfenced``, a
     writer without a fence on a fenced run), naming the current attempt."""
-    url = store.location.display(store.run_path(run))
+    url = store.location.display(store.run(run).run_path())
     who = current.describe() if current is not None else "a newer attempt"
     if unfenced:
         message = (
@@ -78,7 +77,7 @@ def stale_error(
             f"attempt {who} took over; this process is a stale attempt (a preempted job still "
             "running?): stop saving"
         )
-    return StaleAttemptError(message, epoch=epoch, current=current, url=url, run=run)
+    return FencedOutError(message, epoch=epoch, current=current, url=url, run=run)
 
 
 #: ``settle_existing``'s default: the marker has not been read yet
@@ -97,18 +96,18 @@ def settle_existing(
     """Judge the marker at ``(run, step)`` for a new save; True if it was superseded (look
     again: another one may have appeared), False if the step is free. ``marker`` is its bytes
     (None: absent) when the caller already read them, e.g. alongside the fence check."""
-    url = store.checkpoint_url(run, step)
-    data = store.marker_bytes(run, step) if marker is UNREAD else marker
+    url = store.run(run).checkpoint_url(step)
+    data = store.run(run).marker_bytes(step) if marker is UNREAD else marker
     if data is None:
         return False
     try:
-        manifest = store.parse_marker(run, step, data)
+        manifest = store.run(run).parse_marker(step, data)
     except CorruptCheckpointError as exc:
         replace_marker(store, run, step, None, data, f"damaged marker: {exc.problems[:1]}")
         return True
     epoch = fence.epoch if fence is not None else 0
     if manifest.epoch > epoch:
-        current = newer_epochs(store.location, store.run_path(run), epoch)
+        current = newer_epochs(store.location, store.run(run).run_path(), epoch)
         raise stale_error(store, run, epoch, current)
     why_not = lineage.why_not(manifest.epoch, step)
     condemned = is_condemned(store, run, step, manifest.save_id)
@@ -139,18 +138,17 @@ def replace_marker(
     abandoned history is garbage and goes with its payload directory.
     """
     location = store.location
-    step_path = store.checkpoint_path(run, step)
-    with backend_errors(location, f"superseding {store.checkpoint_url(run, step)}"):
-        keep = manifest is None or why == "condemned"
-        if keep:
-            key = manifest.save_id if manifest is not None else f"marker-{crc32c_of(data)}"
-            write_record(store, run, step, key, why, data)
-        remove_files(location, [store.marker_path(run, step)])
-        sync_dirs(location, [step_path])
-        if not keep and manifest is not None and manifest.payload:
-            payload = f"{step_path}/{manifest.payload}"
-            remove_files(location, [f.path for f in list_files(location, payload)])
-            remove_empty_dirs(location, payload)
+    step_path = store.run(run).checkpoint_path(step)
+    keep = manifest is None or why == "condemned"
+    if keep:
+        key = manifest.save_id if manifest is not None else f"marker-{crc32c_of(data)}"
+        write_record(store, run, step, key, why, data)
+    remove_files(location, [store.run(run).marker_path(step)])
+    sync_dirs(location, [step_path])
+    if not keep and manifest is not None and manifest.payload:
+        payload = f"{step_path}/{manifest.payload}"
+        remove_files(location, [f.path for f in list_files(location, payload)])
+        remove_empty_dirs(location, payload)
 
 
 def condemn(
@@ -170,16 +168,14 @@ def write_record(
         {"reason": why, "at": time.time(), "marker": data.decode("utf-8", "replace")},
         sort_keys=True,
     ).encode("utf-8")
-    path = f"{store.checkpoint_path(run, step)}/{CORRUPT_PREFIX}{key}"
+    path = f"{store.run(run).checkpoint_path(step)}/{CORRUPT_PREFIX}{key}"
     location = store.location
-    with backend_errors(location, f"condemning {store.checkpoint_url(run, step)}"):
-        make_dirs(location, store.checkpoint_path(run, step))
-        with contextlib.suppress(FileExistsError):
-            create_settled(location, path, record)  # one there already (any reason) will do
+    make_dirs(location, store.run(run).checkpoint_path(step))
+    with contextlib.suppress(FileExistsError):
+        create_settled(location, path, record)  # one there already (any reason) will do
 
 
 def is_condemned(store: CheckpointStore, run: str | None, step: int, save_id: str) -> bool:
     """Whether a ``_CORRUPT`` record condemns save ``save_id`` of the step (one request)."""
-    path = f"{store.checkpoint_path(run, step)}/{CORRUPT_PREFIX}{save_id}"
-    with backend_errors(store.location, f"checking {store.checkpoint_url(run, step)}"):
-        return file_exists(store.location, path)
+    path = f"{store.run(run).checkpoint_path(step)}/{CORRUPT_PREFIX}{save_id}"
+    return file_exists(store.location, path)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from storage.backend import backend_errors, list_files, remove_dir, remove_empty_dirs, remove_files
+from storage.backend import list_files, remove_dir, remove_empty_dirs, remove_files
 from storage.errors import CheckpointNotFoundError, CorruptCheckpointError
 from storage.layout import CORRUPT_PREFIX, MARKER_NAME
 
@@ -57,13 +57,13 @@ def find_orphans(
             found.append(Orphan(run, step, save_id, path, store.location.display(path), mtime, age))
 
     for run in targets:
-        for listing in store.list_steps(run, detail=True):
+        for listing in store.run(run).list_steps(detail=True):
             saves = {k: v for k, v in listing.saves.items() if k not in listing.condemned}
             if listing.committed:
                 if len(listing.saves) < 2:
                     continue  # the one payload directory is the marker's
                 try:
-                    keep = store.read_manifest(run, listing.step).payload
+                    keep = store.run(run).read_manifest(listing.step).payload
                 except (CorruptCheckpointError, CheckpointNotFoundError):
                     continue  # judged by whoever reads the marker, not by age
                 saves.pop(keep, None)
@@ -78,42 +78,40 @@ def remove_orphan(store: CheckpointStore, orphan: Orphan) -> None:
     """Delete one leftover found by ``orphans``: a payload directory, or the loose files of
     an uncommitted step (never a marker, a record or another save's directory)."""
     location = store.location
-    with backend_errors(location, f"removing {orphan.url}"):
-        if orphan.save_id is not None:
-            remove_files(location, [f.path for f in list_files(location, orphan.path)])
-            remove_empty_dirs(location, orphan.path)
-        else:
-            step_path = orphan.path
-            loose = [
-                f.path
-                for f in list_files(location, step_path)
-                if "/" not in f.path[len(step_path) + 1 :]
-                and f.path.rsplit("/", 1)[-1] != MARKER_NAME
-                and not f.path.rsplit("/", 1)[-1].startswith(CORRUPT_PREFIX)
-            ]
-            remove_files(location, loose)
-        remove_dir(location, store.checkpoint_path(orphan.run, orphan.step))  # if now empty
+    if orphan.save_id is not None:
+        remove_files(location, [f.path for f in list_files(location, orphan.path)])
+        remove_empty_dirs(location, orphan.path)
+    else:
+        step_path = orphan.path
+        loose = [
+            f.path
+            for f in list_files(location, step_path)
+            if "/" not in f.path[len(step_path) + 1 :]
+            and f.path.rsplit("/", 1)[-1] != MARKER_NAME
+            and not f.path.rsplit("/", 1)[-1].startswith(CORRUPT_PREFIX)
+        ]
+        remove_files(location, loose)
+    remove_dir(location, store.run(orphan.run).checkpoint_path(orphan.step))  # if now empty
 
 
 def condemned_saves(store: CheckpointStore, run: str | None) -> list[tuple[int, str]]:
     """``(step, save_id)`` of every save a ``_CORRUPT`` record condemns (for
     ``zephon gc --corrupt``)."""
-    return [(s.step, save) for s in store.list_steps(run) for save in sorted(s.condemned)]
+    return [(s.step, save) for s in store.run(run).list_steps() for save in sorted(s.condemned)]
 
 
 def remove_condemned(store: CheckpointStore, run: str | None, step: int, save_id: str) -> None:
     """Delete a condemned save: its marker if it is still the step's, its payload
     directory, then its ``_CORRUPT`` record (last, so a crash leaves it findable)."""
-    step_path = store.checkpoint_path(run, step)
+    step_path = store.run(run).checkpoint_path(step)
     location = store.location
-    with backend_errors(location, f"removing condemned {store.checkpoint_url(run, step)}"):
-        try:
-            if store.read_manifest(run, step).save_id == save_id:
-                remove_files(location, [store.marker_path(run, step)])
-        except (CorruptCheckpointError, CheckpointNotFoundError):
-            pass
-        payload = f"{step_path}/{save_id}"
-        remove_files(location, [f.path for f in list_files(location, payload)])
-        remove_empty_dirs(location, payload)
-        remove_files(location, [f"{step_path}/{CORRUPT_PREFIX}{save_id}"])
-        remove_dir(location, step_path)  # if now empty
+    try:
+        if store.run(run).read_manifest(step).save_id == save_id:
+            remove_files(location, [store.run(run).marker_path(step)])
+    except (CorruptCheckpointError, CheckpointNotFoundError):
+        pass
+    payload = f"{step_path}/{save_id}"
+    remove_files(location, [f.path for f in list_files(location, payload)])
+    remove_empty_dirs(location, payload)
+    remove_files(location, [f"{step_path}/{CORRUPT_PREFIX}{save_id}"])
+    remove_dir(location, step_path)  # if now empty

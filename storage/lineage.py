@@ -5,7 +5,7 @@ Every start of a job that writes checkpoints claims the next **epoch** of its ru
 ``<run>/_attempts/<epoch>.json`` exclusively, with the same create-only write that publishes a
 commit marker (POSIX ``link``, S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``). Of two
 attempts racing for one epoch exactly one wins; the newest record is the current attempt, and
-every write of an older one is refused once it re-checks (``StaleAttemptError``).
+every write of an older one is refused once it re-checks (``FencedOutError``).
 
 The claim comes first and fences older attempts; only then does the attempt choose where it
 resumes, and record it, again create-only, as ``<epoch>.resume.json``. Choosing before the claim
@@ -34,8 +34,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from storage.backend import backend_errors, create_settled, list_files, make_dirs, read_small
-from storage.errors import CorruptCheckpointError, StaleAttemptError
+from storage.backend import create_settled, list_files, make_dirs, read_small
+from storage.errors import CorruptCheckpointError, FencedOutError
 from storage.jsondoc import parse_json
 from storage.layout import ATTEMPTS_DIR
 from storage.location import Location
@@ -272,34 +272,31 @@ def _read_record(location: Location, directory: str, epoch: int, decided_: bool)
 def read_lineage(location: Location, run_path: str) -> Lineage:
     """The run's lineage: one listing of its attempt records and one read of the newest."""
     directory = attempts_path(location, run_path)
-    with backend_errors(location, f"reading the attempts of {location.display(run_path)}"):
-        claimed, decided_epochs = _epochs(location, directory)
-        if not claimed:
-            return Lineage(None)
-        newest = claimed[-1]
-        return Lineage(_read_record(location, directory, newest, newest in decided_epochs))
+    claimed, decided_epochs = _epochs(location, directory)
+    if not claimed:
+        return Lineage(None)
+    newest = claimed[-1]
+    return Lineage(_read_record(location, directory, newest, newest in decided_epochs))
 
 
 def read_records(location: Location, run_path: str) -> list[AttemptRecord]:
     """Every attempt record of the run, oldest first (one listing, one read per record)."""
     directory = attempts_path(location, run_path)
-    with backend_errors(location, f"reading the attempts of {location.display(run_path)}"):
-        claimed, decided_epochs = _epochs(location, directory)
-        return [_read_record(location, directory, e, e in decided_epochs) for e in claimed]
+    claimed, decided_epochs = _epochs(location, directory)
+    return [_read_record(location, directory, e, e in decided_epochs) for e in claimed]
 
 
 def newer_epochs(location: Location, run_path: str, epoch: int) -> AttemptRecord | None:
     """The newest attempt record if one is newer than ``epoch`` (the fence re-check: one
     listing), else None."""
     directory = attempts_path(location, run_path)
-    with backend_errors(location, f"checking the attempts of {location.display(run_path)}"):
-        claimed, _ = _epochs(location, directory)
-        if not claimed or claimed[-1] <= epoch:
-            return None
-        try:
-            return _read_record(location, directory, claimed[-1], False)
-        except (CorruptCheckpointError, FileNotFoundError):
-            return AttemptRecord(None, claimed[-1], "?", "?", 0, "?", None)
+    claimed, _ = _epochs(location, directory)
+    if not claimed or claimed[-1] <= epoch:
+        return None
+    try:
+        return _read_record(location, directory, claimed[-1], False)
+    except (CorruptCheckpointError, FileNotFoundError):
+        return AttemptRecord(None, claimed[-1], "?", "?", 0, "?", None)
 
 
 def claim_attempt(
@@ -313,7 +310,7 @@ def claim_attempt(
 ) -> AttemptRecord:
     """Create the (undecided) record of a new attempt, the epoch after ``after`` (or
     ``min_epoch`` if higher), exclusively. If another attempt registered since ``after`` was
-    read, the create fails and ``StaleAttemptError`` names it: read the lineage again."""
+    read, the create fails and ``FencedOutError`` names it: read the lineage again."""
     epoch = max(after.epoch + 1, min_epoch)
     record = after.claim(run, epoch, attempt_id=attempt_id)
     _create(location, run_path, run, record_name(epoch), record, epoch)
@@ -324,11 +321,11 @@ def decide_resume(
     location: Location, run_path: str, record: AttemptRecord, resumed_from: int | None
 ) -> AttemptRecord:
     """Record where the attempt ``record`` resumes (create-only ``<epoch>.resume.json``) and
-    return its decided record. Refused with ``StaleAttemptError`` if a newer attempt claimed
+    return its decided record. Refused with ``FencedOutError`` if a newer attempt claimed
     the run meanwhile; deciding the same again returns the existing decision."""
     newer = newer_epochs(location, run_path, record.epoch)
     if newer is not None:
-        raise StaleAttemptError(
+        raise FencedOutError(
             f"attempt epoch {record.epoch} of {location.display(run_path)} is no longer "
             f"current: {newer.describe()} took over before it chose where to resume; stop",
             epoch=record.epoch,
@@ -340,7 +337,7 @@ def decide_resume(
     name = decision_name(record.epoch)
     try:
         _create(location, run_path, record.run, name, final, record.epoch)
-    except StaleAttemptError:
+    except FencedOutError:
         existing = _read_record(location, attempts_path(location, run_path), record.epoch, True)
         if existing.resumed_from != resumed_from:
             raise
@@ -358,22 +355,21 @@ def _create(
 ) -> None:
     directory = attempts_path(location, run_path)
     path = f"{directory}/{name}"
-    with backend_errors(location, f"registering attempt {epoch} of {location.display(run_path)}"):
-        make_dirs(location, directory)
-        try:
-            # The record is this attempt's own if it holds these very bytes (its attempt id
-            # and start time): a create whose reply was lost succeeded.
-            won = create_settled(location, path, record.to_json()).created
-        except FileExistsError:
-            won = False
-        if not won:
-            holder = newer_epochs(location, run_path, epoch - 1)
-            raise StaleAttemptError(
-                f"attempt epoch {epoch} of {location.display(run_path)} was registered by "
-                f"another start first ({holder.describe() if holder else 'unknown'}); decide "
-                "the resume point again on the new lineage",
-                epoch=epoch,
-                current=holder,
-                url=location.display(run_path),
-                run=run,
-            ) from None
+    make_dirs(location, directory)
+    try:
+        # The record is this attempt's own if it holds these very bytes (its attempt id
+        # and start time): a create whose reply was lost succeeded.
+        won = create_settled(location, path, record.to_json()).created
+    except FileExistsError:
+        won = False
+    if not won:
+        holder = newer_epochs(location, run_path, epoch - 1)
+        raise FencedOutError(
+            f"attempt epoch {epoch} of {location.display(run_path)} was registered by "
+            f"another start first ({holder.describe() if holder else 'unknown'}); decide "
+            "the resume point again on the new lineage",
+            epoch=epoch,
+            current=holder,
+            url=location.display(run_path),
+            run=run,
+        ) from None

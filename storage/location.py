@@ -181,7 +181,15 @@ def open_location(
         root=root,
         protocol=fs_protocol,
         url=masked,
-        backend=backend_class(fs, fs_protocol, retry=retry or DEFAULT_RETRY),
+        backend=backend_class(
+            fs,
+            fs_protocol,
+            retry=retry or DEFAULT_RETRY,
+            root=root,
+            url=masked,
+            secrets=secrets,
+            role=role,
+        ),
         secrets=secrets,
         role=role,
     )

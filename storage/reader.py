@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, BinaryIO
 
-from storage.backend import backend_errors, get_file, open_read, read_file, read_range
+from storage.backend import get_file, open_read, read_file, read_range
 from storage.checksum import Crc32c
-from storage.errors import CheckpointNotFoundError, CorruptCheckpointError
+from storage.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
 from storage.manifest import FileEntry, Manifest
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ class CheckpointReader:
         self.manifest = manifest
         #: whether ``read_bytes`` compares every file's CRC32C with the manifest
         self.verify = verify
-        step_path = store.checkpoint_path(manifest.run, manifest.step)
+        step_path = store.run(manifest.run).checkpoint_path(manifest.step)
         self.url = store.location.display(step_path)
         #: the directory holding the files (``save-<step>/<save_id>``; format 1: the step's)
         self.path = f"{step_path}/{manifest.payload}" if manifest.payload else step_path
@@ -55,11 +55,10 @@ class CheckpointReader:
         on its own); not checked against the manifest."""
         target = self._target(name)
         location = self._store.location
-        with backend_errors(location, f"opening {name} of {self.url}"):
-            try:
-                return open_read(location, target, self._entry(name).size)  # type: ignore[return-value]
-            except FileNotFoundError:
-                raise self._missing(name) from None
+        try:
+            return open_read(location, target, self._entry(name).size)  # type: ignore[return-value]
+        except FileNotFoundError:
+            raise self._missing(name) from None
 
     def read_bytes(self, name: str) -> bytes:
         """One whole file; with ``verify`` (the default) its size and CRC32C are checked
@@ -77,11 +76,10 @@ class CheckpointReader:
     def _read_whole(self, name: str) -> bytes:
         target = self._target(name)
         location = self._store.location
-        with backend_errors(location, f"reading {name} of {self.url}"):
-            try:
-                return read_file(location, target)
-            except FileNotFoundError:
-                raise self._missing(name) from None
+        try:
+            return read_file(location, target)
+        except FileNotFoundError:
+            raise self._missing(name) from None
 
     def check(self, name: str, data: bytes | bytearray | memoryview) -> None:
         """Raise ``CorruptCheckpointError`` unless ``data`` is the whole of file ``name`` as
@@ -95,14 +93,11 @@ class CheckpointReader:
                 if running.size != entry.size
                 else f"crc32c {running.encoded()}, the manifest says {entry.crc32c}"
             )
-            raise CorruptCheckpointError(
+            raise self._damaged(
+                name,
                 f"{name} of checkpoint {self.url} does not match its manifest ({detail}); the "
                 "checkpoint is damaged: resume from an earlier checkpoint",
-                url=self.url,
-                run=self.manifest.run,
-                step=self.manifest.step,
-                path=name,
-                problems=[f"{name}: {detail}"],
+                detail,
             )
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
@@ -110,17 +105,32 @@ class CheckpointReader:
         for means the file is shorter than that (the caller decides if that is damage)."""
         target = self._target(name)
         location = self._store.location
-        with backend_errors(location, f"reading {name} of {self.url}"):
-            try:
-                return read_range(location, target, start, end)
-            except FileNotFoundError:
-                raise self._missing(name) from None
+        try:
+            return read_range(location, target, start, end)
+        except FileNotFoundError:
+            raise self._missing(name) from None
 
     def local_path(self, name: str) -> str | None:
         """The file's path on a local (POSIX) file system, for callers that read it in place
         (e.g. straight into tensor memory); None on object stores."""
         target = self._target(name)
         return target if self._store.location.backend.posix_paths else None
+
+    def open_in_place(self, name: str) -> BinaryIO:
+        """One file of a checkpoint on a local (POSIX) file system, open unbuffered for reads
+        straight into the caller's memory (``readinto``); not checked against the manifest.
+        Only where ``local_path`` is not None."""
+        target = self._target(name)
+        backend = self._store.location.backend
+        if not backend.posix_paths:
+            raise InvalidArgumentError(
+                f"{self.url} is not on a local file system: read {name} with read_range",
+                url=self.url,
+            )
+        try:
+            return backend.open_in_place(target)  # type: ignore[attr-defined]
+        except FileNotFoundError:
+            raise self._missing(name) from None
 
     def missing(self, name: str) -> CorruptCheckpointError:
         """The error for a listed file that is not on storage."""
@@ -129,19 +139,26 @@ class CheckpointReader:
     def get_file(self, name: str, local_path: str | os.PathLike) -> None:
         target = self._target(name)
         location = self._store.location
-        with backend_errors(location, f"downloading {name} of {self.url}"):
-            try:
-                get_file(location, target, os.fspath(local_path))
-            except FileNotFoundError:
-                raise self._missing(name) from None
+        try:
+            get_file(location, target, os.fspath(local_path))
+        except FileNotFoundError:
+            raise self._missing(name) from None
 
     def _missing(self, name: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
+        return self._damaged(
+            name,
             f"{name} of committed checkpoint {self.url} is missing from storage; the checkpoint "
             "is damaged: run `zephon verify` and resume from an earlier checkpoint",
+            "missing",
+        )
+
+    def _damaged(self, name: str, message: str, problem: str) -> CorruptCheckpointError:
+        """The error for file ``name`` of this checkpoint found damaged (``problem``)."""
+        return CorruptCheckpointError(
+            message,
             url=self.url,
             run=self.manifest.run,
             step=self.manifest.step,
             path=name,
-            problems=[f"{name}: missing"],
+            problems=[f"{name}: {problem}"],
         )

@@ -28,6 +28,7 @@ from storage.errors import InvalidArgumentError
 
 __all__ = [
     "DEFAULT_RETRY",
+    "carry_retry_state",
     "NO_RETRY",
     "RetryPolicy",
     "is_throttling",
@@ -206,6 +207,14 @@ def retry_summary(exc: BaseException) -> str | None:
     """How long a failure was tried before it was given up on ("after 7 attempts in 12.0
     s"), if a policy tried it more than once; messages append it."""
     return getattr(exc, _SUMMARY, None)
+
+
+def carry_retry_state(source: BaseException, target: BaseException) -> None:
+    """Give ``target`` (the translation of ``source``) what a policy recorded on ``source``:
+    its ``retry_summary``, and that it was given up on (no policy around tries it again)."""
+    for name in (_SUMMARY, _GIVEN_UP):
+        if hasattr(source, name):
+            setattr(target, name, getattr(source, name))
 
 
 def _give_up(exc: BaseException, failures: int, elapsed: float) -> None:

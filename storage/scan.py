@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from storage.backend import backend_errors, list_files
+from storage.backend import list_files
 from storage.layout import CORRUPT_PREFIX, MARKER_NAME, STEP_PREFIX, parse_step_dirname
 from storage.location import Location
 from storage.manifest import SAVE_ID
@@ -56,10 +56,9 @@ def scan_steps(location: Location, base: str, *, detail: bool = False) -> list[S
     ``detail`` also fills ``newest_mtime``, ``saves`` and ``loose`` on POSIX (object stores
     always have them, free with the listing); ``condemned`` is always filled.
     """
-    with backend_errors(location, f"listing {location.display(base)}"):
-        if location.backend.posix_paths:  # a directory read and a stat per step: microseconds
-            return _scan_posix(base, detail)
-        return _scan_listing(location, base)
+    if location.backend.posix_paths:  # a directory read and a stat per step: microseconds
+        return _scan_posix(location.backend.entries(base), detail)  # type: ignore[attr-defined]
+    return _scan_listing(location, base)
 
 
 def _classify(step: int, path: str, names: list[tuple[str, float | None]]) -> StepListing:
@@ -87,11 +86,7 @@ def _classify(step: int, path: str, names: list[tuple[str, float | None]]) -> St
     return StepListing(step, path, committed, newest, saves, frozenset(condemned), loose)
 
 
-def _scan_posix(base: str, detail: bool) -> list[StepListing]:
-    try:
-        entries = list(os.scandir(base))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+def _scan_posix(entries: list[os.DirEntry], detail: bool) -> list[StepListing]:
     out = []
     for entry in entries:
         step = parse_step_dirname(entry.name)

@@ -1,4 +1,5 @@
-"""``CheckpointStore``: the public face of the storage layer.
+"""``CheckpointStore``: the public face of the storage layer, one root URL; ``store.run(name)``
+is the handle (``storage.run_store.RunStore``) of everything done to one run.
 
 Validates, then delegates to the small modules beside it (layout, writer, scan, verify,
 backend). Paths are plain ``str`` in the filesystem's own form; URLs shown to people have their
@@ -8,65 +9,30 @@ credentials masked.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
-import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from storage.backend import (
-    backend_errors,
-    file_exists,
     list_dirs,
-    list_files,
-    make_dirs,
-    read_small,
-    remove_empty_dirs,
-    remove_files,
-    sync_dirs,
 )
 from storage.backends import Backend, PosixBackend
 from storage.errors import (
-    CheckpointNotFoundError,
-    CommitConflictError,
-    CorruptCheckpointError,
     InvalidArgumentError,
-)
-from storage.existing import (
-    UNREAD,
-    condemn,
-    describe,
-    is_condemned,
-    settle_existing,
-    stale_error,
 )
 from storage.layout import (
     CORRUPT_PREFIX,
-    MARKER_NAME,
-    step_dirname,
     validate_run,
-    validate_step,
 )
-from storage.leftovers import Orphan, condemned_saves, find_orphans, remove_condemned, remove_orphan
+from storage.leftovers import Orphan, find_orphans, remove_orphan
 from storage.lineage import (
-    AttemptRecord,
-    Fence,
     Lineage,
-    claim_attempt,
-    decide_resume,
-    newer_epochs,
-    read_lineage,
-    read_records,
 )
 from storage.location import Location, open_location
-from storage.manifest import Manifest, validate_save_id
-from storage.parallel import concurrently
-from storage.reader import CheckpointReader
+from storage.manifest import Manifest
 from storage.retry import RetryPolicy
-from storage.scan import StepListing, scan_steps
-from storage.verify import VerifyReport, verify_checkpoint
-from storage.writer import CheckpointWriter
+from storage.run_store import RunStore, new_save_id
 
 __all__ = ["CheckpointStore", "Orphan", "new_save_id"]
 
@@ -74,14 +40,6 @@ __all__ = ["CheckpointStore", "Orphan", "new_save_id"]
 #: backend class says its own ``default_workers``)
 LOCAL_WORKERS = PosixBackend.default_workers
 REMOTE_WORKERS = Backend.default_workers
-
-#: how often ``begin`` supersedes a marker that keeps reappearing before it gives up
-_SUPERSEDE_TRIES = 5
-
-
-def new_save_id(fence: Fence | None = None) -> str:
-    """A fresh save id: ``e<epoch>-<16 hex>`` (the epoch shows in the payload directory)."""
-    return f"e{fence.epoch if fence is not None else 0}-{uuid.uuid4().hex[:16]}"
 
 
 class CheckpointStore:
@@ -137,204 +95,6 @@ class CheckpointStore:
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
 
-    # -- layout --------------------------------------------------------------------------------
-
-    def run_path(self, run: str | None) -> str:
-        validate_run(run)
-        return self.location.join(run) if run is not None else self.location.root
-
-    def checkpoint_path(self, run: str | None, step: int) -> str:
-        return f"{self.run_path(run)}/{step_dirname(step)}"
-
-    def checkpoint_url(self, run: str | None, step: int) -> str:
-        """The checkpoint directory's full URL (credentials masked), as printed to users."""
-        return self.location.display(self.checkpoint_path(run, step))
-
-    def marker_path(self, run: str | None, step: int) -> str:
-        """The path of the step's commit marker."""
-        return f"{self.checkpoint_path(run, step)}/{MARKER_NAME}"
-
-    # -- attempts and fencing ------------------------------------------------------------------
-
-    def lineage(self, run: str | None) -> Lineage:
-        """The run's lineage from its newest attempt record: one listing and one read."""
-        return read_lineage(self.location, self.run_path(run))
-
-    def attempts(self, run: str | None) -> list[AttemptRecord]:
-        """Every attempt record of the run, oldest first."""
-        return read_records(self.location, self.run_path(run))
-
-    def claim_attempt(
-        self,
-        run: str | None,
-        *,
-        after: Lineage,
-        min_epoch: int = 1,
-        attempt_id: str | None = None,
-    ) -> Fence:
-        """Claim the next epoch of ``run`` (after the lineage ``after``, at least
-        ``min_epoch``): from now on every older attempt is fenced out. The attempt then chooses
-        where it resumes and records it with ``decide_resume`` before it saves.
-
-        Raises ``StaleAttemptError`` if another attempt claimed after ``after`` was read: read
-        the lineage again and retry.
-        """
-        validate_run(run)
-        record = claim_attempt(
-            self.location,
-            self.run_path(run),
-            run,
-            after=after,
-            min_epoch=min_epoch,
-            attempt_id=attempt_id,
-        )
-        return Fence(record)
-
-    def decide_resume(self, run: str | None, fence: Fence, resumed_from: int | None) -> Fence:
-        """Record that the attempt ``fence`` resumes from ``resumed_from`` (None: from
-        nothing): older epochs' checkpoints above it leave the history. Returns the fence to
-        save with. ``StaleAttemptError`` if a newer attempt claimed the run meanwhile."""
-        validate_run(run)
-        return Fence(decide_resume(self.location, self.run_path(run), fence.record, resumed_from))
-
-    def check_fence(self, run: str | None, fence: Fence) -> None:
-        """Raise ``StaleAttemptError`` naming the current attempt if one newer than ``fence``
-        registered (one listing of the run's attempt records)."""
-        newer = newer_epochs(self.location, self.run_path(run), fence.epoch)
-        if newer is not None:
-            raise stale_error(self, run, fence.epoch, newer)
-
-    # -- writing -------------------------------------------------------------------------------
-
-    def begin(
-        self,
-        run: str | None,
-        step: int,
-        *,
-        fence: Fence | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        save_id: str | None = None,
-        recheck: bool = True,
-    ) -> CheckpointWriter:
-        """Start a save of checkpoint ``(run, step)``; returns the primary writer.
-
-        Its files go to a payload directory of its own (``save-<step>/<save_id>/``), so nothing
-        of another save is removed or overwritten. A marker already at the step is judged:
-
-        - a complete checkpoint of the current history: ``CommitConflictError`` (a committed
-          step is never overwritten; also when this same attempt committed it);
-        - a marker of a newer epoch than ``fence``: ``StaleAttemptError``;
-        - a checkpoint of an abandoned history (an older epoch above the fence's resume point,
-          an unregistered epoch), a damaged marker or a condemned save: superseded. Its marker
-          is removed (a damaged one kept as a ``_CORRUPT`` record) and the step is free again.
-
-        ``fence`` is the writer's attempt (``claim_attempt``); without one the writer is
-        unfenced (epoch 0), which a run that ever had a fenced attempt refuses
-        (``StaleAttemptError``). The fence check (one listing) and the marker probe (one GET)
-        go out together, and the marker is acted on only once the fence passed: one round
-        trip when the step is free. ``recheck=False`` skips the fence check here for a caller
-        that has just checked the epoch elsewhere (a catalog transaction); the check before
-        the marker is never skipped. Call on one process only; other processes ``attach``.
-
-        ``save_id`` (default: a fresh ``new_save_id(fence)``) must be fresh by construction:
-        other processes may ``attach`` to it and start writing before this call, so ``begin``
-        never lists, removes or overwrites anything in its payload directory. The files of an
-        earlier, uncommitted save are gc's to remove (``orphans``), never a new save's.
-        """
-        validate_run(run)
-        validate_step(step)
-        probe = functools.partial(self.marker_bytes, run, step)
-        if fence is not None:
-            if not fence.record.decided:
-                raise InvalidArgumentError(
-                    f"attempt epoch {fence.epoch} of run {run!r} has not decided where it "
-                    "resumes: call decide_resume before saving",
-                    run=run,
-                    step=step,
-                )
-            lineage = fence.lineage
-            if recheck:  # a stale attempt learns it before writing, and before superseding
-                _, marker = concurrently(functools.partial(self.check_fence, run, fence), probe)
-            else:
-                marker = probe()
-        else:
-            lineage, marker = concurrently(functools.partial(self.lineage, run), probe)
-            if lineage:
-                raise stale_error(self, run, 0, lineage.current, unfenced=True)
-        for _ in range(_SUPERSEDE_TRIES):
-            if not settle_existing(self, run, step, fence, lineage, marker=marker):
-                break
-            marker = UNREAD  # superseded: look again, another one may have appeared
-        else:
-            raise CommitConflictError(
-                f"{self.checkpoint_url(run, step)} kept getting new markers while this save "
-                "began; check for several jobs saving this run",
-                url=self.checkpoint_url(run, step),
-                run=run,
-                step=step,
-            )
-        save_id = validate_save_id(save_id) if save_id is not None else new_save_id(fence)
-        writer = CheckpointWriter(
-            self, run, step, save_id, primary=True, fence=fence, metadata=metadata
-        )
-        with backend_errors(self.location, f"preparing {self.checkpoint_url(run, step)}"):
-            # Local disk: made durably, so a power loss cannot drop the step directory out
-            # from under a committed marker. Object stores have no directories to make.
-            make_dirs(self.location, writer.payload_path, durable=True)
-        return writer
-
-    def supersede(
-        self, run: str | None, step: int, fence: Fence, *, marker: bytes | None = None
-    ) -> None:
-        """For a commit that found another save's marker at its step: supersede it if it is
-        not part of ``fence``'s history (a stale attempt's marker that slipped in, a damaged
-        one), so the commit can be tried again. ``marker`` is its bytes as the commit read
-        them (default: read again). Raises like ``begin`` for a valid checkpoint
-        (``CommitConflictError``) or a newer attempt (``StaleAttemptError``)."""
-        self.check_fence(run, fence)
-        settle_existing(
-            self, run, step, fence, fence.lineage, marker=UNREAD if marker is None else marker
-        )
-
-    def condemn(self, run: str | None, step: int, manifest: Manifest, reason: str) -> None:
-        """Record that the save ``manifest`` describes failed verification: a
-        ``_CORRUPT.<save_id>`` record (reason and marker) beside it. From then on no reader
-        takes it as latest; it stays for inspection until ``zephon gc --corrupt``. Idempotent;
-        nothing is deleted."""
-        condemn(self, run, step, manifest, reason)
-
-    def is_condemned(self, run: str | None, step: int, save_id: str) -> bool:
-        """Whether a ``_CORRUPT`` record condemns save ``save_id`` of the step (one request)."""
-        return is_condemned(self, run, step, save_id)
-
-    def attach(
-        self, run: str | None, step: int, *, save_id: str, fence: Fence | None = None
-    ) -> CheckpointWriter:
-        """A secondary writer into a save another process began (e.g. another rank): it
-        writes files into the same payload directory and reports entries, but never removes
-        anything of others or commits."""
-        validate_run(run)
-        validate_step(step)
-        return CheckpointWriter(self, run, step, save_id, primary=False, fence=fence)
-
-    # -- reading -------------------------------------------------------------------------------
-
-    def is_committed(self, run: str | None, step: int) -> bool:
-        """Whether the step's marker exists: one request (or stat). Says nothing about its
-        lineage or verification: use ``latest`` to find the checkpoint to resume from."""
-        marker = self.marker_path(run, step)
-        location = self.location
-        with backend_errors(location, f"checking {self.checkpoint_url(run, step)}"):
-            return file_exists(location, marker)
-
-    def list_steps(self, run: str | None, *, detail: bool = False) -> list[StepListing]:
-        """Every step directory of a run, committed or not, from one listing."""
-        return scan_steps(self.location, self.run_path(run), detail=detail)
-
-    def committed_steps(self, run: str | None) -> list[int]:
-        """The steps of ``run`` whose marker exists, ascending, from one listing."""
-        return [s.step for s in self.list_steps(run) if s.committed]
-
     def judge(self, lineage: Lineage, manifest: Manifest, *, condemned: bool = False) -> str | None:
         """Why the checkpoint ``manifest`` describes is not one to resume from (abandoned or
         unregistered lineage, condemned), or None if it is. The storage half of the one rule
@@ -343,180 +103,18 @@ class CheckpointStore:
             return f"save {manifest.save_id} failed verification (a {CORRUPT_PREFIX} record)"
         return lineage.why_not(manifest.epoch, manifest.step)
 
-    def latest(
-        self,
-        run: str | None,
-        *,
-        lineage: Lineage | None = None,
-        on_corrupt: Callable[[int, str], None] | None = None,
-    ) -> Manifest | None:
-        """The manifest of the newest checkpoint to resume from, by storage alone: its marker
-        parses, its save is not condemned, and its epoch and step belong to the current
-        lineage. One listing of the steps, one of the attempt records, and one GET per marker
-        looked at (newest first); None if the run has none. ``on_corrupt(step, why)`` is told
-        of every damaged or condemned marker passed over (it may raise to stop there)."""
-        lineage = lineage if lineage is not None else self.lineage(run)
-        for listing in reversed(self.list_steps(run)):
-            if not listing.committed:
-                continue
-            try:
-                manifest = self.read_manifest(run, listing.step)
-            except CheckpointNotFoundError:
-                continue  # deleted since the listing
-            except CorruptCheckpointError as exc:
-                if on_corrupt is not None:
-                    on_corrupt(listing.step, str(exc))
-                continue
-            condemned = manifest.save_id in listing.condemned
-            why_not = self.judge(lineage, manifest, condemned=condemned)
-            if why_not is not None:
-                if condemned and on_corrupt is not None:
-                    on_corrupt(listing.step, why_not)
-                continue
-            return manifest
-        return None
+    # -- runs and gc -----------------------------------------------------------------------
 
-    def latest_step(self, run: str | None) -> int | None:
-        """The step of ``latest(run)``, or None."""
-        manifest = self.latest(run)
-        return manifest.step if manifest is not None else None
-
-    def complete(self, run: str | None, *, lineage: Lineage | None = None) -> list[Manifest]:
-        """Every checkpoint of ``run`` that ``latest`` could answer, ascending by step (what
-        retention without a catalog counts). Reads the markers in parallel."""
-        lineage = lineage if lineage is not None else self.lineage(run)
-        listings = [s for s in self.list_steps(run) if s.committed]
-
-        def read(listing: StepListing) -> Manifest | None:
-            try:
-                manifest = self.read_manifest(run, listing.step)
-            except (CorruptCheckpointError, CheckpointNotFoundError):
-                return None
-            condemned = manifest.save_id in listing.condemned
-            return None if self.judge(lineage, manifest, condemned=condemned) else manifest
-
-        return [m for m in self.executor().map(read, listings) if m is not None]
-
-    def marker_bytes(self, run: str | None, step: int) -> bytes | None:
-        """The raw bytes of the step's marker (one GET), or None if there is none."""
-        location = self.location
-        with backend_errors(location, f"reading the marker of {self.checkpoint_url(run, step)}"):
-            try:
-                return read_small(location, self.marker_path(run, step))
-            except FileNotFoundError:
-                return None
-
-    def read_manifest(self, run: str | None, step: int) -> Manifest:
-        """The manifest of a committed checkpoint; ``CheckpointNotFoundError`` if there is no
-        marker, ``CorruptCheckpointError`` if it does not parse or names another checkpoint."""
-        data = self.marker_bytes(run, step)
-        if data is None:
-            url = self.checkpoint_url(run, step)
-            raise CheckpointNotFoundError(
-                f"{url} is not a committed checkpoint (no {MARKER_NAME} marker); list the "
-                f"run's checkpoints with `zephon checkpoints {run or '<run>'}`",
-                url=url,
-                run=run,
-                step=step,
-            )
-        return self.parse_marker(run, step, data)
-
-    def parse_marker(self, run: str | None, step: int, data: bytes) -> Manifest:
-        """Validate a marker's bytes as the manifest of ``(run, step)``."""
-        url = self.checkpoint_url(run, step)
-        manifest = Manifest.from_json(
-            data, where=self.location.display(self.marker_path(run, step))
-        )
-        if manifest.run != run or manifest.step != step:
-            raise CorruptCheckpointError(
-                f"marker of {url} describes run {manifest.run!r} step {manifest.step}; it was "
-                "copied or moved: checkpoints must stay where they were written",
-                url=url,
-                run=run,
-                step=step,
-                problems=[f"{MARKER_NAME}: names run {manifest.run!r} step {manifest.step}"],
-            )
-        return manifest
-
-    def reader(self, run: str | None, step: int, *, verify: bool = True) -> CheckpointReader:
-        """Read access to the committed checkpoint ``(run, step)``; ``verify`` checks every
-        whole-file read against the manifest."""
-        return CheckpointReader(self, self.read_manifest(run, step), verify=verify)
-
-    def verify(self, run: str | None, step: int, *, deep: bool = False) -> VerifyReport:
-        """Check every listed file: exists with its size (shallow), and its CRC32C (deep)."""
-        reader = self.reader(run, step)
-        return verify_checkpoint(
-            self.location,
-            reader.path,
-            reader.manifest,
-            url=self.checkpoint_url(run, step),
-            deep=deep,
-            executor_factory=self.executor,
-        )
-
-    # -- deleting and gc -----------------------------------------------------------------------
-
-    def delete(self, run: str | None, step: int) -> int:
-        """Delete a checkpoint: marker first (it stops being complete), then the payload in
-        batched requests, then the directory. Idempotent; finishes a delete that crashed.
-        Returns the number of payload files removed."""
-        return self.delete_many(run, [step])[step]
-
-    def delete_many(self, run: str | None, steps: Iterable[int]) -> dict[int, int]:
-        """Delete several checkpoints of one run with as few requests as the backend allows.
-
-        Every marker goes first, in one batched request (none of them is complete any more
-        before any payload is touched), then the payload of all of them in batches (S3:
-        1,000 keys per DeleteObjects), found with one listing of the run when there are
-        several steps. Idempotent. Returns step -> payload files removed.
-        """
-        steps = sorted({validate_step(s) for s in steps})
-        if not steps:
-            return {}
-        location = self.location
-        where = (
-            self.checkpoint_url(run, steps[0])
-            if len(steps) == 1
-            else f"{len(steps)} checkpoints of {self.location.display(self.run_path(run))}"
-        )
-        with backend_errors(location, f"deleting {where}"):
-            remove_files(location, [self.marker_path(run, step) for step in steps])
-            # the markers' removal is durable before any payload goes (local disk: fsync)
-            sync_dirs(location, [self.checkpoint_path(run, step) for step in steps])
-            payload = self._payload_of(run, steps)
-            remove_files(location, [path for paths in payload.values() for path in paths])
-            for step in steps:
-                remove_empty_dirs(location, self.checkpoint_path(run, step))
-        return {step: len(payload[step]) for step in steps}
-
-    def _payload_of(self, run: str | None, steps: list[int]) -> dict[int, list[str]]:
-        location = self.location
-        if len(steps) == 1:
-            path = self.checkpoint_path(run, steps[0])
-            return {steps[0]: [f.path for f in list_files(location, path)]}
-        wanted = {f"{self.checkpoint_path(run, step)}/": step for step in steps}
-        found: dict[int, list[str]] = {step: [] for step in steps}
-        base = self.run_path(run)
-        listing = (
-            list_files(location, base)
-            if run is not None or location.backend.posix_paths
-            else [
-                f for step in steps for f in list_files(location, self.checkpoint_path(run, step))
-            ]
-        )
-        for listed in listing:
-            head = listed.path[len(base) + 1 :].split("/", 1)[0]
-            step = wanted.get(f"{base}/{head}/")
-            if step is not None:
-                found[step].append(listed.path)
-        return found
+    def run(self, name: str | None) -> RunStore:
+        """The run ``name`` of this store (``None``: the inference layout
+        ``<root>/save-<step>/``): its attempts, checkpoints, writers and readers.
+        ``InvalidNameError`` for a name the layout refuses."""
+        return RunStore(self, name)
 
     def runs(self) -> list[str]:
         """Names of the run directories under the root (one delimited listing)."""
         location = self.location
-        with backend_errors(location, f"listing {location.url}"):
-            found = list_dirs(location, location.root)
+        found = list_dirs(location, location.root)
         names = []
         for name in found:
             with contextlib.suppress(Exception):
@@ -525,7 +123,7 @@ class CheckpointStore:
 
     def has_inference_layout(self) -> bool:
         """Whether ``save-<step>`` directories sit directly under the root."""
-        return bool(self.list_steps(None))
+        return bool(self.run(None).list_steps())
 
     def orphans(
         self,
@@ -544,27 +142,7 @@ class CheckpointStore:
         """Delete one leftover found by ``orphans``."""
         remove_orphan(self, orphan)
 
-    def condemned(self, run: str | None) -> list[tuple[int, str]]:
-        """``(step, save_id)`` of every save a ``_CORRUPT`` record condemns."""
-        return condemned_saves(self, run)
-
-    def remove_condemned(self, run: str | None, step: int, save_id: str) -> None:
-        """Delete a condemned save (``zephon gc --corrupt``): its marker if it is still the
-        step's, its payload directory, then its record."""
-        remove_condemned(self, run, step, save_id)
-
-    # -- for the writers and readers of this store ----------------------------------------------
-
-    def describe_commit(self, run: str | None, step: int, *, marker: bytes | None = None) -> str:
-        """``" (by host pid at time, epoch, save)"`` of the step's marker (``marker``: its
-        bytes, already read), for messages about an existing commit ("" if it cannot be
-        read)."""
-        try:
-            if marker is not None:
-                return describe(self.parse_marker(run, step, marker))
-            return describe(self.read_manifest(run, step))
-        except Exception:
-            return ""
+    # -- shared by the runs of this store ----------------------------------------------
 
     def executor(self) -> ThreadPoolExecutor:
         """The store's thread pool (``max_workers`` threads, made on first use), shared by its

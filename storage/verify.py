@@ -7,7 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from storage.backend import backend_errors, list_files, read_ranges
+from storage.backend import list_files, read_ranges
 from storage.checksum import Crc32c
 from storage.errors import CorruptCheckpointError
 from storage.location import Location
@@ -78,8 +78,7 @@ def verify_checkpoint(
     executor_factory: Callable[[], Executor],
 ) -> VerifyReport:
     report = VerifyReport(url=url, run=manifest.run, step=manifest.step, deep=deep)
-    with backend_errors(location, f"listing {url}"):
-        listed = {f.path: f.size for f in list_files(location, path)}
+    listed = {f.path: f.size for f in list_files(location, path)}
     prefix = f"{path}/"
     present = []
     for entry in manifest.files:

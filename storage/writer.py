@@ -20,12 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from storage.backend import (
-    backend_errors,
     create_settled,
     file_exists,
     list_files,
     make_dirs,
-    missing_parent_fix,
     outcome_unknown,
     put_bytes,
     remove_dir,
@@ -93,7 +91,7 @@ class CheckpointWriter:
         self.primary = primary
         self.fence = fence
         #: the step directory (``save-<step>``) and its URL, as messages and DCP name it
-        self.path = store.checkpoint_path(run, step)
+        self.path = store.run(run).checkpoint_path(step)
         self.url = store.location.display(self.path)
         #: where this save's files go
         self.payload_path = f"{self.path}/{self.save_id}"
@@ -222,7 +220,7 @@ class CheckpointWriter:
 
         Raises ``CommitConflictError`` if the step is already committed (by anyone else),
         ``WriteAbortedError`` if a file this writer recorded is missing from storage (it wins
-        over the other refusals) and ``StaleAttemptError`` if a newer attempt registered.
+        over the other refusals) and ``FencedOutError`` if a newer attempt registered.
         ``BackendUnavailableError`` after the marker was sent means its outcome is unknown:
         the payload is kept (``abort`` removes nothing) and the marker decides; calling
         ``commit`` again settles it, sending (or finding) the very same marker (``metadata``
@@ -243,7 +241,7 @@ class CheckpointWriter:
             # again; anything else is a real conflict.
             self._state = "lost"
             if self.fence is None:
-                holder = self._store.describe_commit(self.run, self.step, marker=existing)
+                holder = self._store.run(self.run).describe_commit(self.step, marker=existing)
                 raise CommitConflictError(
                     f"{self.url} is already committed{holder}; a committed step is never "
                     "overwritten: save under a new step, or delete that checkpoint first",
@@ -251,7 +249,7 @@ class CheckpointWriter:
                     run=self.run,
                     step=self.step,
                 )
-            self._store.supersede(self.run, self.step, self.fence, marker=existing)  # or raises
+            self._store.run(self.run).supersede(self.step, self.fence, marker=existing)  # or raises
             self._state = "open"
         else:
             self._state = "lost"
@@ -281,15 +279,14 @@ class CheckpointWriter:
             self._state = "aborted"
             return
         location = self._store.location
-        with backend_errors(location, f"aborting {self.url}"):
-            if self.primary:
-                remove_files(location, [f.path for f in list_files(location, self.payload_path)])
-                remove_empty_dirs(location, self.payload_path)
-                remove_dir(location, self.path)  # only if nothing else is in it
-            else:
-                with self._lock:
-                    own = [f"{self.payload_path}/{n}" for n in self._own]
-                remove_files(location, own)
+        if self.primary:
+            remove_files(location, [f.path for f in list_files(location, self.payload_path)])
+            remove_empty_dirs(location, self.payload_path)
+            remove_dir(location, self.path)  # only if nothing else is in it
+        else:
+            with self._lock:
+                own = [f"{self.payload_path}/{n}" for n in self._own]
+            remove_files(location, own)
         self._state = "aborted"
 
     def _prepare(self, metadata: Mapping[str, Any] | None) -> Manifest:
@@ -312,7 +309,7 @@ class CheckpointWriter:
         # marker; readers ignore one that slips through (its epoch is not in the lineage).
         checks = [functools.partial(self._check_payload_present, entries)]
         if self.fence is not None:
-            checks.append(functools.partial(self._store.check_fence, self.run, self.fence))
+            checks.append(functools.partial(self._store.run(self.run).check_fence, self.fence))
         concurrently(*checks)
         return Manifest(
             run=self.run,
@@ -337,8 +334,7 @@ class CheckpointWriter:
         earlier = self._marker_may_exist
         self._marker_may_exist = True
         try:
-            with backend_errors(location, f"committing {self.url}"):
-                outcome = create_settled(location, marker, data)
+            outcome = create_settled(location, marker, data)
         except FileExistsError:
             self._state = "lost"
             raise CommitConflictError(
@@ -421,20 +417,10 @@ class CheckpointWriter:
 
     @contextlib.contextmanager
     def _guard(self, name: str) -> Iterator[None]:
-        """On failure, forget the claimed name so the caller may retry it, and translate."""
+        """On failure, forget the claimed name so the caller may retry it (the backend
+        translated the failure)."""
         try:
-            with backend_errors(self._store.location, f"writing {name} to {self.url}"):
-                try:
-                    yield
-                except FileNotFoundError as exc:
-                    raise BackendUnavailableError(
-                        f"writing {name} to {self.url} failed: {exc}; "
-                        f"{missing_parent_fix(self._store.location)}",
-                        url=self._store.url,
-                        run=self.run,
-                        step=self.step,
-                        path=name,
-                    ) from exc
+            yield
         except BaseException:
             with self._lock:
                 self._own.discard(name)
@@ -464,8 +450,7 @@ class CheckpointWriter:
 
     def _check_payload_present(self, entries: list[FileEntry]) -> None:
         location = self._store.location
-        with backend_errors(location, f"listing {self.url} before commit"):
-            listed = {f.path: f.size for f in list_files(location, self.payload_path)}
+        listed = {f.path: f.size for f in list_files(location, self.payload_path)}
         prefix = f"{self.payload_path}/"
         problems = []
         for entry in entries:

@@ -18,8 +18,8 @@ With the catalog unreachable (``zephon.outage``), the claim and the decision are
 storage alone, which hands out the epoch and keeps the fence without a catalog; the catalog's
 record of them is owed, and mirrored from storage (``mirror_lineage``) once it answers.
 
-``fenced`` turns the storage and catalog layers' ``StaleAttemptError`` into the one
-``zephon.StaleAttemptError`` users catch.
+``fenced`` turns the storage and catalog layers' ``FencedOutError`` into the one
+``zephon.StaleAttemptError`` users catch (``zephon.errors.as_zephon_error``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import catalog as catalog_layer
 import storage
 from catalog import Catalog, CatalogUnavailableError
 from storage import AttemptRecord, Fence, Lineage
-from zephon.errors import SaveBelowLatestError, StaleAttemptError
+from zephon.errors import SaveBelowLatestError, StaleAttemptError, as_zephon_error
 from zephon.locations import RunLocation
 from zephon.outage import DebtBeingPaid, guard, record_missed
 
@@ -99,22 +99,12 @@ class Attempt:
             )
 
 
-def as_zephon_error(exc: BaseException) -> BaseException:
-    """The ``zephon.StaleAttemptError`` for a stale attempt refused by either layer; any other
-    exception unchanged."""
-    if isinstance(exc, storage.StaleAttemptError | catalog_layer.StaleAttemptError):
-        translated = StaleAttemptError(str(exc), current=exc.current)
-        translated.__cause__ = exc
-        return translated
-    return exc
-
-
 @contextlib.contextmanager
 def fenced() -> Iterator[None]:
     """Raise ``zephon.StaleAttemptError`` for a stale attempt refused by either layer."""
     try:
         yield
-    except (storage.StaleAttemptError, catalog_layer.StaleAttemptError) as exc:
+    except (storage.FencedOutError, catalog_layer.FencedOutError) as exc:
         raise as_zephon_error(exc) from exc
 
 
@@ -159,7 +149,7 @@ def claim(location: RunLocation, catalog: Catalog | None, lineage: Lineage) -> F
                 floor = outage.call(catalog_floor)
             except (CatalogUnavailableError, DebtBeingPaid):
                 online = False  # storage alone hands out the epoch; the catalog mirrors it later
-        fence = store.claim_attempt(storage_run, after=lineage, min_epoch=floor)
+        fence = store.run(storage_run).claim_attempt(after=lineage, min_epoch=floor)
         if catalog is not None:
             _owe_unless_done(
                 catalog,
@@ -192,7 +182,7 @@ def decide(
     """Record where the claimed attempt resumes, on storage then in the catalog (which
     abandons the older history above it in the same transaction)."""
     with fenced():
-        fence = location.store.decide_resume(location.storage_run, fence, resumed_from)
+        fence = location.runstore.decide_resume(fence, resumed_from)
         if catalog is not None:
             _owe_unless_done(
                 catalog,
@@ -238,7 +228,7 @@ def register_resuming(
     last: StaleAttemptError | None = None
     for _ in range(_REGISTER_TRIES):
         try:
-            fence = claim(location, catalog, location.store.lineage(location.storage_run))
+            fence = claim(location, catalog, location.runstore.lineage())
         except StaleAttemptError as exc:
             last = exc
             continue
@@ -287,8 +277,8 @@ def mirror_lineage(catalog: Catalog, location: RunLocation, lineage: Lineage) ->
     )
     if lineage.epoch <= known and not missed_decision:
         return
-    for record in location.store.attempts(location.storage_run):
-        with contextlib.suppress(catalog_layer.StaleAttemptError):
+    for record in location.runstore.attempts():
+        with contextlib.suppress(catalog_layer.FencedOutError):
             if record.epoch > known:
                 _register_in_catalog(catalog, location.name, record)
             elif record.epoch == known and record.decided and not current.decided:

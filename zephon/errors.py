@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import catalog as catalog_layer
+import storage
+
 
 class ZephonError(Exception):
     """Root of every error the zephon layer raises on purpose."""
@@ -23,13 +26,66 @@ class StaleAttemptError(ZephonError):
     """A newer attempt (job start) of the run took over; this process must stop saving.
 
     Raised by every fenced step of the save path (catalog transitions, storage begin and the
-    re-check before the marker, retention). ``current`` describes the attempt that holds the
-    run now, when known.
+    re-check before the marker, retention): ``as_zephon_error`` makes it of the layers'
+    ``storage.FencedOutError`` and ``catalog.FencedOutError``. ``current`` describes the
+    attempt that holds the run now, when known.
     """
 
     def __init__(self, message: str, *, current: object | None = None) -> None:
         super().__init__(message)
         self.current = current
+
+
+def as_zephon_error(
+    exc: BaseException, *, where: str | None = None, local_failure: BaseException | None = None
+) -> BaseException:
+    """The error a Zephon caller sees for ``exc``: the one home of that translation.
+
+    A stale attempt refused by either layer (``storage.FencedOutError``,
+    ``catalog.FencedOutError``) becomes ``zephon.StaleAttemptError``, caused by it. A failed
+    DCP call (torch's ``CheckpointException``) on ``where`` (a checkpoint URL) becomes the
+    error that caused it: ``local_failure``, this rank's own original exception if one was
+    kept, wins; otherwise the lowest rank's Zephon, storage or catalog error, translated the
+    same way; any other failure one ``DistributedCheckpointError`` naming every failing rank.
+    Any other exception is returned unchanged.
+    """
+    if _is_dcp_failure(exc):
+        return _dcp_cause(exc, where or "a checkpoint", local_failure)
+    if isinstance(exc, storage.FencedOutError | catalog_layer.FencedOutError):
+        translated = StaleAttemptError(str(exc), current=exc.current)
+        translated.__cause__ = exc
+        return translated
+    return exc
+
+
+def _is_dcp_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch DCP's ``CheckpointException`` (told without importing torch,
+    which ``import zephon`` does not need)."""
+    return type(exc).__name__ == "CheckpointException" and isinstance(
+        getattr(exc, "failures", None), dict
+    )
+
+
+def _dcp_cause(
+    exc: BaseException, where: str, local_failure: BaseException | None
+) -> BaseException:
+    if local_failure is not None:
+        return as_zephon_error(local_failure)
+    failures = {rank: pair[0] for rank, pair in sorted(exc.failures.items())}  # type: ignore[attr-defined]
+    for rank, failure in failures.items():
+        if isinstance(failure, ZephonError | storage.StorageError | catalog_layer.CatalogError):
+            cause = as_zephon_error(failure)
+            cause.add_note(f"(raised on rank {rank} of the DCP call on {where})")
+            return cause
+    from zephon.dcp.errors import DistributedCheckpointError  # no torch: only its errors
+
+    lines = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
+    step = exc.args[0] if exc.args else "checkpoint"
+    return DistributedCheckpointError(
+        f"DCP {step} step on {where} failed: {lines}; nothing was committed by this call: fix "
+        "the cause on the ranks named and try again",
+        failures=failures,
+    )
 
 
 class UsageError(ZephonError, ValueError):

@@ -178,7 +178,7 @@ def gc_run(
     name, store, storage_run = location.name, location.store, location.storage_run
     if epoch is not None:
         _check_current(catalog, name, epoch)  # also when there is nothing to claim
-    lineage = lineage if lineage is not None else store.lineage(storage_run)
+    lineage = lineage if lineage is not None else store.run(storage_run).lineage()
     if not dry_run and orphans:
         # Markers the catalog never heard of get rows (an abandoned one a stale row, deleted
         # below once past the grace); rows whose marker is gone are marked deleted.
@@ -231,7 +231,7 @@ def _delete_claimed(
     next gc finishes them at once rather than after the lease; they are reported remaining."""
     name = location.name
     try:
-        removed = location.store.delete_many(location.storage_run, [row.step for row in claimed])
+        removed = location.runstore.delete_many([row.step for row in claimed])
         for row in claimed:
             catalog.mark_deleted(name, row.step, row.claimed_by)
             report.deleted.append({"run": name, "step": row.step, "files": removed[row.step]})
@@ -311,7 +311,7 @@ def _remove_leftovers(catalog, location: RunLocation, policy: GcPolicy, dry_run,
     for a leftover however small the grace."""
     store, storage_run, name = location.store, location.storage_run, location.name
     leftovers = store.orphans(policy.grace.total_seconds(), runs=[storage_run])
-    condemned = store.condemned(storage_run) if policy.corrupt else []
+    condemned = store.run(storage_run).condemned() if policy.corrupt else []
     rows = {row.step: row for row in catalog.list_checkpoints(name)}
     for orphan in leftovers:
         row = rows.get(orphan.step)
@@ -333,7 +333,7 @@ def _remove_leftovers(catalog, location: RunLocation, policy: GcPolicy, dry_run,
         url = location.checkpoint_url(step)
         report.deleted.append({"run": name, "step": step, "files": None, "condemned": save_id})
         if not dry_run:
-            store.remove_condemned(storage_run, step, save_id)
+            store.run(storage_run).remove_condemned(step, save_id)
             catalog.record_event(
                 "condemned_removed", run=name, step=step, detail={"url": url, "save": save_id}
             )
@@ -409,8 +409,8 @@ def delete_requested(
     name, store, storage_run = location.name, location.store, location.storage_run
     with fenced():
         if catalog is None:
-            store.check_fence(storage_run, fence)
-            store.delete_many(storage_run, steps)
+            store.run(storage_run).check_fence(fence)
+            store.run(storage_run).delete_many(steps)
             return steps
         claimed = catalog.claim_for_deletion(name, steps, epoch=fence.epoch, requested=True)
     _delete_claimed(catalog, location, claimed, GcReport(dry_run=False))
@@ -430,8 +430,8 @@ def retain_without_catalog(
     refused before it plans and again right before it deletes. Returns the deleted steps.
     Pins live in the catalog, so none apply here."""
     with fenced():
-        store.check_fence(storage_run, fence)
-        manifests = store.complete(storage_run, lineage=fence.lineage)
+        store.run(storage_run).check_fence(fence)
+        manifests = store.run(storage_run).complete(lineage=fence.lineage)
         resumed = fence.record.resumed_from
         if any(m.epoch == fence.epoch and m.step > (resumed or 0) for m in manifests):
             resumed = None  # the attempt stands on a checkpoint of its own now
@@ -444,8 +444,8 @@ def retain_without_catalog(
             resume_point=ResumePoint(resumed, fence.epoch) if resumed is not None else None,
         )
         if plan.to_delete:
-            store.check_fence(storage_run, fence)
-            store.delete_many(storage_run, plan.to_delete)
+            store.run(storage_run).check_fence(fence)
+            store.run(storage_run).delete_many(plan.to_delete)
     return plan.to_delete
 
 

@@ -136,7 +136,7 @@ def find_latest(
                 location.name,
                 exc,
             )
-    manifest = store.latest(storage_run, lineage=lineage, on_corrupt=on_corrupt)
+    manifest = store.run(storage_run).latest(lineage=lineage, on_corrupt=on_corrupt)
     if manifest is None:
         return None
     return LatestCheckpoint(
@@ -184,7 +184,7 @@ class _Rule:
     def lineage(self) -> Lineage:
         """Storage's lineage (the caller's if given), mirrored into the catalog."""
         if self._lineage is None:
-            self._lineage = self.location.store.lineage(self.location.storage_run)
+            self._lineage = self.location.runstore.lineage()
             mirror_lineage(self.catalog, self.location, self._lineage)
         return self._lineage
 
@@ -290,7 +290,7 @@ class _Rule:
         store, storage_run = location.store, location.storage_run
         also = []
         if self._lineage is None:
-            run_path = store.run_path(storage_run)
+            run_path = store.run(storage_run).run_path()
             also.append(functools.partial(newer_epochs, store.location, run_path, self.known_epoch))
         seen, extra = probe(location, row.step, save_id=row.save_id, also=also)
         current = row

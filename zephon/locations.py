@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from catalog import RunRecord
-from storage import DEFAULT_RETRY, CheckpointStore, RetryPolicy, mask_url, secrets_in, validate_run
+from storage import (
+    DEFAULT_RETRY,
+    CheckpointStore,
+    RetryPolicy,
+    RunStore,
+    mask_url,
+    secrets_in,
+    validate_run,
+)
 from zephon.config import retry_policy_from
 from zephon.errors import ConfigError
 
@@ -133,8 +141,14 @@ class RunLocation:
     store: CheckpointStore
     storage_run: str | None
 
+    @property
+    def runstore(self) -> RunStore:
+        """The run's handle on its store (``CheckpointStore.run``): every per-run storage
+        operation of Zephon goes through it."""
+        return self.store.run(self.storage_run)
+
     def checkpoint_url(self, step: int) -> str:
-        return self.store.checkpoint_url(self.storage_run, step)
+        return self.runstore.checkpoint_url(step)
 
 
 def run_location(

@@ -211,7 +211,7 @@ class OutageGuard:
                 steps[step]()
             except CatalogUnavailableError:
                 raise  # still owed
-            except (StaleAttemptError, catalog_layer.StaleAttemptError) as exc:
+            except (StaleAttemptError, catalog_layer.FencedOutError) as exc:
                 # a newer attempt took over: its own saves and retention speak for the run now
                 log.info("zephon: run %s: deferred %s dropped: %s", location.name, step, exc)
             except Exception as exc:  # noqa: BLE001 - never fails a save; sync is the fallback
@@ -342,7 +342,7 @@ def record_missed(catalog: Catalog, location: RunLocation) -> None:
     One listing of the run's steps; the reconciliation only when something was missed."""
     from zephon.sync import SyncReport, reconcile_run  # sync imports the save path
 
-    committed = location.store.committed_steps(location.storage_run)
+    committed = location.runstore.committed_steps()
     if not committed:
         return
     try:

@@ -171,15 +171,15 @@ def probe(
     said (``condemned``). ``also``: more independent requests sent at the same time; their
     results are returned in order."""
     store, storage_run = location.store, location.storage_run
-    calls: list[Callable[[], Any]] = [functools.partial(store.marker_bytes, storage_run, step)]
+    calls: list[Callable[[], Any]] = [functools.partial(store.run(storage_run).marker_bytes, step)]
     if condemned is None and save_id is not None:
-        calls.append(functools.partial(store.is_condemned, storage_run, step, save_id))
+        calls.append(functools.partial(store.run(storage_run).is_condemned, step, save_id))
     results = concurrently(*calls, *also)
     data, extra = results[0], results[len(calls) :]
     manifest, damaged = None, None
     if data is not None:
         try:
-            manifest = store.parse_marker(storage_run, step, data)
+            manifest = store.run(storage_run).parse_marker(step, data)
         except CorruptCheckpointError as exc:
             damaged = "; ".join(exc.problems[:1]) or str(exc)
     is_condemned = False
@@ -189,7 +189,7 @@ def probe(
         elif save_id is not None and manifest.save_id == save_id:
             is_condemned = bool(results[1])
         else:
-            is_condemned = store.is_condemned(storage_run, step, manifest.save_id)
+            is_condemned = store.run(storage_run).is_condemned(step, manifest.save_id)
     return Probed(manifest, damaged, is_condemned), extra
 
 
@@ -246,7 +246,7 @@ def quarantine(
     a catalog rebuilt from storage knows too; a damaged marker needs none, it is corrupt by
     itself), and its row ``corrupt``. Nothing is deleted."""
     if manifest is not None:
-        location.store.condemn(location.storage_run, step, manifest, reason)
+        location.runstore.condemn(step, manifest, reason)
         save_id = manifest.save_id
     if catalog is not None and save_id is not None:
         catalog.mark_corrupt(location.name, step, save_id, reason[:2000])
@@ -257,7 +257,7 @@ def repair(catalog: Catalog, location: RunLocation, examined: Examined) -> bool:
     one that fails verification is quarantined. True if it is history now."""
     manifest = examined.manifest
     assert manifest is not None
-    report = location.store.verify(location.storage_run, examined.step, deep=True)
+    report = location.runstore.verify(examined.step, deep=True)
     if not report.ok:
         reason = "; ".join(str(p) for p in report.problems[:5])
         why = f"verification failed: {reason}"

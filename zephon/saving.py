@@ -37,8 +37,8 @@ from typing import Any
 
 from catalog import Catalog, CatalogUnavailableError, InvalidTransitionError
 from storage import CheckpointWriter, Manifest, new_save_id, redact
-from zephon.attempts import Attempt, as_zephon_error, fenced
-from zephon.errors import NotCommittedError
+from zephon.attempts import Attempt, fenced
+from zephon.errors import NotCommittedError, as_zephon_error
 from zephon.outage import DebtBeingPaid, guard
 from zephon.reconcile import manifest_facts
 
@@ -126,8 +126,7 @@ class Save:
         with fenced():
             armed = catalog is not None and _arm_unless_down(catalog, attempt, step, save_id)
             try:
-                writer = location.store.begin(
-                    location.storage_run,
+                writer = location.runstore.begin(
                     step,
                     fence=attempt.fence,
                     save_id=save_id,

@@ -89,7 +89,7 @@ def _sync_run(
     kind: str,
     report: SyncReport,
 ) -> None:
-    if not store.list_steps(storage_run):
+    if not store.run(storage_run).list_steps():
         return
     catalog.ensure_run(name, root, kind=kind)
     report.runs.append(name)
@@ -105,12 +105,12 @@ def reconcile_run(
     abandoned one is recorded ``stale`` and deleted after the grace). ``pending=False`` leaves
     pending rows to their writer (gc settles them only after the pending grace)."""
     store, storage_run, name = location.store, location.storage_run, location.name
-    lineage = store.lineage(storage_run)
+    lineage = store.run(storage_run).lineage()
     mirror_lineage(catalog, location, lineage)
     # Rows before the listing: a row committed before the listing has its marker in it (the
     # marker comes first), so "committed but no marker" is never a save that just finished.
     rows = {row.step: row for row in catalog.list_checkpoints(name)}
-    steps = store.list_steps(storage_run, detail=True)
+    steps = store.run(storage_run).list_steps(detail=True)
     committed_on_storage = {s.step for s in steps if s.committed}
     for listing in steps:
         if not listing.committed:

@@ -32,7 +32,7 @@ class AttemptMethods(CatalogBase):
         ``epoch`` is the attempt's fencing token from storage (>= 1, above every earlier one),
         ``attempt_id`` its uuid hex, ``host``/``pid``/``started_at`` its process,
         ``resumed_from`` the step it resumed from (None: a fresh start). In one transaction,
-        holding the run row's update lock: refuse with ``StaleAttemptError`` (naming the
+        holding the run row's update lock: refuse with ``FencedOutError`` (naming the
         current attempt) unless ``epoch`` is above the run's epoch; insert the attempt; set the
         run's epoch; and move every row of an older attempt above ``resumed_from`` (every step
         for a fresh start) that is pending, committed or failed to ``stale``. The step
@@ -72,7 +72,7 @@ class AttemptMethods(CatalogBase):
         self, run: str, *, epoch: int, resumed_from: int | None
     ) -> AttemptRegistration:
         """The current attempt ``epoch`` (registered undecided) resumes from ``resumed_from``
-        (None: a fresh start). Fenced: ``StaleAttemptError`` unless ``epoch`` is current. In
+        (None: a fresh start). Fenced: ``FencedOutError`` unless ``epoch`` is current. In
         the same transaction every older attempt's pending, committed or failed row above it
         moves to ``stale``. Deciding the same again is a no-op; a different second decision
         raises ``InvalidValueError`` (a new resume point needs a new attempt)."""

@@ -81,7 +81,7 @@ class DeletionMethods(CatalogBase):
         left out: losing is normal, not an error.
 
         With ``epoch`` (a job applying its own retention) the call is fenced in the same
-        transaction: ``StaleAttemptError`` unless it is the run's current epoch. Each returned
+        transaction: ``FencedOutError`` unless it is the run's current epoch. Each returned
         record's ``claimed_by`` is the token ``mark_deleted`` needs. Then delete from storage
         (marker first) and ``mark_deleted``.
         """

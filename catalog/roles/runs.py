@@ -87,7 +87,7 @@ class RunMethods(CatalogBase):
     ) -> RunRecord:
         """Change the given fields of a run (``RunNotFoundError`` if missing).
 
-        With ``epoch`` (a job updating its own run) the call is fenced: ``StaleAttemptError``
+        With ``epoch`` (a job updating its own run) the call is fenced: ``FencedOutError``
         unless it is the run's current epoch, so a superseded job cannot, say, mark the run
         finished under its successor. On PostgreSQL this waits for deletion claims in flight
         on the run, so a claim never decides on a retention policy that is being changed.

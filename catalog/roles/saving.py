@@ -24,7 +24,7 @@ class SaveMethods(CatalogBase):
         """Arm ``(run, step)`` as ``pending`` before writing it; the record's ``save_id`` is
         what ``mark_committed``/``mark_failed`` need.
 
-        Fenced: refused with ``StaleAttemptError`` unless ``epoch`` is the run's current epoch
+        Fenced: refused with ``FencedOutError`` unless ``epoch`` is the run's current epoch
         (epoch 0 works only while the run never had a fenced attempt). ``save_id`` (1-64
         characters of ``[A-Za-z0-9_-]``) names the save, e.g. the id storage writes into the
         marker; without it one is generated. The row records ``epoch``.
@@ -74,7 +74,7 @@ class SaveMethods(CatalogBase):
         Idempotent: if the row is already committed by the same save (a retry, or the marker
         probe promoted it), returns it unchanged, even if a newer attempt has registered since
         (the commit happened while this attempt was current). Otherwise fenced like
-        ``begin_checkpoint``: ``StaleAttemptError`` unless ``epoch`` is the run's current
+        ``begin_checkpoint``: ``FencedOutError`` unless ``epoch`` is the run's current
         epoch. Raises ``StateConflictError`` when the row is no longer this save's pending row
         (re-armed by a newer save, failed by gc after the grace period),
         ``InvalidTransitionError`` when the save was begun by another attempt (only the

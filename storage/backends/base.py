@@ -23,10 +23,19 @@ from typing import IO, Any, ClassVar
 
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
+from storage.backends.translate import translated
 from storage.redact import mask_url
 from storage.retry import DEFAULT_RETRY, RetryPolicy
 
-__all__ = ["OPEN_READ_BLOCK", "RETRIED_PRIMITIVES", "Backend", "ListedFile", "mtime_of"]
+__all__ = [
+    "OPEN_READ_BLOCK",
+    "RETRIED_PRIMITIVES",
+    "TRANSLATED_OPERATIONS",
+    "TranslatedReader",
+    "Backend",
+    "ListedFile",
+    "mtime_of",
+]
 
 #: bytes per ranged request of a file opened with ``open_read``
 OPEN_READ_BLOCK = 8 << 20
@@ -44,6 +53,21 @@ RETRIED_PRIMITIVES = (
     "put_small",
     "create_exclusive",
     "remove_files",
+)
+#: every public operation: its errors are translated (``storage.backends.translate``), so a
+#: subclass implements ``_<name>``, never ``<name>`` itself
+TRANSLATED_OPERATIONS = (
+    *RETRIED_PRIMITIVES,
+    "is_dir",
+    "make_dirs",
+    "sync_dirs",
+    "remove_dir",
+    "remove_empty_dirs",
+    "read_ranges",
+    "open_read",
+    "open_write",
+    "finish_write",
+    "discard_write",
 )
 
 
@@ -114,20 +138,34 @@ class Backend:
     default_workers: ClassVar[int] = 32
 
     def __init__(
-        self, fs: AbstractFileSystem, protocol: str, *, retry: RetryPolicy = DEFAULT_RETRY
+        self,
+        fs: AbstractFileSystem,
+        protocol: str,
+        *,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        root: str = "",
+        url: str | None = None,
+        secrets: frozenset[str] = frozenset(),
+        role: str | None = None,
     ) -> None:
         self.fs = fs
         self.protocol = protocol
         #: how transient failures of every primitive are tried again (``storage.retry``)
         self.retry = retry
+        #: the location's root path, masked URL (named by every error), the credential values
+        #: scrubbed from backend texts, and the setting it came from (named by fixes)
+        self.root = root
+        self.url = url if url is not None else self.display(root)
+        self.secrets = secrets
+        self.role = role
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        bypassing = [name for name in RETRIED_PRIMITIVES if name in cls.__dict__]
+        bypassing = [name for name in TRANSLATED_OPERATIONS if name in cls.__dict__]
         if bypassing:
             raise TypeError(
                 f"{cls.__name__} overrides {bypassing[0]}, which would bypass the retry "
-                f"policy: implement _{bypassing[0]} instead"
+                f"policy or the translation of errors: implement _{bypassing[0]} instead"
             )
 
     def __repr__(self) -> str:
@@ -153,68 +191,104 @@ class Backend:
             return mask_url(path)
         return mask_url(f"{self.protocol}://{path.lstrip('/')}")
 
+    def forget_cached(self, path: str) -> None:
+        """Drop what the filesystem cached about ``path`` and below (listings), so that the
+        next call asks the backend (another process may have written there)."""
+        self.fs.invalidate_cache(path)
+
+    # -- the operations: each public one translates the errors of its ``_``-named
+    # implementation (``storage.backends.translate``); the primitives among them also try it
+    # again through ``self.retry``. Subclasses override the implementations
+    # (``__init_subclass__`` refuses an override of a public one).
+
+    def _doing(self, verb: str, path: str, *, creating: bool = False) -> Any:
+        """The translation of errors while doing ``verb`` to ``path``."""
+        return translated(self, f"{verb} {self.display(path)}", creating=creating)
+
+    def is_dir(self, path: str) -> bool:
+        """Whether ``path`` is a directory (or, on object stores, a prefix with keys below)."""
+        with self._doing("looking for", path):
+            return self.retry.call(self._is_dir, path)
+
     def make_dirs(self, path: str, *, durable: bool = False) -> None:
         """Make the directory ``path`` and its parents where the backend needs them before
-        files are written into it (``durable``: survive a power loss); a no-op elsewhere."""
+        files are written into it (``durable``: survive a power loss); a no-op elsewhere.
+        ``BackendUnavailableError`` if the directory cannot exist there."""
+        with self._doing("creating", path, creating=True):
+            self._make_dirs(path, durable=durable)
 
     def sync_dirs(self, paths: Iterable[str]) -> None:
         """Make the entries of these directories durable (POSIX fsync); a no-op elsewhere."""
+        paths = list(paths)
+        with self._doing("syncing", paths[0] if paths else self.root):
+            self._sync_dirs(paths)
 
     def remove_dir(self, path: str) -> None:
         """Remove ``path`` if it is an empty directory; nothing else is ever removed."""
+        with self._doing("removing", path):
+            self._remove_dir(path)
 
     def remove_empty_dirs(self, top: str) -> None:
         """Remove now-empty directories under and including ``top`` once their files went."""
-
-    # -- the primitives: each public one is a call of its ``_``-named implementation through
-    # ``self.retry``; subclasses override the implementations (``__init_subclass__`` refuses
-    # an override of a public one, which would bypass the policy).
+        with self._doing("removing", top):
+            self._remove_empty_dirs(top)
 
     def list_files(self, path: str, *, prefix: str = "") -> list[ListedFile]:
         """Every file below ``path`` (only those whose first path component below it starts
         with ``prefix``), with one listing where the backend allows; absent lists as empty."""
-        return self.retry.call(self._list_files, path, prefix=prefix)
+        with self._doing("listing", path):
+            return self.retry.call(self._list_files, path, prefix=prefix)
 
     def list_dirs(self, path: str) -> list[str]:
         """The names of the directories directly below ``path`` (one delimited listing);
         absent lists as empty."""
-        return self.retry.call(self._list_dirs, path)
+        with self._doing("listing", path):
+            return self.retry.call(self._list_dirs, path)
 
     def file_exists(self, path: str) -> bool:
         """Whether one file exists, in one request."""
-        return self.retry.call(self._file_exists, path)
+        with self._doing("checking", path):
+            return self.retry.call(self._file_exists, path)
 
     def read_small(self, path: str) -> bytes:
         """The whole content of a small file (a marker) in one request."""
-        return self.retry.call(self._read_small, path)
+        with self._doing("reading", path):
+            return self.retry.call(self._read_small, path)
 
     def read_file(self, path: str) -> bytes:
         """The whole content of a file of any size."""
-        return self.retry.call(self._read_file, path)
+        with self._doing("reading", path):
+            return self.retry.call(self._read_file, path)
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a file in one ranged request (fewer at its end)."""
-        return self.retry.call(self._read_range, path, start, end)
+        with self._doing("reading", path):
+            return self.retry.call(self._read_range, path, start, end)
 
     def get_file(self, path: str, local_path: str) -> None:
         """Download a file to a local path."""
-        self.retry.call(self._get_file, path, local_path)
+        with self._doing("downloading", path):
+            self.retry.call(self._get_file, path, local_path)
 
     def put_bytes(self, path: str, data: bytes, part_size: int) -> None:
         """Write one whole file from memory (durable when this returns)."""
-        self.retry.call(self._put_bytes, path, data, part_size)
+        with self._doing("writing", path, creating=True):
+            self.retry.call(self._put_bytes, path, data, part_size)
 
     def put_small(self, path: str, data: bytes) -> None:
         """Write a small file with one plain write: not atomic, not exclusive, not synced
         (an acknowledgement, whose content nobody reads)."""
-        self.retry.call(self._put_small, path, data)
+        with self._doing("writing", path, creating=True):
+            self.retry.call(self._put_small, path, data)
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Create ``path`` holding ``data``, or raise ``FileExistsError`` if it exists; a
         reader never sees it partly written. A try whose reply was lost is tried again and
         then finds the file there: ``FileExistsError`` as well, which is never tried again
-        (the commit tells its own marker from another's)."""
-        self.retry.call(self._create_exclusive, path, data)
+        (the commit tells its own marker from another's). ``BackendUnavailableError`` naming
+        the bucket or directory if it does not exist."""
+        with self._doing("creating", path, creating=True):
+            self.retry.call(self._create_exclusive, path, data)
 
     def remove_files(self, paths: Iterable[str]) -> int:
         """Delete files in as few requests as the backend allows; missing ones are ignored.
@@ -222,25 +296,45 @@ class Backend:
         paths = list(paths)
         if not paths:
             return 0
-        self.retry.call(self._remove_files, paths)
+        with self._doing("removing", paths[0] if len(paths) == 1 else _common_dir(paths)):
+            self.retry.call(self._remove_files, paths)
         return len(paths)
 
     def read_ranges(self, path: str, size: int, chunk: int) -> Iterator[bytes]:
         """A file of known ``size`` as consecutive chunks, without asking its size first;
         each chunk is one request, tried again on its own."""
-        if size == 0:
-            yield self.read_small(path)
-            return
-        for start in range(0, size, chunk):
-            yield self.read_range(path, start, min(start + chunk, size))
+        chunks = self._read_ranges(path, size, chunk)
+        while True:
+            with self._doing("reading", path):
+                piece = next(chunks, None)
+            if piece is None:
+                return
+            yield piece
 
     def open_read(self, path: str, size: int) -> IO[bytes]:
-        """A file of known ``size`` open for reading, read in ranged requests of
-        ``OPEN_READ_BLOCK`` bytes (each tried again on its own); the first is read here, so a
-        missing file raises ``FileNotFoundError`` now."""
-        handle = io.BufferedReader(_RangedReader(self, path, size), OPEN_READ_BLOCK)
-        handle.peek(1)
-        return handle
+        """A file of known ``size`` open for reading; ``FileNotFoundError`` now if it is
+        missing."""
+        with self._doing("opening", path):
+            return self._open_read(path, size)
+
+    def open_write(self, path: str, part_size: int) -> IO[bytes]:
+        """A file to stream one payload file into; ``finish_write`` or ``discard_write`` it.
+        Its writes translate their errors as every operation does."""
+        with self._doing("writing", path, creating=True):
+            handle = self._open_write(path, part_size)
+        return _WriteHandle(self, handle, path)  # type: ignore[return-value]
+
+    def finish_write(self, handle: IO[bytes]) -> None:
+        """Complete a file from ``open_write``: durable and visible when this returns."""
+        if isinstance(handle, _WriteHandle):
+            with self._doing("writing", handle.path, creating=True):
+                self._finish_write(handle.raw_handle)
+        else:
+            self._finish_write(handle)
+
+    def discard_write(self, handle: IO[bytes]) -> None:
+        """Abandon a file from ``open_write``, leaving nothing of it behind."""
+        self._discard_write(handle.raw_handle if isinstance(handle, _WriteHandle) else handle)
 
     # -- the implementations: one try each -----------------------------------------------------
 
@@ -304,6 +398,35 @@ class Backend:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(path)
 
+    def _is_dir(self, path: str) -> bool:
+        return self.fs.isdir(path)
+
+    def _make_dirs(self, path: str, *, durable: bool = False) -> None:
+        """Nothing to make where directories are implicit."""
+
+    def _sync_dirs(self, paths: list[str]) -> None:
+        """Nothing to sync where directory entries are not files."""
+
+    def _remove_dir(self, path: str) -> None:
+        """Nothing to remove where directories are implicit."""
+
+    def _remove_empty_dirs(self, top: str) -> None:
+        """Nothing to remove where directories are implicit."""
+
+    def _read_ranges(self, path: str, size: int, chunk: int) -> Iterator[bytes]:
+        if size == 0:
+            yield self.read_small(path)
+            return
+        for start in range(0, size, chunk):
+            yield self.read_range(path, start, min(start + chunk, size))
+
+    def _open_read(self, path: str, size: int) -> IO[bytes]:
+        # Read in ranged requests of ``OPEN_READ_BLOCK`` bytes (each tried again on its own);
+        # the first is read here, so a missing file raises ``FileNotFoundError`` now.
+        handle = io.BufferedReader(_RangedReader(self, path, size), OPEN_READ_BLOCK)
+        handle.peek(1)
+        return handle
+
     # -- writing and deleting ------------------------------------------------------------------
 
     def multipart_options(self, part_size: int) -> dict[str, Any]:
@@ -311,16 +434,13 @@ class Backend:
         of ``part_size``; empty where the backend takes a single write."""
         return {}
 
-    def open_write(self, path: str, part_size: int) -> IO[bytes]:
-        """A file to stream one payload file into; ``finish_write`` or ``discard_write`` it."""
+    def _open_write(self, path: str, part_size: int) -> IO[bytes]:
         return self.fs.open(path, "wb", block_size=part_size)
 
-    def finish_write(self, handle: IO[bytes]) -> None:
-        """Complete a file from ``open_write``: durable and visible when this returns."""
+    def _finish_write(self, handle: IO[bytes]) -> None:
         handle.close()
 
-    def discard_write(self, handle: IO[bytes]) -> None:
-        """Abandon a file from ``open_write``, leaving nothing of it behind."""
+    def _discard_write(self, handle: IO[bytes]) -> None:
         if isinstance(handle, AbstractBufferedFile):  # nothing is published before close
             # Closing would publish a partial object: drop the upload and mark the handle
             # closed so neither close() nor its finaliser flushes what was buffered.
@@ -336,6 +456,66 @@ class Backend:
         if isinstance(path, str):
             with contextlib.suppress(OSError):
                 self.fs.rm_file(path)
+
+
+def _common_dir(paths: list[str]) -> str:
+    """The directory holding all of ``paths``, to name a batch of them in a message."""
+    head = paths[0].rsplit("/", 1)[0]
+    while head and not all(p.startswith(f"{head}/") for p in paths):
+        head = head.rsplit("/", 1)[0] if "/" in head else ""
+    return head or paths[0]
+
+
+class _WriteHandle:
+    """A file from ``Backend.open_write`` whose writes translate their errors as every
+    operation does; everything else is the backend's own handle."""
+
+    def __init__(self, backend: Backend, handle: IO[bytes], path: str) -> None:
+        self.raw_handle = handle
+        self.path = path
+        self._backend = backend
+
+    def write(self, data: Any) -> int:
+        with self._backend._doing("writing", self.path, creating=True):
+            return self.raw_handle.write(data)
+
+    def flush(self) -> None:
+        with self._backend._doing("writing", self.path, creating=True):
+            self.raw_handle.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw_handle, name)
+
+
+class TranslatedReader:
+    """A file open for reading whose reads and seeks translate their errors as every
+    operation does (a local file read in place); everything else is the file itself."""
+
+    def __init__(self, backend: Backend, handle: IO[bytes], path: str) -> None:
+        self.raw_handle = handle
+        self.path = path
+        self._backend = backend
+
+    def read(self, size: int = -1) -> bytes:
+        with self._backend._doing("reading", self.path):
+            return self.raw_handle.read(size)
+
+    def readinto(self, buffer: Any) -> int:
+        with self._backend._doing("reading", self.path):
+            return self.raw_handle.readinto(buffer)  # type: ignore[attr-defined]
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        with self._backend._doing("reading", self.path):
+            return self.raw_handle.seek(offset, whence)
+
+    def __enter__(self) -> TranslatedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.raw_handle.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw_handle, name)
 
 
 class _RangedReader(io.RawIOBase):

@@ -14,7 +14,6 @@ import fsspec.config
 from fsspec.spec import AbstractFileSystem
 
 from storage.backends.base import Backend, ListedFile, _listed
-from storage.retry import DEFAULT_RETRY, RetryPolicy
 
 __all__ = ["DEFAULT_POOL_CONNECTIONS", "GCSBackend", "ObjectStoreBackend", "S3Backend"]
 
@@ -108,10 +107,8 @@ class S3Backend(ObjectStoreBackend):
         options["config_kwargs"] = config_kwargs
         return options
 
-    def __init__(
-        self, fs: AbstractFileSystem, protocol: str, *, retry: RetryPolicy = DEFAULT_RETRY
-    ) -> None:
-        super().__init__(fs, protocol, retry=retry)
+    def __init__(self, fs: AbstractFileSystem, protocol: str, **where: Any) -> None:
+        super().__init__(fs, protocol, **where)
         # One policy: s3fs's own loop (5 tries within about two seconds, a class attribute,
         # not an option) would run inside every try of Zephon's. The instance is shared only
         # by locations opened with the same options, Zephon's defaults among them.
@@ -150,10 +147,10 @@ class S3Backend(ObjectStoreBackend):
             raise
         self.fs.invalidate_cache(path)
 
-    def open_write(self, path: str, part_size: int) -> IO[bytes]:
+    def _open_write(self, path: str, part_size: int) -> IO[bytes]:
         """s3fs's buffered file, each of whose requests (the multipart upload's start, every
         part, its completion; or the one PUT of a small file) is tried again on its own."""
-        handle = super().open_write(path, part_size)
+        handle = super()._open_write(path, part_size)
         bucket, key, _ = self.fs.split_path(path)
         send = handle._call_s3
 

@@ -10,7 +10,7 @@ from typing import IO, ClassVar
 
 from fsspec.spec import AbstractFileSystem
 
-from storage.backends.base import Backend
+from storage.backends.base import Backend, TranslatedReader
 
 __all__ = ["PosixBackend", "fsync_dir"]
 
@@ -50,7 +50,7 @@ class PosixBackend(Backend):
 
     # -- directories ---------------------------------------------------------------------------
 
-    def make_dirs(self, path: str, *, durable: bool = False) -> None:
+    def _make_dirs(self, path: str, *, durable: bool = False) -> None:
         if not durable:
             os.makedirs(path, exist_ok=True)
             return
@@ -68,30 +68,45 @@ class PosixBackend(Backend):
         for directory in missing[1:] + [probe]:
             fsync_dir(directory)
 
-    def sync_dirs(self, paths: Iterable[str]) -> None:
+    def _sync_dirs(self, paths: Iterable[str]) -> None:
         for path in paths:
             fsync_dir(path)
 
-    def remove_dir(self, path: str) -> None:
+    def _remove_dir(self, path: str) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(path)
 
-    def remove_empty_dirs(self, top: str) -> None:
+    def _remove_empty_dirs(self, top: str) -> None:
         for dirpath, _dirs, _files in os.walk(top, topdown=False):
             with contextlib.suppress(OSError):
                 os.rmdir(dirpath)
 
     # -- listing and reading -------------------------------------------------------------------
 
+    def entries(self, path: str) -> list[os.DirEntry]:
+        """The entries of directory ``path`` (one directory read); absent lists as empty."""
+        with self._doing("listing", path):
+            try:
+                return list(os.scandir(path))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+
     def _file_exists(self, path: str) -> bool:
         return os.path.isfile(path)
 
-    def read_ranges(self, path: str, size: int, chunk: int) -> Iterator[bytes]:
+    def _read_ranges(self, path: str, size: int, chunk: int) -> Iterator[bytes]:
         with open(path, "rb") as handle:
             while piece := handle.read(chunk):
                 yield piece
 
-    def open_read(self, path: str, size: int) -> IO[bytes]:
+    def open_in_place(self, path: str) -> IO[bytes]:
+        """The file unbuffered, for reads straight into the caller's memory (``readinto``);
+        its reads translate their errors. ``FileNotFoundError`` if it is missing."""
+        with self._doing("opening", path):
+            handle = open(path, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+        return TranslatedReader(self, handle, path)  # type: ignore[return-value]
+
+    def _open_read(self, path: str, size: int) -> IO[bytes]:
         return open(path, "rb")  # noqa: SIM115 - the caller closes it
 
     # -- writing and deleting ------------------------------------------------------------------
@@ -106,15 +121,15 @@ class PosixBackend(Backend):
         with open(path, "wb") as handle:
             handle.write(data)
 
-    def open_write(self, path: str, part_size: int) -> IO[bytes]:
+    def _open_write(self, path: str, part_size: int) -> IO[bytes]:
         return open(path, "wb")  # noqa: SIM115 - closed by finish_write or discard_write
 
-    def finish_write(self, handle: IO[bytes]) -> None:
+    def _finish_write(self, handle: IO[bytes]) -> None:
         handle.flush()
         os.fsync(handle.fileno())
         handle.close()
 
-    def discard_write(self, handle: IO[bytes]) -> None:
+    def _discard_write(self, handle: IO[bytes]) -> None:
         # An OS file is visible as soon as it is opened: what was written goes with it.
         with contextlib.suppress(Exception):
             handle.close()

@@ -9,10 +9,10 @@ import pytest
 
 from catalog import (
     AttemptRecord,
+    FencedOutError,
     InvalidTransitionError,
     InvalidValueError,
     RunNotFoundError,
-    StaleAttemptError,
     StateConflictError,
     attempts,
 )
@@ -60,7 +60,7 @@ def test_a_run_starts_unfenced_and_each_registered_attempt_becomes_current(catal
 def test_an_attempt_not_newer_than_the_current_one_is_refused_naming_it(catalog, run):
     register(catalog, run, 5, host="h1", pid=4242)
     for epoch in (3, 5):
-        with pytest.raises(StaleAttemptError) as caught:
+        with pytest.raises(FencedOutError) as caught:
             register(catalog, run, epoch, attempt_id="someone-else")
         error = caught.value
         assert (error.run, error.epoch, error.current.epoch) == (run, epoch, 5)
@@ -68,7 +68,7 @@ def test_an_attempt_not_newer_than_the_current_one_is_refused_naming_it(catalog,
         assert "host h1, pid 4242, started 2026-12-01T10:00:00+00:00" in str(error)
         assert "stop saving" in str(error)
     assert str(caught.value).startswith(f"run 'r' in catalog {catalog.url}: attempt epoch 5")
-    with pytest.raises(StaleAttemptError) as caught:
+    with pytest.raises(FencedOutError) as caught:
         register(catalog, run, 3)
     assert (
         "attempt epoch 3 is no longer current: attempt epoch 5 (host h1, pid 4242, started "
@@ -181,7 +181,7 @@ def test_every_fenced_call_refuses_a_superseded_epoch_naming_the_current_attempt
     before = (_states(catalog), catalog.get_run("r"))
 
     for stale_epoch in (0, 1):
-        with pytest.raises(StaleAttemptError) as caught:
+        with pytest.raises(FencedOutError) as caught:
             _fenced_calls(catalog, "r")[call](stale_epoch)
         error = caught.value
         assert (error.run, error.epoch, error.current.epoch) == ("r", stale_epoch, 2)
@@ -195,11 +195,11 @@ def test_every_fenced_call_refuses_a_superseded_epoch_naming_the_current_attempt
 
 
 def test_an_epoch_that_was_never_registered_is_refused(catalog, run):
-    with pytest.raises(StaleAttemptError, match="the run has no fenced attempt yet") as caught:
+    with pytest.raises(FencedOutError, match="the run has no fenced attempt yet") as caught:
         catalog.begin_checkpoint(run, 1, "/c/1", epoch=1)
     assert caught.value.current is None
     register(catalog, run, 1)
-    with pytest.raises(StaleAttemptError, match="attempt epoch 4 is not registered") as caught:
+    with pytest.raises(FencedOutError, match="attempt epoch 4 is not registered") as caught:
         catalog.begin_checkpoint(run, 1, "/c/1", epoch=4)
     assert caught.value.current.epoch == 1 and "register_attempt" in str(caught.value)
 
@@ -208,7 +208,7 @@ def test_epoch_zero_works_only_while_the_run_was_never_fenced(catalog, run):
     commit_step(catalog, run, 1)  # unfenced, as before fencing existed
     assert catalog.get_checkpoint(run, 1).epoch == 0
     register(catalog, run, 1, resumed_from=1)
-    with pytest.raises(StaleAttemptError):
+    with pytest.raises(FencedOutError):
         catalog.begin_checkpoint(run, 2, "/c/2")
     assert catalog.begin_checkpoint(run, 2, "/c/2", epoch=1).epoch == 1
 
@@ -231,7 +231,7 @@ def test_an_old_attempts_save_at_or_below_the_resume_point_cannot_be_committed(c
     begun = catalog.begin_checkpoint(run, 5, "/c/5", epoch=1)
     register(catalog, run, 2, resumed_from=10)
     assert catalog.get_checkpoint(run, 5).state == "pending"  # not abandoned: below 10
-    with pytest.raises(StaleAttemptError):
+    with pytest.raises(FencedOutError):
         catalog.mark_committed(
             run, 5, begun.save_id, epoch=1, bytes=1, file_count=1, manifest_checksum=None
         )
@@ -247,7 +247,7 @@ def test_an_abandoned_pending_row_can_be_neither_committed_nor_failed(catalog, r
     register(catalog, run, 1)
     begun = catalog.begin_checkpoint(run, 30, "/c/30", epoch=1)
     register(catalog, run, 2, resumed_from=20)
-    with pytest.raises(StaleAttemptError):
+    with pytest.raises(FencedOutError):
         catalog.mark_committed(
             run, 30, begun.save_id, epoch=1, bytes=1, file_count=1, manifest_checksum=None
         )
@@ -389,7 +389,7 @@ def test_an_undecided_attempt_fences_older_ones_but_abandons_nothing(catalog, ru
     registration = register_undecided(catalog, run, 2)
     assert registration.abandoned == () and not registration.attempt.decided
     assert set(_states(catalog).values()) == {"committed"}
-    with pytest.raises(StaleAttemptError, match="attempt epoch 2"):
+    with pytest.raises(FencedOutError, match="attempt epoch 2"):
         commit_step(catalog, run, 40, epoch=1)
     # nothing is protected or abandoned until the attempt knows where it resumes
     assert catalog.retention_plan(run).decisions[0].reason.count("resume point") == 0
@@ -414,7 +414,7 @@ def test_deciding_the_resume_point_abandons_the_older_history_above_it(catalog, 
 def test_only_the_current_attempt_may_decide(catalog, run):
     register_undecided(catalog, run, 1)
     register_undecided(catalog, run, 2)
-    with pytest.raises(StaleAttemptError, match="attempt epoch 1 is no longer current"):
+    with pytest.raises(FencedOutError, match="attempt epoch 1 is no longer current"):
         catalog.decide_resume(run, epoch=1, resumed_from=None)
 
 

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from catalog import InvalidValueError, RunNotFoundError, StaleAttemptError, claim_holder
+from catalog import FencedOutError, InvalidValueError, RunNotFoundError, claim_holder
 from tests.catalog.conftest import commit_step, register
 
 
@@ -158,7 +158,7 @@ def test_a_run_keeping_everything_yields_no_claims(catalog, run):
 def test_a_jobs_own_claim_with_a_superseded_epoch_is_refused_and_claims_nothing(catalog, kept2):
     register(catalog, kept2, 1, resumed_from=6)
     register(catalog, kept2, 2, resumed_from=6, host="h2", pid=77)
-    with pytest.raises(StaleAttemptError, match="host h2, pid 77") as caught:
+    with pytest.raises(FencedOutError, match="host h2, pid 77") as caught:
         catalog.claim_for_deletion(kept2, [1, 2, 3, 4], epoch=1)
     assert caught.value.current.epoch == 2
     assert set(_states(catalog).values()) == {"committed"}
@@ -271,7 +271,7 @@ def test_a_requested_claim_takes_what_the_policy_keeps_but_pins_and_the_resume_p
     assert catalog.claim_for_deletion("k", [3, 4, 5], epoch=1) == []  # the plan keeps them
     won = catalog.claim_for_deletion("k", [3, 4, 5, 6, 7, 99], epoch=1, requested=True)
     assert [c.step for c in won] == [3, 6]  # 4 pinned, 5 the resume point, 7 pending
-    with pytest.raises(StaleAttemptError):
+    with pytest.raises(FencedOutError):
         catalog.claim_for_deletion("k", [1], epoch=0, requested=True)
     commit_step(catalog, "k", 8, epoch=1)  # the attempt stands on a checkpoint of its own
     assert [c.step for c in catalog.claim_for_deletion("k", [5], requested=True)] == [5]

@@ -167,16 +167,16 @@ def test_catalog_errors_survive_pickling_as_a_distributed_job_sends_them():
     from catalog import (
         CheckpointExistsError,
         CheckpointRecordNotFoundError,
+        FencedOutError,
         InvalidValueError,
         MigrationsNotFoundError,
         ReplicaNotFoundError,
-        StaleAttemptError,
         StateConflictError,
     )
 
     errors = [
         CheckpointExistsError("sqlite:///c.db", "r", 5, "s3://b/ckpt/r/save-5"),
-        StaleAttemptError("sqlite:///c.db", "r", 1, None),
+        FencedOutError("sqlite:///c.db", "r", 1, None),
         InvalidValueError("step", -1, "an integer from 0 to 2**63 - 1"),
         CatalogUnavailableError("sqlite:///c.db", "disk full"),
         CheckpointRecordNotFoundError("sqlite:///c.db", "r", 5, save_id="a", found_save="b"),

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from catalog import Catalog, StaleAttemptError, StateConflictError, attempts, transitions
+from catalog import Catalog, FencedOutError, StateConflictError, attempts, transitions
 from tests.catalog import workers
 from tests.catalog.conftest import commit_step, in_threads, register
 
@@ -165,7 +165,7 @@ def test_an_old_commit_waits_for_a_registration_in_flight_then_is_refused(
         registering.join(60)
         committing.join(60)
         assert results["register"].abandoned == (30,)
-        assert isinstance(results["commit"], StaleAttemptError)
+        assert isinstance(results["commit"], FencedOutError)
         assert results["commit"].current.epoch == 2
         assert new.get_checkpoint("r", 30).state == "stale"
 
@@ -207,7 +207,7 @@ def _race_once(old: Catalog, new: Catalog, epoch: int) -> str:
         thread.join(60)
     assert results["register"].abandoned == (step,), results
     assert new.get_checkpoint("r", step).state == "stale"
-    if isinstance(results["commit"], StaleAttemptError):
+    if isinstance(results["commit"], FencedOutError):
         return "refused"
     assert results["commit"].state == "committed", results
     return "committed then staled"

@@ -218,7 +218,7 @@ def test_a_catalog_at_the_initial_revision_upgrades_keeping_its_rows(catalog_url
         )
         assert registration.abandoned == (15, 20)
         # The old save of step 20 can no longer be committed.
-        with pytest.raises(catalog.StaleAttemptError):
+        with pytest.raises(catalog.FencedOutError):
             opened.mark_committed("old", 20, "bbbb", bytes=1, file_count=1, manifest_checksum=None)
         assert [e.action for e in opened.events()][-1] == "schema_upgraded"
 

@@ -217,7 +217,7 @@ def test_blocks_written_with_their_crc_give_the_manifest_the_crc_of_the_file(
     small = b"between"
     floats = np.arange(1000, dtype=np.float32)
     with make_backend(name, request, tmp_path).open_store() as store:
-        writer = store.begin("r", 1)
+        writer = store.run("r").begin(1)
         with writer.open("f.bin") as out:
             assert out.write(memoryview(big), crc=crc32c_extend(0, big)) == big.nbytes
             assert out.write(small) == len(small)
@@ -225,6 +225,6 @@ def test_blocks_written_with_their_crc_give_the_manifest_the_crc_of_the_file(
             assert out.write(b"", crc=0) == 0
         writer.commit()
         whole = big.tobytes() + small + floats.tobytes()
-        entry = store.read_manifest("r", 1).file("f.bin")
+        entry = store.run("r").read_manifest(1).file("f.bin")
         assert (entry.size, entry.crc32c) == (len(whole), crc32c_of(whole))
-        assert store.reader("r", 1).read_bytes("f.bin") == whole
+        assert store.run("r").reader(1).read_bytes("f.bin") == whole

@@ -32,21 +32,21 @@ def spawn(args: dict) -> subprocess.Popen:
 
 def assert_all_or_nothing(store: CheckpointStore, run: str, step: int, files: int) -> bool:
     """The invariant: a step that lists as committed verifies completely; returns committed."""
-    committed = step in store.committed_steps(run)
+    committed = step in store.run(run).committed_steps()
     if committed:
-        manifest = store.read_manifest(run, step)
+        manifest = store.run(run).read_manifest(step)
         assert manifest.file_count == files, "a committed checkpoint lists every file"
-        report = store.verify(run, step, deep=True)
+        report = store.run(run).verify(step, deep=True)
         assert report.ok, report.problems
     return committed
 
 
 def resave_succeeds(store: CheckpointStore, run: str, step: int) -> None:
-    with store.begin(run, step) as writer:
+    with store.run(run).begin(step) as writer:
         writer.write_bytes("fresh.bin", b"after the crash")
         writer.commit()
-    assert [f.name for f in store.read_manifest(run, step).files] == ["fresh.bin"]
-    assert store.verify(run, step, deep=True).ok
+    assert [f.name for f in store.run(run).read_manifest(step).files] == ["fresh.bin"]
+    assert store.run(run).verify(step, deep=True).ok
 
 
 @pytest.fixture(params=backends_with(cross_process=True))
@@ -122,10 +122,10 @@ def test_two_writers_racing_to_commit_one_step_exactly_one_wins(name, request, t
         assert len(winners) == 1, results
         loser = "b" if winners == ["a"] else "a"
         assert results[loser] == "conflict CommitConflictError"
-        manifest = store.read_manifest("r", step)
+        manifest = store.run("r").read_manifest(step)
         assert manifest.metadata["tag"] == winners[0]
         assert {f.name.split("/")[0] for f in manifest.files} == {winners[0]}
-        assert store.verify("r", step, deep=True).ok
+        assert store.run("r").verify(step, deep=True).ok
 
 
 def _wait_files(directory, names, timeout=120.0):

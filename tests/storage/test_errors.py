@@ -63,7 +63,7 @@ def test_unreachable_endpoint_is_backend_unavailable_and_masks_secrets():
     }
     store = CheckpointStore("s3://bucket/ckpt", options, retry=NO_RETRY)
     with pytest.raises(BackendUnavailableError) as info:
-        store.committed_steps("r")
+        store.run("r").committed_steps()
     message = str(info.value)
     assert "s3://bucket/ckpt" in message and "storage_options" in message
     assert "super-secret-value" not in message
@@ -71,11 +71,11 @@ def test_unreachable_endpoint_is_backend_unavailable_and_masks_secrets():
 
 def test_writing_to_a_missing_bucket_names_the_checkpoint(s3):
     store = CheckpointStore("s3://no-such-bucket-zephon/ckpt", s3.storage_options())
-    writer = store.begin("r", 1)
+    writer = store.run("r").begin(1)
     with pytest.raises(
         BackendUnavailableError,
-        match=r"writing a to s3://no-such-bucket-zephon/"
-        r"ckpt/r/save-1 failed.*must exist: create it first",
+        match=r"writing s3://no-such-bucket-zephon/"
+        r"ckpt/r/save-1/[0-9a-z-]+/a failed.*must exist: create it first",
     ):
         writer.write_bytes("a", b"1")
 
@@ -89,7 +89,7 @@ def test_location_join_and_display_are_consistent(tmp_path):
 def _claim(store: CheckpointStore) -> str:
     """The one-line error of claiming the first attempt of run "r" on ``store``."""
     with pytest.raises(BackendUnavailableError) as caught:
-        store.claim_attempt("r", after=store.lineage("r"))
+        store.run("r").claim_attempt(after=store.run("r").lineage())
     message = str(caught.value)
     assert "\n" not in message
     return message

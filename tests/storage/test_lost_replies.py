@@ -50,8 +50,8 @@ def through(backend: Backend, proxy: FaultProxy, client_retries: bool) -> dict:
 
 
 def start(store: CheckpointStore, run: str = "r", resumed_from: int | None = None):
-    fence = store.claim_attempt(run, after=store.lineage(run))
-    return store.decide_resume(run, fence, resumed_from)
+    fence = store.run(run).claim_attempt(after=store.run(run).lineage())
+    return store.run(run).decide_resume(fence, resumed_from)
 
 
 def payload_of(store: CheckpointStore, writer) -> set[str]:
@@ -61,17 +61,17 @@ def payload_of(store: CheckpointStore, writer) -> set[str]:
 
 def assert_complete(store: CheckpointStore, run: str, step: int, save_id: str) -> None:
     """The checkpoint is the latest, its marker names ``save_id`` and every byte verifies."""
-    manifest = store.latest(run)
+    manifest = store.run(run).latest()
     assert manifest is not None and (manifest.step, manifest.save_id) == (step, save_id)
-    assert store.verify(run, step, deep=True).ok
-    reader = store.reader(run, step)
+    assert store.run(run).verify(step, deep=True).ok
+    reader = store.run(run).reader(step)
     assert {name: reader.read_bytes(name) for name in FILES} == FILES
 
 
 def test_a_commit_whose_marker_reply_was_lost_has_committed(s3_backend, proxy, client_retries):
     with CheckpointStore(s3_backend.url, through(s3_backend, proxy, client_retries)) as store:
         fence = start(store)
-        with store.begin("r", 5, fence=fence) as writer:
+        with store.run("r").begin(5, fence=fence) as writer:
             writer.write_many(FILES)
             proxy.drop_reply(method="PUT", path=MARKER, count=DROPS)
             manifest = writer.commit()
@@ -80,7 +80,7 @@ def test_a_commit_whose_marker_reply_was_lost_has_committed(s3_backend, proxy, c
         assert manifest.save_id == writer.save_id
         assert payload_of(store, writer) == set(FILES)
     with s3_backend.open_store() as direct:
-        assert direct.read_manifest("r", 5) == manifest
+        assert direct.run("r").read_manifest(5) == manifest
         assert_complete(direct, "r", 5, writer.save_id)
 
 
@@ -88,7 +88,7 @@ def test_an_unfenced_commit_whose_marker_reply_was_lost_has_committed(
     s3_backend, proxy, client_retries
 ):
     options = through(s3_backend, proxy, client_retries)
-    with CheckpointStore(s3_backend.url, options) as store, store.begin(None, 3) as writer:
+    with CheckpointStore(s3_backend.url, options) as store, store.run(None).begin(3) as writer:
         writer.write_many(FILES)
         proxy.drop_reply(method="PUT", path=MARKER, count=DROPS)
         writer.commit()
@@ -101,10 +101,10 @@ def test_an_attempt_record_whose_reply_was_lost_is_the_attempts_own(
 ):
     with CheckpointStore(s3_backend.url, through(s3_backend, proxy, client_retries)) as store:
         proxy.drop_reply(method="PUT", path=r"/_attempts/\d+\.json$", count=DROPS)
-        fence = store.claim_attempt("r", after=store.lineage("r"))
+        fence = store.run("r").claim_attempt(after=store.run("r").lineage())
         assert proxy.pending_rules == 0
         assert fence.epoch == 1
-        assert store.lineage("r").current == fence.record
+        assert store.run("r").lineage().current == fence.record
 
 
 def test_a_decision_record_whose_reply_was_lost_is_the_attempts_own(
@@ -112,26 +112,26 @@ def test_a_decision_record_whose_reply_was_lost_is_the_attempts_own(
 ):
     with CheckpointStore(s3_backend.url, through(s3_backend, proxy, client_retries)) as store:
         first = start(store)
-        with store.begin("r", 4, fence=first) as writer:
+        with store.run("r").begin(4, fence=first) as writer:
             writer.write_many(FILES)
             writer.commit()
-        claimed = store.claim_attempt("r", after=store.lineage("r"))
+        claimed = store.run("r").claim_attempt(after=store.run("r").lineage())
         proxy.drop_reply(method="PUT", path=r"/_attempts/\d+\.resume\.json$", count=DROPS)
-        fence = store.decide_resume("r", claimed, 4)
+        fence = store.run("r").decide_resume(claimed, 4)
         assert proxy.pending_rules == 0
         assert (fence.epoch, fence.record.resumed_from) == (2, 4)
-        assert store.lineage("r").current == fence.record
+        assert store.run("r").lineage().current == fence.record
 
 
 def test_a_condemnation_record_whose_reply_was_lost_is_written(s3_backend, proxy, client_retries):
     with CheckpointStore(s3_backend.url, through(s3_backend, proxy, client_retries)) as store:
-        with store.begin("r", 2, fence=start(store)) as writer:
+        with store.run("r").begin(2, fence=start(store)) as writer:
             writer.write_many(FILES)
             manifest = writer.commit()
         proxy.drop_reply(method="PUT", path=r"/_CORRUPT\.", count=DROPS)
-        store.condemn("r", 2, manifest, "a test says so")
+        store.run("r").condemn(2, manifest, "a test says so")
         assert proxy.pending_rules == 0
-        assert store.is_condemned("r", 2, manifest.save_id)
+        assert store.run("r").is_condemned(2, manifest.save_id)
 
 
 def unreachable_after_the_marker(proxy: FaultProxy, times: int = 20) -> None:
@@ -151,7 +151,7 @@ def test_a_commit_of_unknown_outcome_keeps_its_payload_and_the_marker_names_it(
         s3_backend.url, through(s3_backend, proxy, False), retry=NO_RETRY
     ) as store:
         fence = start(store)
-        writer = store.begin("r", 6, fence=fence)
+        writer = store.run("r").begin(6, fence=fence)
         writer.write_many(FILES)
         unreachable_after_the_marker(proxy)
         with pytest.raises(BackendUnavailableError, match="was created is unknown"):
@@ -171,7 +171,7 @@ def test_committing_again_settles_a_commit_of_unknown_outcome(s3_backend, proxy,
     with CheckpointStore(
         s3_backend.url, through(s3_backend, proxy, False), retry=NO_RETRY
     ) as store:
-        writer = store.begin("r", 7, fence=start(store))
+        writer = store.run("r").begin(7, fence=start(store))
         writer.write_many(FILES)
         unreachable_after_the_marker(proxy)
         with pytest.raises(BackendUnavailableError):
@@ -189,7 +189,7 @@ def test_a_marker_that_never_landed_leaves_the_payload_to_gc(s3_backend, proxy, 
     with CheckpointStore(
         s3_backend.url, through(s3_backend, proxy, False), retry=NO_RETRY
     ) as store:
-        writer = store.begin("r", 8, fence=start(store))
+        writer = store.run("r").begin(8, fence=start(store))
         writer.write_many(FILES)
         proxy.fail(method="PUT", path=MARKER, status=500, count=20)  # never forwarded
         with pytest.raises(BackendUnavailableError, match="was created is unknown"):
@@ -197,7 +197,7 @@ def test_a_marker_that_never_landed_leaves_the_payload_to_gc(s3_backend, proxy, 
         writer.abort()
         proxy.clear()
         assert payload_of(store, writer) == set(FILES)
-        assert not store.is_committed("r", 8)
+        assert not store.run("r").is_committed(8)
         (orphan,) = store.orphans(0, runs=["r"])
         assert (orphan.step, orphan.save_id) == (8, writer.save_id)
         store.remove_orphan(orphan)
@@ -211,7 +211,7 @@ def lose_results(monkeypatch, store: CheckpointStore, *, reads_fail: int = 0) ->
     """Every marker create on ``store``'s disk is done, then reported as a reset connection
     (its result lost); the first ``reads_fail`` reads of a marker fail the same way."""
     backend = store.location.backend
-    create, read = backend.create_exclusive, backend.read_small
+    create, read = backend._create_exclusive, backend._read_small
     failing = {"reads": reads_fail}
 
     def create_then_lose(path: str, data: bytes) -> None:
@@ -225,13 +225,16 @@ def lose_results(monkeypatch, store: CheckpointStore, *, reads_fail: int = 0) ->
             raise ConnectionResetError(f"lost the reply reading {path}")
         return read(path)
 
-    monkeypatch.setattr(backend, "create_exclusive", create_then_lose)
-    monkeypatch.setattr(backend, "read_small", read_or_fail)
+    # beneath the backend's translation of errors, with its retry policy off (it would ride
+    # out these faults, as on S3 above)
+    monkeypatch.setattr(backend, "_create_exclusive", create_then_lose)
+    monkeypatch.setattr(backend, "_read_small", read_or_fail)
+    monkeypatch.setattr(backend, "retry", NO_RETRY)
 
 
 def test_a_local_commit_whose_result_was_lost_has_committed(local_backend, monkeypatch):
     with local_backend.open_store() as store:
-        with store.begin("r", 1, fence=start(store)) as writer:
+        with store.run("r").begin(1, fence=start(store)) as writer:
             writer.write_many(FILES)
             lose_results(monkeypatch, store)
             writer.commit()
@@ -241,7 +244,7 @@ def test_a_local_commit_whose_result_was_lost_has_committed(local_backend, monke
 
 def test_a_local_commit_committed_twice_finds_its_own_marker(local_backend, monkeypatch):
     with local_backend.open_store() as store:
-        writer = store.begin("r", 2, fence=start(store))
+        writer = store.run("r").begin(2, fence=start(store))
         writer.write_many(FILES)
         lose_results(monkeypatch, store, reads_fail=100)
         with pytest.raises(BackendUnavailableError, match="was created is unknown"):
@@ -257,7 +260,7 @@ def test_a_marker_put_that_outlived_the_retry_deadline_is_not_sent_again(s3_back
     # unknown outcome, instead of spending the whole deadline again on each further try
     policy = RetryPolicy(max_attempts=3, deadline_s=5, base_backoff_s=0.05, jitter=0.0)
     with CheckpointStore(s3_backend.url, through(s3_backend, proxy, False), retry=policy) as store:
-        writer = store.begin("r", 9, fence=start(store))
+        writer = store.run("r").begin(9, fence=start(store))
         writer.write_many(FILES)
         proxy.fail(method="PUT", path=MARKER, status=500, count=100)  # never forwarded
         with pytest.raises(BackendUnavailableError, match="was created is unknown"):

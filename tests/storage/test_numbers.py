@@ -27,9 +27,9 @@ def test_a_step_directory_name_takes_ascii_digits_only():
 
 def test_an_attempt_record_named_in_other_digits_is_no_epoch(tmp_path):
     store = CheckpointStore(str(tmp_path / "ckpt"))
-    fence = store.claim_attempt("r", after=store.lineage("r"))
+    fence = store.run("r").claim_attempt(after=store.run("r").lineage())
     records = tmp_path / "ckpt" / "r" / "_attempts"
     good = (records / "0000000001.json").read_bytes()
     (records / "٠٠٠٠٠٠٠٠٠٩.json").write_bytes(good.replace(b'"epoch":1', b'"epoch":9'))
-    assert store.lineage("r").epoch == fence.epoch == 1
-    assert [record.epoch for record in store.attempts("r")] == [1]
+    assert store.run("r").lineage().epoch == fence.epoch == 1
+    assert [record.epoch for record in store.run("r").attempts()] == [1]

@@ -56,7 +56,7 @@ def requests(proxy: FaultProxy, method: str, pattern: str) -> list[str]:
 
 
 def save(store: CheckpointStore, step: int, files: dict[str, bytes], streamed: bytes) -> None:
-    with store.begin("r", step) as writer:
+    with store.run("r").begin(step) as writer:
         writer.write_many(files)
         with writer.open("streamed.bin") as out:
             out.write(streamed)
@@ -64,12 +64,12 @@ def save(store: CheckpointStore, step: int, files: dict[str, bytes], streamed: b
 
 
 def load_and_check(store: CheckpointStore, step: int, expected: dict[str, bytes]) -> None:
-    reader = store.reader("r", step)
+    reader = store.run("r").reader(step)
     for name, data in expected.items():
         assert reader.read_bytes(name) == data
     with reader.open("streamed.bin") as handle:
         assert handle.read() == expected["streamed.bin"]
-    assert store.verify("r", step, deep=True).ok
+    assert store.run("r").verify(step, deep=True).ok
 
 
 def later(seconds: float, action) -> threading.Thread:
@@ -119,12 +119,12 @@ def test_an_outage_longer_than_the_deadline_fails_in_time_with_one_error_naming_
     proxy.outage(True)
     started = time.monotonic()
     with pytest.raises(BackendUnavailableError) as caught:
-        store.marker_bytes("r", 1)
+        store.run("r").marker_bytes(1)
     elapsed = time.monotonic() - started
     assert 2.4 <= elapsed <= 3 + 2, elapsed
     message = str(caught.value)
     assert "\n" not in message
-    assert store.checkpoint_url("r", 1) in message
+    assert store.run("r").checkpoint_url(1) in message
     assert re.search(r"after \d+ attempts in [23]\.\d s", message), message
     assert "retry deadline" in message
     assert len(proxy.outcomes("outage")) >= 4
@@ -136,10 +136,10 @@ def test_a_refusal_or_a_missing_object_is_asked_once(faulty, status):
     store = open_store()
     proxy.fail(method="GET", path=r"/_COMMIT", status=status, count=5)
     if status == 404:
-        assert store.marker_bytes("r", 1) is None
+        assert store.run("r").marker_bytes(1) is None
     else:
         with pytest.raises(BackendUnavailableError):
-            store.marker_bytes("r", 1)
+            store.run("r").marker_bytes(1)
     assert requests(proxy, "GET", r"/_COMMIT") == ["fail"]
 
 
@@ -149,7 +149,7 @@ def test_throttling_waits_as_long_as_the_servers_retry_after(faulty):
     proxy.set_rates(slow_down=1.0, retry_after_s=2)
     started = time.monotonic()
     result: list[object] = []
-    thread = threading.Thread(target=lambda: result.append(store.marker_bytes("r", 1)))
+    thread = threading.Thread(target=lambda: result.append(store.run("r").marker_bytes(1)))
     thread.start()
     while not proxy.outcomes("slow_down"):
         time.sleep(0.01)
@@ -172,7 +172,7 @@ def test_a_reply_held_past_the_read_timeout_is_asked_again(s3):
         with CheckpointStore(f"s3://{bucket}/ckpt", options, retry=QUICK) as store:
             proxy.set_rates(stall=1.0, stall_s=3)
             result: list[object] = []
-            thread = threading.Thread(target=lambda: result.append(store.marker_bytes("r", 1)))
+            thread = threading.Thread(target=lambda: result.append(store.run("r").marker_bytes(1)))
             thread.start()
             while not proxy.outcomes("stall"):
                 time.sleep(0.01)
@@ -187,7 +187,7 @@ def test_a_failed_part_is_sent_again_alone_never_the_whole_file(faulty):
     store = open_store()
     data = random_payload(2 * PART + 7)
     proxy.fail(method="PUT", path=r"[?&]partNumber=2(&|$)", status=500, count=4)
-    with store.begin("r", 1) as writer:
+    with store.run("r").begin(1) as writer:
         writer.write_bytes("put.bin", data)  # put_bytes: parts sent together
         with writer.open("streamed.bin") as out:  # a stream: parts sent as the buffer fills
             out.write(data)
@@ -201,7 +201,7 @@ def test_a_failed_part_is_sent_again_alone_never_the_whole_file(faulty):
 
 
 def load_and_check_pair(store: CheckpointStore, data: bytes) -> None:
-    reader = store.reader("r", 1)
+    reader = store.run("r").reader(1)
     assert reader.read_bytes("put.bin") == data and reader.read_bytes("streamed.bin") == data
 
 
@@ -212,7 +212,7 @@ def test_a_multipart_upload_whose_completion_reply_was_lost_is_complete(faulty):
     store = open_store()
     data = random_payload(2 * PART + 5)
     proxy.drop_reply(method="POST", path=r"[?&]uploadId=", count=2)
-    with store.begin("r", 1) as writer:
+    with store.run("r").begin(1) as writer:
         writer.write_bytes("put.bin", data)
         with writer.open("streamed.bin") as out:
             out.write(data)
@@ -227,28 +227,28 @@ def test_a_create_only_put_whose_reply_was_lost_is_not_tried_in_a_loop(faulty):
     open_store, proxy = faulty
     store = open_store()
     proxy.drop_reply(method="PUT", path=r"/_COMMIT$", count=1)
-    with contextlib.suppress(CommitConflictError), store.begin("r", 1) as writer:
+    with contextlib.suppress(CommitConflictError), store.run("r").begin(1) as writer:
         writer.write_bytes("a.bin", b"a")
         writer.commit()
     assert requests(proxy, "PUT", r"/_COMMIT$") == ["drop_reply", "ok"]
-    assert store.is_committed("r", 1)
+    assert store.run("r").is_committed(1)
 
 
 def test_listings_deletes_and_existence_checks_are_tried_again(faulty):
     open_store, proxy = faulty
     store = open_store()
-    with store.begin("r", 1) as writer:
+    with store.run("r").begin(1) as writer:
         writer.write_many({"a": b"1", "b": b"2"})
         writer.commit()
     proxy.fail(method="GET", path=r"list-type=2", status=500, count=2)
-    assert store.committed_steps("r") == [1]
+    assert store.run("r").committed_steps() == [1]
     proxy.fail(method="HEAD", status=503, count=1)
     proxy.fail(method="GET", path=r"list-type=2", status=503, count=1)
-    assert store.is_committed("r", 1)
+    assert store.run("r").is_committed(1)
     assert store.runs() == ["r"]
     proxy.fail(method="POST", path=r"[?&]delete", status=500, count=2)
-    assert store.delete("r", 1) == 2
-    assert store.committed_steps("r") == []
+    assert store.run("r").delete(1) == 2
+    assert store.run("r").committed_steps() == []
     assert proxy.pending_rules == 0 or proxy.pending_rules == 1  # a HEAD may not be sent
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from storage import (
     CheckpointStore,
-    StaleAttemptError,
+    FencedOutError,
     WriteAbortedError,
     new_save_id,
 )
@@ -46,8 +46,8 @@ def store(backend):
 
 
 def start(store: CheckpointStore, run: str, resumed_from: int | None = None):
-    fence = store.claim_attempt(run, after=store.lineage(run))
-    return store.decide_resume(run, fence, resumed_from)
+    fence = store.run(run).claim_attempt(after=store.run(run).lineage())
+    return store.run(run).decide_resume(fence, resumed_from)
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_begin_sends_the_fence_check_and_the_marker_probe_together(proxied):
     store, proxy = proxied
     fence = start(store, "r")
     measure(proxy)
-    writer = store.begin("r", 7, fence=fence)
+    writer = store.run("r").begin(7, fence=fence)
     sent = kinds(proxy)
     assert sorted(k.split()[0] for k in sent) == ["GET", "LIST"], sent
     assert any(k.endswith("_attempts/") for k in sent) and any("_COMMIT" in k for k in sent)
@@ -104,7 +104,7 @@ def test_begin_sends_the_fence_check_and_the_marker_probe_together(proxied):
 def test_commit_lists_payload_and_fence_together_then_puts_the_marker_last(proxied):
     store, proxy = proxied
     fence = start(store, "r")
-    writer = store.begin("r", 7, fence=fence)
+    writer = store.run("r").begin(7, fence=fence)
     writer.write_bytes("a.bin", b"a")
     measure(proxy)
     writer.commit()
@@ -121,7 +121,7 @@ def test_thirty_two_files_upload_at_once_on_the_default_pool(proxied):
     store, proxy = proxied
     assert store.max_workers == REMOTE_WORKERS >= 32
     fence = start(store, "r")
-    writer = store.begin("r", 1, fence=fence)
+    writer = store.run("r").begin(1, fence=fence)
     measure(proxy)
     writer.write_many({f"f{i:02d}": b"x" * i for i in range(32)})
     assert proxy.requests == 32
@@ -135,7 +135,7 @@ def test_a_users_pool_size_is_kept(proxied):
     fs = store.location.fs
     fs.connect()
     assert fs.s3.meta.config.max_pool_connections == 4
-    writer = store.begin("r", 1)
+    writer = store.run("r").begin(1)
     measure(proxy)
     writer.write_many({f"f{i:02d}": b"x" for i in range(8)})
     assert 1 < proxy.peak_in_flight <= 4
@@ -191,7 +191,7 @@ def test_gcs_needs_no_pool_setting(gcs):
     """gcsfs's aiohttp connector already allows more than 32 connections."""
     gcs.create_bucket("zt-gcs-pool")
     with CheckpointStore("gs://zt-gcs-pool/a", gcs.storage_options()) as store:
-        store.lineage("r")  # any request opens the session
+        store.run("r").lineage()  # any request opens the session
         assert store.location.fs.session.connector.limit >= 32
 
 
@@ -202,39 +202,39 @@ def test_a_stale_begin_leaves_the_marker_alone(store):
     """The marker probe runs beside the fence check, but nothing is superseded unless the
     fence passed: a damaged marker stays as it is for the current attempt to judge."""
     old = start(store, "r")
-    with store.begin("r", 3, fence=old) as writer:
+    with store.run("r").begin(3, fence=old) as writer:
         writer.write_bytes("w", b"w")
         writer.commit()
     damaged = b"{not json"
-    store.location.fs.pipe_file(store.marker_path("r", 3), damaged)
+    store.location.fs.pipe_file(store.run("r").marker_path(3), damaged)
     start(store, "r")
-    with pytest.raises(StaleAttemptError):
-        store.begin("r", 3, fence=old)
-    assert store.marker_bytes("r", 3) == damaged
-    assert store.condemned("r") == []
+    with pytest.raises(FencedOutError):
+        store.run("r").begin(3, fence=old)
+    assert store.run("r").marker_bytes(3) == damaged
+    assert store.run("r").condemned() == []
 
 
 def test_a_commit_missing_a_file_and_fenced_out_refuses_and_writes_no_marker(store):
     old = start(store, "r")
-    writer = store.begin("r", 4, fence=old)
+    writer = store.run("r").begin(4, fence=old)
     writer.write_many({"kept": b"k", "gone": b"g"})
     store.location.fs.rm_file(f"{writer.payload_path}/gone")
     start(store, "r")
     with pytest.raises(WriteAbortedError, match="gone: missing"):
         writer.commit()  # the missing file is named first, the fence refuses as well
-    assert not store.is_committed("r", 4)
+    assert not store.run("r").is_committed(4)
 
 
 def test_a_commit_fenced_out_after_begin_writes_no_marker(store):
     old = start(store, "r")
-    writer = store.begin("r", 5, fence=old)
+    writer = store.run("r").begin(5, fence=old)
     writer.write_many({f"f{i}": b"x" for i in range(8)})
     new = start(store, "r")
-    with pytest.raises(StaleAttemptError) as caught:
+    with pytest.raises(FencedOutError) as caught:
         writer.commit()
     assert caught.value.current.epoch == new.epoch
-    assert not store.is_committed("r", 5)
-    assert store.marker_bytes("r", 5) is None
+    assert not store.run("r").is_committed(5)
+    assert store.run("r").marker_bytes(5) is None
 
 
 def test_begin_keeps_what_attached_writers_wrote_before_it(store):
@@ -242,23 +242,23 @@ def test_begin_keeps_what_attached_writers_wrote_before_it(store):
     begins, so begin never lists or removes anything in its payload directory."""
     fence = start(store, "r")
     save_id = new_save_id(fence)
-    early = store.attach("r", 6, save_id=save_id, fence=fence)
+    early = store.run("r").attach(6, save_id=save_id, fence=fence)
     early.write_bytes("rank1.bin", b"one")
-    primary = store.begin("r", 6, fence=fence, save_id=save_id)
+    primary = store.run("r").begin(6, fence=fence, save_id=save_id)
     primary.write_bytes("rank0.bin", b"zero")
     primary.add_entries(early.entries)
     manifest = primary.commit()
     assert [f.name for f in manifest.files] == ["rank0.bin", "rank1.bin"]
-    assert store.verify("r", 6, deep=True).ok
+    assert store.run("r").verify(6, deep=True).ok
 
 
 def test_an_uncommitted_save_under_an_id_is_gcs_to_remove(store):
     """What an earlier, uncommitted try left in a payload directory is an orphan for gc, not
     something a later begin cleans up."""
     fence = start(store, "r")
-    crashed = store.begin("r", 8, fence=fence)
+    crashed = store.run("r").begin(8, fence=fence)
     crashed.write_bytes("old.bin", b"old")
-    with store.begin("r", 8, fence=fence) as writer:
+    with store.run("r").begin(8, fence=fence) as writer:
         writer.write_bytes("new.bin", b"new")
         manifest = writer.commit()
     assert [o.save_id for o in store.orphans(0, runs=["r"])] == [crashed.save_id]

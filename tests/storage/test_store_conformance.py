@@ -31,7 +31,7 @@ def store(backend):
 
 
 def save(store: CheckpointStore, run, step, files: dict[str, bytes], **meta) -> storage.Manifest:
-    with store.begin(run, step, metadata=meta or None) as writer:
+    with store.run(run).begin(step, metadata=meta or None) as writer:
         writer.write_many(files)
         return writer.commit()
 
@@ -43,7 +43,7 @@ def raw_fs(store):
 def test_round_trip_records_every_file_with_size_and_crc32c(store, tmp_path):
     local = tmp_path / "local.bin"
     local.write_bytes(b"from a local file" * 100)
-    with store.begin("run-a", 10, metadata={"loss": 1.5}) as writer:
+    with store.run("run-a").begin(10, metadata={"loss": 1.5}) as writer:
         writer.write_bytes("model/weights.bin", b"\x00\x01" * 1000)
         writer.write_stream("data/position.json", io.BytesIO(b'{"lane": 3}'))
         writer.put_file("local.bin", str(local))
@@ -69,9 +69,9 @@ def test_round_trip_records_every_file_with_size_and_crc32c(store, tmp_path):
     assert manifest.save_id.startswith("e0-") and manifest.payload == manifest.save_id
     assert manifest.epoch == 0 and manifest.created_at <= manifest.committed_at
 
-    reread = store.read_manifest("run-a", 10)
+    reread = store.run("run-a").read_manifest(10)
     assert reread == manifest
-    reader = store.reader("run-a", 10)
+    reader = store.run("run-a").reader(10)
     for name, data in expected.items():
         assert reader.read_bytes(name) == data
         with reader.open(name) as handle:
@@ -82,7 +82,7 @@ def test_round_trip_records_every_file_with_size_and_crc32c(store, tmp_path):
 
 def test_marker_holds_the_documented_json_fields(store):
     save(store, "r", 1, {"a": b"xyz"}, note="hi")
-    marker = f"{store.checkpoint_path('r', 1)}/_COMMIT"
+    marker = f"{store.run('r').checkpoint_path(1)}/_COMMIT"
     body = json.loads(raw_fs(store).cat_file(marker))
     assert body["format_version"] == 2
     assert body["run"] == "r" and body["step"] == 1
@@ -96,47 +96,47 @@ def test_marker_holds_the_documented_json_fields(store):
 
 def test_inference_layout_saves_directly_under_the_root(store):
     save(store, None, 7, {"out.jsonl": b"{}"})
-    assert store.checkpoint_path(None, 7) == f"{store.location.root}/save-7"
-    assert store.committed_steps(None) == [7]
-    assert store.read_manifest(None, 7).run is None
+    assert store.run(None).checkpoint_path(7) == f"{store.location.root}/save-7"
+    assert store.run(None).committed_steps() == [7]
+    assert store.run(None).read_manifest(7).run is None
 
 
 def test_only_committed_steps_are_listed_and_latest_is_the_newest(store):
     for step in (5, 100, 20):
         save(store, "r", step, {"x": b"1"})
-    pending = store.begin("r", 300)
+    pending = store.run("r").begin(300)
     pending.write_bytes("x", b"never committed")
-    assert store.committed_steps("r") == [5, 20, 100]
-    assert store.latest_step("r") == 100
-    assert [(s.step, s.committed) for s in store.list_steps("r")] == [
+    assert store.run("r").committed_steps() == [5, 20, 100]
+    assert store.run("r").latest_step() == 100
+    assert [(s.step, s.committed) for s in store.run("r").list_steps()] == [
         (5, True),
         (20, True),
         (100, True),
         (300, False),
     ]
-    assert store.latest_step("other-run") is None
-    assert store.committed_steps("other-run") == []
+    assert store.run("other-run").latest_step() is None
+    assert store.run("other-run").committed_steps() == []
 
 
 def test_latest_skips_a_marker_that_does_not_parse(store):
     save(store, "r", 1, {"x": b"1"})
     save(store, "r", 2, {"x": b"2"})
-    raw_fs(store).pipe_file(f"{store.checkpoint_path('r', 2)}/_COMMIT", b"{not json")
-    assert store.latest_step("r") == 1
+    raw_fs(store).pipe_file(f"{store.run('r').checkpoint_path(2)}/_COMMIT", b"{not json")
+    assert store.run("r").latest_step() == 1
     with pytest.raises(CorruptCheckpointError, match="save-2/_COMMIT.*not a valid manifest"):
-        store.read_manifest("r", 2)
+        store.run("r").read_manifest(2)
 
 
 def test_committing_a_committed_step_raises_and_never_overwrites(store):
     first = save(store, "r", 3, {"x": b"first"})
     with pytest.raises(CommitConflictError, match=r"save-3 is already committed \(by "):
-        store.begin("r", 3)
-    assert store.read_manifest("r", 3) == first
-    assert store.reader("r", 3).read_bytes("x") == b"first"
+        store.run("r").begin(3)
+    assert store.run("r").read_manifest(3) == first
+    assert store.run("r").reader(3).read_bytes("x") == b"first"
 
 
 def test_second_commit_of_the_same_writer_is_refused(store):
-    writer = store.begin("r", 1)
+    writer = store.run("r").begin(1)
     writer.write_bytes("x", b"1")
     writer.commit()
     with pytest.raises(WriteAbortedError, match="is committed"):
@@ -152,7 +152,7 @@ def test_the_marker_is_the_only_create_only_write(store, backend):
         # create-only upload (the marker), none for the payload.
         assert len(backend.create_only_requests()) == 1
     with pytest.raises(CommitConflictError):
-        store.begin("r", 1)
+        store.run("r").begin(1)
 
 
 @pytest.fixture(params=backends_with(one_winner_races=True))
@@ -168,9 +168,9 @@ def exclusive_store(request, tmp_path):
 
 def test_a_commit_that_loses_to_another_raises_commit_conflict(exclusive_store):
     store = exclusive_store
-    loser = store.begin("r", 4)
+    loser = store.run("r").begin(4)
     loser.write_bytes("loser.bin", b"L")
-    winner = store.attach("r", 4, save_id="w" * 32)
+    winner = store.run("r").attach(4, save_id="w" * 32)
     # The winner is a second primary in another process in real life; here the attached
     # writer's entries are committed by a fresh primary made without begin's marker checks.
     winner.write_bytes("winner.bin", b"W")
@@ -180,26 +180,26 @@ def test_a_commit_that_loses_to_another_raises_commit_conflict(exclusive_store):
     with pytest.raises(CommitConflictError, match="already committed"):
         loser.commit()
     loser.abort()  # removes only the loser's own file
-    assert store.verify("r", 4, deep=True).ok
-    assert [f.name for f in store.read_manifest("r", 4).files] == ["winner.bin"]
+    assert store.run("r").verify(4, deep=True).ok
+    assert [f.name for f in store.run("r").read_manifest(4).files] == ["winner.bin"]
 
 
 def test_abort_removes_everything_written(store):
-    writer = store.begin("r", 2)
+    writer = store.run("r").begin(2)
     writer.write_many({f"f{i}": b"x" * i for i in range(5)})
     writer.abort()
-    assert store.list_steps("r") == []
+    assert store.run("r").list_steps() == []
 
 
 def test_an_exception_inside_the_writer_block_aborts(store):
-    with pytest.raises(RuntimeError, match="boom"), store.begin("r", 2) as writer:
+    with pytest.raises(RuntimeError, match="boom"), store.run("r").begin(2) as writer:
         writer.write_bytes("x", b"1")
         raise RuntimeError("boom")
-    assert store.list_steps("r") == []
+    assert store.run("r").list_steps() == []
 
 
 def test_a_crashed_save_never_shares_files_with_the_next_save_of_the_step(store):
-    crashed = store.begin("r", 9)
+    crashed = store.run("r").begin(9)
     crashed.write_many({"old-a": b"a", "nested/old-b": b"b"})
     # the crashed save never commits or aborts; the next one writes a directory of its own
     manifest = save(store, "r", 9, {"new": b"n"})
@@ -213,61 +213,61 @@ def test_a_crashed_save_never_shares_files_with_the_next_save_of_the_step(store)
     assert [o.save_id for o in store.orphans(0, runs=["r"])] == [crashed.save_id]
     store.remove_orphan(store.orphans(0, runs=["r"])[0])
     assert store.orphans(0, runs=["r"]) == []
-    assert store.verify("r", 9, deep=True).ok
+    assert store.run("r").verify(9, deep=True).ok
 
 
 def test_parallel_writes_record_every_file(store):
     files = {f"shard-{i:02d}.bin": random_payload(1000 + i) for i in range(32)}
     manifest = save(store, "r", 1, files)
     assert manifest.file_count == 32
-    assert store.verify("r", 1, deep=True).ok
+    assert store.run("r").verify(1, deep=True).ok
 
 
 def test_secondary_writers_entries_are_committed_by_the_primary(store):
-    primary = store.begin("r", 8)
+    primary = store.run("r").begin(8)
     primary.write_bytes("rank0.bin", b"zero")
-    secondary = store.attach("r", 8, save_id=primary.save_id)
+    secondary = store.run("r").attach(8, save_id=primary.save_id)
     secondary.write_bytes("rank1.bin", b"one")
     with pytest.raises(WriteAbortedError, match="only the primary writer"):
         secondary.commit()
     primary.add_entries(secondary.entries)
     manifest = primary.commit()
     assert [f.name for f in manifest.files] == ["rank0.bin", "rank1.bin"]
-    assert store.verify("r", 8, deep=True).ok
+    assert store.run("r").verify(8, deep=True).ok
 
 
 def test_conflicting_entries_for_one_name_are_refused(store):
-    primary = store.begin("r", 8)
+    primary = store.run("r").begin(8)
     primary.write_bytes("same.bin", b"one")
     with pytest.raises(InvalidNameError, match="reported twice"):
         primary.add_entries([FileEntry("same.bin", 3, crc32c_of(b"two"))])
 
 
 def test_commit_refuses_when_a_written_file_vanished(store):
-    writer = store.begin("r", 5)
+    writer = store.run("r").begin(5)
     writer.write_many({"kept": b"k", "gone": b"g"})
     raw_fs(store).rm_file(f"{writer.payload_path}/gone")
     with pytest.raises(WriteAbortedError, match=r"gone: missing"):
         writer.commit()
-    assert store.committed_steps("r") == []
+    assert store.run("r").committed_steps() == []
 
 
 def test_verify_finds_a_flipped_byte_a_truncated_and_a_missing_file_by_name(store):
     files = {"flipped": b"abcdefgh", "truncated": b"0123456789", "missing": b"m", "fine": b"ok"}
     save(store, "r", 1, files)
-    assert store.verify("r", 1).ok and store.verify("r", 1, deep=True).ok
-    base = store.reader("r", 1).path
+    assert store.run("r").verify(1).ok and store.run("r").verify(1, deep=True).ok
+    base = store.run("r").reader(1).path
     fs = raw_fs(store)
     fs.pipe_file(f"{base}/flipped", b"abcdefgX")
     fs.pipe_file(f"{base}/truncated", b"01234")
     fs.rm_file(f"{base}/missing")
 
-    shallow = store.verify("r", 1)
+    shallow = store.run("r").verify(1)
     assert {(p.name, p.kind) for p in shallow.problems} == {
         ("truncated", "size"),
         ("missing", "missing"),
     }
-    deep = store.verify("r", 1, deep=True)
+    deep = store.run("r").verify(1, deep=True)
     assert {(p.name, p.kind) for p in deep.problems} == {
         ("flipped", "checksum"),
         ("truncated", "size"),
@@ -282,47 +282,47 @@ def test_verify_finds_a_flipped_byte_a_truncated_and_a_missing_file_by_name(stor
 
 def test_reading_a_missing_file_of_a_committed_checkpoint_is_corruption(store):
     save(store, "r", 1, {"a": b"1"})
-    raw_fs(store).rm_file(f"{store.reader('r', 1).path}/a")
+    raw_fs(store).rm_file(f"{store.run('r').reader(1).path}/a")
     with pytest.raises(CorruptCheckpointError, match="a of committed checkpoint .* is missing"):
-        store.reader("r", 1).read_bytes("a")
+        store.run("r").reader(1).read_bytes("a")
     with pytest.raises(CheckpointNotFoundError, match="'b' is not a file of checkpoint"):
-        store.reader("r", 1).read_bytes("b")
+        store.run("r").reader(1).read_bytes("b")
 
 
 def test_reading_an_uncommitted_step_is_not_found(store):
-    writer = store.begin("r", 1)
+    writer = store.run("r").begin(1)
     writer.write_bytes("a", b"1")
     with pytest.raises(CheckpointNotFoundError, match="not a committed checkpoint"):
-        store.read_manifest("r", 1)
+        store.run("r").read_manifest(1)
 
 
 def test_delete_removes_marker_payload_and_directory_and_is_idempotent(store):
     save(store, "r", 1, {f"f{i}": b"x" for i in range(10)})
     save(store, "r", 2, {"keep": b"k"})
-    assert store.delete("r", 1) == 10
-    assert store.committed_steps("r") == [2]
+    assert store.run("r").delete(1) == 10
+    assert store.run("r").committed_steps() == [2]
     assert _files(store, "r", 1) == []
-    assert store.delete("r", 1) == 0
-    assert store.verify("r", 2, deep=True).ok
+    assert store.run("r").delete(1) == 0
+    assert store.run("r").verify(2, deep=True).ok
 
 
 def test_delete_finishes_what_a_crashed_delete_left(store):
     save(store, "r", 1, {f"f{i}": b"x" for i in range(4)})
     # a delete that crashed right after removing the marker
-    raw_fs(store).rm_file(f"{store.checkpoint_path('r', 1)}/_COMMIT")
-    assert store.committed_steps("r") == []
+    raw_fs(store).rm_file(f"{store.run('r').checkpoint_path(1)}/_COMMIT")
+    assert store.run("r").committed_steps() == []
     assert [o.step for o in store.orphans(0)] == [1]
-    assert store.delete("r", 1) == 4
-    assert store.list_steps("r") == []
+    assert store.run("r").delete(1) == 4
+    assert store.run("r").list_steps() == []
 
 
 def test_orphans_are_uncommitted_directories_older_than_the_grace_period(store):
     save(store, "r", 1, {"a": b"1"})
-    stale = store.begin("r", 2)
+    stale = store.run("r").begin(2)
     stale.write_bytes("a", b"1")
-    other_run = store.begin("q", 5)
+    other_run = store.run("q").begin(5)
     other_run.write_bytes("a", b"1")
-    inference = store.begin(None, 3)
+    inference = store.run(None).begin(3)
     inference.write_bytes("a", b"1")
     import time
 
@@ -348,27 +348,27 @@ def test_runs_lists_valid_run_directories(store):
 )
 def test_hostile_run_names_are_refused_before_touching_storage(store, name):
     with pytest.raises(InvalidNameError, match="invalid run name|must be a string"):
-        store.begin(name, 1)
+        store.run(name).begin(1)
     with pytest.raises(InvalidNameError):
-        store.committed_steps(name)
+        store.run(name).committed_steps()
     assert store.runs() == []
 
 
 @pytest.mark.parametrize("step", [-1, 1.5, "3", True, None])
 def test_invalid_steps_are_refused(store, step):
     with pytest.raises(InvalidNameError, match="invalid step"):
-        store.begin("r", step)
+        store.run("r").begin(step)
 
 
 @pytest.mark.parametrize("name", ["/abs", "a/../b", "", "a//b", "_COMMIT", "_COMMIT.tmp-1", "./a"])
 def test_hostile_file_names_are_refused(store, name):
-    writer = store.begin("r", 1)
+    writer = store.run("r").begin(1)
     with pytest.raises(InvalidNameError, match="invalid checkpoint file name"):
         writer.write_bytes(name, b"x")
 
 
 def test_a_name_is_written_once(store):
-    writer = store.begin("r", 1)
+    writer = store.run("r").begin(1)
     writer.write_bytes("a", b"1")
     with pytest.raises(InvalidNameError, match="already written"):
         writer.write_bytes("a", b"2")
@@ -376,36 +376,36 @@ def test_a_name_is_written_once(store):
 
 def test_large_files_upload_in_parts_and_verify(store, backend):
     data = random_payload(11 << 20)  # more than two 5 MiB parts: multipart on S3 and GCS
-    with store.begin("r", 1) as writer:
+    with store.run("r").begin(1) as writer:
         writer.write_bytes("big.bin", data)
         with writer.open("big-streamed.bin") as out:
             for start in range(0, len(data), 1 << 20):
                 out.write(data[start : start + (1 << 20)])
         writer.commit()
-    report = store.verify("r", 1, deep=True)
+    report = store.run("r").verify(1, deep=True)
     assert report.ok and report.bytes_checked == 2 * len(data)
     if backend.name == "s3":  # a multipart upload's ETag is "<md5 of part md5s>-<parts>"
         for name in ("big.bin", "big-streamed.bin"):
-            info = store.location.fs.info(f"{store.reader('r', 1).path}/{name}", refresh=True)
+            info = store.location.fs.info(f"{store.run('r').reader(1).path}/{name}", refresh=True)
             assert info["ETag"].strip('"').endswith("-3"), (name, info["ETag"])
-    assert store.reader("r", 1).read_bytes("big.bin") == data
+    assert store.run("r").reader(1).read_bytes("big.bin") == data
 
 
 def _files(store, run, step):
     from storage.backend import list_files
 
-    return list_files(store.location, store.checkpoint_path(run, step))
+    return list_files(store.location, store.run(run).checkpoint_path(step))
 
 
 def test_delete_many_removes_every_marker_before_any_payload(store):
     for step in range(4):
         save(store, "r", step, {f"f{i}": b"x" for i in range(3)})
-    assert store.delete_many("r", [0, 1, 2]) == {0: 3, 1: 3, 2: 3}
-    assert [s.step for s in store.list_steps("r")] == [3]
-    assert store.verify("r", 3, deep=True).ok
-    assert store.delete_many("r", [0, 1]) == {0: 0, 1: 0}
-    assert store.delete_many("r", []) == {}
+    assert store.run("r").delete_many([0, 1, 2]) == {0: 3, 1: 3, 2: 3}
+    assert [s.step for s in store.run("r").list_steps()] == [3]
+    assert store.run("r").verify(3, deep=True).ok
+    assert store.run("r").delete_many([0, 1]) == {0: 0, 1: 0}
+    assert store.run("r").delete_many([]) == {}
     save(store, None, 1, {"a": b"1"})
     save(store, None, 2, {"a": b"1"})
-    assert store.delete_many(None, [1, 2]) == {1: 1, 2: 1}
-    assert store.list_steps(None) == []
+    assert store.run(None).delete_many([1, 2]) == {1: 1, 2: 1}
+    assert store.run(None).list_steps() == []

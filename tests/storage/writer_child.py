@@ -76,7 +76,7 @@ def main() -> None:
     store = CheckpointStore(args["url"], args.get("storage_options") or {})
     tag = args.get("tag", "w")
     sync = args.get("sync_dir")
-    writer = store.begin(args["run"], args["step"])
+    writer = store.run(args["run"]).begin(args["step"])
     say("begun")
     if sync:
         open(os.path.join(sync, f"begun-{tag}"), "w").close()

@@ -119,7 +119,7 @@ class Job:
             found = described(latest)
         else:
             resumed = None if how == "none" else int(how)
-            lineage = location.store.lineage(location.storage_run)
+            lineage = location.runstore.lineage()
             self.attempt = register_attempt(
                 location, catalog, lineage=lineage, resumed_from=resumed
             )
@@ -127,7 +127,7 @@ class Job:
 
     def claim(self, _: str) -> dict[str, Any]:
         """The first half of a start: claim the next epoch (older attempts are fenced)."""
-        lineage = self.location.store.lineage(self.location.storage_run)
+        lineage = self.location.runstore.lineage()
         self.fence = claim(self.location, self.catalog, lineage)
         return {"epoch": self.fence.epoch}
 

@@ -298,7 +298,7 @@ def check_dcp_metadata(doc: Block, request, tmp_path) -> None:
         "dcp.save(state, storage_writer=zd.Writer(url, step=100))\n"
         "reader = zd.Reader(url)\n"
         "store = reader.store\n"
-        "r = store.reader('run', 100)\n"
+        "r = store.run('run').reader(100)\n"
         "name = next(f.name for f in r.manifest.files if f.name.endswith('dcp_metadata.json'))\n"
         "sys.stdout.write(r.read_bytes(name).decode())\n"
     )

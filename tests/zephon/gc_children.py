@@ -34,7 +34,7 @@ def commit(args: dict) -> int:
             writer.commit()
         print(f"committed {step}", flush=True)
         newest = set(range(max(0, step - keep + 1), step + 1))
-        on_storage = set(location.store.committed_steps(location.storage_run))
+        on_storage = set(location.runstore.committed_steps())
         in_catalog = {r.step for r in catalog.list_checkpoints(args["run"], states="committed")}
         for where, present in (("storage", on_storage), ("catalog", in_catalog)):
             if not newest <= present:

@@ -13,7 +13,7 @@ def start(
     location: RunLocation, catalog: Catalog | None = None, resumed_from: int | None = None
 ) -> Attempt:
     """A new attempt of the run (a job start) resuming from ``resumed_from``."""
-    lineage = location.store.lineage(location.storage_run)
+    lineage = location.runstore.lineage()
     return register(location, catalog, lineage=lineage, resumed_from=resumed_from)
 
 

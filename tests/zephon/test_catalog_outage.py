@@ -49,7 +49,7 @@ def test_a_save_during_an_outage_commits_to_storage_and_its_row_is_recorded_afte
             save_step(attempt, 20, catalog)
             # bounded retries inside the save, then it goes on without the catalog
             assert time.monotonic() - began < RETRY_IN_SAVE_S + 5
-            assert location.store.committed_steps("r") == [10, 20]
+            assert location.store.run("r").committed_steps() == [10, 20]
             assert apply_retention(location, catalog, attempt.fence, 1) == []  # never a guess
             began = time.monotonic()
             manifest = save_step(attempt, 30, catalog)
@@ -58,7 +58,7 @@ def test_a_save_during_an_outage_commits_to_storage_and_its_row_is_recorded_afte
         # the background payer records the rows, then runs the retention that waited
         wait_for(lambda: rows(catalog, "r") == {10: "deleted", 20: "deleted", 30: "committed"})
         row = catalog.get_checkpoint("r", 30)
-        assert location.store.committed_steps("r") == [30]
+        assert location.store.run("r").committed_steps() == [30]
         assert (row.save_id, row.epoch) == (manifest.save_id, attempt.epoch)
     finally:
         catalog.close()
@@ -119,10 +119,10 @@ def test_a_job_keeps_training_through_an_outage_shorter_than_the_deadline(
         with stoppable_catalog.cluster.outage():
             train(manager, model, optimizer, 3, 5)
             # nothing is deleted without the catalog
-            assert manager.store.committed_steps("r") == [1, 2, 3, 4, 5]
+            assert manager.store.run("r").committed_steps() == [1, 2, 3, 4, 5]
             time.sleep(2)
         train(manager, model, optimizer, 6, 6)  # after what the catalog missed is paid
-        assert manager.store.committed_steps("r") == [5, 6]
+        assert manager.store.run("r").committed_steps() == [5, 6]
         manager.finish()
     with Catalog(stoppable_catalog.url()) as catalog:
         committed = {step for step, state in rows(catalog, "r").items() if state == "committed"}
@@ -146,7 +146,7 @@ def test_an_outage_longer_than_the_deadline_fails_the_job_with_one_line(
         assert "\n" not in message and "s3cret-pw" not in message
         assert f"127.0.0.1:{stoppable_catalog.cluster.port}" in message
         assert "catalog_outage_s = 1.5s" in message and "bring the database back" in message
-        assert manager.store.committed_steps("r") == [1]  # the failed save left nothing
+        assert manager.store.run("r").committed_steps() == [1]  # the failed save left nothing
 
 
 def test_a_resume_with_the_catalog_down_loads_the_latest_from_storage(
@@ -168,7 +168,7 @@ def test_a_resume_with_the_catalog_down_loads_the_latest_from_storage(
             scans = [r for r in caplog.records if "by a storage scan" in r.getMessage()]
             assert len(scans) == 1
             train(manager, model, optimizer, 4, 4)
-            assert manager.store.committed_steps("r") == [1, 2, 3, 4]
+            assert manager.store.run("r").committed_steps() == [1, 2, 3, 4]
             stoppable_catalog.cluster.start()
             train(manager, model, optimizer, 5, 5)
     with Catalog(stoppable_catalog.url()) as catalog:
@@ -213,8 +213,8 @@ def test_the_dcp_writer_saves_through_an_outage_and_its_rows_follow(stoppable_ca
         zd.save(state, writer, checkpoint_id=f"{url}/save-1")
         with stoppable_catalog.cluster.outage():
             zd.save(state, writer, checkpoint_id=f"{url}/save-2")
-            assert writer.store.committed_steps("r") == [1, 2]  # retention waits
+            assert writer.store.run("r").committed_steps() == [1, 2]  # retention waits
         zd.save(state, writer, checkpoint_id=f"{url}/save-3")
-        assert writer.store.committed_steps("r") == [3]
+        assert writer.store.run("r").committed_steps() == [3]
     with Catalog(stoppable_catalog.url()) as catalog:
         assert rows(catalog, "r") == {1: "deleted", 2: "deleted", 3: "committed"}

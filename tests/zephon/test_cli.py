@@ -62,7 +62,7 @@ def test_latest_and_verify_work_without_a_catalog(cli, populated, local_backend)
 
 
 def test_verify_names_every_bad_file_and_exits_3(cli, populated):
-    path = populated.store.reader("r", 20).path
+    path = populated.store.run("r").reader(20).path
     with open(f"{path}/w.bin", "r+b") as handle:
         handle.write(b"Z")
     os.remove(f"{path}/state.json")
@@ -82,7 +82,7 @@ def test_pin_unpin_and_gc(cli, populated, catalog):
     assert cli("unpin", "r", "10")[0] == 0
     code, out, _ = cli("gc", "--json")
     assert [d["step"] for d in json.loads(out)["deleted"]] == [10]
-    assert populated.store.committed_steps("r") == [20, 30]
+    assert populated.store.run("r").committed_steps() == [20, 30]
     code, out, _ = cli("gc")
     assert code == 0 and "0 checkpoint(s)" in out
 

@@ -38,7 +38,7 @@ def test_saving_commits_the_row_with_the_manifest_facts(catalog, store_backend):
     location = make_run(catalog, store_backend)
     save_step(start(location, catalog), 10, catalog)
     row = catalog.get_checkpoint("r", 10)
-    manifest = location.store.read_manifest("r", 10)
+    manifest = location.store.run("r").read_manifest(10)
     assert row.state == "committed"
     assert (row.save_id, row.epoch) == (manifest.save_id, manifest.epoch) and row.epoch == 1
     assert (row.bytes, row.file_count) == (manifest.total_bytes, 2)
@@ -54,7 +54,7 @@ def test_a_failed_save_leaves_a_failed_row_and_no_files(catalog, local_backend):
         raise RuntimeError("disk on fire")
     assert catalog.get_checkpoint("r", 5).state == "failed"
     assert "disk on fire" in catalog.get_checkpoint("r", 5).failure_reason
-    assert location.store.list_steps("r") == []
+    assert location.store.run("r").list_steps() == []
 
 
 def test_forgetting_to_commit_is_an_error_not_a_silent_pending(catalog, local_backend):
@@ -92,7 +92,7 @@ def test_a_committed_row_whose_marker_vanished_is_marked_and_skipped(catalog, lo
     attempt = start(location, catalog)
     save_step(attempt, 1, catalog)
     save_step(attempt, 2, catalog)
-    location.store.delete("r", 2)  # behind the catalog's back
+    location.store.run("r").delete(2)  # behind the catalog's back
     assert find_latest(location, catalog=catalog).step == 2  # the catalog alone: unchecked
     latest = find_latest(location, catalog=catalog, confirm=True)
     assert (latest.step, latest.missing) == (1, (2,))
@@ -136,12 +136,12 @@ def test_sync_rebuilds_the_catalog_from_storage_and_is_idempotent(catalog, store
     inference = catalog.get_run("ckpt")
     assert inference.kind == "inference" and inference.storage_url == store.location.canonical_url
     row = catalog.get_checkpoint("alpha", 2)
-    assert row.manifest_checksum == store.read_manifest("alpha", 2).checksum()
+    assert row.manifest_checksum == store.run("alpha").read_manifest(2).checksum()
 
     again = sync_storage(catalog, store_backend.url, store_backend.storage_options)
     assert again.outcomes == {"unchanged": 4}
 
-    store.delete("alpha", 1)
+    store.run("alpha").delete(1)
     third = sync_storage(catalog, store_backend.url, store_backend.storage_options)
     assert third.marked_missing == [("alpha", 1)]
     assert catalog.get_checkpoint("alpha", 1).state == "deleted"
@@ -171,10 +171,12 @@ def test_gc_keeps_the_newest_n_milestones_and_pins(catalog, store_backend):
     assert all(d["files"] == 2 for d in report.deleted)
     kept = [r.step for r in catalog.list_checkpoints("r", states="committed")]
     assert kept == [3, 4, 8, 9]
-    assert location.store.committed_steps("r") == kept
+    assert location.store.run("r").committed_steps() == kept
     for step in (1, 2, 5, 6, 7):
         assert catalog.get_checkpoint("r", step).state == "deleted"
-        assert list_files(location.store.location, location.store.checkpoint_path("r", step)) == []
+        assert (
+            list_files(location.store.location, location.store.run("r").checkpoint_path(step)) == []
+        )
 
 
 def test_gc_dry_run_changes_nothing(catalog, local_backend):
@@ -184,7 +186,7 @@ def test_gc_dry_run_changes_nothing(catalog, local_backend):
         save_step(attempt, step, catalog)
     report = collect_garbage(catalog, dry_run=True)
     assert [d["step"] for d in report.deleted] == [0, 1]
-    assert location.store.committed_steps("r") == [0, 1, 2]
+    assert location.store.run("r").committed_steps() == [0, 1, 2]
     assert [r.state for r in catalog.list_checkpoints("r")] == ["committed"] * 3
 
 
@@ -196,7 +198,7 @@ def test_gc_never_deletes_the_newest_or_a_young_pending(catalog, local_backend):
     collect_garbage(catalog, policy=GcPolicy(grace=dt.timedelta(0)))
     assert catalog.get_checkpoint("r", 1).state == "committed"
     assert catalog.get_checkpoint("r", 2).state == "pending"
-    assert [s.step for s in location.store.list_steps("r")] == [1, 2]
+    assert [s.step for s in location.store.run("r").list_steps()] == [1, 2]
 
 
 def test_gc_settles_stale_pending_rows_and_removes_their_orphans(catalog, local_backend):
@@ -206,7 +208,7 @@ def test_gc_settles_stale_pending_rows_and_removes_their_orphans(catalog, local_
     crash_after_marker(attempt, catalog, 2)  # complete, catalog never told
     crash_before_marker(attempt, catalog, 3)  # torn
     # an orphan the catalog never heard of: a save whose row was lost
-    leftover = location.store.begin("r", 4, fence=attempt.fence)
+    leftover = location.store.run("r").begin(4, fence=attempt.fence)
     leftover.write_bytes("x", b"1")
     time.sleep(0.05)
     short = dt.timedelta(seconds=0.01)
@@ -214,8 +216,8 @@ def test_gc_settles_stale_pending_rows_and_removes_their_orphans(catalog, local_
     assert {(s["step"], s["to"]) for s in report.settled} == {(2, "committed"), (3, "failed")}
     assert sorted(o["step"] for o in report.orphans) == [3, 4]
     assert catalog.get_checkpoint("r", 2).state == "committed"
-    assert location.store.committed_steps("r") == [1, 2]
-    assert [s.step for s in location.store.list_steps("r")] == [1, 2]
+    assert location.store.run("r").committed_steps() == [1, 2]
+    assert [s.step for s in location.store.run("r").list_steps()] == [1, 2]
     assert any(e.action == "orphan_removed" for e in catalog.events(run="r"))
 
 
@@ -227,14 +229,14 @@ def test_gc_finishes_a_delete_a_crashed_gc_left(catalog, store_backend):
     # a gc that claimed steps 0 and 1, removed step 0's marker, and died
     claimed = catalog.claim_for_deletion("r", [0, 1])
     assert [r.step for r in claimed] == [0, 1]
-    location.store.location.fs.rm_file(f"{location.store.checkpoint_path('r', 0)}/_COMMIT")
+    location.store.location.fs.rm_file(f"{location.store.run('r').checkpoint_path(0)}/_COMMIT")
     # within the lease nobody else touches the claim
     report = gc_run(catalog, location)
     assert report.deleted == []
     assert {r.state for r in catalog.list_checkpoints("r") if r.step < 2} == {"deleting"}
     report = gc_run(catalog, location, policy=GcPolicy(lease=dt.timedelta(microseconds=1)))
     assert sorted(d["step"] for d in report.deleted) == [0, 1]
-    assert [s.step for s in location.store.list_steps("r")] == [2]
+    assert [s.step for s in location.store.run("r").list_steps()] == [2]
     assert [r.state for r in catalog.list_checkpoints("r")] == ["deleted", "deleted", "committed"]
 
 
@@ -246,7 +248,7 @@ def test_retention_without_a_catalog_keeps_the_newest_n(local_backend):
         save_step(attempt, step)
     fence = attempt.fence
     assert retain_without_catalog(store, "r", fence, num_to_keep=2, keep_every_steps=3) == [1, 2]
-    assert store.committed_steps("r") == [0, 3, 4, 5]
+    assert store.run("r").committed_steps() == [0, 3, 4, 5]
     assert retain_without_catalog(store, "r", fence, num_to_keep=1) == [0, 3, 4]
-    assert store.committed_steps("r") == [5]
+    assert store.run("r").committed_steps() == [5]
     assert retain_without_catalog(store, "r", fence, num_to_keep=None) == []

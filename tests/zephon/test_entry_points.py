@@ -152,7 +152,7 @@ def _save_steps(entry: EntryPoint, tmp_path, steps, catalog: str | None = None, 
 
 
 def _stored(tmp_path) -> list[int]:
-    return [m.step for m in CheckpointStore(str(tmp_path / "ckpt")).complete(RUN)]
+    return [m.step for m in CheckpointStore(str(tmp_path / "ckpt")).run(RUN).complete()]
 
 
 @pytest.mark.parametrize(
@@ -197,8 +197,8 @@ def test_resume_step_declares_where_the_job_resumes(entry, tmp_path):
         _save_steps(entry, tmp_path, [3])
     _save_steps(entry, tmp_path, [3], resume_step=2)
     store = CheckpointStore(str(tmp_path / "ckpt"))
-    assert store.lineage(RUN).current.resumed_from == 2
-    assert store.latest(RUN).step == 3  # 4 was above the resume point: abandoned
+    assert store.run(RUN).lineage().current.resumed_from == 2
+    assert store.run(RUN).latest().step == 3  # 4 was above the resume point: abandoned
 
 
 def _expected_message(entry: EntryPoint, key: str, value: Any) -> str:

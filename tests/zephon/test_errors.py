@@ -189,7 +189,7 @@ def test_a_state_save_cannot_hold_is_a_zephon_error_in_one_line_and_nothing_is_l
     with CheckpointManager(config, run_name="r", total_steps=10) as manager:
         with pytest.raises(zephon.ZephonError, match=message) as caught:
             manager.save(1, state, rank_state=rank_state)
-        assert manager.store.committed_steps("r") == []
+        assert manager.store.run("r").committed_steps() == []
     assert_one_root_one_line(caught.value)
 
 

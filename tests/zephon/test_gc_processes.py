@@ -38,7 +38,7 @@ def gc_argv(catalog_url: str, options: dict, *extra: str) -> list[str]:
 
 def assert_deleted_rows_are_gone(catalog: Catalog, location) -> None:
     for row in catalog.list_checkpoints(location.name, states="deleted"):
-        path = location.store.checkpoint_path(location.storage_run, row.step)
+        path = location.runstore.checkpoint_path(row.step)
         assert list_files(location.store.location, path) == [], f"step {row.step} left files"
 
 
@@ -106,7 +106,7 @@ def test_three_gc_processes_beside_a_saving_job(catalog_url, s3_backend):
         newest = committed[-keep:]
         assert [s for s, r in sorted(rows.items()) if r.state == "committed"][-keep:] == newest
         for step in newest:
-            assert location.store.verify("r", step, deep=True).ok
+            assert location.store.run("r").verify(step, deep=True).ok
         assert_deleted_rows_are_gone(catalog, location)
         events = catalog.events(run="r", limit=100_000)
         assert not [e for e in events if e.action in {"failed", "expired", "reclaimed"}]
@@ -137,7 +137,7 @@ def test_a_gc_killed_at_random_points_is_finished_by_the_next(catalog_url, s3_ba
         with Catalog(catalog_url) as catalog:
             for step in (22, 23):
                 assert catalog.get_checkpoint("r", step).state == "committed"
-                assert location.store.verify("r", step, deep=True).ok
+                assert location.store.run("r").verify(step, deep=True).ok
     time.sleep(1.1)  # let the killed gc's claims pass their lease
     done = subprocess.run(
         gc_argv(catalog_url, options, "--lease", "1s"), capture_output=True, text=True, timeout=300
@@ -147,4 +147,4 @@ def test_a_gc_killed_at_random_points_is_finished_by_the_next(catalog_url, s3_ba
         states = {r.step: r.state for r in catalog.list_checkpoints("r")}
         assert states == {s: ("committed" if s >= 22 else "deleted") for s in range(24)}
         assert_deleted_rows_are_gone(catalog, location)
-    assert [s.step for s in location.store.list_steps("r")] == [22, 23]
+    assert [s.step for s in location.store.run("r").list_steps()] == [22, 23]

@@ -56,7 +56,7 @@ def assert_finished(catalog_url: str, location) -> None:
     with Catalog(catalog_url) as catalog:
         assert_deleted_rows_are_gone(catalog, location)
         assert not catalog.list_checkpoints("r", states="deleting")
-    assert [s.step for s in location.store.list_steps("r")] == [4, 5]
+    assert [s.step for s in location.store.run("r").list_steps()] == [4, 5]
 
 
 def test_a_rerun_finishes_at_once_the_deletes_a_failed_pass_left_half_done(
@@ -82,8 +82,8 @@ def test_a_rerun_finishes_at_once_the_deletes_a_failed_pass_left_half_done(
         assert all(row.claimed_at is None for row in held)  # given back, not leased
         released = [e for e in catalog.events(run="r") if e.action == "released"]
         assert sorted(e.step for e in released) == [0, 1, 2, 3]
-    assert location.store.committed_steps("r") == [4, 5]
-    assert [s.step for s in location.store.list_steps("r")] == list(STEPS)  # payloads stay
+    assert location.store.run("r").committed_steps() == [4, 5]
+    assert [s.step for s in location.store.run("r").list_steps()] == list(STEPS)  # payloads stay
 
     # the default one-hour lease does not hold the rerun back
     code, report, err = gc(catalog_url, s3_backend.storage_options)

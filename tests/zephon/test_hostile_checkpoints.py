@@ -38,7 +38,7 @@ def saved(config, steps=3):
 def rewrite_marker(store, step, change) -> None:
     """Replace the step's marker with ``change(manifest_json)``, as a writer that skipped
     every check could."""
-    marker = f"{store.checkpoint_path('r', step)}/_COMMIT"
+    marker = f"{store.run('r').checkpoint_path(step)}/_COMMIT"
     body = change(json.loads(store.location.fs.cat_file(marker)))
     os.remove(marker)
     create_exclusive(store.location, marker, json.dumps(body).encode())
@@ -53,7 +53,7 @@ def test_a_dtype_the_state_names_must_be_a_real_dtype(name):
 
 def test_a_hostile_dtype_in_a_checkpoints_json_is_refused_on_load(config):
     store = saved(config)
-    reader = store.reader("r", 3)
+    reader = store.run("r").reader(3)
     path = f"{reader.path}/ranks/0.json"
     with open(path) as handle:
         state = json.load(handle)
@@ -86,7 +86,7 @@ def test_a_marker_naming_a_file_outside_its_checkpoint_is_refused_on_load(config
 def test_dcp_metadata_naming_a_file_the_marker_does_not_list_is_refused(config, tmp_path):
     (tmp_path / "victim.bin").write_bytes(b"\x00" * 4096)
     store = saved(config)
-    reader = store.reader("r", 3)
+    reader = store.run("r").reader(3)
     path = f"{reader.path}/dcp/dcp_metadata.json"
     with open(path) as handle:
         text = handle.read()
@@ -136,7 +136,7 @@ def test_with_fallback_a_hostile_checkpoint_is_quarantined_and_the_previous_one_
 )
 def test_a_json_document_not_shaped_as_zephon_writes_it_is_refused_as_corrupt(config, name, change):
     store = saved(config)
-    path = f"{store.reader('r', 3).path}/{name}"
+    path = f"{store.run('r').reader(3).path}/{name}"
     with open(path) as handle:
         document = json.load(handle)
     with open(path, "w") as handle:
@@ -151,7 +151,7 @@ def test_a_json_document_not_shaped_as_zephon_writes_it_is_refused_as_corrupt(co
 def test_with_fallback_a_zephon_json_not_shaped_as_zephon_writes_it_is_set_aside(config):
     config.on_corrupt = "fallback"
     store = saved(config, steps=6)
-    path = f"{store.reader('r', 6).path}/zephon.json"
+    path = f"{store.run('r').reader(6).path}/zephon.json"
     with open(path, "w") as handle:
         json.dump({"format_version": 1}, handle)
     with CheckpointManager(config, run_name="r", total_steps=10) as manager:
@@ -168,7 +168,7 @@ def deeply_nested(depth: int = DEEP) -> str:
 
 def replace_file(store, step: int, name: str, data: bytes) -> None:
     """Replace one file of the step, with a marker that vouches for the new bytes."""
-    with open(f"{store.reader('r', step).path}/{name}", "wb") as handle:
+    with open(f"{store.run('r').reader(step).path}/{name}", "wb") as handle:
         handle.write(data)
 
     def describe_it(body):
@@ -208,8 +208,8 @@ def test_a_5000_deep_state_document_is_refused_as_corrupt(config, name):
 
 def test_a_5000_deep_commit_marker_is_refused_as_corrupt(config):
     store = saved(config)
-    marker = f"{store.checkpoint_path('r', 3)}/_COMMIT"
+    marker = f"{store.run('r').checkpoint_path(3)}/_COMMIT"
     os.remove(marker)
     create_exclusive(store.location, marker, deeply_nested().encode())
     with pytest.raises(CorruptCheckpointError, match="nested deeper than 100 levels"):
-        store.read_manifest("r", 3)
+        store.run("r").read_manifest(3)

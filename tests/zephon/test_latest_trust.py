@@ -65,7 +65,7 @@ def test_latest_through_the_catalog_sends_no_storage_request(catalog, s3_backend
         confirmed = find_latest(location, catalog=catalog, confirm=True)
         assert (confirmed.step, confirmed.confirmed, proxy.requests) == (20, True, 3)
         # a caller that read the lineage (a job start) needs no attempts listing
-        lineage = store.lineage("r")
+        lineage = store.run("r").lineage()
         proxy.reset()
         assert find_latest(location, catalog=catalog, lineage=lineage).confirmed
         assert proxy.requests == 2, proxy.request_lines
@@ -100,20 +100,22 @@ def test_a_latest_dcp_load_reads_the_marker_once(catalog, s3_backend):
 def disagree(scenario: str, store: CheckpointStore, catalog: Catalog, step: int) -> None:
     """Make storage disagree with the catalog's row of ``step`` behind the catalog's back."""
     if scenario == "marker deleted":
-        os.remove(store.marker_path("r", step))
+        os.remove(store.run("r").marker_path(step))
     elif scenario == "marker rewritten":
         # the same save's marker with another CRC for a file: not the marker the row recorded
-        path = store.marker_path("r", step)
+        path = store.run("r").marker_path(step)
         with open(path, "rb") as handle:
             body = json.loads(handle.read())
         body["files"][0]["crc32c"] = "AAAAAA=="
         with open(path, "w") as handle:
             handle.write(json.dumps(body, sort_keys=True, separators=(",", ":")))
     elif scenario == "condemned on storage":
-        store.condemn("r", step, store.read_manifest("r", step), "found damaged by zephon verify")
+        store.run("r").condemn(
+            step, store.run("r").read_manifest(step), "found damaged by zephon verify"
+        )
     else:  # a start that could not reach the catalog resumed from 10: 20 is abandoned
         location = RunLocation("r", store, "r")
-        register(location, None, lineage=store.lineage("r"), resumed_from=10)
+        register(location, None, lineage=store.run("r").lineage(), resumed_from=10)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -161,7 +163,7 @@ def test_a_lazy_answer_that_storage_does_not_bear_out_is_set_aside(catalog, loca
     attempt = start(location, catalog)
     for step in (10, 20):
         save_step(attempt, step, catalog)
-    os.remove(location.store.marker_path("r", 20))
+    os.remove(location.store.run("r").marker_path(20))
     trusted = find_latest(location, catalog=catalog)
     assert trusted.step == 20
     with pytest.raises(CheckpointNotFoundError, match="look the latest checkpoint up again"):
@@ -176,11 +178,11 @@ def test_a_row_whose_marker_another_save_replaced_is_repaired_to_that_save(catal
     attempt = start(location, catalog)
     save_step(attempt, 10, catalog)
     first = save_step(attempt, 20, catalog)
-    location.store.delete_many("r", [20])  # behind the catalog's back, then saved again
+    location.store.run("r").delete_many([20])  # behind the catalog's back, then saved again
     second = save_step(attempt, 20, None, files={"w.bin": b"second save of 20"})
     assert second.save_id != first.save_id
     latest = find_latest(location, catalog=catalog)
     assert latest.step == 20 and latest.manifest.save_id == second.save_id  # verified first
     assert catalog.get_checkpoint("r", 20).save_id == second.save_id
-    reader = location.store.reader("r", 20)
+    reader = location.store.run("r").reader(20)
     assert reader.read_bytes("w.bin") == b"second save of 20"

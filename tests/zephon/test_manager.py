@@ -101,7 +101,7 @@ def test_saves_every_period_and_at_the_last_step(config, period, expected):
     with manager_for(config) as manager:
         assert [s for s in range(1, 11) if manager.should_save(s)] == expected
         train(manager, *build(), Counter(), 1, 10)
-        assert manager.store.committed_steps("r") == expected
+        assert manager.store.run("r").committed_steps() == expected
 
 
 def test_after_each_save_only_num_to_keep_remain(config):
@@ -109,9 +109,9 @@ def test_after_each_save_only_num_to_keep_remain(config):
         model, optimizer, scheduler = build()
         counter = Counter()
         train(manager, model, optimizer, scheduler, counter, 1, 7)
-        assert manager.store.committed_steps("r") == [3, 6]
+        assert manager.store.run("r").committed_steps() == [3, 6]
         train(manager, model, optimizer, scheduler, counter, 8, 10)
-        assert manager.store.committed_steps("r") == [9, 10]
+        assert manager.store.run("r").committed_steps() == [9, 10]
     with Catalog(config.catalog_url) as catalog:
         states = {r.step: r.state for r in catalog.list_checkpoints("r")}
         assert states == {3: "deleted", 6: "deleted", 9: "committed", 10: "committed"}
@@ -125,14 +125,14 @@ def test_without_a_catalog_retention_uses_the_storage_scan(tmp_path, monkeypatch
     with manager_for(config) as manager:
         assert manager.catalog is None
         train(manager, *build(), Counter(), 1, 10)
-        assert manager.store.committed_steps("r") == [10]
+        assert manager.store.run("r").committed_steps() == [10]
 
 
 def test_num_to_keep_null_keeps_all(config):
     config.num_to_keep = None
     with manager_for(config) as manager:
         train(manager, *build(), Counter(), 1, 10)
-        assert manager.store.committed_steps("r") == [3, 6, 9, 10]
+        assert manager.store.run("r").committed_steps() == [3, 6, 9, 10]
 
 
 # -- resume ----------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_a_finished_inference_job_logs_its_own_message(tmp_path, caplog):
         assert manager.name == "infer-job"
         for step in range(1, 5):
             manager.maybe_save(step, {"done": {"step": step}})
-        assert manager.store.committed_steps(None) == [2, 4]
+        assert manager.store.run(None).committed_steps() == [2, 4]
         assert os.path.isdir(tmp_path / "infer-job" / "save-4")
     with (
         caplog.at_level(logging.INFO, logger="zephon"),
@@ -215,7 +215,7 @@ def test_raising_total_steps_continues_to_the_new_last_step_on_the_new_schedule(
         assert (resume.step, resume.next_step, resume.finished) == (6, 7, False)
         assert resume.saved_total_steps == 6
         train(manager, model, optimizer, scheduler, Counter(), 7, 12, losses)
-        assert manager.store.committed_steps("r") == [9, 12]
+        assert manager.store.run("r").committed_steps() == [9, 12]
     for _ in range(12):
         fresh_schedule.optimizer.step()
         fresh_schedule.step()
@@ -242,7 +242,7 @@ def test_load_names_missing_and_unexpected_keys(config):
 
 def flip_a_byte(store, step: int) -> str:
     """Flip one byte in the middle of a shard of checkpoint ``step``; returns the shard."""
-    reader = store.reader("r", step)
+    reader = store.run("r").reader(step)
     shard = next(n for n in reader.names if n.endswith(".distcp"))
     path = os.path.join(reader.path, shard)
     with open(path, "r+b") as handle:
@@ -271,14 +271,16 @@ def test_a_damaged_checkpoint_is_quarantined_and_the_previous_one_loaded(config,
         resume = manager.load_latest(state_of(*build(), Counter()))
         assert resume.step == 3
         assert manager.catalog.get_checkpoint("r", 6).state == "corrupt"
-        assert manager.store.condemned("r") == [(6, manager.store.read_manifest("r", 6).save_id)]
+        assert manager.store.run("r").condemned() == [
+            (6, manager.store.run("r").read_manifest(6).save_id)
+        ]
     assert any("save-6 failed verification" in r.getMessage() for r in caplog.records)
 
 
 def test_non_tensor_state_is_json_and_nothing_is_pickled(config):
     with manager_for(config) as manager:
         train(manager, *build(), Counter(), 1, 3)
-        reader = manager.store.reader("r", 3)
+        reader = manager.store.run("r").reader(3)
         for name in reader.names:
             data = reader.read_bytes(name)
             if name.endswith(".json"):
@@ -301,7 +303,7 @@ def test_async_save_stages_a_copy_and_commits_in_the_background(config):
             for p in model.parameters():
                 p.add_(1.0)  # training goes on while the save is written
         manager.wait()
-        assert manager.store.committed_steps("r") == [3]
+        assert manager.store.run("r").committed_steps() == [3]
     fresh = build(seed=5)[0]
     with manager_for(config) as manager:
         manager.load_latest({"model": fresh})
@@ -326,10 +328,10 @@ def test_a_failed_background_save_is_raised_by_the_next_call(config, monkeypatch
         with pytest.raises(Exception, match="disk full while committing"):
             manager.save(6, {"model": model})  # raises the background failure, saves nothing
         monkeypatch.setattr(writer_module.CheckpointWriter, "commit", real)
-        assert manager.store.list_steps("r") == []  # the failed attempt left nothing behind
+        assert manager.store.run("r").list_steps() == []  # the failed attempt left nothing behind
         manager.save(6, {"model": model})
         manager.wait()
-        assert manager.store.committed_steps("r") == [6]
+        assert manager.store.run("r").committed_steps() == [6]
     with Catalog(config.catalog_url) as catalog:
         assert catalog.get_checkpoint("r", 3).state == "failed"
 
@@ -357,8 +359,8 @@ def test_only_trainable_parameters_are_saved_and_frozen_come_from_the_source(con
         tuned[2].weight.add_(3.0)
     with manager_for(config, run_name="lora", model_stage=stage) as manager:
         manager.save(2, {"model": tuned})
-        names = manager.store.reader("lora", 2).names
-        meta = json.loads(manager.store.reader("lora", 2).read_bytes("zephon.json"))
+        names = manager.store.run("lora").reader(2).names
+        meta = json.loads(manager.store.run("lora").reader(2).read_bytes("zephon.json"))
         assert set(meta["state"]["model"]) == {"2.weight", "2.bias"}
     resumed = adapter_model(7)  # other weights everywhere until loaded
     with manager_for(config, run_name="lora", model_stage=stage) as manager:

@@ -72,7 +72,7 @@ def test_readers_leave_no_attempt_decision_or_deletion_in_the_run_they_read(tmp_
         assert not [n for _, _, names in os.walk(run_dir) for n in names if "_CORRUPT" in n]
         assert zephon_main(["gc", "--catalog", catalog_url, "--grace", "0"]) == 0
         assert "deleted" not in capsys.readouterr().out
-        assert [m.step for m in CheckpointStore(save_dir).complete(RUN)] == [4, 8, 12]
+        assert [m.step for m in CheckpointStore(save_dir).run(RUN).complete()] == [4, 8, 12]
         assert _footprint(save_dir, catalog) == before
 
 
@@ -90,7 +90,7 @@ def test_an_inference_job_registers_its_attempt_at_its_first_save_resuming_from_
         assert job.attempt is None  # loading alone registers nothing
         job.save(4, {"model": model})
         assert job.attempt.resumed_from == 3 and not job.attempt.implicit
-    assert CheckpointStore(save_dir).lineage(None).current.resumed_from == 3
+    assert CheckpointStore(save_dir).run(None).lineage().current.resumed_from == 3
 
 
 def test_a_save_below_the_latest_is_refused_at_the_first_save_unless_the_resume_step_is_declared(
@@ -196,7 +196,7 @@ def test_folder_checkpoints_register_at_their_first_save_and_refuse_a_save_below
     over.save_folder(str(folder), 2)
     over.close()
     store = CheckpointStore(save_dir)
-    assert store.lineage(RUN).current.resumed_from == 0 and store.latest(RUN).step == 2
+    assert store.run(RUN).lineage().current.resumed_from == 0 and store.run(RUN).latest().step == 2
 
 
 def _attempts_on_storage(save_dir: str) -> list[str]:

@@ -115,11 +115,11 @@ def test_abandoned_checkpoints_are_stale_and_gc_deletes_them_after_the_grace(
     states = {r.step: r.state for r in catalog.list_checkpoints("r")}
     assert states == {10: "committed", 15: "committed", 20: "stale", 30: "stale"}
     gc_run(catalog, location)  # the default 24h grace keeps them
-    assert location.store.committed_steps("r") == [10, 15, 20, 30]
+    assert location.store.run("r").committed_steps() == [10, 15, 20, 30]
     report = gc_run(catalog, location, policy=GcPolicy(grace=dt.timedelta(0)))
     assert sorted(d["step"] for d in report.deleted) == [20, 30]
-    assert location.store.committed_steps("r") == [10, 15]
-    assert location.store.list_steps("r")[-1].step == 15
+    assert location.store.run("r").committed_steps() == [10, 15]
+    assert location.store.run("r").list_steps()[-1].step == 15
     assert find_latest(location, catalog=catalog).step == 15
 
 
@@ -132,11 +132,13 @@ def test_a_quarantined_checkpoint_is_kept_until_gc_corrupt(catalog, local_backen
     assert catalog.get_checkpoint("r", 2).state == "corrupt"
     assert find_latest(location, catalog=catalog).step == 1
     gc_run(catalog, location, policy=GcPolicy(grace=dt.timedelta(0)))
-    assert location.store.condemned("r") == [(2, bad.save_id)]  # kept for inspection
+    assert location.store.run("r").condemned() == [(2, bad.save_id)]  # kept for inspection
     assert catalog.get_checkpoint("r", 1).state == "committed"  # never counted: 1 is kept
     report = gc_run(catalog, location, policy=GcPolicy(grace=dt.timedelta(0), corrupt=True))
     assert [d["step"] for d in report.deleted] == [2]
-    assert location.store.condemned("r") == [] and location.store.committed_steps("r") == [1]
+    assert location.store.run("r").condemned() == [] and location.store.run(
+        "r"
+    ).committed_steps() == [1]
 
 
 def test_sync_never_promotes_an_abandoned_marker(catalog, local_backend, tmp_path):
@@ -169,7 +171,7 @@ def test_an_attempt_that_ran_without_the_catalog_is_mirrored_into_it(catalog, lo
     assert catalog.get_checkpoint("r", 20).state == "stale"
     # storage's answer and the catalog's agree; the offline save is found by the probe-free
     # storage scan until sync records it
-    assert latest.step == 10 and location.store.latest("r").step == 12
+    assert latest.step == 10 and location.store.run("r").latest().step == 12
     sync_storage(catalog, local_backend.url)
     assert find_latest(location, catalog=catalog).step == 12
 
@@ -194,11 +196,11 @@ def test_a_failed_row_whose_marker_fails_verification_is_quarantined(catalog, lo
     save_step(attempt, 10, catalog)
     manifest = crash_after_marker(attempt, catalog, 20)
     catalog.mark_failed("r", 20, manifest.save_id, "the job died after its marker")
-    with open(f"{location.store.reader('r', 20).path}/w.bin", "wb") as handle:
+    with open(f"{location.store.run('r').reader(20).path}/w.bin", "wb") as handle:
         handle.write(b"z")
     assert find_latest(location, catalog=catalog).step == 10
     assert catalog.get_checkpoint("r", 20).state == "corrupt"
-    assert location.store.condemned("r") == [(20, manifest.save_id)]
+    assert location.store.run("r").condemned() == [(20, manifest.save_id)]
 
 
 def test_gc_records_a_marker_the_catalog_never_heard_of_and_deletes_it_when_abandoned(
@@ -217,10 +219,10 @@ def test_gc_records_a_marker_the_catalog_never_heard_of_and_deletes_it_when_aban
     gc_run(catalog, location)  # the default grace keeps it, but it now has a row
     row = catalog.get_checkpoint("r", 20)
     assert (row.state, row.epoch) == ("stale", offline.epoch)
-    assert location.store.committed_steps("r") == [10, 20]
+    assert location.store.run("r").committed_steps() == [10, 20]
     report = gc_run(catalog, location, policy=GcPolicy(grace=dt.timedelta(0)))
     assert [d["step"] for d in report.deleted] == [20]
-    assert location.store.committed_steps("r") == [10]
+    assert location.store.run("r").committed_steps() == [10]
     assert find_latest(location, catalog=catalog).step == 10
 
 

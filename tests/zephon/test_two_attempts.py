@@ -173,7 +173,7 @@ class World:
 
     def content(self, step: int, name: str = "w.bin") -> str:
         """A file of the checkpoint, read through the CRC-checking reader."""
-        return self.store.reader("r", step).read_bytes(name).decode()
+        return self.store.run("r").reader(step).read_bytes(name).decode()
 
     def keep(self, num_to_keep: int) -> None:
         if self.catalog is not None:
@@ -279,7 +279,7 @@ def assert_names_the_new_attempt(answer: dict, started: dict) -> None:
 
 
 def written_by(store: CheckpointStore, step: int) -> str:
-    return store.reader("r", step).read_bytes("w.bin").decode()
+    return store.run("r").reader(step).read_bytes("w.bin").decode()
 
 
 def choose_latest(location: RunLocation, catalog: Catalog | None):
@@ -304,13 +304,13 @@ def assert_restart_resumes(
     assert latest is not None and latest.step == step, latest
     assert attempt.resumed_from == step
     assert read(store, step).startswith(f"{author}-"), read(store, step)
-    assert store.lineage("r").admits(latest.manifest.epoch, step)
-    on_storage = store.latest("r")
+    assert store.run("r").lineage().admits(latest.manifest.epoch, step)
+    on_storage = store.run("r").latest()
     assert (on_storage.step, on_storage.save_id) == (step, latest.manifest.save_id)
     if catalog is not None:
         row = catalog.latest_committed("r")
         assert (row.step, row.save_id, row.epoch) == (step, on_storage.save_id, on_storage.epoch)
-    report = store.verify("r", step, deep=True)
+    report = store.run("r").verify(step, deep=True)
     assert report.ok, report.problems
     again = find_latest(location, catalog=catalog)
     assert (again.step, again.manifest.save_id, again.source) == (
@@ -322,7 +322,7 @@ def assert_restart_resumes(
 
 
 def payload_files(store: CheckpointStore, step: int, save_id: str) -> dict[str, int]:
-    path = f"{store.checkpoint_path('r', step)}/{save_id}"
+    path = f"{store.run('r').checkpoint_path(step)}/{save_id}"
     return {f.path[len(path) + 1 :]: f.size for f in list_files(store.location, path)}
 
 
@@ -369,9 +369,9 @@ def test_an_old_attempt_waking_after_the_new_one_committed_its_step_is_refused(w
     old.ok("fail")
 
     assert world.content(50) == "new-50"
-    manifest = world.store.read_manifest("r", 50)
+    manifest = world.store.run("r").read_manifest(50)
     assert (manifest.save_id, manifest.epoch) == (new_save, started["epoch"])
-    assert world.store.verify("r", 50, deep=True).ok
+    assert world.store.run("r").verify(50, deep=True).ok
     if world.catalog is not None:
         assert (world.row(50).state, world.row(50).save_id) == ("committed", new_save)
     assert_restart_resumes(world, 50)
@@ -407,7 +407,7 @@ def test_every_refusal_of_a_stale_attempt_is_zephons_stale_attempt_error(
 def assert_nobody_takes_the_stale_marker(world: World, row: tuple[str, str]) -> None:
     """Readers skip the marker the old attempt slipped in; sync does not promote it and
     leaves the row of its step as it is, ``row`` (state, save id)."""
-    assert world.store.latest("r").step == 40
+    assert world.store.run("r").latest().step == 40
     assert find_latest(world.location, catalog=world.catalog).step == 40
     if world.catalog is not None:
         report = sync_storage(world.catalog, world.backend.url, world.backend.storage_options)
@@ -440,7 +440,7 @@ def test_a_marker_the_old_attempt_slips_in_after_its_check_is_superseded_by_the_
     if world.catalog is not None:  # the catalog refuses to record the stale marker
         assert_names_the_new_attempt(old.refused("committed"), started)
 
-    manifest = world.store.read_manifest("r", 50)
+    manifest = world.store.run("r").read_manifest(50)
     assert (manifest.save_id, manifest.epoch) == (new_save, started["epoch"])
     assert world.content(50) == "new-50"
     assert payload_files(world.store, 50, old_save) == {}  # the stale save went with its marker
@@ -474,18 +474,18 @@ def test_an_old_attempt_that_keeps_saving_is_refused_everywhere_and_deletes_noth
     for refusal in refusals:
         assert_names_the_new_attempt(refusal, started)
 
-    assert world.store.committed_steps("r") == [10, 20, 30, 40, 45]
+    assert world.store.run("r").committed_steps() == [10, 20, 30, 40, 45]
     if world.catalog is not None:
         committed = [r.step for r in world.catalog.list_checkpoints("r", states="committed")]
         assert committed == [10, 20, 30, 40, 45]
         assert world.row(50).state == "stale"
         assert {r.step for r in world.catalog.list_checkpoints("r")} == {10, 20, 30, 40, 45, 50}
-    assert world.content(45) == "new-45" and world.store.verify("r", 45, deep=True).ok
+    assert world.content(45) == "new-45" and world.store.run("r").verify(45, deep=True).ok
 
     # the new attempt's own retention runs (its resume point is kept only until it has a
     # checkpoint of its own)
     assert new.ok("retain 1") == [10, 20, 30, 40]
-    assert world.store.committed_steps("r") == [45]
+    assert world.store.run("r").committed_steps() == [45]
     assert_restart_resumes(world, 45)
 
 
@@ -509,9 +509,9 @@ def test_the_old_attempts_commit_and_retention_are_refused_once_the_new_one_clai
     started = new.ok("decide")
     assert started["resumed_from"] == 30
     assert_names_the_new_attempt(old.refused("retain 1"), started)
-    assert world.store.committed_steps("r") == [10, 20, 30]
+    assert world.store.run("r").committed_steps() == [10, 20, 30]
     assert world.content(30) == "old-30"
-    assert world.store.verify("r", 30, deep=True).ok
+    assert world.store.run("r").verify(30, deep=True).ok
     if world.catalog is not None:
         assert world.row(30).state == "committed" and world.row(40).state == "stale"
 
@@ -570,7 +570,7 @@ def _stale_marker_on_failed(world: World, old: Child, new: Child) -> None:
     new.ok("write w.bin new-50")
     new.ok("fail")
     assert (world.row(50).state, world.row(50).save_id) == ("failed", new_save)
-    assert world.store.read_manifest("r", 50).epoch == 1
+    assert world.store.run("r").read_manifest(50).epoch == 1
 
 
 def _stale_marker_on_deleted(world: World, old: Child, new: Child) -> None:
@@ -582,7 +582,7 @@ def _stale_marker_on_deleted(world: World, old: Child, new: Child) -> None:
 
 
 def _flip_a_byte(store: CheckpointStore, step: int, name: str) -> None:
-    path = f"{store.reader('r', step).path}/{name}"
+    path = f"{store.run('r').reader(step).path}/{name}"
     data = bytearray(store.location.fs.cat_file(path))
     data[len(data) // 2] ^= 0xFF
     store.location.fs.pipe_file(path, bytes(data))
@@ -622,11 +622,11 @@ def test_a_restart_repairs_a_complete_marker_the_row_disowns_and_never_a_stale_o
         assert world.content(50) == "old-50"
     else:
         assert (latest["step"], latest["promoted"]) == (40, [])
-        assert world.store.latest("r").step == 40
+        assert world.store.run("r").latest().step == 40
     assert started["resumed_from"] == latest["step"]
     assert world.row(50).state == row_state
     if situation == "failed_and_damaged":
-        assert [step for step, _ in world.store.condemned("r")] == [50]
+        assert [step for step, _ in world.store.run("r").condemned()] == [50]
 
     again = new.ok("latest")  # nothing keeps changing
     assert (again["step"], again["promoted"], again["set_aside"]) == (latest["step"], [], [])
@@ -661,7 +661,7 @@ def test_gc_without_grace_beside_a_live_save_leaves_it_whole(cataloged, cataloge
         new.ok("write w.bin new-50")
     new.ok("commit")
     new.ok("committed")
-    assert world.store.verify("r", 50, deep=True).ok
+    assert world.store.run("r").verify(50, deep=True).ok
     assert world.content(50) == "new-50"
     old.refused("commit")  # its files are gone and it is stale: refused either way
     old.ok("fail")
@@ -699,12 +699,12 @@ def run_job(world: World, job: str, steps: list[int]):
 
 
 def notes_by(store: CheckpointStore, step: int) -> str:
-    reader = store.reader("r", step)
+    reader = store.run("r").reader(step)
     return decode_json(reader.read_bytes(rank_file(0)), reader.url)["state"]["notes"]["by"]
 
 
 def shards(store: CheckpointStore, step: int) -> list[str]:
-    return sorted(n for n in store.reader("r", step).names if n.endswith(".distcp"))
+    return sorted(n for n in store.run("r").reader(step).names if n.endswith(".distcp"))
 
 
 def flip_a_byte(store: CheckpointStore, step: int) -> None:
@@ -712,12 +712,12 @@ def flip_a_byte(store: CheckpointStore, step: int) -> None:
 
 
 def truncate_a_file(store: CheckpointStore, step: int) -> None:
-    path = f"{store.reader('r', step).path}/{shards(store, step)[0]}"
+    path = f"{store.run('r').reader(step).path}/{shards(store, step)[0]}"
     store.location.fs.pipe_file(path, store.location.fs.cat_file(path)[:-3])
 
 
 def swap_two_shards(store: CheckpointStore, step: int) -> None:
-    fs, base = store.location.fs, store.reader("r", step).path
+    fs, base = store.location.fs, store.run("r").reader(step).path
     first, second = (f"{base}/{name}" for name in shards(store, step))
     one, two = fs.cat_file(first), fs.cat_file(second)
     assert len(one) == len(two) and one != two  # only the checksums tell them apart
@@ -727,13 +727,13 @@ def swap_two_shards(store: CheckpointStore, step: int) -> None:
 
 def delete_the_payload(store: CheckpointStore, step: int) -> None:
     """Everything but the marker: the checkpoint is still chosen, then cannot be read."""
-    reader = store.reader("r", step)
+    reader = store.run("r").reader(step)
     store.location.fs.rm([f"{reader.path}/{name}" for name in reader.names])
 
 
 def delete_the_shards(store: CheckpointStore, step: int) -> None:
     """The tensors only: its JSON reads, the load that follows fails."""
-    reader = store.reader("r", step)
+    reader = store.run("r").reader(step)
     store.location.fs.rm([f"{reader.path}/{name}" for name in shards(store, step)])
 
 
@@ -745,17 +745,17 @@ def delete_the_shards(store: CheckpointStore, step: int) -> None:
 def test_a_damaged_newest_checkpoint_is_quarantined_resumed_past_and_collected(cataloged, damage):
     world, store = cataloged, cataloged.store
     run_job(world, "job1", [1, 2])
-    bad = store.read_manifest("r", 2).save_id
+    bad = store.run("r").read_manifest(2).save_id
     damage(store, 2)
 
     resume = run_job(world, "job2", [])
     assert resume.step == 1 and resume.values["notes"] == {"by": "job1-1"}
     assert (world.row(2).state, world.row(2).save_id) == ("corrupt", bad)
-    assert store.condemned("r") == [(2, bad)]
+    assert store.run("r").condemned() == [(2, bad)]
 
     report = zephon_gc(world, "--corrupt")
     assert [d["step"] for d in report["deleted"]] == [2]
-    assert store.condemned("r") == [] and store.committed_steps("r") == [1]
+    assert store.run("r").condemned() == [] and store.run("r").committed_steps() == [1]
     assert payload_files(store, 2, bad) == {}
     assert world.row(2).state == "deleted"
 
@@ -776,5 +776,5 @@ def test_a_checkpoint_deleted_after_it_was_chosen_makes_the_load_take_the_next_o
     resume = run_job(world, "job2", [4])
     assert resume.step == 2 and resume.values["notes"] == {"by": "job1-2"}
     assert world.row(3).state == "corrupt"
-    assert store.verify("r", 2, deep=True).ok
+    assert store.run("r").verify(2, deep=True).ok
     assert_restart_resumes(world, 4, author="job2", read=notes_by)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from zephon import dcp as zdcp
-from zephon.attempts import as_zephon_error
+from zephon.errors import as_zephon_error
 
 __all__ = ["Background"]
 

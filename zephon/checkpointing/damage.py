@@ -40,7 +40,7 @@ def damage_on_any_rank(coll: Collectives, problem: Exception | None) -> str | No
 def report_passed_over(job: Job, step: int, why: str) -> None:
     """Rank 0: ``find_latest`` passed over a damaged checkpoint (it quarantines it): say so in
     one line, or stop there with ``on_corrupt: fail`` (a ``CorruptCheckpointError``)."""
-    url = job.store.checkpoint_url(job.run, step)
+    url = job.store.run(job.run).checkpoint_url(step)
     if job.config.on_corrupt == "fail":
         raise CorruptCheckpointError(
             f"checkpoint {url} is damaged ({why.splitlines()[0][:300]}); it is not loaded and "
@@ -60,9 +60,9 @@ def report_passed_over(job: Job, step: int, why: str) -> None:
 
 def set_aside(job: Job, step: int, why: str) -> None:
     """Rank 0: quarantine a checkpoint that failed to load and say so in one line."""
-    url = job.store.checkpoint_url(job.run, step)
+    url = job.store.run(job.run).checkpoint_url(step)
     try:
-        manifest = job.store.read_manifest(job.run, step)
+        manifest = job.store.run(job.run).read_manifest(step)
     except DAMAGE:
         manifest = None
     with contextlib.suppress(Exception):

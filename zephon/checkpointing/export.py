@@ -67,9 +67,9 @@ def export_safetensors(
     if meta.get("trainable_only"):
         if source_checkpoint is None:
             raise ZephonError(
-                f"checkpoint {store.checkpoint_url(run, step)} holds only trainable parameters; "
-                "pass the base model as source_checkpoint (zephon export --source) to export "
-                "a complete model"
+                f"checkpoint {store.run(run).checkpoint_url(step)} holds only trainable "
+                "parameters; pass the base model as source_checkpoint (zephon export --source) to "
+                "export a complete model"
             )
         tensors = {**read_source_tensors(source_checkpoint, storage_options), **tensors}
     if os.path.exists(out_dir) and os.listdir(out_dir):
@@ -100,7 +100,7 @@ def export_safetensors(
         weight_map.update({tensor_name: file_name for tensor_name in shard})
     total = sum(_nbytes(t) for t in tensors.values())
     index = {
-        "metadata": {"total_size": total, "zephon_checkpoint": store.checkpoint_url(run, step)},
+        "metadata": {"total_size": total, "zephon_checkpoint": store.run(run).checkpoint_url(step)},
         "weight_map": dict(sorted(weight_map.items())),
     }
     with open(os.path.join(out_dir, INDEX_FILE), "w") as handle:

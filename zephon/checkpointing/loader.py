@@ -210,7 +210,7 @@ class Loader:
                 return remote, (latest, False)
 
             if job.reads_only_until_save:  # no attempt until its first save (Job.current_attempt)
-                _, (latest, use_local) = choose(job.store.lineage(job.location.storage_run))
+                _, (latest, use_local) = choose(job.store.run(job.location.storage_run).lineage())
             else:
                 job.session.attempt, (latest, use_local) = register_resuming(
                     job.location, job.catalog, choose
@@ -242,7 +242,7 @@ class Loader:
     def _read_meta(self, step: int, store: CheckpointStore) -> dict[str, Any]:
         """Checkpoint ``step``'s ``zephon.json``; ``CorruptCheckpointError`` if it is not one
         (damage: the checkpoint is set aside), ``ZephonError`` if a newer Zephon wrote it."""
-        reader = store.reader(self.job.run, step, verify=self.job.config.verify_on_load)
+        reader = store.run(self.job.run).reader(step, verify=self.job.config.verify_on_load)
         where = f"{reader.url}/{META_FILE}"
         meta = _document(decode_json(reader.read_bytes(META_FILE), where), where, "entries")
         if meta.get("format_version", 0) > META_VERSION:
@@ -308,8 +308,8 @@ class Loader:
                 f"state entries {mismatched} were saved as {was} but are {now} now; pass the "
                 "same kinds of objects that were saved"
             )
-        url = store.checkpoint_url(job.run, step)
-        checkpoint = store.reader(job.run, step, verify=job.config.verify_on_load)
+        url = store.run(job.run).checkpoint_url(step)
+        checkpoint = store.run(job.run).reader(step, verify=job.config.verify_on_load)
         # The same world size gets every rank its own state back; another one (an elastic
         # resume) gets every rank rank 0's, and no RNG or rank_state.
         same_world = meta.get("world_size") == job.coll.world_size

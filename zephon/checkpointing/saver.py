@@ -19,7 +19,6 @@ from typing import Any
 
 from storage import CheckpointWriter, FileEntry
 from zephon import dcp as zdcp
-from zephon.attempts import as_zephon_error
 from zephon.checkpointing.background import Background
 from zephon.checkpointing.files import (
     DCP_SUBDIR,
@@ -31,7 +30,7 @@ from zephon.checkpointing.files import (
 )
 from zephon.checkpointing.job import Job
 from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
-from zephon.errors import ZephonError
+from zephon.errors import ZephonError, as_zephon_error
 from zephon.saving import Save
 from zephon.state_tree import split_state, tensor_keys
 

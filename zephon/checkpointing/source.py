@@ -72,7 +72,7 @@ def read_model_tensors(
     """Every tensor of model entry ``key`` in checkpoint ``(run, step)``, named as in the
     module's ``state_dict()`` (``<stage>.<name>`` for a list of stages), and the checkpoint's
     ``zephon.json``. Runs in this process alone, whatever torch.distributed is doing."""
-    checkpoint = store.reader(run, step)
+    checkpoint = store.run(run).reader(step)
     meta = decode_json(checkpoint.read_bytes(META_FILE), f"{checkpoint.url}/{META_FILE}")
     kinds = meta.get("entries", {})
     if kinds.get(key) != "model":

@@ -219,6 +219,7 @@ def _add_wide(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from catalog import CheckpointState
     from zephon.cli import commands as c
+    from zephon.cli.boundary import at_boundary
 
     common = _common(top=False)
     parser = _Parser(
@@ -230,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, handler, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
-        # Errors of the layers below that escape them untranslated become one line here.
-        p.set_defaults(handler=c.at_boundary(handler))
+        # What the layers below raise on purpose prints as one line (zephon.cli.boundary).
+        p.set_defaults(handler=at_boundary(handler))
         return p
 
     p = add("runs", c.cmd_runs, "list runs with their checkpoint counts and sizes")

@@ -1,9 +1,6 @@
 """The catalog, gc, verify and sync subcommands of ``zephon``: each takes the parsed arguments
-and returns the process exit code. None of them imports torch.
-
-``at_boundary`` wraps every subcommand (torch ones too): an exception the layers below let
-escape untranslated becomes the error of the layer it came from, so it prints as one line with
-that layer's exit code instead of exit 70.
+and returns the process exit code. None of them imports torch. Every subcommand runs inside
+``zephon.cli.boundary.at_boundary``.
 """
 
 from __future__ import annotations
@@ -11,11 +8,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import functools
 import os
-import sys
 from collections.abc import Callable, Iterator
-from types import FrameType
 from typing import Any, TypeVar
 
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -23,7 +17,6 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 import catalog as catalog_pkg
 from catalog import (
     Catalog,
-    CatalogError,
     CheckpointRecordNotFoundError,
     CheckpointState,
     ReplicaRecord,
@@ -31,19 +24,15 @@ from catalog import (
 )
 from storage import (
     MARKER_NAME,
-    BackendUnavailableError,
     CheckpointNotFoundError,
     CheckpointStore,
     CorruptCheckpointError,
-    Location,
     StorageError,
-    StorageOptionsRefusedError,
-    backend_errors,
-    mask_url,
+    is_dir,
 )
 from zephon.cli import render, storage_options_object, timing
 from zephon.cli.render import Column, human_bytes, print_json, print_table, say
-from zephon.errors import ConfigError, ZephonError
+from zephon.errors import ConfigError
 from zephon.gc import GcPolicy, collect_garbage
 from zephon.latest import find_latest
 from zephon.locations import (
@@ -309,10 +298,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return chosen
     store, storage_run, step = chosen
     try:
-        report = store.verify(storage_run, step, deep=args.deep)
+        report = store.run(storage_run).verify(step, deep=args.deep)
     except CorruptCheckpointError as exc:
         # A marker that does not parse is what verification exists to find: a problem (3).
-        url = store.checkpoint_url(storage_run, step)
+        url = store.run(storage_run).checkpoint_url(step)
         problems = [{"file": MARKER_NAME, "kind": "corrupt", "detail": str(exc)}]
         ok, files_checked, bytes_checked, deep = False, 0, 0, args.deep
     else:
@@ -401,8 +390,7 @@ def _require_directory(url: str, options: dict[str, Any]) -> None:
     """Refuse a storage URL with nothing there: syncing it would report "0 runs", true of
     any typo."""
     location = CheckpointStore(url, options, retry=retry_from_env()).location
-    with backend_errors(location, f"looking for {location.url}"):
-        found = location.retry.call(location.fs.isdir, location.root)
+    found = is_dir(location, location.root)
     if not found:
         raise StorageError(
             f"{location.url} is no directory or bucket that exists, so there is nothing to "
@@ -481,165 +469,3 @@ def cmd_db(args: argparse.Namespace) -> int:
     else:
         say(message)
     return EXIT_OK
-
-
-# -- the boundary ---------------------------------------------------------------------------
-#
-# Storage and catalog translate the backend errors they expect (storage.backend.backend_errors,
-# catalog.engine.translate_errors). What still escapes is either the environment (an OSError:
-# a directory that cannot be created, a refused connection) or a library refusing what the
-# user gave it (s3fs's TypeError for an unknown storage option): both are the user's to fix,
-# and are translated here into the error of the layer they came from. Anything raised by our
-# own code is a bug and stays one (exit 70).
-
-_OURS = frozenset({"catalog", "storage", "zephon"})
-_CATALOG_LIBRARIES = frozenset({"sqlalchemy", "alembic", "psycopg", "psycopg2", "psycopg_pool"})
-#: every storage backend is reached through fsspec, so its frames mark a storage failure
-_STORAGE_LIBRARIES = frozenset({"fsspec"})
-
-
-def at_boundary(handler: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
-    """``handler`` with the untranslated errors of the layers below translated (see above).
-    ``ZEPHON_DEBUG=1`` lets them through, for their traceback."""
-
-    @functools.wraps(handler)
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return handler(args)
-        except StorageOptionsRefusedError as exc:
-            raise BackendUnavailableError(
-                f"{exc.what}; {_refused_options_fix(args)}", url=exc.url
-            ) from exc
-        except (StorageError, CatalogError, ZephonError):
-            raise
-        except Exception as exc:
-            translated = None if os.environ.get("ZEPHON_DEBUG") else translate(exc, args)
-            if translated is None:
-                raise
-            raise translated from exc
-
-    return run
-
-
-def _module(frame: FrameType) -> str:
-    return str(frame.f_globals.get("__name__") or "").split(".")[0]
-
-
-def _is_library(frame: FrameType) -> bool:
-    """Code of an installed third-party package (not ours, not the standard library)."""
-    filename = frame.f_code.co_filename
-    return _module(frame) not in _OURS and (
-        "site-packages" in filename or "dist-packages" in filename
-    )
-
-
-def translate(exc: Exception, args: argparse.Namespace) -> Exception | None:
-    """The Zephon error for ``exc``, or None when it is a bug of ours."""
-    frames: list[FrameType] = []
-    tb = exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    # Where it was raised, looking through the standard library (ftplib raising for fsspec).
-    origin = next((f for f in reversed(frames) if _module(f) not in sys.stdlib_module_names), None)
-    from_library = origin is not None and _is_library(origin)
-    if not isinstance(exc, OSError) and not from_library:
-        return None
-    modules = [_module(f) for f in frames]
-    ours = [m for m in modules if m in _OURS]
-    innermost = ours[-1] if ours else None
-    detail = render.printable(f"{type(exc).__name__}: {exc}")[:400]
-    if innermost == "catalog" or _CATALOG_LIBRARIES.intersection(modules):
-        return _catalog_error(exc, args, detail)
-    if innermost == "storage" or _STORAGE_LIBRARIES.intersection(modules):
-        return _storage_error(exc, args, detail, frames)
-    if isinstance(exc, OSError):
-        return ZephonError(f"{detail}; check the path and its permissions")
-    library = _module(origin) if origin is not None else "a library"
-    return ZephonError(
-        f"{library} failed: {detail}; run again with ZEPHON_DEBUG=1 for the traceback"
-    )
-
-
-def _catalog_error(exc: Exception, args: argparse.Namespace, detail: str) -> CatalogError:
-    try:
-        url = catalog_pkg.mask_url(resolve_catalog_url(args.catalog))
-    except Exception:  # the default catalog's directory may be what failed
-        url = "(the default catalog)"
-    if isinstance(exc, OSError) and url.startswith("sqlite"):
-        fix = "check that the SQLite file's directory exists and is writable, or pass --catalog"
-    elif isinstance(exc, OSError):
-        fix = "check that the database server is running and --catalog (or $ZEPHON_CATALOG_URL)"
-    elif isinstance(exc, OverflowError):
-        fix = (
-            "a step or size above 2**63 - 1 cannot be catalogued: look for a damaged "
-            "save-<step> directory or commit marker on storage"
-        )
-    else:
-        fix = "run again with ZEPHON_DEBUG=1 for the traceback and report it"
-    return CatalogError(f"catalog {url} failed: {detail}; {fix}")
-
-
-def _location_of(value: object) -> Location | None:
-    """The storage location a local of our code works on: a Location, a store's, a run's."""
-    try:
-        store = getattr(value, "store", value)
-        for candidate in (
-            value,
-            getattr(value, "location", None),
-            getattr(store, "location", None),
-        ):
-            if isinstance(candidate, Location):
-                return candidate
-    except Exception:  # a property that fails must not hide the error being translated
-        pass
-    return None
-
-
-def _storage_url(frames: list[FrameType]) -> str | None:
-    """The storage URL our innermost frame was working on (masked), if one says."""
-    for frame in reversed(frames):
-        module = _module(frame)
-        if module not in _OURS:
-            continue
-        for name in ("location", "store", "self"):
-            location = _location_of(frame.f_locals.get(name))
-            if location is not None:
-                return location.url
-        url = frame.f_locals.get("url")  # storage.location.open_location, before a Location
-        if module == "storage" and isinstance(url, str) and url:
-            return mask_url(url)
-        record = frame.f_locals.get("record")  # zephon.gc: the run whose store is opened
-        if isinstance(getattr(record, "storage_url", None), str):
-            return mask_url(record.storage_url)
-    return None
-
-
-def _refused_options_fix(args: argparse.Namespace) -> str:
-    """The fix for a backend that refused what it was given, naming where its options came
-    from (the flag, the environment variable, or neither)."""
-    if getattr(args, "storage_options", None) is not None:
-        source = "--storage-options"
-    elif os.environ.get(STORAGE_OPTIONS_ENV):
-        source = f"${STORAGE_OPTIONS_ENV}"
-    else:
-        return (
-            "the backend refused it: check the URL, and pass what the backend needs in "
-            "--storage-options"
-        )
-    return f"the backend refused it or its storage options: check the URL and fix {source}"
-
-
-def _storage_error(
-    exc: Exception, args: argparse.Namespace, detail: str, frames: list[FrameType]
-) -> StorageError:
-    url = _storage_url(frames)
-    if url is None:
-        given = getattr(args, "url", None) or getattr(args, "save_dir", None)
-        url = mask_url(given) if given else None
-    if isinstance(exc, OSError):
-        fix = "check that it is reachable and that the URL and the credentials are right"
-    else:
-        fix = _refused_options_fix(args)
-    where = f"storage {url}" if url else "storage"
-    return BackendUnavailableError(f"{where} failed: {detail}; {fix}", url=url)

@@ -75,8 +75,8 @@ def step_of_checkpoint_id(
     step = parse_step_dirname(last)
     run_forms = {
         url.given,
-        store.run_path(url.run).rstrip("/"),
-        store.location.display(store.run_path(url.run)).rstrip("/"),
+        store.run(url.run).run_path().rstrip("/"),
+        store.location.display(store.run(url.run).run_path()).rstrip("/"),
     }
     if step is None or parent not in run_forms:
         shown = mask_url(given) if "://" in given else given

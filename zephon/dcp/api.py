@@ -17,14 +17,13 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from catalog import CatalogError
-from storage import CheckpointStore, CheckpointWriter, StorageError
-from zephon.dcp.errors import DistributedCheckpointError, WriterSetupError
+from storage import CheckpointStore, CheckpointWriter
+from zephon.dcp.errors import WriterSetupError
 from zephon.dcp.planner import ZephonLoadPlanner
 from zephon.dcp.reader import ZephonStorageReader
 from zephon.dcp.staging import ZephonStager
 from zephon.dcp.writer import ZephonStorageWriter
-from zephon.errors import ZephonError
+from zephon.errors import as_zephon_error
 
 __all__ = ["as_zephon_error", "async_save", "attach_ranks", "load", "save"]
 
@@ -40,34 +39,6 @@ warnings.filterwarnings(
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def as_zephon_error(
-    exc: BaseException, *, where: str, local_failure: BaseException | None = None
-) -> BaseException:
-    """The error to raise for a failed DCP call on ``where`` (a checkpoint URL).
-
-    ``local_failure``, this rank's own original exception if one was kept, wins. Otherwise the
-    lowest rank's Zephon, storage or catalog error is returned as it was raised there; any
-    other failure becomes one ``DistributedCheckpointError`` naming every failing rank.
-    Anything that is not a ``CheckpointException`` is returned unchanged.
-    """
-    if not isinstance(exc, CheckpointException):
-        return exc
-    if local_failure is not None:
-        return local_failure
-    failures = {rank: pair[0] for rank, pair in sorted(exc.failures.items())}
-    for rank, failure in failures.items():
-        if isinstance(failure, ZephonError | StorageError | CatalogError):
-            failure.add_note(f"(raised on rank {rank} of the DCP call on {where})")
-            return failure
-    lines = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
-    step = exc.args[0] if exc.args else "checkpoint"
-    return DistributedCheckpointError(
-        f"DCP {step} step on {where} failed: {lines}; nothing was committed by this call: fix "
-        "the cause on the ranks named and try again",
-        failures=failures,
-    )
 
 
 def _no_dist(process_group: Any) -> bool:
@@ -190,7 +161,7 @@ def attach_ranks(
     """Collective: give every rank its writer for checkpoint ``(run, step)``.
 
     The coordinator rank (``coordinator`` within ``process_group``) passes the primary writer it
-    got from ``store.begin(run, step)``, or None if ``begin`` failed (every rank then raises);
+    got from ``store.run(run).begin(step)``, or None if ``begin`` failed (every rank then raises);
     the other ranks pass None and get ``store.attach(...)`` with the coordinator's save id.
     The broadcast hands out the save id ``begin`` drew, so no rank writes before ``begin``
     checked the fence and settled a marker already at the step. Without torch.distributed,
@@ -217,10 +188,10 @@ def attach_ranks(
     save_id = (message[0] or {}).get("save_id")
     if save_id is None:
         raise WriterSetupError(
-            f"the coordinator could not begin checkpoint {store.checkpoint_url(run, step)}; "
+            f"the coordinator could not begin checkpoint {store.run(run).checkpoint_url(step)}; "
             "see the coordinator's error, fix it and save again"
         )
     if is_coordinator:
         assert primary is not None
         return primary
-    return store.attach(run, step, save_id=save_id)
+    return store.run(run).attach(step, save_id=save_id)

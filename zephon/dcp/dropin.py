@@ -27,13 +27,13 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from storage import CheckpointStore, CheckpointWriter, Manifest, RetryPolicy
-from zephon.attempts import Attempt, as_zephon_error, fenced
+from zephon.attempts import Attempt, fenced
 from zephon.collectives import Collectives
 from zephon.dcp.addressing import RunURL, check_step, parse_run_url, step_of_checkpoint_id
 from zephon.dcp.errors import WriterSetupError, portable
 from zephon.dcp.writer import CommitMetadata, ZephonStorageWriter, _FilePrefix
 from zephon.destinations import Destination, TierConfig
-from zephon.errors import ConfigError
+from zephon.errors import ConfigError, as_zephon_error
 from zephon.locations import RunLocation
 from zephon.retention import Retention, check_resume_step
 from zephon.saving import Save
@@ -189,8 +189,8 @@ class Writer(ZephonStorageWriter):
     def url(self) -> str:  # type: ignore[override]
         """The checkpoint's URL (the run's while no step is set), credentials masked."""
         if self._next_step is None:
-            return self.store.location.display(self.store.run_path(self.run))
-        return self.store.checkpoint_url(self.run, self._next_step)
+            return self.store.location.display(self.store.run(self.run).run_path())
+        return self.store.run(self.run).checkpoint_url(self._next_step)
 
     @property
     def checkpoint_id(self) -> str:  # type: ignore[override]
@@ -255,7 +255,7 @@ class Writer(ZephonStorageWriter):
         if step in self.committed_steps:
             raise WriterSetupError(
                 f"this Writer already committed {self.url}; pass "
-                f"checkpoint_id='{self.store.location.display(self.store.run_path(self.run))}/"
+                f"checkpoint_id='{self.store.location.display(self.store.run(self.run).run_path())}/"
                 "save-<step>' to dcp.save for the next step"
             )
         try:
@@ -298,7 +298,7 @@ class Writer(ZephonStorageWriter):
 
     def _attach(self, target: _SaveTarget) -> CheckpointWriter:
         """A secondary writer into the coordinator's save, in the destination's store."""
-        return self.destination.store.attach(self.run, target.step, save_id=target.save_id)
+        return self.destination.store.run(self.run).attach(target.step, save_id=target.save_id)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator, after every rank wrote: the metadata, the marker (fenced), then the

@@ -134,16 +134,16 @@ class Reader(ZephonStorageReader):
     def _bind(self, step: int | None) -> None:
         self.step = step
         self.url = (
-            self.store.checkpoint_url(self.run, step)
+            self.store.run(self.run).checkpoint_url(step)
             if step is not None
-            else self.store.location.display(self.store.run_path(self.run))
+            else self.store.location.display(self.store.run(self.run).run_path())
         )
         self._reader = None
         self._metadata = None
 
     def _open(self) -> Metadata:
         if self.step is None:
-            lineage = self.remote.lineage(self.run) if self.local_store is not None else None
+            lineage = self.remote.run(self.run).lineage() if self.local_store is not None else None
             try:
                 manifest: Manifest | None = self._find_latest(lineage).manifest
             except CheckpointNotFoundError:
@@ -166,10 +166,10 @@ class Reader(ZephonStorageReader):
         if self.local_store is None or lineage is None:
             return None
         try:
-            manifest = self.local_store.latest(self.run, lineage=lineage)
+            manifest = self.local_store.run(self.run).latest(lineage=lineage)
             if manifest is None or manifest.step < remote_step:
                 return None
-            if not _whole(manifest) or not self.local_store.verify(self.run, manifest.step).ok:
+            if not _whole(manifest) or not self.local_store.run(self.run).verify(manifest.step).ok:
                 return None
         except StorageError:
             return None
@@ -187,7 +187,7 @@ class Reader(ZephonStorageReader):
         return latest
 
     def _none_found(self) -> CheckpointNotFoundError:
-        run_url = self.remote.location.display(self.remote.run_path(self.run))
+        run_url = self.remote.location.display(self.remote.run(self.run).run_path())
         return CheckpointNotFoundError(
             f"run {self.run!r} at {run_url} has no complete checkpoint to load: save one "
             "first, or check the Reader's url (and catalog)",

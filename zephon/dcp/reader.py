@@ -38,7 +38,6 @@ from storage import (
     CheckpointStore,
     CorruptCheckpointError,
     Manifest,
-    backend_errors,
     crc32c_extend,
     decode_crc32c,
     encode_crc32c,
@@ -232,9 +231,9 @@ class ZephonStorageReader(StorageReader):
         self.max_gap_bytes = 0 if local else max_gap_bytes
         # (step None: ``zephon.dcp.Reader`` finds the step when it first opens the checkpoint)
         self.url = (
-            store.checkpoint_url(run, step)
+            store.run(run).checkpoint_url(step)
             if step is not None
-            else store.location.display(store.run_path(run))
+            else store.location.display(store.run(run).run_path())
         )
         self.failure: BaseException | None = None
         self._reader: CheckpointReader | None = None
@@ -264,7 +263,7 @@ class ZephonStorageReader(StorageReader):
         if checkpoint_id is None:
             return
         given = os.fspath(checkpoint_id).rstrip("/")
-        path = self.store.checkpoint_path(self.run, self.step)
+        path = self.store.run(self.run).checkpoint_path(self.step)
         if given not in {self.url.rstrip("/"), path.rstrip("/")}:
             raise UsageError(
                 f"this ZephonStorageReader reads {self.url}, not {given!r}; call dcp.load with "
@@ -299,7 +298,7 @@ class ZephonStorageReader(StorageReader):
         self._check_slices(metadata, reader)
         if self.verify and any(s.crc32c is None for s in (metadata.storage_data or {}).values()):
             # The legacy path (format version 1, no per-slice CRC): every file once, up front.
-            self.store.verify(self.run, self.step, deep=True).raise_for_problems()
+            self.store.run(self.run).verify(self.step, deep=True).raise_for_problems()
         self._reader = reader
         self._metadata = metadata
         return metadata
@@ -310,7 +309,7 @@ class ZephonStorageReader(StorageReader):
         known, self._known = self._known, None
         if known is not None and (known.run, known.step) == (self.run, self.step):
             return CheckpointReader(self.store, known)
-        return self.store.reader(self.run, self.step)
+        return self.store.run(self.run).reader(self.step)
 
     def use_manifest(self, manifest: Manifest) -> None:
         """Open the checkpoint with ``manifest``, the marker of ``(run, step)`` the caller has
@@ -415,16 +414,6 @@ class ZephonStorageReader(StorageReader):
         done.set_result(None)
         return done
 
-    def _path(self, name: str) -> str:
-        assert self._reader is not None
-        path = self._reader.local_path(name)
-        assert path is not None, "only local checkpoints are read in place"
-        return path
-
-    def _missing(self, name: str) -> CorruptCheckpointError:
-        assert self._reader is not None
-        return self._reader.missing(name)
-
     def _mismatch(self, r: _Read, crc: int) -> CorruptCheckpointError:
         assert r.crc is not None
         index = r.req.storage_index
@@ -462,23 +451,18 @@ class ZephonStorageReader(StorageReader):
         )
 
     def _read_local(self, group: _Group, planner: LoadPlanner) -> None:
-        location = self.store.location
-        with backend_errors(location, f"reading {group.file} of {self.url}"):
-            try:
-                handle = open(self._path(group.file), "rb", buffering=0)  # noqa: SIM115
-            except FileNotFoundError:
-                raise self._missing(group.file) from None
-            with handle:
-                for r in group.reads:
-                    target = self._target(r, planner)
-                    if target is not None and self._direct(r, target):
-                        if r.length:
-                            self._fill(handle, r, _writable_bytes(target))
-                        self._commit(r, planner, target)
-                        continue
-                    buffer = bytearray(r.length)
-                    self._fill(handle, r, memoryview(buffer))
-                    self._deliver(r, planner, buffer, target)
+        assert self._reader is not None
+        with self._reader.open_in_place(group.file) as handle:
+            for r in group.reads:
+                target = self._target(r, planner)
+                if target is not None and self._direct(r, target):
+                    if r.length:
+                        self._fill(handle, r, _writable_bytes(target))
+                    self._commit(r, planner, target)
+                    continue
+                buffer = bytearray(r.length)
+                self._fill(handle, r, memoryview(buffer))
+                self._deliver(r, planner, buffer, target)
 
     def _fill(self, handle: BinaryIO, r: _Read, view: memoryview) -> None:
         """Read ``r``'s bytes into ``view``; when ``r`` is checked, in chunks, each one

@@ -129,8 +129,8 @@ class ZephonStorageWriter(StorageWriter):
     """Writes one DCP checkpoint into a Zephon checkpoint directory.
 
     Construct one per rank per save. The coordinator rank (rank 0 of the process group) passes
-    the *primary* writer from ``store.begin(run, step)``; every other rank passes a *secondary*
-    one from ``store.attach(run, step, save_id=primary.save_id)``. The caller must make
+    the *primary* writer from ``store.run(run).begin(step)``; every other rank passes a *secondary*
+    one from ``store.run(run).attach(step, save_id=primary.save_id)``. The caller must make
     sure ``begin`` has returned before any other rank writes (``attach_ranks`` does): ``begin``
     checks the fence, so a stale attempt stops before any rank writes a byte.
 
@@ -234,13 +234,13 @@ class ZephonStorageWriter(StorageWriter):
         if is_coordinator and not self.writer.primary:
             raise WriterSetupError(
                 f"the coordinator rank {self.rank} holds a secondary writer of {self.url}; it must "
-                "pass the primary writer from store.begin(run, step)"
+                "pass the primary writer from store.run(run).begin(step)"
             )
         if not is_coordinator and self.writer.primary:
             raise WriterSetupError(
                 f"rank {self.rank} holds the primary writer of {self.url}, but only the "
                 "coordinator may commit: begin on the coordinator, broadcast its save_id, and "
-                "use store.attach(run, step, save_id=...) on every other rank"
+                "use store.run(run).attach(step, save_id=...) on every other rank"
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:

@@ -31,4 +31,4 @@ class DirectDestination(Destination):
         self.session.retain()
 
     def checkpoint_url(self, step: int) -> str:
-        return self.store.checkpoint_url(self.session.location.storage_run, step)
+        return self.store.run(self.session.location.storage_run).checkpoint_url(step)

@@ -183,7 +183,7 @@ class FolderCheckpoints:
             writer = self._save.writer
         else:
             assert self.store is not None
-            writer = self.store.attach(self.run, step, save_id=save_id)
+            writer = self.store.run(self.run).attach(step, save_id=save_id)
         entries, problem = [], None
         try:
             entries = writer.write_many({name: os.path.join(folder, name) for name in mine})

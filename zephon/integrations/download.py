@@ -224,13 +224,13 @@ def _materialize(
     meta = manifest.metadata or {}
     if meta.get("format") != FOLDER_FORMAT:
         raise ZephonError(
-            f"checkpoint {store.checkpoint_url(run, manifest.step)} was not saved by the Hugging "
-            "Face integration (no checkpoint folder in it); load it with zephon.CheckpointManager, "
-            "or use another run_name"
+            f"checkpoint {store.run(run).checkpoint_url(manifest.step)} was not saved by the "
+            "Hugging Face integration (no checkpoint folder in it); load it with "
+            "zephon.CheckpointManager, or use another run_name"
         )
-    reader = store.reader(run, manifest.step)
+    reader = store.run(run).reader(manifest.step)
     if local_dir is None and store.location.backend.posix_paths:
-        store.verify(run, manifest.step, deep=True).raise_for_problems()
+        store.run(run).verify(manifest.step, deep=True).raise_for_problems()
         extra = [name for name in _unlisted(reader.path, manifest) if name != MARKER_NAME]
         if extra:
             raise CorruptCheckpointError(

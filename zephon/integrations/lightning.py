@@ -249,7 +249,7 @@ class ZephonCheckpointIO(CheckpointIO):
         if self.catalog is not None:
             rows = self.catalog.list_checkpoints(self.run, states="committed")
             return [r.step for r in rows if (r.metadata or {}).get("lightning_path") == name]
-        manifests = self.store.complete(self.run)
+        manifests = self.store.run(self.run).complete()
         return [m.step for m in manifests if (m.metadata or {}).get("lightning_path") == name]
 
     def _delete(self, step: int) -> None:
@@ -284,7 +284,7 @@ class ZephonCheckpointIO(CheckpointIO):
                     run=self.run,
                 )
             step = max(steps)
-        reader = self.store.reader(self.run, step)
+        reader = self.store.run(self.run).reader(step)
         where = f"{reader.url}/{JSON_FILE}"
         doc = decode_json(reader.read_bytes(JSON_FILE), where)
         if (

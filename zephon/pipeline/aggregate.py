@@ -46,8 +46,8 @@ from typing import Any
 
 from storage import (
     StorageError,
-    backend_errors,
     create_settled,
+    forget_cached,
     list_files,
     make_dirs,
     open_location,
@@ -139,17 +139,16 @@ class Aggregator:
 
     def _create_replacing(self, path: str, data: bytes, what: str) -> None:
         location = self.location
-        with backend_errors(location, f"writing {what} {path}"):
-            make_dirs(location, path.rsplit("/", 1)[0])
-            # A lost reply is settled by reading back: these very bytes (they carry a nonce or
-            # a token) are this call's file.
-            if create_settled(location, path, data).created:
-                return
-            # A leftover of an earlier attempt under the same key: never this checkpoint's,
-            # since every checkpoint() call takes a new key.
-            remove_files(location, [path])
-            if not create_settled(location, path, data).created:
-                raise FileExistsError(path)
+        make_dirs(location, path.rsplit("/", 1)[0])
+        # A lost reply is settled by reading back: these very bytes (they carry a nonce or
+        # a token) are this call's file.
+        if create_settled(location, path, data).created:
+            return
+        # A leftover of an earlier attempt under the same key: never this checkpoint's,
+        # since every checkpoint() call takes a new key.
+        remove_files(location, [path])
+        if not create_settled(location, path, data).created:
+            raise FileExistsError(path)
 
     def write_part(self, key: str, part: dict[str, Any]) -> None:
         """Publish this rank's part for ``key``."""
@@ -172,14 +171,12 @@ class Aggregator:
 
     def _present(self, key: str) -> set[int]:
         directory = self._key_dir(key)
-        with backend_errors(self.location, f"listing {directory}"):
-            self.location.fs.invalidate_cache(directory)
-            files = list_files(self.location, directory)
+        forget_cached(self.location, directory)
+        files = list_files(self.location, directory)
         return {rank for f in files if (rank := _part_rank(f.path)) is not None}
 
     def _read_json(self, path: str, what: str) -> Any:
-        with backend_errors(self.location, f"reading {path}"):
-            data = read_small(self.location, path)
+        data = read_small(self.location, path)
         try:
             return parse_json(data)
         except ValueError as exc:
@@ -310,26 +307,24 @@ class Aggregator:
         prefix = f"ack-{token}-"
         ack = location.join(self.run_id, key, f"{prefix}{self.rank:06d}")
         try:
-            with backend_errors(location, f"acknowledging {directory}"):
-                # A plain write: an ack has no content to tear, and a temp file beside it could
-                # keep the last reader from removing the directory.
-                put_small(location, ack, b"")
-                location.fs.invalidate_cache(directory)
-                files = [f.path for f in list_files(location, directory)]
-                acks = [p for p in files if p.rsplit("/", 1)[-1].startswith(prefix)]
-                if len(acks) == self.world_size - 1:
-                    remove_files(location, files)
-                    remove_empty_dirs(location, directory)
+            # A plain write: an ack has no content to tear, and a temp file beside it could
+            # keep the last reader from removing the directory.
+            put_small(location, ack, b"")
+            forget_cached(location, directory)
+            files = [f.path for f in list_files(location, directory)]
+            acks = [p for p in files if p.rsplit("/", 1)[-1].startswith(prefix)]
+            if len(acks) == self.world_size - 1:
+                remove_files(location, files)
+                remove_empty_dirs(location, directory)
         except (OSError, StorageError):
             pass
 
     def _remove_parts(self, key: str) -> None:
         """Rank 0, once merged: every part of ``key`` (they are read)."""
         directory = self._key_dir(key)
-        with backend_errors(self.location, f"removing the parts in {directory}"):
-            self.location.fs.invalidate_cache(directory)
-            parts = [f.path for f in list_files(self.location, directory)]
-            remove_files(self.location, [p for p in parts if _part_rank(p) is not None])
+        forget_cached(self.location, directory)
+        parts = [f.path for f in list_files(self.location, directory)]
+        remove_files(self.location, [p for p in parts if _part_rank(p) is not None])
 
     def cleanup(self, key: str) -> None:
         """Rank 0, after gathering ``key``: remove older keys of this epoch and every key of
@@ -339,22 +334,19 @@ class Aggregator:
         location = self.location
         run_dir = location.join(self.run_id)
         try:
-            with backend_errors(location, f"cleaning up {run_dir}"):
-                location.fs.invalidate_cache(run_dir)
-                doomed: dict[str, list[str]] = {}
-                for listed in list_files(location, run_dir):
-                    rest = (
-                        listed.path[len(run_dir) + 1 :] if listed.path.startswith(run_dir) else ""
-                    )
-                    name = rest.split("/", 1)[0]
-                    parsed = _parse_key(name)
-                    if parsed is None or current is None:
-                        continue
-                    if parsed[0] != current[0] or parsed[1] < current[1]:
-                        doomed.setdefault(name, []).append(listed.path)
-                remove_files(location, [p for paths in doomed.values() for p in paths])
-                # Only the removed keys' directories: the current key's is still in use.
-                for name in doomed:
-                    remove_empty_dirs(location, location.join(self.run_id, name))
+            forget_cached(location, run_dir)
+            doomed: dict[str, list[str]] = {}
+            for listed in list_files(location, run_dir):
+                rest = listed.path[len(run_dir) + 1 :] if listed.path.startswith(run_dir) else ""
+                name = rest.split("/", 1)[0]
+                parsed = _parse_key(name)
+                if parsed is None or current is None:
+                    continue
+                if parsed[0] != current[0] or parsed[1] < current[1]:
+                    doomed.setdefault(name, []).append(listed.path)
+            remove_files(location, [p for paths in doomed.values() for p in paths])
+            # Only the removed keys' directories: the current key's is still in use.
+            for name in doomed:
+                remove_empty_dirs(location, location.join(self.run_id, name))
         except (OSError, StorageError):
             pass

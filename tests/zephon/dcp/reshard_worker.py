@@ -253,7 +253,7 @@ def damage_one_chunk(url: str, options: dict) -> dict[str, Any]:
             for index, s in metadata.storage_data.items()
             if index.fqn == "model.0.weight" and list(index.offset) == [3, 0]
         )
-        path = reader.store.reader(reader.run, reader.step).path
+        path = reader.store.run(reader.run).reader(reader.step).path
         fs = reader.store.location.fs
         data = bytearray(fs.cat_file(f"{path}/{where.file}"))
         data[where.offset + (2 * 12 + 5) * 4] ^= 0x40  # row 2 of the chunk, column 5, float32

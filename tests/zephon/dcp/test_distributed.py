@@ -53,20 +53,20 @@ def test_a_dtensor_saved_as_rows_loads_into_a_column_layout(run):
 
 def test_the_marker_lists_every_ranks_files_and_deep_verifies(run):
     store = run.store()
-    manifest = store.read_manifest(RUN, 1)
+    manifest = store.run(RUN).read_manifest(1)
     names = [entry.name for entry in manifest.files]
     assert "dcp_metadata.json" in names
     for rank in range(run.world):
         assert any(name.startswith(f"__{rank}_") for name in names), (rank, names)
-    assert set(names) == set(store.reader(RUN, 1).names)
-    report = store.verify(RUN, 1, deep=True)
+    assert set(names) == set(store.run(RUN).reader(1).names)
+    report = store.run(RUN).verify(1, deep=True)
     assert report.ok, report.problems
     assert report.files_checked == len(names)
 
 
 def test_only_the_coordinator_commits_and_sees_the_manifest(run):
     store = run.store()
-    manifest = store.read_manifest(RUN, 1)
+    manifest = store.run(RUN).read_manifest(1)
     assert run.ranks[0]["committed_here"] == [manifest.file_count]
     assert all(record["committed_here"] == [] for record in run.ranks[1:])
     assert manifest.metadata["k"] == 1
@@ -76,7 +76,7 @@ def test_only_the_coordinator_commits_and_sees_the_manifest(run):
 
 def test_metadata_is_json_without_pickle(run):
     store = run.store()
-    data = store.reader(RUN, 1).read_bytes("dcp_metadata.json")
+    data = store.run(RUN).reader(1).read_bytes("dcp_metadata.json")
     body = json.loads(data)
     assert body["format"] == "zephon-dcp-metadata"
     assert b"\x80" not in data  # a pickle stream starts with the PROTO opcode
@@ -91,7 +91,7 @@ def test_a_rank_failing_in_write_data_fails_the_save_everywhere_without_a_marker
         assert error["type"] == "BackendUnavailableError", error
         assert "simulated" in error["message"] and f"__{last}_" in error["message"]
         assert record["step2_committed"] is False
-    assert not run.store().is_committed(RUN, 2)
+    assert not run.store().run(RUN).is_committed(2)
 
 
 def test_loading_an_uncommitted_checkpoint_is_refused_naming_the_marker(run):

@@ -64,9 +64,9 @@ def test_sync_async_and_reset_saves_commit_and_retention_keeps_two(run):
     assert run.ranks[0]["coordinator_committed"] == [1, 2, 3, 4]
     assert all(r["coordinator_committed"] == [] for r in run.ranks[1:])
     store = run.store()
-    assert store.committed_steps(RUN) == [3, 4]  # num_to_keep=2; 5 failed, 6 was refused
-    assert store.verify(RUN, 4, deep=True).ok
-    names = {e.name for e in store.read_manifest(RUN, 4).files}
+    assert store.run(RUN).committed_steps() == [3, 4]  # num_to_keep=2; 5 failed, 6 was refused
+    assert store.run(RUN).verify(4, deep=True).ok
+    names = {e.name for e in store.run(RUN).read_manifest(4).files}
     assert {f"__{r}_0.distcp" for r in range(run.world)} <= names
 
 
@@ -90,8 +90,8 @@ def test_ranks_disagreeing_on_step_or_run_raise_on_every_rank(run):
         assert error["type"] == "ReaderDisagreementError", error
         assert "ranks disagree on the checkpoint to load" in error["message"]
     store = run.store()
-    assert not store.list_steps(RUN + "-0") and 10 not in store.committed_steps(RUN)
-    assert 10 + run.world - 1 not in [s.step for s in store.list_steps(RUN)]
+    assert not store.run(RUN + "-0").list_steps() and 10 not in store.run(RUN).committed_steps()
+    assert 10 + run.world - 1 not in [s.step for s in store.run(RUN).list_steps()]
 
 
 @pytest.mark.slow
@@ -100,7 +100,7 @@ def test_a_storage_failure_on_one_rank_raises_on_every_rank_without_a_marker(run
         error = record["write_failure"]
         assert error["type"] == "BackendUnavailableError" and error["is_exception"], error
         assert "simulated" in error["message"]
-    assert not run.store().is_committed(RUN, 5)
+    assert not run.store().run(RUN).is_committed(5)
 
 
 @pytest.mark.slow
@@ -113,13 +113,13 @@ def test_a_second_writer_is_a_new_attempt_that_fences_out_the_first(run):
             assert conflict["type"] == "CheckpointExistsError", conflict
         assert "never overwritten" in conflict["message"]
         assert record["stale"]["type"] == "StaleAttemptError", record["stale"]
-    assert not run.store().is_committed(RUN, 6)
+    assert not run.store().run(RUN).is_committed(6)
 
 
 @pytest.mark.slow
 def test_the_catalog_records_every_save(run):
     if run.catalog is None:  # storage alone holds the same history
-        assert run.store().committed_steps(RUN) == [3, 4]
+        assert run.store().run(RUN).committed_steps() == [3, 4]
         return
     with Catalog(run.catalog) as catalog:
         states = {row.step: row.state for row in catalog.list_checkpoints(RUN)}
@@ -140,8 +140,8 @@ def test_a_rank_killed_inside_write_data_leaves_no_marker_and_readers_take_the_l
         assert ranks[0]["saved"] == [1]
         assert ranks[0]["killed_save"] is not None  # the survivor raised, it did not hang
         store = backend.open_store()
-        assert not store.is_committed(RUN, 2)
-        assert [s.step for s in store.list_steps(RUN)] == [1, 2]  # 2: files, no marker
+        assert not store.run(RUN).is_committed(2)
+        assert [s.step for s in store.run(RUN).list_steps()] == [1, 2]  # 2: files, no marker
         for given in (catalog, None):
             with zd.Reader(f"{backend.url}/{RUN}", catalog=given) as reader:
                 target = empty_at(0)
@@ -188,7 +188,7 @@ def test_the_writer_takes_the_managers_retention_and_catalog_from_the_environmen
             zd.save(
                 {"w": torch.full((2,), float(step))}, writer, checkpoint_id=f"{run_url}/save-{step}"
             )
-        assert writer.store.committed_steps("r") == [2, 3]  # 2: a milestone
+        assert writer.store.run("r").committed_steps() == [2, 3]  # 2: a milestone
     with Catalog(url) as catalog:
         run = catalog.get_run("r")
         assert (run.num_to_keep, run.keep_every_steps) == (1, 2)

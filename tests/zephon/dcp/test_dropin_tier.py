@@ -40,7 +40,7 @@ def same(a: dict, b: dict) -> bool:
 
 
 def files_of(store: CheckpointStore, step: int) -> dict[str, bytes]:
-    reader = store.reader(RUN, step)
+    reader = store.run(RUN).reader(step)
     return {name: reader.read_bytes(name) for name in reader.names}
 
 
@@ -85,24 +85,24 @@ def test_a_save_commits_locally_first_then_uploads_the_same_bytes_with_timings(
     with writer:
         zd.save(state_at(1), writer, checkpoint_id=f"{url}/save-1")
         # returned with the local marker committed, the upload held back: nothing on S3 yet
-        assert local.committed_steps(RUN) == [1]
-        assert remote.committed_steps(RUN) == []
+        assert local.run(RUN).committed_steps() == [1]
+        assert remote.run(RUN).committed_steps() == []
         gate.open()
         writer.wait_uploads()
-        assert remote.committed_steps(RUN) == [1]
+        assert remote.run(RUN).committed_steps() == [1]
         dcp.save(state_at(2), storage_writer=writer, checkpoint_id=f"{url}/save-2")  # plain DCP
     # close waited for step 2's upload; local_num_to_keep=1 dropped the uploaded step 1
-    assert remote.committed_steps(RUN) == [1, 2]
-    assert local.committed_steps(RUN) == [2]
-    mine, theirs = local.read_manifest(RUN, 2), remote.read_manifest(RUN, 2)
+    assert remote.run(RUN).committed_steps() == [1, 2]
+    assert local.run(RUN).committed_steps() == [2]
+    mine, theirs = local.run(RUN).read_manifest(2), remote.run(RUN).read_manifest(2)
     assert files_of(local, 2) == files_of(remote, 2)
     assert theirs.save_id != mine.save_id and theirs.epoch == mine.epoch
-    assert remote.verify(RUN, 2, deep=True).ok
+    assert remote.run(RUN).verify(2, deep=True).ok
     with Catalog(catalog_url) as catalog:
         for step in (1, 2):
             row = catalog.get_checkpoint(RUN, step)
             assert row.state == "committed", row
-            assert row.save_id == remote.read_manifest(RUN, step).save_id
+            assert row.save_id == remote.run(RUN).read_manifest(step).save_id
             assert {"local_s", "upload_s", "total_s"} <= set(row.timings or {}), row.timings
         replicas = {(r.step, r.tier): r.state for r in catalog.replicas(RUN)}
     assert replicas[(1, "local")] == "deleted" and replicas[(2, "local")] == "committed"
@@ -119,7 +119,7 @@ def test_the_reader_loads_the_newest_from_the_local_copy_without_s3_payload(
         for step in (1, 2):
             zd.save(state_at(step), w, checkpoint_id=f"{url}/save-{step}")
     remote = s3_backend.open_store()
-    manifest = remote.read_manifest(RUN, 2)
+    manifest = remote.run(RUN).read_manifest(2)
     # S3 keeps step 2's marker (the run's latest) but no byte of its payload
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
     payload = f"{s3_backend.url.split('://', 1)[1]}/{RUN}/save-2/{manifest.payload}"
@@ -154,7 +154,7 @@ def test_the_reader_takes_the_url_when_the_local_copy_is_older_or_incomplete(s3_
     assert reader.step == 2 and not reader.from_local and same(got, state_at(2))
     # node-b's copy of step 2 with one file missing: not held in full, the URL is read
     local = CheckpointStore(new_dir)
-    manifest = local.read_manifest(RUN, 2)
+    manifest = local.run(RUN).read_manifest(2)
     victim = manifest.files[0].name
     (tmp_path / "node-b" / RUN / "save-2" / manifest.payload / victim).unlink()
     with zd.Reader(url, storage_options=options, local_dir=new_dir) as reader:
@@ -184,17 +184,17 @@ def test_a_stale_writers_pending_upload_is_refused_and_the_new_writers_are_intac
         with pytest.raises(StaleAttemptError):  # its next save stops before writing
             zd.save(state_at(4), old, checkpoint_id=f"{url}/save-4")
         old.close()
-    assert remote.committed_steps(RUN) == [1, 2, 3]
-    epochs = {step: remote.read_manifest(RUN, step).epoch for step in (1, 2, 3)}
+    assert remote.run(RUN).committed_steps() == [1, 2, 3]
+    epochs = {step: remote.run(RUN).read_manifest(step).epoch for step in (1, 2, 3)}
     assert epochs[2] == epochs[3] == new.attempt.epoch > old.attempt.epoch == epochs[1]
-    assert remote.verify(RUN, 2, deep=True).ok and remote.verify(RUN, 3, deep=True).ok
-    assert not remote.is_committed(RUN, 4)
+    assert remote.run(RUN).verify(2, deep=True).ok and remote.run(RUN).verify(3, deep=True).ok
+    assert not remote.run(RUN).is_committed(4)
     with zd.Reader(url, catalog=catalog_url, storage_options=options) as reader:
         target = {k: torch.zeros_like(v) for k, v in state_at(0).items()}
         dcp.load(target, storage_reader=reader, checkpoint_id=f"{url}/save-2")
     assert same(target, state_at(20))
     with Catalog(catalog_url) as catalog:
-        assert catalog.get_checkpoint(RUN, 2).save_id == remote.read_manifest(RUN, 2).save_id
+        assert catalog.get_checkpoint(RUN, 2).save_id == remote.run(RUN).read_manifest(2).save_id
         refused = [
             r
             for r in catalog.replicas(RUN, step=2, tier="save_dir")
@@ -215,7 +215,7 @@ def test_a_local_checkpoint_whose_on_commit_raised_is_still_uploaded(s3_backend,
         with pytest.raises(zd.DistributedCheckpointError, match="on_commit says no"):
             zd.save(state_at(1), w, checkpoint_id=f"{url}/save-1")
         w.wait_uploads()
-    assert remote.committed_steps(RUN) == [1]  # the local marker was committed: a checkpoint
+    assert remote.run(RUN).committed_steps() == [1]  # the local marker was committed: a checkpoint
     assert files_of(remote, 1) == files_of(CheckpointStore(str(tmp_path)), 1)
 
 
@@ -262,12 +262,12 @@ def test_two_ranks_upload_in_step_past_a_failed_save_and_load_the_latest(
         assert record["from_local"] is shared, record
     assert ranks[0]["committed"] == [1, 2, 4] and ranks[1]["committed"] == []
     remote = s3_backend.open_store()
-    assert remote.committed_steps(WORKER_RUN) == [1, 2, 4]
-    assert remote.verify(WORKER_RUN, 4, deep=True).ok
-    names = {f.name for f in remote.read_manifest(WORKER_RUN, 4).files}
+    assert remote.run(WORKER_RUN).committed_steps() == [1, 2, 4]
+    assert remote.run(WORKER_RUN).verify(4, deep=True).ok
+    names = {f.name for f in remote.run(WORKER_RUN).read_manifest(4).files}
     assert {"__0_0.distcp", "__1_0.distcp"} <= names
     local = CheckpointStore(str(tmp_path / "local" / ("" if shared else "rank0")))
-    assert local.committed_steps(WORKER_RUN) == [4]  # local_num_to_keep=1
+    assert local.run(WORKER_RUN).committed_steps() == [4]  # local_num_to_keep=1
     with Catalog(catalog_url) as catalog:
         states = {row.step: row.state for row in catalog.list_checkpoints(WORKER_RUN)}
         timings = catalog.get_checkpoint(WORKER_RUN, 4).timings or {}

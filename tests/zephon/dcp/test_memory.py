@@ -55,7 +55,7 @@ class RecordUploadParts(S3Calls):
 def test_an_upload_buffers_one_part_however_large_a_write(s3_backend, writes, parts):
     data = bytes(range(256)) * (sum(writes) // 256)
     with s3_backend.open_store(part_size=PART) as store:
-        writer = store.begin(RUN, 1)
+        writer = store.run(RUN).begin(1)
         with RecordUploadParts(store.location.fs) as sent, writer.open("big.bin") as out:
             position = 0
             for i, size in enumerate(writes):
@@ -67,7 +67,7 @@ def test_an_upload_buffers_one_part_however_large_a_write(s3_backend, writes, pa
         manifest = writer.commit()
         entry = manifest.file("big.bin")
         assert (entry.size, entry.crc32c) == (len(data), crc32c_of(data))
-        assert store.reader(RUN, 1).read_bytes("big.bin") == data
+        assert store.run(RUN).reader(1).read_bytes("big.bin") == data
 
 
 def big_state() -> dict:
@@ -91,7 +91,7 @@ def test_a_slice_larger_than_a_request_is_streamed_in_bounded_ranges(s3_backend,
     # float32: straight into the destination; float64: through one buffer, then converted
     with s3_backend.open_store() as store:
         state = big_state()
-        zd.save(state, zd.ZephonStorageWriter(store.begin(RUN, 1), thread_count=1))
+        zd.save(state, zd.ZephonStorageWriter(store.run(RUN).begin(1), thread_count=1))
         where = slices(store)["big"]
         target = {k: torch.zeros_like(v, dtype=dtype) for k, v in state.items()}
         with RecordObjectGets(store.location.fs) as gets:
@@ -109,7 +109,7 @@ def test_a_slice_larger_than_a_request_is_streamed_in_bounded_ranges(s3_backend,
 def test_a_streamed_slice_is_still_checked_against_its_crc(s3_backend):
     with s3_backend.open_store() as store:
         state = big_state()
-        zd.save(state, zd.ZephonStorageWriter(store.begin(RUN, 1), thread_count=1))
+        zd.save(state, zd.ZephonStorageWriter(store.run(RUN).begin(1), thread_count=1))
         where = slices(store)["big"]
         rewrite(store, where.file, flip(where.offset + 3 * MIB + 5))  # in the last request
         target = {k: torch.zeros_like(v) for k, v in state.items()}

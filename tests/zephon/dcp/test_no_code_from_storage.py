@@ -38,13 +38,13 @@ def saved(tmp_path, state) -> tuple[str, object]:
 def rewrite_metadata(store, change) -> None:
     """Replace dcp_metadata.json with ``change(body)`` and re-commit the marker with the new
     file's size and CRC32C, as a hostile writer of the bucket can."""
-    reader = store.reader("r", 1)
+    reader = store.run("r").reader(1)
     path = reader.local_path("dcp_metadata.json")
     with open(path) as handle:
         data = json.dumps(change(json.load(handle))).encode()
     with open(path, "wb") as handle:
         handle.write(data)
-    marker = f"{store.checkpoint_path('r', 1)}/_COMMIT"
+    marker = f"{store.run('r').checkpoint_path(1)}/_COMMIT"
     body = json.loads(store.location.fs.cat_file(marker))
     for entry in body["files"]:
         if entry["name"] == "dcp_metadata.json":

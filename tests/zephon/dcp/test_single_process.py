@@ -56,7 +56,7 @@ def flat(state, prefix=""):
 
 
 def save(store, state, step=1, run="r", **kwargs):
-    writer = zd.ZephonStorageWriter(store.begin(run, step), **kwargs)
+    writer = zd.ZephonStorageWriter(store.run(run).begin(step), **kwargs)
     zd.save(state, writer)
     return writer
 
@@ -93,7 +93,7 @@ def test_commit_metadata_and_on_commit_see_the_manifest(store):
         commit_metadata=lambda md: {"keys": sorted(md.state_dict_metadata)},
         on_commit=seen.append,
     )
-    manifest = store.read_manifest("r", 1)
+    manifest = store.run("r").read_manifest(1)
     assert seen == [writer.manifest] == [manifest]
     assert manifest.metadata["keys"] == ["w"]
     assert manifest.metadata["dcp"]["metadata"] == "dcp_metadata.json"
@@ -101,7 +101,7 @@ def test_commit_metadata_and_on_commit_see_the_manifest(store):
 
 def test_files_can_live_under_a_subdirectory(store):
     save(store, {"w": torch.ones(3)}, subdir="model")
-    names = store.reader("r", 1).names
+    names = store.run("r").reader(1).names
     assert names == ["model/__0_0.distcp", "model/dcp_metadata.json"]
     target = {"w": torch.zeros(3)}
     zd.load(target, zd.ZephonStorageReader(store, "r", 1, subdir="model"))
@@ -135,29 +135,29 @@ def test_non_tensor_items_load_only_through_the_restricted_unpickler(store):
 
 
 def test_a_writer_refuses_another_checkpoint_id(store):
-    writer = zd.ZephonStorageWriter(store.begin("r", 1))
+    writer = zd.ZephonStorageWriter(store.run("r").begin(1))
     with pytest.raises(zd.WriterSetupError, match="save-1"):
         writer.reset("/somewhere/else")
     writer.reset(writer.url)  # its own URL is fine
 
 
 def test_the_coordinator_must_hold_the_primary_writer(store):
-    store.begin("r", 1)
-    secondary = store.attach("r", 1, save_id="x" * 32)
+    store.run("r").begin(1)
+    secondary = store.run("r").attach(1, save_id="x" * 32)
     with pytest.raises(zd.WriterSetupError, match="primary writer"):
         zd.save({"w": torch.ones(2)}, zd.ZephonStorageWriter(secondary))
-    assert not store.is_committed("r", 1)
+    assert not store.run("r").is_committed(1)
 
 
 def test_an_uncommitted_checkpoint_is_refused_naming_the_marker(store):
-    store.begin("r", 1).write_bytes("dcp_metadata.json", b"{}")
+    store.run("r").begin(1).write_bytes("dcp_metadata.json", b"{}")
     with pytest.raises(CheckpointNotFoundError, match="_COMMIT"):
         zd.load({"w": torch.zeros(2)}, zd.ZephonStorageReader(store, "r", 1))
 
 
 def test_unparseable_metadata_is_refused_naming_the_file(store):
     save(store, {"w": torch.ones(2)})
-    path = store.reader("r", 1).local_path("dcp_metadata.json")
+    path = store.run("r").reader(1).local_path("dcp_metadata.json")
     size = os.path.getsize(path)
     with open(path, "wb") as out:
         out.write(b"x" * size)  # same size: only a deep verify would notice
@@ -167,11 +167,13 @@ def test_unparseable_metadata_is_refused_naming_the_file(store):
 
 def test_metadata_naming_an_unlisted_file_is_refused(store):
     save(store, {"w": torch.ones(2)})
-    metadata = zd.decode_metadata(store.reader("r", 1).read_bytes("dcp_metadata.json"), where="x")
+    metadata = zd.decode_metadata(
+        store.run("r").reader(1).read_bytes("dcp_metadata.json"), where="x"
+    )
     ((index, where),) = metadata.storage_data.items()
     metadata.storage_data = {index: dataclasses.replace(where, file="__9_9.distcp")}
     # committed with a manifest that matches the edited metadata, so only the slice is wrong
-    writer = store.begin("r", 2)
+    writer = store.run("r").begin(2)
     writer.write_bytes("dcp_metadata.json", zd.encode_metadata(metadata))
     writer.commit()
     with pytest.raises(CorruptCheckpointError, match="__9_9.distcp: not listed"):
@@ -180,7 +182,7 @@ def test_metadata_naming_an_unlisted_file_is_refused(store):
 
 def test_a_missing_shard_is_refused_naming_it(store):
     save(store, {"w": torch.ones(2)})
-    os.unlink(store.reader("r", 1).local_path("__0_0.distcp"))
+    os.unlink(store.run("r").reader(1).local_path("__0_0.distcp"))
     for verify in (True, False):
         with pytest.raises(CorruptCheckpointError, match="__0_0.distcp of committed checkpoint"):
             zd.load({"w": torch.zeros(2)}, zd.ZephonStorageReader(store, "r", 1, verify=verify))
@@ -288,7 +290,7 @@ def test_the_stager_waits_for_the_save_using_its_buffers():
 def test_async_save_without_torch_distributed_round_trips(store):
     stager = zd.ZephonStager()
     state = {"w": torch.ones(3)}
-    future = zd.async_save(state, zd.ZephonStorageWriter(store.begin("r", 1)), stager=stager)
+    future = zd.async_save(state, zd.ZephonStorageWriter(store.run("r").begin(1)), stager=stager)
     state["w"].add_(5)
     future.result(timeout=60)
     target = {"w": torch.zeros(3)}
@@ -321,7 +323,7 @@ def test_foreign_failures_become_one_error_naming_every_rank():
 
 
 def test_attach_ranks_without_torch_distributed_returns_the_primary(store):
-    primary = store.begin("r", 1)
+    primary = store.run("r").begin(1)
     assert zd.attach_ranks(store, "r", 1, primary) is primary
     with pytest.raises(zd.WriterSetupError):
         zd.attach_ranks(store, "r", 1, None)

@@ -41,7 +41,7 @@ def two_tensors() -> dict:
 
 
 def save(store, state, step=1, thread_count=2):
-    zd.save(state, zd.ZephonStorageWriter(store.begin(RUN, step), thread_count=thread_count))
+    zd.save(state, zd.ZephonStorageWriter(store.run(RUN).begin(step), thread_count=thread_count))
 
 
 def load(store, state, step=1, **kwargs) -> dict:
@@ -51,7 +51,7 @@ def load(store, state, step=1, **kwargs) -> dict:
 
 
 def slices(store, step=1) -> dict[str, ShardSlice]:
-    reader = store.reader(RUN, step)
+    reader = store.run(RUN).reader(step)
     metadata = zd.decode_metadata(reader.read_bytes(METADATA), where=METADATA)
     return {index.fqn: where for index, where in metadata.storage_data.items()}
 
@@ -59,7 +59,7 @@ def slices(store, step=1) -> dict[str, ShardSlice]:
 def rewrite(store, name, edit, step=1) -> None:
     """Replace file ``name`` of the checkpoint with ``edit(its bytes)``, behind Zephon's back."""
     fs = store.location.fs
-    path = f"{store.reader(RUN, step).path}/{name}"
+    path = f"{store.run(RUN).reader(step).path}/{name}"
     fs.pipe_file(path, edit(fs.cat_file(path)))
 
 
@@ -74,7 +74,7 @@ def flip(position: int):
 
 def assert_names(error: CorruptCheckpointError, store, name: str, step: int = 1) -> None:
     assert error.path == name
-    assert name in str(error) and store.checkpoint_url(RUN, step) in str(error)
+    assert name in str(error) and store.run(RUN).checkpoint_url(step) in str(error)
     assert "resume from an earlier checkpoint" in str(error)
 
 
@@ -84,7 +84,7 @@ def assert_names(error: CorruptCheckpointError, store, name: str, step: int = 1)
 def test_every_slice_records_the_crc32c_of_its_bytes_and_the_manifest_that_of_the_file(store):
     state = {**two_tensors(), "step": 7, "empty": torch.empty(0, 3)}
     save(store, state)
-    reader = store.reader(RUN, 1)
+    reader = store.run(RUN).reader(1)
     files = {name: reader.read_bytes(name) for name in reader.names}
     recorded = slices(store)
     assert set(recorded) == {"a", "b", "step", "empty"}
@@ -142,7 +142,7 @@ def test_two_shard_files_of_the_same_size_swapped_are_refused_naming_a_file(stor
     state = two_tensors()
     save(store, state)
     first, second = slices(store)["a"].file, slices(store)["b"].file
-    reader = store.reader(RUN, 1)
+    reader = store.run(RUN).reader(1)
     sizes = {e.name: e.size for e in reader.manifest.files}
     assert first != second and sizes[first] == sizes[second]  # sizes alone cannot tell
     data = {name: store.location.fs.cat_file(f"{reader.path}/{name}") for name in (first, second)}
@@ -296,12 +296,12 @@ def test_two_gloo_ranks_both_refuse_a_byte_flipped_in_one_ranks_rows(ranks):
 def as_version_1(store, step=1, new_step=2) -> None:
     """Commit ``new_step`` as the first format wrote it: the same shards, metadata without
     per-slice checksums."""
-    reader = store.reader(RUN, step)
+    reader = store.run(RUN).reader(step)
     body = json.loads(reader.read_bytes(METADATA))
     body["format_version"] = 1
     for entry in body["storage_data"]:
         del entry["crc32c"]
-    writer = store.begin(RUN, new_step)
+    writer = store.run(RUN).begin(new_step)
     for name in reader.names:
         if name != METADATA:
             writer.write_bytes(name, reader.read_bytes(name))
@@ -335,10 +335,10 @@ def test_damaged_metadata_checksums_are_refused_naming_the_metadata_file(store):
     # A crc32c field that is not a CRC: the metadata file itself is refused, before any read.
     state = two_tensors()
     save(store, state)
-    reader = store.reader(RUN, 1)
+    reader = store.run(RUN).reader(1)
     body = json.loads(reader.read_bytes(METADATA))
     body["storage_data"][0]["crc32c"] = "not-a-crc"
-    writer = store.begin(RUN, 2)
+    writer = store.run(RUN).begin(2)
     for name in reader.names:
         if name != METADATA:
             writer.write_bytes(name, reader.read_bytes(name))

@@ -36,7 +36,7 @@ def check(store: CheckpointStore, rank: int, world: int) -> dict:
     out: dict = {}
     mesh = init_device_mesh("cpu", (world,))
     full = full_tensor(world)
-    primary = store.begin(RUN, 1) if rank == 0 else None
+    primary = store.run(RUN).begin(1) if rank == 0 else None
     writer = zd.attach_ranks(store, RUN, 1, primary)
     zd.save({"w": full.clone()}, zd.ZephonStorageWriter(writer))
 
@@ -49,7 +49,7 @@ def check(store: CheckpointStore, rank: int, world: int) -> dict:
     out["resharded_equal"] = torch.equal(load(True), mine)
 
     if rank == 0:
-        reader = store.reader(RUN, 1)
+        reader = store.run(RUN).reader(1)
         metadata = zd.decode_metadata(reader.read_bytes("dcp_metadata.json"), where="x")
         (where,) = [s for i, s in metadata.storage_data.items() if i.fqn == "w"]
         assert tuple(where.shape) == tuple(full.shape), where

@@ -88,7 +88,8 @@ def error_record(exc: BaseException) -> dict:
 
 
 class FailingOpen:
-    """Wraps a CheckpointWriter's ``open`` so every file it opens fails after 10 bytes."""
+    """Wraps a CheckpointWriter's ``open`` so every file it opens fails after 10 bytes, as a
+    full disk under the backend does."""
 
     def __init__(self, writer) -> None:
         self.real_open = writer.open
@@ -103,7 +104,10 @@ class FailingOpen:
 
                 def write(data, crc=None):
                     real_write(bytes(memoryview(data).cast("B")[:10]))
-                    raise OSError(28, "simulated: no space left on device")
+                    # the disk fills beneath the backend, which translates what it raises
+                    target = handle._handle  # the backend's write handle (Backend.open_write)
+                    with target._backend._doing("writing", target.path, creating=True):
+                        raise OSError(28, "simulated: no space left on device")
 
                 handle.write = write
                 return handle
@@ -115,7 +119,7 @@ class FailingOpen:
 
 
 def writer_for(store: CheckpointStore, step: int, rank: int, **kwargs) -> zd.ZephonStorageWriter:
-    primary = store.begin(RUN, step) if rank == 0 else None
+    primary = store.run(RUN).begin(step) if rank == 0 else None
     return zd.ZephonStorageWriter(zd.attach_ranks(store, RUN, step, primary), **kwargs)
 
 
@@ -192,7 +196,7 @@ def run_scenarios(store: CheckpointStore, rank: int, world: int) -> dict:
     except Exception as exc:
         out["failed_save"] = error_record(exc)
     dist.barrier()
-    out["step2_committed"] = store.is_committed(RUN, 2)
+    out["step2_committed"] = store.run(RUN).is_committed(2)
     try:
         zd.load(state_of(*build(seed=2), rank), zd.ZephonStorageReader(store, RUN, 2))
         out["uncommitted_load"] = None
@@ -246,15 +250,15 @@ def run_scenarios(store: CheckpointStore, rank: int, world: int) -> dict:
     except Exception as exc:
         out["failed_async"] = error_record(exc)
     dist.barrier()
-    out["step4_committed"] = store.is_committed(RUN, 4)
+    out["step4_committed"] = store.run(RUN).is_committed(4)
 
     # -- 5: a truncated shard is refused, naming the file -------------------------------
     zd.save(state_of(model, optim, rank), writer_for(store, 5, rank))
     victim = f"__{last}_0.distcp"
     if rank == 0:
-        manifest = store.read_manifest(RUN, 5)
+        manifest = store.run(RUN).read_manifest(5)
         entry = manifest.file(victim)
-        path = f"{store.reader(RUN, 5).path}/{victim}"
+        path = f"{store.run(RUN).reader(5).path}/{victim}"
         data = store.location.fs.cat_file(path)
         store.location.fs.pipe_file(path, data[: entry.size // 2])
     dist.barrier()

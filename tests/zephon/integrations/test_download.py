@@ -76,7 +76,7 @@ def test_a_checkpoint_verified_in_place_with_an_unlisted_file_is_refused(tmp_pat
     save_dir = str(tmp_path / "ckpt")
     save_folder(save_dir, "r", 4, FILES, tmp_path)
     save_folder(save_dir, "r", 8, FILES, tmp_path)
-    payload = CheckpointStore(save_dir).reader("r", 8).path
+    payload = CheckpointStore(save_dir).run("r").reader(8).path
     with open(os.path.join(payload, "custom_checkpoint_0.pkl"), "wb") as out:
         out.write(b"planted")
     found = fetch_latest(save_dir, "r")
@@ -141,9 +141,9 @@ def test_a_folder_planted_at_the_old_predictable_path_is_not_used(tmp_path, tmpd
     checkpoints = AcceleratorCheckpoints(accelerator, save_dir, "acc")
     checkpoints.save_state(2)
     checkpoints.close()
-    manifest = CheckpointStore(save_dir).latest("acc")
+    manifest = CheckpointStore(save_dir).run("acc").latest()
     planted = tmpdir_here / "zephon-acc" / "load-0" / "checkpoint-2"
-    shutil.copytree(CheckpointStore(save_dir).reader("acc", 2).path, planted)
+    shutil.copytree(CheckpointStore(save_dir).run("acc").reader(2).path, planted)
     (planted / VERIFIED).write_text(manifest.save_id)
     other, other_model = accelerated(1)  # other weights, the same file sizes
     other.save_state(str(tmp_path / "other"))

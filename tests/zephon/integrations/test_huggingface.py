@@ -61,7 +61,7 @@ def reference(tmp_path_factory) -> tuple[dict, str]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert losses is not None and sorted(map(int, losses)) == list(range(1, MAX_STEPS + 1))
-    kept = CheckpointStore(str(tmp / "ckpt")).complete("reference")
+    kept = CheckpointStore(str(tmp / "ckpt")).run("reference").complete()
     assert [m.step for m in kept] == [16, MAX_STEPS]  # retention without a catalog
     return losses, str(tmp / "ckpt")
 
@@ -103,9 +103,9 @@ def test_sigkill_during_a_save_resumes_exactly_where_stock_resume_crashes(
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         partial = tmp_path / "out" / "checkpoint-16"
         store = CheckpointStore(backend.url, backend.storage_options)
-        assert [m.step for m in store.complete("llama")] == [8]
+        assert [m.step for m in store.run("llama").complete()] == [8]
         if kill == "zephon_commit":  # its files are there, uncommitted
-            assert 16 in [listing.step for listing in store.list_steps("llama")]
+            assert 16 in [listing.step for listing in store.run("llama").list_steps()]
             assert (partial / "trainer_state.json").exists()  # the Trainer's folder is whole
             modes = ["zephon"]
         else:  # the same output_dir: first the stock resume, then Zephon's
@@ -122,8 +122,8 @@ def test_sigkill_during_a_save_resumes_exactly_where_stock_resume_crashes(
         assert re.search(r"resuming from \S*checkpoint-8\n", resumed.stdout), resumed.stdout
         assert_same_losses(losses, reference_losses, first=9)
 
-        assert [m.step for m in store.complete("llama")] == [16, MAX_STEPS]  # num_to_keep=2
-        assert store.lineage("llama").current.resumed_from == 8
+        assert [m.step for m in store.run("llama").complete()] == [16, MAX_STEPS]  # num_to_keep=2
+        assert store.run("llama").lineage().current.resumed_from == 8
         from catalog import Catalog
 
         with Catalog(catalog_url) as catalog:
@@ -194,7 +194,7 @@ def test_accelerate_save_and_load_round_trip_on_s3(s3_backend, tmp_path, sqlite_
     again.close()
     rows = {row.step: row.state for row in sqlite_catalog.list_checkpoints("acc")}
     assert rows == {3: "committed", 5: "committed"}
-    manifest = CheckpointStore(s3_backend.url, s3_backend.storage_options).latest("acc")
+    manifest = CheckpointStore(s3_backend.url, s3_backend.storage_options).run("acc").latest()
     assert manifest.step == 5 and manifest.metadata["framework"] == "accelerate"
     assert any(f.name == "optimizer.bin" for f in manifest.files)
 
@@ -238,7 +238,7 @@ def test_accelerate_on_two_ranks_saves_every_ranks_files_and_resumes_exactly(s3_
         assert sorted(resumed[rank]) == ["4", "5", "6"]
         assert resumed[rank] == {k: v for k, v in full[rank].items() if int(k) > 3}
     assert full[0] != full[1]  # the ranks really drew different data
-    manifest = CheckpointStore(s3_backend.url, s3_backend.storage_options).latest("acc2")
+    manifest = CheckpointStore(s3_backend.url, s3_backend.storage_options).run("acc2").latest()
     names = {f.name for f in manifest.files}
     assert {"random_states_0.pkl", "random_states_1.pkl", "optimizer.bin"} <= names
     assert sorted(downloads[0]) == sorted(names) and downloads[1] == []  # one per host

@@ -66,12 +66,12 @@ def test_sigkill_mid_run_and_mid_save_resume_with_equal_losses_local(tmp_path, r
     # marker of step 12
     run_worker(tmp, save_dir, "r", "--catalog", catalog, "--kill-in-save-of", "12", killed=True)
     store = CheckpointStore(save_dir)
-    assert store.latest("r").step == 8
+    assert store.run("r").latest().step == 8
     losses = run_worker(tmp, save_dir, "r", "--catalog", catalog)
     steps = [s for s, _ in read_losses(losses)]
     assert steps == [*range(1, 11), *range(9, 13), *range(9, 17)]
     assert final_losses(losses) == reference
-    assert store.latest("r").step == 16
+    assert store.run("r").latest().step == 16
 
 
 @pytest.mark.slow
@@ -104,7 +104,7 @@ def test_num_to_keep_and_save_top_k_reach_zephon_retention(tmp_path):
     keep_dir, topk_dir = str(tmp_path / "keep"), str(tmp_path / "topk")
     catalog = f"sqlite:///{tmp_path / 'catalog.db'}"
     run_worker(tmp, keep_dir, "keep", "--catalog", catalog, "--keep", "2", "--epochs", "3")
-    assert [m.step for m in CheckpointStore(keep_dir).complete("keep")] == [8, 12]
+    assert [m.step for m in CheckpointStore(keep_dir).run("keep").complete()] == [8, 12]
     from catalog import Catalog
 
     with Catalog(catalog) as opened:
@@ -114,7 +114,7 @@ def test_num_to_keep_and_save_top_k_reach_zephon_retention(tmp_path):
     # checkpoint with two names) and 12 (better), then removes the name of step 4 through
     # remove_checkpoint; last.ckpt moved to 12, so step 4 is deleted
     run_worker(tmp, topk_dir, "topk", "--top-k", "1", "--epochs", "3")
-    assert [m.step for m in CheckpointStore(topk_dir).complete("topk")] == [12]
+    assert [m.step for m in CheckpointStore(topk_dir).run("topk").complete()] == [12]
 
 
 def test_round_trip_stores_only_safetensors_and_json(tmp_path):

@@ -86,7 +86,7 @@ def test_ckpt_path_last_is_refused_at_the_first_save_naming_latest_and_validate_
     _trainer(tmp_path, io, epochs=3).fit(Tiny(), _loader(), ckpt_path=LATEST)
     io.close()
     store = CheckpointStore(save_dir)
-    assert [m.step for m in store.complete(RUN)] == [4, 8, 12]
+    assert [m.step for m in store.run(RUN).complete()] == [4, 8, 12]
     attempts = _attempts(save_dir)
 
     # a validate (or predict) from the latest checkpoint reads: no attempt, no decision
@@ -103,15 +103,15 @@ def test_ckpt_path_last_is_refused_at_the_first_save_naming_latest_and_validate_
     message = str(info.value)
     assert "\n" not in message and "step 4 below its latest checkpoint 12" in message
     assert LATEST in message and "resume_step" in message
-    assert [m.step for m in store.complete(RUN)] == [4, 8, 12]
+    assert [m.step for m in store.run(RUN).complete()] == [4, 8, 12]
     assert not [n for n in os.listdir(os.path.join(save_dir, RUN, "save-4")) if "e3-" in n]
 
     # declared: the job starts over on purpose, abandoning steps above 0
     io = ZephonCheckpointIO(save_dir, RUN, catalog=catalog, resume_step=0)
     _trainer(tmp_path / "again", io, epochs=1).fit(Tiny(), _loader())
     io.close()
-    assert store.lineage(RUN).current.resumed_from == 0
-    assert store.latest(RUN).step == 4
+    assert store.run(RUN).lineage().current.resumed_from == 0
+    assert store.run(RUN).latest().step == 4
 
 
 class SlowZephonCheckpointIO(ZephonCheckpointIO):
@@ -133,7 +133,7 @@ def _top_k_run(tmp_path, name: str, plugin_of) -> tuple[list[int], list[int]]:
     trainer.fit(Tiny(), _loader(), ckpt_path=LATEST)
     kept = trainer.checkpoint_callback.best_k_models
     steps = sorted(int(p.rsplit("step=", 1)[1].split(".")[0]) for p in kept)
-    return steps, [m.step for m in CheckpointStore(save_dir).complete(RUN)]
+    return steps, [m.step for m in CheckpointStore(save_dir).run(RUN).complete()]
 
 
 def test_async_checkpoint_io_keeps_the_deletions_of_save_top_k(tmp_path):

@@ -111,12 +111,12 @@ def test_sigkill_between_files_and_marker_resumes_with_equal_losses(tmp_path, as
     assert [s for s, _ in first] == list(range(1, 7))
     store = CheckpointStore(dump)
     # checkpoint.folder is the run: <dump_folder>/checkpoint; save-6 has its files, no marker
-    assert store.committed_steps("checkpoint") == [2, 4]
+    assert store.run("checkpoint").committed_steps() == [2, 4]
     assert os.listdir(os.path.join(dump, "checkpoint", "save-6"))
     resumed = run_titan(tmp, assets, *flags)
     assert [s for s, _ in resumed] == list(range(5, STEPS + 1))
     assert {**dict(first), **dict(resumed)} == reference
-    assert store.committed_steps("checkpoint") == [6, 8]
+    assert store.run("checkpoint").committed_steps() == [6, 8]
     assert committed_rows(catalog, "checkpoint") == [6, 8]
     assert not any(n.startswith("step-") for n in os.listdir(os.path.join(dump, "checkpoint")))
 
@@ -134,7 +134,7 @@ def test_keep_every_steps_keeps_the_milestones_with_the_catalog_from_the_environ
     flags = zephon_flags(dump, num_to_keep=1, keep_every_steps=4)
     found = run_titan(tmp, assets, *flags, env={"ZEPHON_CATALOG_URL": catalog})
     assert [s for s, _ in found] == list(range(1, STEPS + 1))
-    assert CheckpointStore(dump).committed_steps("checkpoint") == [4, 8]
+    assert CheckpointStore(dump).run("checkpoint").committed_steps() == [4, 8]
     assert committed_rows(catalog, "checkpoint") == [4, 8]
     with Catalog(catalog) as opened:
         run = opened.get_run("checkpoint")
@@ -145,10 +145,10 @@ def test_storage_reads_markers_with_this_s3fs(s3_backend):
     """The storage layer on this environment's s3fs (datasets<4.8 holds it at an older release
     than the main environment's, whose cat_file takes other arguments)."""
     store = s3_backend.open_store()
-    with store.begin("r", 1) as writer:
+    with store.run("r").begin(1) as writer:
         writer.write_bytes("a.bin", b"x")
         writer.commit()
-    assert store.latest("r").step == 1
+    assert store.run("r").latest().step == 1
 
 
 def test_async_save_sigkilled_while_training_on_s3_resumes_from_the_catalogs_latest(
@@ -174,11 +174,11 @@ def test_async_save_sigkilled_while_training_on_s3_resumes_from_the_catalogs_lat
     # save waits for it): steps 7 and 8 may be logged before the kill
     assert [s for s, _ in first] == list(range(1, len(first) + 1)) and 6 <= len(first) <= STEPS
     store = CheckpointStore(s3_backend.url, s3_backend.storage_options)
-    assert store.committed_steps("titan-run") == [2, 4]
+    assert store.run("titan-run").committed_steps() == [2, 4]
     resumed = run_titan(tmp, assets, *flags, env=env)
     assert [s for s, _ in resumed] == list(range(5, STEPS + 1))
     assert {**dict(first), **dict(resumed)} == reference
-    assert store.committed_steps("titan-run") == [6, 8]
+    assert store.run("titan-run").committed_steps() == [6, 8]
     assert committed_rows(env["ZEPHON_CATALOG_URL"], "titan-run") == [6, 8]
 
 

@@ -51,7 +51,7 @@ def config(backend: Backend, local: Path, catalog_url: str | None, **extra) -> C
 
 
 def files_of(store: CheckpointStore, step: int) -> dict[str, bytes]:
-    reader = store.reader(RUN, step)
+    reader = store.run(RUN).reader(step)
     return {name: reader.read_bytes(name) for name in reader.names}
 
 
@@ -126,9 +126,9 @@ def test_the_upload_commits_the_local_files_with_replica_rows_and_timings(
     with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
         manager.save(1, state_at(1))
         manager.wait()
-        assert local.committed_steps(RUN) == [1]
-        assert remote.committed_steps(RUN) == [1]
-        mine, theirs = local.read_manifest(RUN, 1), remote.read_manifest(RUN, 1)
+        assert local.run(RUN).committed_steps() == [1]
+        assert remote.run(RUN).committed_steps() == [1]
+        mine, theirs = local.run(RUN).read_manifest(1), remote.run(RUN).read_manifest(1)
         assert {(f.name, f.size, f.crc32c) for f in mine.files} == {
             (f.name, f.size, f.crc32c) for f in theirs.files
         }
@@ -136,11 +136,11 @@ def test_the_upload_commits_the_local_files_with_replica_rows_and_timings(
         assert theirs.save_id != mine.save_id and theirs.epoch == mine.epoch == 1
         manager.save(2, state_at(2))
         manager.wait()
-    assert local.committed_steps(RUN) == [2]  # local_num_to_keep 1: step 1 was uploaded
-    assert remote.committed_steps(RUN) == [1, 2]
+    assert local.run(RUN).committed_steps() == [2]  # local_num_to_keep 1: step 1 was uploaded
+    assert remote.run(RUN).committed_steps() == [1, 2]
     with Catalog(catalog_url) as catalog:
         row = catalog.get_checkpoint(RUN, 2)
-        assert row.state == "committed" and row.save_id == remote.read_manifest(RUN, 2).save_id
+        assert row.state == "committed" and row.save_id == remote.run(RUN).read_manifest(2).save_id
         phases = {"stall_s", "local_s", "upload_s", "total_s"} | (
             {"stage_s"} if async_save else set()
         )
@@ -148,11 +148,11 @@ def test_the_upload_commits_the_local_files_with_replica_rows_and_timings(
         replicas = {(r.step, r.tier): r for r in catalog.replicas(RUN)}
     assert replicas[(1, "local")].state == "deleted"
     assert replicas[(2, "local")].state == "committed"
-    assert replicas[(2, "local")].save_id == local.read_manifest(RUN, 2).save_id
+    assert replicas[(2, "local")].save_id == local.run(RUN).read_manifest(2).save_id
     for step in (1, 2):
         uploaded = replicas[(step, "save_dir")]
         assert (uploaded.state, uploaded.host) == ("committed", "")
-        assert uploaded.bytes == remote.read_manifest(RUN, step).total_bytes
+        assert uploaded.bytes == remote.run(RUN).read_manifest(step).total_bytes
         assert {"upload_s", "total_s"} <= set(uploaded.timings or {})
 
 
@@ -208,7 +208,7 @@ def test_uploads_failed_in_an_outage_are_retried_in_step_order_once_the_store_is
             assert caught.value.steps == [2, 3, 4]
             lines = str(caught.value).splitlines()
             assert len(lines) == 4 and "superseded by steps [3, 4]" in lines[1]
-            assert local.committed_steps(RUN) == [3, 4]  # 2 dropped; 3, 4 kept until uploaded
+            assert local.run(RUN).committed_steps() == [3, 4]  # 2 dropped; 3, 4 kept until uploaded
             with pytest.raises(UploadsFailedError) as again:
                 manager.finish()  # still down: finish reports what is still failing
             assert 4 in again.value.steps
@@ -218,8 +218,8 @@ def test_uploads_failed_in_an_outage_are_retried_in_step_order_once_the_store_is
         manager.finish()
         manager.close()
         assert commits_seen(proxy) == [1, 3, 4]
-    assert remote.committed_steps(RUN) == [3, 4]  # num_to_keep 2 dropped 1 after 3 and 4
-    assert local.committed_steps(RUN) == [4]
+    assert remote.run(RUN).committed_steps() == [3, 4]  # num_to_keep 2 dropped 1 after 3 and 4
+    assert local.run(RUN).committed_steps() == [4]
     with Catalog(catalog_url) as catalog:
         states = {(r.step, r.tier): r.state for r in catalog.replicas(RUN)}
         events = [e for e in catalog.events(run=RUN) if e.action == "upload_superseded"]
@@ -232,7 +232,7 @@ def test_uploads_failed_in_an_outage_are_retried_in_step_order_once_the_store_is
         config(s3_backend, tmp_path / "local", catalog_url), run_name=RUN, total_steps=10
     ) as fresh:
         resume, equal = loads(fresh, 4)
-    assert (resume.step, equal, resume.url) == (4, True, remote.checkpoint_url(RUN, 4))
+    assert (resume.step, equal, resume.url) == (4, True, remote.run(RUN).checkpoint_url(4))
 
 
 def test_resume_from_the_local_tier_reads_no_payload_of_save_dir(s3_backend, tmp_path):
@@ -240,14 +240,14 @@ def test_resume_from_the_local_tier_reads_no_payload_of_save_dir(s3_backend, tmp
     with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
         manager.save(3, state_at(3))
     remote = s3_backend.open_store()
-    manifest = remote.read_manifest(RUN, 3)
+    manifest = remote.run(RUN).read_manifest(3)
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_backend.storage_options)
-    payload = f"{remote.checkpoint_path(RUN, 3)}/{manifest.payload}"
+    payload = f"{remote.run(RUN).checkpoint_path(3)}/{manifest.payload}"
     fs.rm(payload, recursive=True)  # a load from save_dir could not succeed now
     with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
         resume, equal = loads(manager, 3)
     assert (resume.step, equal, resume.values["notes"]) == (3, True, {"step": 3})
-    assert resume.url == CheckpointStore(str(tmp_path / "local")).checkpoint_url(RUN, 3)
+    assert resume.url == CheckpointStore(str(tmp_path / "local")).run(RUN).checkpoint_url(3)
 
 
 @pytest.mark.parametrize("damage", ["missing", "flipped"])
@@ -261,9 +261,9 @@ def test_resume_from_save_dir_when_the_local_copy_is_missing_or_damaged(
     if damage == "missing":
         shutil.rmtree(tmp_path / "local")
     else:
-        manifest = local.read_manifest(RUN, 2)
+        manifest = local.run(RUN).read_manifest(2)
         shard = max((f for f in manifest.files if f.name.endswith(".distcp")), key=lambda f: f.size)
-        path = Path(local.checkpoint_path(RUN, 2)) / manifest.payload / shard.name
+        path = Path(local.run(RUN).checkpoint_path(2)) / manifest.payload / shard.name
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x01
         path.write_bytes(bytes(data))
@@ -273,11 +273,11 @@ def test_resume_from_save_dir_when_the_local_copy_is_missing_or_damaged(
     ):
         resume, equal = loads(manager, 2)
     assert (resume.step, equal) == (2, True)
-    assert resume.url == s3_backend.open_store().checkpoint_url(RUN, 2)
+    assert resume.url == s3_backend.open_store().run(RUN).checkpoint_url(2)
     with Catalog(catalog_url) as catalog:
         assert catalog.get_checkpoint(RUN, 2).state == "committed"  # never quarantined
     if damage == "flipped":
-        assert [step for step, _ in local.condemned(RUN)] == [2]
+        assert [step for step, _ in local.run(RUN).condemned()] == [2]
         assert any("local checkpoint" in r.getMessage() for r in caplog.records)
 
 
@@ -293,15 +293,15 @@ def test_a_newer_local_step_is_resumed_and_uploaded_by_the_next_attempt(
         with pytest.raises(Exception):  # noqa: B017 - whatever the missing bucket raises
             manager.close()
     remote = s3_backend.open_store()
-    assert remote.committed_steps(RUN) == [1]
+    assert remote.run(RUN).committed_steps() == [1]
     with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
         resume, equal = loads(manager, 2)  # L = 2 > R = 1
         assert (resume.step, equal) == (2, True)
         manager.wait()
         assert manager.attempt.resumed_from == 2
         epoch = manager.attempt.epoch
-    assert remote.committed_steps(RUN) == [1, 2]
-    assert remote.read_manifest(RUN, 2).epoch == epoch == 2
+    assert remote.run(RUN).committed_steps() == [1, 2]
+    assert remote.run(RUN).read_manifest(2).epoch == epoch == 2
     assert files_of(remote, 2) == files_of(CheckpointStore(str(tmp_path / "local")), 2)
     with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
         shutil.rmtree(tmp_path / "local")
@@ -321,7 +321,7 @@ def superseded(
     remote = backend.open_store()
     with Catalog(catalog_url) as catalog:
         location = RunLocation(RUN, remote, RUN)
-        register(location, catalog, lineage=remote.lineage(RUN), resumed_from=1)
+        register(location, catalog, lineage=remote.run(RUN).lineage(), resumed_from=1)
     return old, remote
 
 
@@ -334,7 +334,7 @@ def test_a_stale_attempts_uploads_are_refused(s3_backend, tmp_path, catalog_url)
     with pytest.raises(StaleAttemptError):
         old.save(3, state_at(3))  # the job must stop
     old.close()
-    assert remote.committed_steps(RUN) == [1]
+    assert remote.run(RUN).committed_steps() == [1]
     with Catalog(catalog_url) as catalog:
         assert catalog.get_checkpoint(RUN, 1).state == "committed"
         uploads = catalog.replicas(RUN, step=2, tier="save_dir")
@@ -344,14 +344,14 @@ def test_a_stale_attempts_uploads_are_refused(s3_backend, tmp_path, catalog_url)
 
 def test_a_local_file_that_changed_on_disk_is_never_uploaded(s3_backend, tmp_path):
     local = CheckpointStore(str(tmp_path / "local"))
-    with local.begin(RUN, 1) as writer:
+    with local.run(RUN).begin(1) as writer:
         entry = writer.write_bytes("blob.bin", b"x" * 100_000)
         writer.commit()
-    manifest = local.read_manifest(RUN, 1)
-    path = Path(local.checkpoint_path(RUN, 1)) / manifest.payload / "blob.bin"
+    manifest = local.run(RUN).read_manifest(1)
+    path = Path(local.run(RUN).checkpoint_path(1)) / manifest.payload / "blob.bin"
     path.write_bytes(b"x" * 50_000 + b"y" + b"x" * 49_999)
     remote = s3_backend.open_store()
-    target = remote.begin(RUN, 1)
+    target = remote.run(RUN).begin(1)
     with pytest.raises(CorruptCheckpointError, match="blob.bin"):
         copy_verified([entry], str(path.parent), target)
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_backend.storage_options)
@@ -360,7 +360,7 @@ def test_a_local_file_that_changed_on_disk_is_never_uploaded(s3_backend, tmp_pat
     copy_verified([entry], str(path.parent), target)  # the intact file goes out as it is
     target.add_entries([entry])
     target.commit()
-    assert remote.reader(RUN, 1).read_bytes("blob.bin") == b"x" * 100_000
+    assert remote.run(RUN).reader(1).read_bytes("blob.bin") == b"x" * 100_000
 
 
 def test_without_a_catalog_everything_works_untracked(s3_backend, tmp_path):
@@ -369,8 +369,8 @@ def test_without_a_catalog_everything_works_untracked(s3_backend, tmp_path):
         for step in (1, 2, 3):
             manager.save(step, state_at(step))
         manager.finish()
-    assert s3_backend.open_store().committed_steps(RUN) == [3]
-    assert CheckpointStore(str(tmp_path / "local")).committed_steps(RUN) == [3]
+    assert s3_backend.open_store().run(RUN).committed_steps() == [3]
+    assert CheckpointStore(str(tmp_path / "local")).run(RUN).committed_steps() == [3]
     with CheckpointManager(cfg, run_name=RUN, total_steps=10) as manager:
         resume, equal = loads(manager, 3)
     assert (resume.step, equal) == (3, True)
@@ -386,12 +386,12 @@ def test_a_finished_run_uploads_its_last_step_if_only_the_local_tier_has_it(s3_b
         with pytest.raises(Exception):  # noqa: B017 - whatever the missing bucket raises
             manager.close()
     remote = s3_backend.open_store()
-    assert remote.committed_steps(RUN) == [1]
+    assert remote.run(RUN).committed_steps() == [1]
     with CheckpointManager(cfg, run_name=RUN, total_steps=2) as manager:
         resume = manager.load_latest({"model": model_at(1000), "notes": None})
         assert (resume.step, resume.finished) == (2, True)
         manager.finish()
-    assert remote.committed_steps(RUN) == [1, 2]
+    assert remote.run(RUN).committed_steps() == [1, 2]
     assert files_of(remote, 2) == files_of(CheckpointStore(str(tmp_path / "local")), 2)
 
 
@@ -405,19 +405,19 @@ def test_a_stale_attempt_never_touches_the_current_ones_local_checkpoints(
     old.wait()
     new = CheckpointManager(cfg, run_name=RUN, total_steps=20)
     resume, equal = loads(new, 2)
-    assert (resume.step, equal, resume.url) == (2, True, local.checkpoint_url(RUN, 2))
+    assert (resume.step, equal, resume.url) == (2, True, local.run(RUN).checkpoint_url(2))
     new.save(3, state_at(3))
     new.wait()
-    assert local.committed_steps(RUN) == [3]
+    assert local.run(RUN).committed_steps() == [3]
     old.save(10, state_at(10))  # the old attempt, still running: local commit, upload refused
     with pytest.raises(StaleAttemptError):
         old.wait()
-    assert local.committed_steps(RUN) == [3, 10]  # the new attempt's 3 is untouched
+    assert local.run(RUN).committed_steps() == [3, 10]  # the new attempt's 3 is untouched
     new.save(4, state_at(4))
     new.wait()
     # 10 is of an abandoned history: it goes, and never counts as the newest local checkpoint
-    assert local.committed_steps(RUN) == [4]
-    assert s3_backend.open_store().committed_steps(RUN) == [2, 3, 4]
+    assert local.run(RUN).committed_steps() == [4]
+    assert s3_backend.open_store().run(RUN).committed_steps() == [2, 3, 4]
     old.close()
     new.close()
 
@@ -425,20 +425,20 @@ def test_a_stale_attempt_never_touches_the_current_ones_local_checkpoints(
 def test_files_upload_several_at_once_and_one_damaged_file_fails_the_copy(s3_backend, tmp_path):
     local = CheckpointStore(str(tmp_path / "local"))
     blobs = {f"shard-{i}.bin": bytes([i]) * (50_000 + i) for i in range(12)}
-    with local.begin(RUN, 1) as writer:
+    with local.run(RUN).begin(1) as writer:
         entries = [writer.write_bytes(name, data) for name, data in blobs.items()]
         writer.commit()
-    payload = Path(local.checkpoint_path(RUN, 1)) / local.read_manifest(RUN, 1).payload
+    payload = Path(local.run(RUN).checkpoint_path(1)) / local.run(RUN).read_manifest(1).payload
     remote = s3_backend.open_store()
-    target = remote.begin(RUN, 1)
+    target = remote.run(RUN).begin(1)
     copy_verified(entries, str(payload), target, threads=4)
     target.add_entries(entries)
     target.commit()
-    reader = remote.reader(RUN, 1)
+    reader = remote.run(RUN).reader(1)
     assert {name: reader.read_bytes(name) for name in blobs} == blobs
 
     (payload / "shard-5.bin").write_bytes(b"\xff" * len(blobs["shard-5.bin"]))
-    again = remote.begin(RUN, 2)
+    again = remote.run(RUN).begin(2)
     with pytest.raises(CorruptCheckpointError, match="shard-5.bin"):
         copy_verified(entries, str(payload), again, threads=4)
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_backend.storage_options)

@@ -139,7 +139,7 @@ def assert_loaded(ranks: list[dict], step: int) -> None:
 
 def payload_gets(proxy: LatencyProxy, store: CheckpointStore, run: str, step: int) -> list[str]:
     """The GETs the proxy saw of the save_dir's payload files of ``step`` (not its marker)."""
-    payload = store.read_manifest(run, step).payload
+    payload = store.run(run).read_manifest(step).payload
     return [
         line
         for line in proxy.request_lines
@@ -155,11 +155,11 @@ def replica_states(catalog_url: str, run: str, tier: str) -> dict[int, str]:
 def same_files(a: CheckpointStore, b: CheckpointStore, run: str, step: int) -> list[str]:
     """The file names of both copies of ``step``, after checking they are equal byte for byte
     and list the same sizes and CRCs."""
-    ma, mb = a.read_manifest(run, step), b.read_manifest(run, step)
+    ma, mb = a.run(run).read_manifest(step), b.run(run).read_manifest(step)
     entries_a = sorted((e.name, e.size, e.crc32c) for e in ma.files)
     entries_b = sorted((e.name, e.size, e.crc32c) for e in mb.files)
     assert entries_a == entries_b
-    ra, rb = a.reader(run, step), b.reader(run, step)
+    ra, rb = a.run(run).reader(step), b.run(run).reader(step)
     for name, _, _ in entries_a:
         assert ra.read_bytes(name) == rb.read_bytes(name), name
     return [name for name, _, _ in entries_a]
@@ -201,16 +201,16 @@ def test_a_shared_local_dir_uploads_equal_copies_and_resumes_without_reading_sav
     with running(monkeypatch, via(bucket, proxy), {**config, "script": script}) as job:
         wait_for(sync_dir, "saved")
         remote, local = bucket.open_store(), CheckpointStore(str(local_dir))
-        assert remote.committed_steps(run) == [1, 2]
-        assert local.committed_steps(run) == [2]  # local_num_to_keep: 1, and 1 was uploaded
+        assert remote.run(run).committed_steps() == [1, 2]
+        assert local.run(run).committed_steps() == [2]  # local_num_to_keep: 1, and 1 was uploaded
         every_ranks_files(same_files(local, remote, run, 2))
-        assert remote.verify(run, 2, deep=True).ok
+        assert remote.run(run).verify(2, deep=True).ok
         assert replica_states(catalog_url, run, "save_dir") == {1: "committed", 2: "committed"}
         assert replica_states(catalog_url, run, "local") == {1: "deleted", 2: "committed"}
 
         # Without its payload on save_dir, step 2 can only load from the local tier.
-        payload = remote.read_manifest(run, 2).payload
-        remote.location.fs.rm(f"{remote.checkpoint_path(run, 2)}/{payload}", recursive=True)
+        payload = remote.run(run).read_manifest(2).payload
+        remote.location.fs.rm(f"{remote.run(run).checkpoint_path(2)}/{payload}", recursive=True)
         proxy.reset()
         (sync_dir / "deleted").touch()
         ranks = job.result()
@@ -231,12 +231,12 @@ def test_per_node_local_dirs_upload_every_ranks_files_and_resume_from_save_dir(
     succeeded(start(monkeypatch, via(bucket, proxy), {**config, "script": save_script(1, 2)}))
 
     remote = bucket.open_store()
-    assert remote.committed_steps(run) == [1, 2]
-    manifest = remote.read_manifest(run, 2)
+    assert remote.run(run).committed_steps() == [1, 2]
+    manifest = remote.run(run).read_manifest(2)
     names = [e.name for e in manifest.files]
     every_ranks_files(names)
-    assert remote.verify(run, 2, deep=True).ok
-    reader = remote.reader(run, 2)
+    assert remote.run(run).verify(2, deep=True).ok
+    reader = remote.run(run).reader(2)
     for entry in manifest.files:  # each file came from the node of the rank that wrote it
         copies = list(tmp_path.glob(f"node*/{run}/save-2/*/{entry.name}"))
         assert len(copies) == 1, (entry.name, copies)
@@ -302,8 +302,8 @@ def test_sigkill_with_an_upload_pending_resumes_from_what_survived(
         assert "error" not in done["save 2 a"], done["save 2 a"]
 
     remote, local = bucket.open_store(), CheckpointStore(str(local_dir))
-    assert remote.committed_steps(run) == [1]  # step 2 was never uploaded
-    assert local.committed_steps(run)[-1] == 2  # (step 1 may still be there: it was uploaded)
+    assert remote.run(run).committed_steps() == [1]  # step 2 was never uploaded
+    assert local.run(run).committed_steps()[-1] == 2  # (step 1 may still be there: it was uploaded)
     assert replica_states(catalog_url, run, "local").get(2) == "committed"
     assert replica_states(catalog_url, run, "save_dir").get(2) != "committed"
 
@@ -317,13 +317,13 @@ def test_sigkill_with_an_upload_pending_resumes_from_what_survived(
     succeeded(ranks)
     if local_dir_survives:  # L = 2 > R = 1: resumed from the local tier, and uploaded it
         assert_loaded(ranks, 2)
-        assert remote.committed_steps(run) == [1, 2]
-        assert remote.read_manifest(run, 2).epoch == 2  # by the new attempt, its own fence
+        assert remote.run(run).committed_steps() == [1, 2]
+        assert remote.run(run).read_manifest(2).epoch == 2  # by the new attempt, its own fence
         same_files(local, remote, run, 2)
         assert replica_states(catalog_url, run, "save_dir").get(2) == "committed"
     else:
         assert_loaded(ranks, 1)
-        assert remote.committed_steps(run) == [1]
+        assert remote.run(run).committed_steps() == [1]
         assert replica_states(catalog_url, run, "save_dir").get(2) != "committed"
 
 
@@ -374,7 +374,7 @@ def test_an_old_attempt_with_uploads_pending_commits_nothing_after_a_new_one_reg
         (sync_dir / "slow").touch()
         wait_for(sync_dir, "pending2")
         remote = bucket.open_store()
-        assert remote.committed_steps(run) == [1]
+        assert remote.run(run).committed_steps() == [1]
         new_config = {**config, "local_dir": str(tmp_path / "new"), "script": new_script}
         new = stack.enter_context(running(monkeypatch, via(bucket, new_proxy), new_config))
         wait_for(sync_dir, "registered")
@@ -391,15 +391,15 @@ def test_an_old_attempt_with_uploads_pending_commits_nothing_after_a_new_one_reg
         refused = [a["error"]["type"] for a in after_go if "error" in a]
         assert "StaleAttemptError" in refused, after_go
         # Everything above step 1 on save_dir is the new attempt's, and intact.
-        assert remote.committed_steps(run) == [1, 2, 3]
+        assert remote.run(run).committed_steps() == [1, 2, 3]
         for step in (2, 3):
-            assert remote.read_manifest(run, step).epoch == 2, step
-            assert remote.verify(run, step, deep=True).ok
+            assert remote.run(run).read_manifest(step).epoch == 2, step
+            assert remote.run(run).verify(step, deep=True).ok
         with Catalog(catalog_url) as catalog:
             for step in (2, 3):
                 row = catalog.get_checkpoint(run, step)
                 assert row.state == "committed"
-                assert row.save_id == remote.read_manifest(run, step).save_id
+                assert row.save_id == remote.run(run).read_manifest(step).save_id
         (sync_dir / "checked").touch()
         new_ranks = new.result()
 
@@ -440,4 +440,6 @@ def test_an_uploader_that_dies_on_one_rank_fails_every_rank_within_seconds(
         refused = done["save 3 a"]
         assert refused["error"]["type"] in {"UploaderDiedError", "ZephonError"}, refused
         assert refused["seconds"] < 10, refused
-    assert CheckpointStore(bucket.url, bucket.storage_options).committed_steps("broken") == [1]
+    assert CheckpointStore(bucket.url, bucket.storage_options).run("broken").committed_steps() == [
+        1
+    ]

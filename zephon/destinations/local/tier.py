@@ -84,13 +84,13 @@ class LocalTier:
             writer.keep_present_only()
 
     def payload_path(self, manifest: Manifest) -> str:
-        return f"{self.store.checkpoint_path(self.run, manifest.step)}/{manifest.payload}"
+        return f"{self.store.run(self.run).checkpoint_path(manifest.step)}/{manifest.payload}"
 
     def manifest(self, step: int) -> Manifest:
-        return self.store.read_manifest(self.run, step)
+        return self.store.run(self.run).read_manifest(step)
 
     def checkpoint_url(self, step: int) -> str:
-        return self.store.checkpoint_url(self.run, step)
+        return self.store.run(self.run).checkpoint_url(step)
 
     # -- retention ---------------------------------------------------------------------------
 
@@ -103,9 +103,9 @@ class LocalTier:
         keepers = set(protected)
         history: list[int] = []
         junk: list[int] = []
-        for step in self.store.committed_steps(self.run):
+        for step in self.store.run(self.run).committed_steps():
             try:
-                manifest = self.store.read_manifest(self.run, step)
+                manifest = self.store.run(self.run).read_manifest(step)
             except CheckpointNotFoundError:
                 continue
             except CorruptCheckpointError:
@@ -126,7 +126,7 @@ class LocalTier:
         if not steps or not self.node_leader:
             return
         try:
-            self.store.delete_many(self.run, steps)
+            self.store.run(self.run).delete_many(steps)
         except StorageError as exc:
             log.warning("zephon: could not delete local checkpoints %s: %s", steps, exc)
             return
@@ -139,7 +139,7 @@ class LocalTier:
     def candidate(self, lineage: Lineage) -> Manifest | None:
         """Rank 0: the newest local checkpoint the run's lineage admits (cheap on local disk)."""
         try:
-            return self.store.latest(self.run, lineage=lineage)
+            return self.store.run(self.run).latest(lineage=lineage)
         except StorageError as exc:
             log.warning("zephon: the local tier %s cannot be read: %s", self.store.url, exc)
             return None
@@ -148,11 +148,11 @@ class LocalTier:
         """Rank 0: the newest local step whose marker parses and is not condemned, judged by
         no lineage yet (local disk only: the resume choice judges it after the claim)."""
         try:
-            for listing in reversed(self.store.list_steps(self.run)):
+            for listing in reversed(self.store.run(self.run).list_steps()):
                 if not listing.committed:
                     continue
                 try:
-                    manifest = self.store.read_manifest(self.run, listing.step)
+                    manifest = self.store.run(self.run).read_manifest(listing.step)
                 except (CheckpointNotFoundError, CorruptCheckpointError):
                     continue
                 if manifest.save_id not in listing.condemned:
@@ -165,7 +165,7 @@ class LocalTier:
         """Whether this process's local directory holds ``step`` in full (its marker, every
         file with its size)."""
         try:
-            return self.store.verify(self.run, step).ok
+            return self.store.run(self.run).verify(step).ok
         except StorageError:
             return False
 
@@ -173,8 +173,8 @@ class LocalTier:
         """Rank 0: a local copy found damaged: condemned on the local store only (save_dir's
         copy, if any, is another checkpoint)."""
         with contextlib.suppress(StorageError):
-            manifest = self.store.read_manifest(self.run, step)
-            self.store.condemn(self.run, step, manifest, reason[:2000])
+            manifest = self.store.run(self.run).read_manifest(step)
+            self.store.run(self.run).condemn(step, manifest, reason[:2000])
         log.warning(
             "zephon: local checkpoint %s is damaged (%s); it is condemned and save_dir is "
             "used instead",

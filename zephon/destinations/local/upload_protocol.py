@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage import CorruptCheckpointError, FileEntry, Manifest, new_save_id, redact
-from zephon.attempts import Attempt, as_zephon_error
+from zephon.attempts import Attempt
 from zephon.destinations.local.exchange import Exchange
 from zephon.destinations.local.tier import LocalTier
 from zephon.destinations.local.tracking import LOCAL, SAVE_DIR, Tracker
 from zephon.destinations.local.transfer import copy_verified
-from zephon.errors import StaleAttemptError, ZephonError
+from zephon.errors import StaleAttemptError, ZephonError, as_zephon_error
 from zephon.locations import RunLocation
 from zephon.saving import Save
 
@@ -135,8 +135,8 @@ class UploadProtocol:
                 own = [e for e in manifest.files if e.name not in others]
                 copy_verified(own, self.tier.payload_path(manifest), save.writer)
             else:
-                writer = self.remote.store.attach(
-                    self.remote.storage_run, step, save_id=head["save_id"], fence=head["fence"]
+                writer = self.remote.runstore.attach(
+                    step, save_id=head["save_id"], fence=head["fence"]
                 )
                 copy_verified(job.own, job.local_payload, writer)
         except Exception as exc:

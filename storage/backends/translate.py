@@ -1,0 +1,156 @@
+"""Backend exceptions translated once, where a backend class calls fsspec or the OS.
+
+Every public operation of a ``Backend`` runs inside ``translated``: a transport, permission,
+disk or option failure becomes a ``BackendUnavailableError`` (or ``StorageOptionsRefusedError``)
+that names what was being done, carries the location's masked URL and says how to fix it.
+File-level not-found and exists errors pass through for the caller to interpret (a read of
+a file that is not there is an answer, not an outage). The backend's text is redacted:
+botocore, aiohttp and fsspec echo URLs, bucket names and request parameters, which may carry
+the credentials of the URL or storage_options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from storage.errors import BackendUnavailableError, StorageError, StorageOptionsRefusedError
+from storage.redact import redact
+from storage.retry import carry_retry_state, retry_summary
+
+if TYPE_CHECKING:
+    from storage.backends.base import Backend
+
+__all__ = [
+    "full_disk_fix",
+    "is_backend_failure",
+    "missing_parent_fix",
+    "read_only_fix",
+    "translated",
+]
+
+_PASSTHROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "gcsfs", "requests", "urllib3")
+#: libraries whose own code raising a TypeError or AttributeError means unusable options
+_BACKEND_MODULES = (*_NETWORK_MODULES, "s3fs", "gcsfs", "adlfs", "fsspec.implementations")
+
+
+def _raised_in_backend(exc: BaseException, modules: tuple[str, ...] = _BACKEND_MODULES) -> bool:
+    """Whether the exception was raised inside a backend library (s3fs, gcsfs, fsspec's
+    implementations, botocore, ...): a TypeError or AttributeError there means the backend was
+    given options it cannot use (s3fs builds its session lazily, on the first request)."""
+    tb = exc.__traceback__
+    module = ""
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "") or ""
+        tb = tb.tb_next
+    return module.startswith(modules)
+
+
+def is_backend_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the backend failing (transport, permission, disk, unusable options),
+    as opposed to an answer (not found, exists) or an error the storage layer raised itself."""
+    if isinstance(exc, (*_PASSTHROUGH, StorageError)):
+        return False
+    if isinstance(exc, OSError | ConnectionError | TimeoutError):
+        return True
+    module = type(exc).__module__ or ""
+    if module.startswith(_NETWORK_MODULES):
+        return True
+    if isinstance(exc, NotImplementedError):  # a filesystem that cannot list, write, ...
+        return _raised_in_backend(exc, ("fsspec", *_BACKEND_MODULES))
+    return isinstance(exc, TypeError | AttributeError | KeyError) and _raised_in_backend(exc)
+
+
+@contextlib.contextmanager
+def translated(backend: Backend, action: str, *, creating: bool = False) -> Iterator[None]:
+    """Run the block, translating a backend failure into a ``StorageError`` about
+    ``backend.url``; ``action`` says what was being done ("listing s3://b/ckpt/r1").
+
+    ``creating``: the block makes a file or directory, so "not found" (or "not a directory")
+    can only mean the bucket or a parent directory is missing, which is the storage being
+    unusable, not an answer for the caller to interpret (as it is for a read).
+    """
+    try:
+        yield
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        if not creating:
+            raise
+        raise BackendUnavailableError(
+            f"{action} failed: {type(exc).__name__}: {redact(exc, backend.secrets)}; "
+            f"{missing_parent_fix(backend)}",
+            url=backend.url,
+        ) from exc
+    except Exception as exc:
+        if not is_backend_failure(exc):
+            raise
+        raise _translation(backend, action, exc) from exc
+
+
+def _translation(backend: Backend, action: str, exc: Exception) -> StorageError:
+    tried = retry_summary(exc)
+    what = f"{action} failed on {backend.url}{f' {tried}' if tried else ''}: "
+    what += f"{type(exc).__name__}: {redact(exc, backend.secrets)}"
+    if isinstance(exc, TypeError | AttributeError | KeyError):
+        error: StorageError = StorageOptionsRefusedError(what, url=backend.url)
+    else:
+        error = BackendUnavailableError(f"{what}; {_fix(backend, exc, tried)}", url=backend.url)
+    carry_retry_state(exc, error)  # a policy around this one knows it was given up on
+    return error
+
+
+def _fix(backend: Backend, exc: Exception, tried: str | None) -> str:
+    if isinstance(exc, NotImplementedError):
+        return (
+            f"the {backend.protocol}:// filesystem cannot do this: keep checkpoints on local "
+            "disk, S3, GCS or another filesystem that lists, reads and writes files"
+        )
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return read_only_fix(backend)
+    if isinstance(exc, PermissionError) and backend.posix_paths:
+        return f"check that this user may read and write under {backend.url}"
+    if isinstance(exc, PermissionError):
+        return "check the credentials and permissions in storage_options"
+    if isinstance(exc, OSError) and exc.errno in {errno.ENOSPC, errno.EDQUOT}:
+        return full_disk_fix(backend)
+    if tried:
+        return "check that the endpoint is reachable, or give the store a longer retry deadline"
+    return "check that the endpoint is reachable and storage_options are right"
+
+
+def read_only_fix(backend: Backend) -> str:
+    """What to do when the filesystem under the backend's root is mounted read-only."""
+    instead = (
+        f"set {backend.role} to a writable directory"
+        if backend.role is not None
+        else "use a writable location"
+    )
+    return f"{backend.url} is on a read-only filesystem: remount it read-write or {instead}"
+
+
+def missing_parent_fix(backend: Backend) -> str:
+    """What to do when a file cannot be created because what holds it does not exist: the
+    bucket of an object store, a directory that cannot be made on local disk."""
+    if backend.has_directories:
+        return (
+            f"the directory {backend.url} must exist or be creatable: create it first or fix "
+            "the path"
+        )
+    bucket = backend.display(backend.root.split("/", 1)[0])
+    return f"the bucket {bucket} must exist: create it first or fix the URL"
+
+
+def full_disk_fix(backend: Backend) -> str:
+    """What to do when the disk (or quota) under the backend's root is full: named by the
+    setting the location came from (``role``), since only its owner knows which to change."""
+    if backend.role is not None:
+        return (
+            f"the disk holding {backend.role} {backend.url} is full: free space there or "
+            f"set {backend.role} to a directory on a larger disk"
+        )
+    return (
+        f"the disk holding {backend.url} is full: free space there or use a location on a "
+        "larger disk"
+    )
