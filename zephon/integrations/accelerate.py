@@ -138,7 +138,7 @@ class FolderCheckpoints:
         checkpoint). Nothing is written to the run: the first ``save_folder`` registers this
         job's attempt, and from then on an older attempt of the run still running can no
         longer save, mark or delete anything."""
-        from zephon.checkpointing.collectives import Collectives
+        from zephon.collectives import Collectives
 
         if self.coll is None:
             self.coll = Collectives()

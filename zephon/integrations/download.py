@@ -161,7 +161,7 @@ def _fetch_once_per_host(
 ) -> Fetched | None:
     """Collective: the lowest rank of each host fetches (into ``local_dir``, or a private
     temporary directory it made), the other ranks of the host use its folder."""
-    from zephon.checkpointing.collectives import Collectives
+    from zephon.collectives import Collectives
 
     coll = Collectives(timeout=_DOWNLOAD_TIMEOUT)
     try:
