@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from typing import TYPE_CHECKING
 
 from storage.backend import (
     create_settled,
@@ -25,37 +24,28 @@ from storage.backend import (
 )
 from storage.checksum import crc32c_of
 from storage.errors import CommitConflictError, CorruptCheckpointError, FencedOutError
-from storage.layout import CORRUPT_PREFIX
+from storage.layout import RunLayout
 from storage.lineage import AttemptRecord, Fence, Lineage, newer_epochs
+from storage.location import Location
 from storage.manifest import Manifest
-
-if TYPE_CHECKING:
-    from storage.store import CheckpointStore
+from storage.markers import describe, marker_bytes, parse_marker
 
 __all__ = [
     "UNREAD",
+    "check_fence",
     "condemn",
-    "describe",
     "is_condemned",
     "replace_marker",
     "settle_existing",
     "stale_error",
+    "supersede",
     "write_record",
 ]
 
 
-def describe(manifest: Manifest) -> str:
-    """``" (by host pid at time, epoch, save)"`` for messages about an existing commit."""
-    writer = manifest.writer
-    return (
-        f" (by {writer.get('host', '?')} pid {writer.get('pid', '?')} at "
-        f"{manifest.committed_at}, epoch {manifest.epoch}, save {manifest.save_id})"
-    )
-
-
 def stale_error(
-    store: CheckpointStore,
-    run: str | None,
+    location: Location,
+    layout: RunLayout,
     epoch: int,
     current: AttemptRecord | None,
     *,
@@ -63,7 +53,8 @@ def stale_error(
 ) -> FencedOutError:
     """The error for a writer of ``epoch`` that ``current`` superseded (or, ``unfenced``, a
     writer without a fence on a fenced run), naming the current attempt."""
-    url = store.location.display(store.run(run).run_path())
+    run = layout.run
+    url = location.display(layout.run_path)
     who = current.describe() if current is not None else "a newer attempt"
     if unfenced:
         message = (
@@ -80,13 +71,21 @@ def stale_error(
     return FencedOutError(message, epoch=epoch, current=current, url=url, run=run)
 
 
+def check_fence(location: Location, layout: RunLayout, fence: Fence) -> None:
+    """Raise ``FencedOutError`` naming the current attempt if one newer than ``fence``
+    registered (one listing of the run's attempt records)."""
+    newer = newer_epochs(location, layout.run_path, fence.epoch)
+    if newer is not None:
+        raise stale_error(location, layout, fence.epoch, newer)
+
+
 #: ``settle_existing``'s default: the marker has not been read yet
 UNREAD = object()
 
 
 def settle_existing(
-    store: CheckpointStore,
-    run: str | None,
+    location: Location,
+    layout: RunLayout,
     step: int,
     fence: Fence | None,
     lineage: Lineage,
@@ -96,36 +95,47 @@ def settle_existing(
     """Judge the marker at ``(run, step)`` for a new save; True if it was superseded (look
     again: another one may have appeared), False if the step is free. ``marker`` is its bytes
     (None: absent) when the caller already read them, e.g. alongside the fence check."""
-    url = store.run(run).checkpoint_url(step)
-    data = store.run(run).marker_bytes(step) if marker is UNREAD else marker
+    url = location.display(layout.checkpoint_path(step))
+    data = marker_bytes(location, layout, step) if marker is UNREAD else marker
     if data is None:
         return False
     try:
-        manifest = store.run(run).parse_marker(step, data)
+        manifest = parse_marker(location, layout, step, data)
     except CorruptCheckpointError as exc:
-        replace_marker(store, run, step, None, data, f"damaged marker: {exc.problems[:1]}")
+        replace_marker(location, layout, step, None, data, f"damaged marker: {exc.problems[:1]}")
         return True
     epoch = fence.epoch if fence is not None else 0
     if manifest.epoch > epoch:
-        current = newer_epochs(store.location, store.run(run).run_path(), epoch)
-        raise stale_error(store, run, epoch, current)
+        current = newer_epochs(location, layout.run_path, epoch)
+        raise stale_error(location, layout, epoch, current)
     why_not = lineage.why_not(manifest.epoch, step)
-    condemned = is_condemned(store, run, step, manifest.save_id)
+    condemned = is_condemned(location, layout, step, manifest.save_id)
     if why_not is None and not condemned:
         raise CommitConflictError(
             f"{url} is already committed{describe(manifest)}; a committed step is never "
             "overwritten: save under a new step, or delete that checkpoint first",
             url=url,
-            run=run,
+            run=layout.run,
             step=step,
         )
-    replace_marker(store, run, step, manifest, data, why_not or "condemned")
+    replace_marker(location, layout, step, manifest, data, why_not or "condemned")
     return True
 
 
+def supersede(
+    location: Location, layout: RunLayout, step: int, fence: Fence, *, marker: bytes | None
+) -> None:
+    """For a commit that found another save's marker at its step: supersede it if it is not
+    part of ``fence``'s history, so the commit can be tried again (``RunStore.supersede``)."""
+    check_fence(location, layout, fence)
+    settle_existing(
+        location, layout, step, fence, fence.lineage, marker=UNREAD if marker is None else marker
+    )
+
+
 def replace_marker(
-    store: CheckpointStore,
-    run: str | None,
+    location: Location,
+    layout: RunLayout,
     step: int,
     manifest: Manifest | None,
     data: bytes,
@@ -137,45 +147,42 @@ def replace_marker(
     its marker's bytes) for inspection until ``zephon gc --corrupt``; a checkpoint of an
     abandoned history is garbage and goes with its payload directory.
     """
-    location = store.location
-    step_path = store.run(run).checkpoint_path(step)
+    step_path = layout.checkpoint_path(step)
     keep = manifest is None or why == "condemned"
     if keep:
         key = manifest.save_id if manifest is not None else f"marker-{crc32c_of(data)}"
-        write_record(store, run, step, key, why, data)
-    remove_files(location, [store.run(run).marker_path(step)])
+        write_record(location, layout, step, key, why, data)
+    remove_files(location, [layout.marker_path(step)])
     sync_dirs(location, [step_path])
     if not keep and manifest is not None and manifest.payload:
-        payload = f"{step_path}/{manifest.payload}"
+        payload = layout.payload_path(step, manifest.payload)
         remove_files(location, [f.path for f in list_files(location, payload)])
         remove_empty_dirs(location, payload)
 
 
 def condemn(
-    store: CheckpointStore, run: str | None, step: int, manifest: Manifest, reason: str
+    location: Location, layout: RunLayout, step: int, manifest: Manifest, reason: str
 ) -> None:
     """Record that the save ``manifest`` describes failed verification: a
     ``_CORRUPT.<save_id>`` record (reason and marker) beside it. From then on no reader
     takes it as latest; it stays for inspection until ``zephon gc --corrupt``. Idempotent;
     nothing is deleted."""
-    write_record(store, run, step, manifest.save_id, reason, manifest.to_json())
+    write_record(location, layout, step, manifest.save_id, reason, manifest.to_json())
 
 
 def write_record(
-    store: CheckpointStore, run: str | None, step: int, key: str, why: str, data: bytes
+    location: Location, layout: RunLayout, step: int, key: str, why: str, data: bytes
 ) -> None:
     record = json.dumps(
         {"reason": why, "at": time.time(), "marker": data.decode("utf-8", "replace")},
         sort_keys=True,
     ).encode("utf-8")
-    path = f"{store.run(run).checkpoint_path(step)}/{CORRUPT_PREFIX}{key}"
-    location = store.location
-    make_dirs(location, store.run(run).checkpoint_path(step))
+    make_dirs(location, layout.checkpoint_path(step))
     with contextlib.suppress(FileExistsError):
-        create_settled(location, path, record)  # one there already (any reason) will do
+        # one there already (any reason) will do
+        create_settled(location, layout.record_path(step, key), record)
 
 
-def is_condemned(store: CheckpointStore, run: str | None, step: int, save_id: str) -> bool:
+def is_condemned(location: Location, layout: RunLayout, step: int, save_id: str) -> bool:
     """Whether a ``_CORRUPT`` record condemns save ``save_id`` of the step (one request)."""
-    path = f"{store.run(run).checkpoint_path(step)}/{CORRUPT_PREFIX}{save_id}"
-    return file_exists(store.location, path)
+    return file_exists(location, layout.record_path(step, save_id))

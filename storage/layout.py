@@ -7,6 +7,7 @@ and saves straight under ``<root>/`` (``run=None`` everywhere in this package).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from storage.errors import InvalidNameError
 
@@ -22,6 +23,7 @@ __all__ = [
     "step_dirname",
     "parse_step_dirname",
     "parse_number",
+    "RunLayout",
 ]
 
 MARKER_NAME = "_COMMIT"
@@ -118,3 +120,33 @@ def parse_step_dirname(name: str) -> int | None:
     beyond ``MAX_STEP`` included: no save can have written it)."""
     match = _STEP_DIR.fullmatch(name) if isinstance(name, str) else None
     return parse_number(match.group(1)) if match else None
+
+
+@dataclass(frozen=True, slots=True)
+class RunLayout:
+    """Where one run's files are: its directory (``run_path``, in the filesystem's own form,
+    made by the run's ``RunStore`` from the store's root) and every path below it. A plain
+    value, so the modules that act on a run (writer, reader, markers, leftovers) take it
+    instead of the store."""
+
+    run: str | None
+    run_path: str
+
+    def __post_init__(self) -> None:
+        validate_run(self.run)
+
+    def checkpoint_path(self, step: int) -> str:
+        """The step directory ``save-<step>``."""
+        return f"{self.run_path}/{step_dirname(step)}"
+
+    def marker_path(self, step: int) -> str:
+        """The step's commit marker."""
+        return f"{self.checkpoint_path(step)}/{MARKER_NAME}"
+
+    def payload_path(self, step: int, save_id: str) -> str:
+        """The payload directory of one save of the step."""
+        return f"{self.checkpoint_path(step)}/{save_id}"
+
+    def record_path(self, step: int, key: str) -> str:
+        """The ``_CORRUPT.<key>`` record condemning a save (or a damaged marker) of the step."""
+        return f"{self.checkpoint_path(step)}/{CORRUPT_PREFIX}{key}"

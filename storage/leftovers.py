@@ -6,14 +6,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from storage.backend import list_files, remove_dir, remove_empty_dirs, remove_files
 from storage.errors import CheckpointNotFoundError, CorruptCheckpointError
-from storage.layout import CORRUPT_PREFIX, MARKER_NAME
-
-if TYPE_CHECKING:
-    from storage.store import CheckpointStore
+from storage.layout import CORRUPT_PREFIX, MARKER_NAME, RunLayout
+from storage.location import Location
+from storage.markers import read_manifest
+from storage.scan import scan_steps
 
 __all__ = ["Orphan", "condemned_saves", "find_orphans", "remove_condemned", "remove_orphan"]
 
@@ -33,10 +32,10 @@ class Orphan:
 
 
 def find_orphans(
-    store: CheckpointStore,
+    location: Location,
+    layouts: Iterable[RunLayout],
     older_than_s: float,
     *,
-    runs: Iterable[str | None] | None = None,
     now: float | None = None,
 ) -> list[Orphan]:
     """Leftovers whose newest object is older than ``older_than_s``: every payload
@@ -44,26 +43,25 @@ def find_orphans(
     committed step that its marker does not name (a superseded or stale attempt's save).
     Condemned saves are not orphans: they are kept for inspection (``condemned``).
 
-    ``runs`` limits the search (``None`` in it means the inference layout); by default every
-    run under the root and the inference layout are searched.
+    ``layouts`` are the runs searched (``CheckpointStore.orphans`` chooses them).
     """
     now = time.time() if now is None else now
-    targets: list[str | None] = list(runs) if runs is not None else [*store.runs(), None]
     found = []
 
     def add(run: str | None, step: int, save_id: str | None, path: str, mtime) -> None:
         age = now - mtime if mtime is not None else float("inf")
         if age >= older_than_s:
-            found.append(Orphan(run, step, save_id, path, store.location.display(path), mtime, age))
+            found.append(Orphan(run, step, save_id, path, location.display(path), mtime, age))
 
-    for run in targets:
-        for listing in store.run(run).list_steps(detail=True):
+    for layout in layouts:
+        run = layout.run
+        for listing in scan_steps(location, layout.run_path, detail=True):
             saves = {k: v for k, v in listing.saves.items() if k not in listing.condemned}
             if listing.committed:
                 if len(listing.saves) < 2:
                     continue  # the one payload directory is the marker's
                 try:
-                    keep = store.run(run).read_manifest(listing.step).payload
+                    keep = read_manifest(location, layout, listing.step).payload
                 except (CorruptCheckpointError, CheckpointNotFoundError):
                     continue  # judged by whoever reads the marker, not by age
                 saves.pop(keep, None)
@@ -74,10 +72,10 @@ def find_orphans(
     return found
 
 
-def remove_orphan(store: CheckpointStore, orphan: Orphan) -> None:
-    """Delete one leftover found by ``orphans``: a payload directory, or the loose files of
-    an uncommitted step (never a marker, a record or another save's directory)."""
-    location = store.location
+def remove_orphan(location: Location, layout: RunLayout, orphan: Orphan) -> None:
+    """Delete one leftover found by ``orphans`` (``layout``: its run's): a payload directory,
+    or the loose files of an uncommitted step (never a marker, a record or another save's
+    directory)."""
     if orphan.save_id is not None:
         remove_files(location, [f.path for f in list_files(location, orphan.path)])
         remove_empty_dirs(location, orphan.path)
@@ -91,27 +89,27 @@ def remove_orphan(store: CheckpointStore, orphan: Orphan) -> None:
             and not f.path.rsplit("/", 1)[-1].startswith(CORRUPT_PREFIX)
         ]
         remove_files(location, loose)
-    remove_dir(location, store.run(orphan.run).checkpoint_path(orphan.step))  # if now empty
+    remove_dir(location, layout.checkpoint_path(orphan.step))  # if now empty
 
 
-def condemned_saves(store: CheckpointStore, run: str | None) -> list[tuple[int, str]]:
+def condemned_saves(location: Location, layout: RunLayout) -> list[tuple[int, str]]:
     """``(step, save_id)`` of every save a ``_CORRUPT`` record condemns (for
     ``zephon gc --corrupt``)."""
-    return [(s.step, save) for s in store.run(run).list_steps() for save in sorted(s.condemned)]
+    listings = scan_steps(location, layout.run_path)
+    return [(s.step, save) for s in listings for save in sorted(s.condemned)]
 
 
-def remove_condemned(store: CheckpointStore, run: str | None, step: int, save_id: str) -> None:
+def remove_condemned(location: Location, layout: RunLayout, step: int, save_id: str) -> None:
     """Delete a condemned save: its marker if it is still the step's, its payload
     directory, then its ``_CORRUPT`` record (last, so a crash leaves it findable)."""
-    step_path = store.run(run).checkpoint_path(step)
-    location = store.location
+    step_path = layout.checkpoint_path(step)
     try:
-        if store.run(run).read_manifest(step).save_id == save_id:
-            remove_files(location, [store.run(run).marker_path(step)])
+        if read_manifest(location, layout, step).save_id == save_id:
+            remove_files(location, [layout.marker_path(step)])
     except (CorruptCheckpointError, CheckpointNotFoundError):
         pass
-    payload = f"{step_path}/{save_id}"
+    payload = layout.payload_path(step, save_id)
     remove_files(location, [f.path for f in list_files(location, payload)])
     remove_empty_dirs(location, payload)
-    remove_files(location, [f"{step_path}/{CORRUPT_PREFIX}{save_id}"])
+    remove_files(location, [layout.record_path(step, save_id)])
     remove_dir(location, step_path)  # if now empty

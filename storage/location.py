@@ -18,6 +18,7 @@ from fsspec.spec import AbstractFileSystem
 
 from storage.backends import DEFAULT_POOL_CONNECTIONS, Backend, backend_for, package_for
 from storage.errors import BackendUnavailableError, InvalidNameError, StorageOptionsRefusedError
+from storage.layout import RunLayout
 from storage.redact import is_secret_name, mask_url, option_secrets, redact, secrets_in
 from storage.retry import DEFAULT_RETRY, RetryPolicy
 
@@ -78,6 +79,11 @@ class Location:
     def display(self, path: str) -> str:
         """A full, credential-free URL for a path of this filesystem, for messages."""
         return self.backend.display(path)
+
+    def run_layout(self, run: str | None) -> RunLayout:
+        """The paths of run ``run`` under the root (``None``: the inference layout, straight
+        under the root). ``InvalidNameError`` for a name the layout refuses."""
+        return RunLayout(run, self.join(run) if run is not None else self.root)
 
 
 def _refuse_url_credentials(url: str, protocol: str, masked: str) -> None:

@@ -4,29 +4,39 @@ lists, with every whole-file read checked against the manifest's size and CRC32C
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO, Protocol
 
 from storage.backend import get_file, open_read, read_file, read_range
 from storage.checksum import Crc32c
 from storage.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
+from storage.location import Location
 from storage.manifest import FileEntry, Manifest
 
-if TYPE_CHECKING:
-    from storage.store import CheckpointStore
+__all__ = ["CheckpointReader", "HoldsLocation"]
 
-__all__ = ["CheckpointReader"]
+
+class HoldsLocation(Protocol):
+    """Anything that holds the ``Location`` a checkpoint is under (a ``CheckpointStore``)."""
+
+    @property
+    def location(self) -> Location: ...
 
 
 class CheckpointReader:
     """Read access to one committed checkpoint, by the names its manifest lists."""
 
-    def __init__(self, store: CheckpointStore, manifest: Manifest, *, verify: bool = True) -> None:
-        self._store = store
+    def __init__(
+        self, where: Location | HoldsLocation, manifest: Manifest, *, verify: bool = True
+    ) -> None:
+        """``where``: the location the checkpoint is under, or what holds it (a store);
+        ``manifest``: the checkpoint's, already read and checked (``RunStore.reader``)."""
+        location = where if isinstance(where, Location) else where.location
+        self._location = location
         self.manifest = manifest
         #: whether ``read_bytes`` compares every file's CRC32C with the manifest
         self.verify = verify
-        step_path = store.run(manifest.run).checkpoint_path(manifest.step)
-        self.url = store.location.display(step_path)
+        step_path = location.run_layout(manifest.run).checkpoint_path(manifest.step)
+        self.url = location.display(step_path)
         #: the directory holding the files (``save-<step>/<save_id>``; format 1: the step's)
         self.path = f"{step_path}/{manifest.payload}" if manifest.payload else step_path
 
@@ -54,7 +64,7 @@ class CheckpointReader:
         """One file open for reading (on object stores in ranged requests, each tried again
         on its own); not checked against the manifest."""
         target = self._target(name)
-        location = self._store.location
+        location = self._location
         try:
             return open_read(location, target, self._entry(name).size)  # type: ignore[return-value]
         except FileNotFoundError:
@@ -75,7 +85,7 @@ class CheckpointReader:
 
     def _read_whole(self, name: str) -> bytes:
         target = self._target(name)
-        location = self._store.location
+        location = self._location
         try:
             return read_file(location, target)
         except FileNotFoundError:
@@ -104,7 +114,7 @@ class CheckpointReader:
         """Bytes ``[start, end)`` of one file, in one ranged request; fewer bytes than asked
         for means the file is shorter than that (the caller decides if that is damage)."""
         target = self._target(name)
-        location = self._store.location
+        location = self._location
         try:
             return read_range(location, target, start, end)
         except FileNotFoundError:
@@ -114,14 +124,14 @@ class CheckpointReader:
         """The file's path on a local (POSIX) file system, for callers that read it in place
         (e.g. straight into tensor memory); None on object stores."""
         target = self._target(name)
-        return target if self._store.location.backend.posix_paths else None
+        return target if self._location.backend.posix_paths else None
 
     def open_in_place(self, name: str) -> BinaryIO:
         """One file of a checkpoint on a local (POSIX) file system, open unbuffered for reads
         straight into the caller's memory (``readinto``); not checked against the manifest.
         Only where ``local_path`` is not None."""
         target = self._target(name)
-        backend = self._store.location.backend
+        backend = self._location.backend
         if not backend.posix_paths:
             raise InvalidArgumentError(
                 f"{self.url} is not on a local file system: read {name} with read_range",
@@ -138,7 +148,7 @@ class CheckpointReader:
 
     def get_file(self, name: str, local_path: str | os.PathLike) -> None:
         target = self._target(name)
-        location = self._store.location
+        location = self._location
         try:
             get_file(location, target, os.fspath(local_path))
         except FileNotFoundError:

@@ -2,8 +2,13 @@
 per-run operation goes through: attempts and fencing, writers and readers of its checkpoints,
 latest, verify, delete.
 
-``name=None`` is the inference layout (``<root>/save-<step>/``). A handle is cheap (a store
-and a validated name) and safe to share between threads as its store is.
+``name=None`` is the inference layout (``<root>/save-<step>/``). A handle is cheap (its store,
+its ``RunLayout``) and safe to share between threads as its store is.
+
+The handle composes the modules that act on a run, giving each plain values: the location
+(its backend), the run's ``RunLayout`` and, where they check it, the attempt's ``Fence``.
+None of them holds or imports the store, so ``store -> run store -> satellites`` has no
+circle (tests/test_layers.py checks it).
 """
 
 from __future__ import annotations
@@ -11,13 +16,13 @@ from __future__ import annotations
 import functools
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
 from storage.backend import (
     file_exists,
     list_files,
     make_dirs,
-    read_small,
     remove_empty_dirs,
     remove_files,
     sync_dirs,
@@ -30,18 +35,14 @@ from storage.errors import (
 )
 from storage.existing import (
     UNREAD,
+    check_fence,
     condemn,
-    describe,
     is_condemned,
     settle_existing,
     stale_error,
+    supersede,
 )
-from storage.layout import (
-    MARKER_NAME,
-    step_dirname,
-    validate_run,
-    validate_step,
-)
+from storage.layout import RunLayout, validate_run, validate_step
 from storage.leftovers import condemned_saves, remove_condemned
 from storage.lineage import (
     AttemptRecord,
@@ -49,20 +50,17 @@ from storage.lineage import (
     Lineage,
     claim_attempt,
     decide_resume,
-    newer_epochs,
     read_lineage,
     read_records,
 )
 from storage.location import Location
 from storage.manifest import Manifest, validate_save_id
+from storage.markers import describe_commit, judge, marker_bytes, parse_marker, read_manifest
 from storage.parallel import concurrently
 from storage.reader import CheckpointReader
 from storage.scan import StepListing, scan_steps
 from storage.verify import VerifyReport, verify_checkpoint
 from storage.writer import CheckpointWriter
-
-if TYPE_CHECKING:
-    from storage.store import CheckpointStore
 
 __all__ = ["RunStore", "new_save_id"]
 
@@ -75,15 +73,30 @@ def new_save_id(fence: Fence | None = None) -> str:
     return f"e{fence.epoch if fence is not None else 0}-{uuid.uuid4().hex[:16]}"
 
 
+class SharedByRuns(Protocol):
+    """What the runs of one store share: what ``CheckpointStore`` offers its ``RunStore``s
+    (named here so that this module need not import the store)."""
+
+    location: Location
+    part_size: int
+
+    @property
+    def url(self) -> str: ...
+
+    def executor(self) -> ThreadPoolExecutor: ...
+
+
 class RunStore:
     """One run of a ``CheckpointStore``: ``<root>/<name>/save-<step>/`` (``name=None``: the
     inference layout ``<root>/save-<step>/``)."""
 
-    def __init__(self, store: CheckpointStore, name: str | None) -> None:
+    def __init__(self, store: SharedByRuns, name: str | None) -> None:
         validate_run(name)
         self.store = store
         self.name = name
         self.location: Location = store.location
+        #: the run's paths (``storage.layout.RunLayout``), handed to the modules it composes
+        self.layout: RunLayout = self.location.run_layout(name)
 
     def __repr__(self) -> str:
         return f"RunStore({self.store.url!r}, {self.name!r})"
@@ -97,11 +110,10 @@ class RunStore:
     # -- layout --------------------------------------------------------------------------------
 
     def run_path(self) -> str:
-        validate_run(self.name)
-        return self.location.join(self.name) if self.name is not None else self.location.root
+        return self.layout.run_path
 
     def checkpoint_path(self, step: int) -> str:
-        return f"{self.run_path()}/{step_dirname(step)}"
+        return self.layout.checkpoint_path(step)
 
     def checkpoint_url(self, step: int) -> str:
         """The checkpoint directory's full URL (credentials masked), as printed to users."""
@@ -109,7 +121,7 @@ class RunStore:
 
     def marker_path(self, step: int) -> str:
         """The path of the step's commit marker."""
-        return f"{self.checkpoint_path(step)}/{MARKER_NAME}"
+        return self.layout.marker_path(step)
 
     def lineage(self) -> Lineage:
         """The run's lineage from its newest attempt record: one listing and one read."""
@@ -154,9 +166,7 @@ class RunStore:
     def check_fence(self, fence: Fence) -> None:
         """Raise ``FencedOutError`` naming the current attempt if one newer than ``fence``
         registered (one listing of the run's attempt records)."""
-        newer = newer_epochs(self.location, self.run_path(), fence.epoch)
-        if newer is not None:
-            raise stale_error(self.store, self.name, fence.epoch, newer)
+        check_fence(self.location, self.layout, fence)
 
     def begin(
         self,
@@ -211,9 +221,9 @@ class RunStore:
         else:
             lineage, marker = concurrently(functools.partial(self.lineage), probe)
             if lineage:
-                raise stale_error(self.store, self.name, 0, lineage.current, unfenced=True)
+                raise stale_error(self.location, self.layout, 0, lineage.current, unfenced=True)
         for _ in range(_SUPERSEDE_TRIES):
-            if not settle_existing(self.store, self.name, step, fence, lineage, marker=marker):
+            if not settle_existing(self.location, self.layout, step, fence, lineage, marker=marker):
                 break
             marker = UNREAD  # superseded: look again, another one may have appeared
         else:
@@ -225,9 +235,7 @@ class RunStore:
                 step=step,
             )
         save_id = validate_save_id(save_id) if save_id is not None else new_save_id(fence)
-        writer = CheckpointWriter(
-            self.store, self.name, step, save_id, primary=True, fence=fence, metadata=metadata
-        )
+        writer = self._writer(step, save_id, primary=True, fence=fence, metadata=metadata)
         # Local disk: made durably, so a power loss cannot drop the step directory out
         # from under a committed marker. Object stores have no directories to make.
         make_dirs(self.location, writer.payload_path, durable=True)
@@ -239,26 +247,18 @@ class RunStore:
         one), so the commit can be tried again. ``marker`` is its bytes as the commit read
         them (default: read again). Raises like ``begin`` for a valid checkpoint
         (``CommitConflictError``) or a newer attempt (``FencedOutError``)."""
-        self.check_fence(fence)
-        settle_existing(
-            self.store,
-            self.name,
-            step,
-            fence,
-            fence.lineage,
-            marker=UNREAD if marker is None else marker,
-        )
+        supersede(self.location, self.layout, step, fence, marker=marker)
 
     def condemn(self, step: int, manifest: Manifest, reason: str) -> None:
         """Record that the save ``manifest`` describes failed verification: a
         ``_CORRUPT.<save_id>`` record (reason and marker) beside it. From then on no reader
         takes it as latest; it stays for inspection until ``zephon gc --corrupt``. Idempotent;
         nothing is deleted."""
-        condemn(self.store, self.name, step, manifest, reason)
+        condemn(self.location, self.layout, step, manifest, reason)
 
     def is_condemned(self, step: int, save_id: str) -> bool:
         """Whether a ``_CORRUPT`` record condemns save ``save_id`` of the step (one request)."""
-        return is_condemned(self.store, self.name, step, save_id)
+        return is_condemned(self.location, self.layout, step, save_id)
 
     def attach(self, step: int, *, save_id: str, fence: Fence | None = None) -> CheckpointWriter:
         """A secondary writer into a save another process began (e.g. another rank): it
@@ -266,7 +266,18 @@ class RunStore:
         anything of others or commits."""
         validate_run(self.name)
         validate_step(step)
-        return CheckpointWriter(self.store, self.name, step, save_id, primary=False, fence=fence)
+        return self._writer(step, save_id, primary=False, fence=fence)
+
+    def _writer(self, step: int, save_id: str, **options: Any) -> CheckpointWriter:
+        return CheckpointWriter(
+            self.location,
+            self.layout,
+            step,
+            save_id,
+            part_size=self.store.part_size,
+            executor=self.store.executor,
+            **options,
+        )
 
     def is_committed(self, step: int) -> bool:
         """Whether the step's marker exists: one request (or stat). Says nothing about its
@@ -307,7 +318,7 @@ class RunStore:
                     on_corrupt(listing.step, str(exc))
                 continue
             condemned = manifest.save_id in listing.condemned
-            why_not = self.store.judge(lineage, manifest, condemned=condemned)
+            why_not = judge(lineage, manifest, condemned=condemned)
             if why_not is not None:
                 if condemned and on_corrupt is not None:
                     on_corrupt(listing.step, why_not)
@@ -332,52 +343,27 @@ class RunStore:
             except (CorruptCheckpointError, CheckpointNotFoundError):
                 return None
             condemned = manifest.save_id in listing.condemned
-            return None if self.store.judge(lineage, manifest, condemned=condemned) else manifest
+            return None if judge(lineage, manifest, condemned=condemned) else manifest
 
         return [m for m in self.store.executor().map(read, listings) if m is not None]
 
     def marker_bytes(self, step: int) -> bytes | None:
         """The raw bytes of the step's marker (one GET), or None if there is none."""
-        location = self.location
-        try:
-            return read_small(location, self.marker_path(step))
-        except FileNotFoundError:
-            return None
+        return marker_bytes(self.location, self.layout, step)
 
     def read_manifest(self, step: int) -> Manifest:
         """The manifest of a committed checkpoint; ``CheckpointNotFoundError`` if there is no
         marker, ``CorruptCheckpointError`` if it does not parse or names another checkpoint."""
-        data = self.marker_bytes(step)
-        if data is None:
-            url = self.checkpoint_url(step)
-            raise CheckpointNotFoundError(
-                f"{url} is not a committed checkpoint (no {MARKER_NAME} marker); list the "
-                f"run's checkpoints with `zephon checkpoints {self.name or '<run>'}`",
-                url=url,
-                run=self.name,
-                step=step,
-            )
-        return self.parse_marker(step, data)
+        return read_manifest(self.location, self.layout, step)
 
     def parse_marker(self, step: int, data: bytes) -> Manifest:
         """Validate a marker's bytes as the manifest of ``(run, step)``."""
-        url = self.checkpoint_url(step)
-        manifest = Manifest.from_json(data, where=self.location.display(self.marker_path(step)))
-        if manifest.run != self.name or manifest.step != step:
-            raise CorruptCheckpointError(
-                f"marker of {url} describes run {manifest.run!r} step {manifest.step}; it was "
-                "copied or moved: checkpoints must stay where they were written",
-                url=url,
-                run=self.name,
-                step=step,
-                problems=[f"{MARKER_NAME}: names run {manifest.run!r} step {manifest.step}"],
-            )
-        return manifest
+        return parse_marker(self.location, self.layout, step, data)
 
     def reader(self, step: int, *, verify: bool = True) -> CheckpointReader:
         """Read access to the committed checkpoint ``(run, step)``; ``verify`` checks every
         whole-file read against the manifest."""
-        return CheckpointReader(self.store, self.read_manifest(step), verify=verify)
+        return CheckpointReader(self.location, self.read_manifest(step), verify=verify)
 
     def verify(self, step: int, *, deep: bool = False) -> VerifyReport:
         """Check every listed file: exists with its size (shallow), and its CRC32C (deep)."""
@@ -440,20 +426,15 @@ class RunStore:
 
     def condemned(self) -> list[tuple[int, str]]:
         """``(step, save_id)`` of every save a ``_CORRUPT`` record condemns."""
-        return condemned_saves(self.store, self.name)
+        return condemned_saves(self.location, self.layout)
 
     def remove_condemned(self, step: int, save_id: str) -> None:
         """Delete a condemned save (``zephon gc --corrupt``): its marker if it is still the
         step's, its payload directory, then its record."""
-        remove_condemned(self.store, self.name, step, save_id)
+        remove_condemned(self.location, self.layout, step, save_id)
 
     def describe_commit(self, step: int, *, marker: bytes | None = None) -> str:
         """``" (by host pid at time, epoch, save)"`` of the step's marker (``marker``: its
         bytes, already read), for messages about an existing commit ("" if it cannot be
         read)."""
-        try:
-            if marker is not None:
-                return describe(self.parse_marker(step, marker))
-            return describe(self.read_manifest(step))
-        except Exception:
-            return ""
+        return describe_commit(self.location, self.layout, step, marker=marker)

@@ -14,23 +14,15 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from storage.backend import (
-    list_dirs,
-)
+from storage.backend import list_dirs
 from storage.backends import Backend, PosixBackend
-from storage.errors import (
-    InvalidArgumentError,
-)
-from storage.layout import (
-    CORRUPT_PREFIX,
-    validate_run,
-)
+from storage.errors import InvalidArgumentError
+from storage.layout import validate_run
 from storage.leftovers import Orphan, find_orphans, remove_orphan
-from storage.lineage import (
-    Lineage,
-)
+from storage.lineage import Lineage
 from storage.location import Location, open_location
 from storage.manifest import Manifest
+from storage.markers import judge
 from storage.retry import RetryPolicy
 from storage.run_store import RunStore, new_save_id
 
@@ -98,10 +90,8 @@ class CheckpointStore:
     def judge(self, lineage: Lineage, manifest: Manifest, *, condemned: bool = False) -> str | None:
         """Why the checkpoint ``manifest`` describes is not one to resume from (abandoned or
         unregistered lineage, condemned), or None if it is. The storage half of the one rule
-        every reader shares."""
-        if condemned:
-            return f"save {manifest.save_id} failed verification (a {CORRUPT_PREFIX} record)"
-        return lineage.why_not(manifest.epoch, manifest.step)
+        every reader shares (``storage.markers.judge``)."""
+        return judge(lineage, manifest, condemned=condemned)
 
     # -- runs and gc -----------------------------------------------------------------------
 
@@ -136,11 +126,13 @@ class CheckpointStore:
         directories of uncommitted steps and their loose files, and payload directories of
         committed steps that the marker does not name. ``runs`` limits the search (``None`` in
         it means the inference layout); by default every run and the inference layout."""
-        return find_orphans(self, older_than_s, runs=runs, now=now)
+        targets: list[str | None] = list(runs) if runs is not None else [*self.runs(), None]
+        layouts = [self.run(name).layout for name in targets]
+        return find_orphans(self.location, layouts, older_than_s, now=now)
 
     def remove_orphan(self, orphan: Orphan) -> None:
         """Delete one leftover found by ``orphans``."""
-        remove_orphan(self, orphan)
+        remove_orphan(self.location, self.run(orphan.run).layout, orphan)
 
     # -- shared by the runs of this store ----------------------------------------------
 

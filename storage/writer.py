@@ -1,10 +1,11 @@
 """Writing one checkpoint's payload and committing it with the marker.
 
-A ``CheckpointWriter`` is made by ``CheckpointStore.begin`` (the primary writer, the only one
-that may commit) or ``CheckpointStore.attach`` (a secondary writer, e.g. another rank writing
+A ``CheckpointWriter`` is made by ``RunStore.begin`` (the primary writer, the only one
+that may commit) or ``RunStore.attach`` (a secondary writer, e.g. another rank writing
 its own shards into the same checkpoint; its entries reach the primary through
 ``add_entries``). Size and CRC32C of every file are recorded while the bytes go out, never by
-reading them back.
+reading them back. It holds the location, the run's layout, its fence and the store's thread
+pool (as a factory), never the store itself.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import functools
 import os
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, BinaryIO
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Executor
+from typing import Any, BinaryIO
 
 from storage.backend import (
     create_settled,
@@ -38,14 +39,14 @@ from storage.errors import (
     InvalidNameError,
     WriteAbortedError,
 )
-from storage.layout import MARKER_NAME, validate_file_name
+from storage.existing import check_fence, supersede
+from storage.layout import MARKER_NAME, RunLayout, validate_file_name
+from storage.lineage import Fence
+from storage.location import Location
 from storage.manifest import FileEntry, Manifest, validate_save_id
+from storage.markers import describe_commit
 from storage.parallel import concurrently
 from storage.recording import RecordingFile
-
-if TYPE_CHECKING:
-    from storage.lineage import Fence
-    from storage.store import CheckpointStore
 
 __all__ = ["CheckpointWriter", "Payload"]
 
@@ -75,26 +76,33 @@ class CheckpointWriter:
 
     def __init__(
         self,
-        store: CheckpointStore,
-        run: str | None,
+        location: Location,
+        layout: RunLayout,
         step: int,
         save_id: str,
         *,
         primary: bool,
+        part_size: int,
+        executor: Callable[[], Executor],
         fence: Fence | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
-        self._store = store
-        self.run = run
+        """``part_size``: bytes per multipart part; ``executor``: the store's thread pool,
+        made on first use (``write_many``)."""
+        self._location = location
+        self._layout = layout
+        self._part_size = part_size
+        self._executor = executor
+        self.run = layout.run
         self.step = step
         self.save_id = validate_save_id(save_id)
         self.primary = primary
         self.fence = fence
         #: the step directory (``save-<step>``) and its URL, as messages and DCP name it
-        self.path = store.run(run).checkpoint_path(step)
-        self.url = store.location.display(self.path)
+        self.path = layout.checkpoint_path(step)
+        self.url = location.display(self.path)
         #: where this save's files go
-        self.payload_path = f"{self.path}/{self.save_id}"
+        self.payload_path = layout.payload_path(step, self.save_id)
         self._metadata = dict(metadata or {})
         self._entries: dict[str, FileEntry] = {}
         self._own: set[str] = set()  # names this writer wrote itself (not add_entries)
@@ -120,7 +128,7 @@ class CheckpointWriter:
     def write_bytes(self, name: str, data: bytes | bytearray | memoryview) -> FileEntry:
         """Write one file from memory."""
         target = self._claim(name)
-        location = self._store.location
+        location = self._location
         with self._guard(name):
             if location.backend.posix_paths:
                 # An OS file: written and checksummed in writeback pieces, while they are hot.
@@ -130,7 +138,7 @@ class CheckpointWriter:
             crc = Crc32c()
             crc.update(data)
             payload = data if isinstance(data, bytes) else bytes(data)
-            put_bytes(location, target, payload, self._store.part_size)
+            put_bytes(location, target, payload, self._part_size)
             return self._record(name, crc)
 
     def write_stream(self, name: str, stream: BinaryIO) -> FileEntry:
@@ -163,7 +171,7 @@ class CheckpointWriter:
         On the first failure the remaining writes still finish or fail, then the first error
         is raised; the checkpoint stays uncommitted either way.
         """
-        pool: ThreadPoolExecutor = self._store.executor()
+        pool = self._executor()
         futures = [pool.submit(self._write_any, name, payload) for name, payload in files.items()]
         results, first_error = [], None
         for future in futures:
@@ -191,7 +199,7 @@ class CheckpointWriter:
         for entry in entries:
             validate_file_name(entry.name)
         if self._present_only:
-            location = self._store.location
+            location = self._location
             entries = [e for e in entries if file_exists(location, f"{self.payload_path}/{e.name}")]
         with self._lock:
             for entry in entries:
@@ -241,7 +249,7 @@ class CheckpointWriter:
             # again; anything else is a real conflict.
             self._state = "lost"
             if self.fence is None:
-                holder = self._store.run(self.run).describe_commit(self.step, marker=existing)
+                holder = describe_commit(self._location, self._layout, self.step, marker=existing)
                 raise CommitConflictError(
                     f"{self.url} is already committed{holder}; a committed step is never "
                     "overwritten: save under a new step, or delete that checkpoint first",
@@ -249,7 +257,8 @@ class CheckpointWriter:
                     run=self.run,
                     step=self.step,
                 )
-            self._store.run(self.run).supersede(self.step, self.fence, marker=existing)  # or raises
+            # or raises
+            supersede(self._location, self._layout, self.step, self.fence, marker=existing)
             self._state = "open"
         else:
             self._state = "lost"
@@ -278,7 +287,7 @@ class CheckpointWriter:
         if self.primary and self._marker_may_exist:
             self._state = "aborted"
             return
-        location = self._store.location
+        location = self._location
         if self.primary:
             remove_files(location, [f.path for f in list_files(location, self.payload_path)])
             remove_empty_dirs(location, self.payload_path)
@@ -295,12 +304,12 @@ class CheckpointWriter:
         self._check_open()
         if not self.primary:
             raise WriteAbortedError(
-                f"only the primary writer (CheckpointStore.begin) may commit {self.url}; hand "
+                f"only the primary writer (RunStore.begin) may commit {self.url}; hand "
                 "this writer's entries to it with add_entries()",
                 run=self.run,
                 step=self.step,
             )
-        location = self._store.location
+        location = self._location
         entries = self.entries
         sync_dirs(location, sorted(self._dirs, key=len, reverse=True))  # local disk: fsync
         # The payload listing and the fence re-check are independent: they go out together
@@ -309,7 +318,7 @@ class CheckpointWriter:
         # marker; readers ignore one that slips through (its epoch is not in the lineage).
         checks = [functools.partial(self._check_payload_present, entries)]
         if self.fence is not None:
-            checks.append(functools.partial(self._store.run(self.run).check_fence, self.fence))
+            checks.append(functools.partial(check_fence, self._location, self._layout, self.fence))
         concurrently(*checks)
         return Manifest(
             run=self.run,
@@ -329,8 +338,8 @@ class CheckpointWriter:
         """Create the marker holding ``data``, settling a lost reply by reading it back
         (``create_settled``): None once this save's marker is there, else another writer's
         marker bytes. Until the outcome is known for certain, ``abort`` keeps the payload."""
-        location = self._store.location
-        marker = f"{self.path}/{MARKER_NAME}"
+        location = self._location
+        marker = self._layout.marker_path(self.step)
         earlier = self._marker_may_exist
         self._marker_may_exist = True
         try:
@@ -405,7 +414,7 @@ class CheckpointWriter:
                 )
             self._own.add(name)
         target = f"{self.payload_path}/{name}"
-        location = self._store.location
+        location = self._location
         if location.backend.has_directories:
             parent = target.rsplit("/", 1)[0]
             make_dirs(location, parent)
@@ -438,8 +447,8 @@ class CheckpointWriter:
         """The payload file ``target`` open for writing through the backend: completed (local
         disk: fsynced; object stores: the upload finished) when the block exits cleanly,
         abandoned without publishing anything otherwise."""
-        backend = self._store.location.backend
-        part_size = self._store.part_size
+        backend = self._location.backend
+        part_size = self._part_size
         out = RecordingFile(backend.open_write(target, part_size), backend, part_size)
         try:
             yield out
@@ -449,7 +458,7 @@ class CheckpointWriter:
         out.finish()
 
     def _check_payload_present(self, entries: list[FileEntry]) -> None:
-        location = self._store.location
+        location = self._location
         listed = {f.path: f.size for f in list_files(location, self.payload_path)}
         prefix = f"{self.payload_path}/"
         problems = []

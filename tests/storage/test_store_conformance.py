@@ -174,7 +174,15 @@ def test_a_commit_that_loses_to_another_raises_commit_conflict(exclusive_store):
     # The winner is a second primary in another process in real life; here the attached
     # writer's entries are committed by a fresh primary made without begin's marker checks.
     winner.write_bytes("winner.bin", b"W")
-    won = storage.CheckpointWriter(store, "r", 4, "w" * 32, primary=True)
+    won = storage.CheckpointWriter(
+        store.location,
+        store.run("r").layout,
+        4,
+        "w" * 32,
+        primary=True,
+        part_size=store.part_size,
+        executor=store.executor,
+    )
     won.add_entries(winner.entries)
     won.commit()
     with pytest.raises(CommitConflictError, match="already committed"):
