@@ -88,3 +88,35 @@ def test_destinations_and_dcp_import_nothing_of_the_packages_above_them(below):
         )
     ]
     assert not wrong, "\n".join(wrong)
+
+
+#: storage module -> the storage modules that alone may import it: the store builds run stores,
+#: the run store composes the satellites, and nothing below imports back up (the package's
+#: ``__init__`` re-exports both)
+STORAGE_ABOVE = {
+    "storage.store": {"storage/__init__.py"},
+    "storage.run_store": {"storage/__init__.py", "storage/store.py"},
+}
+
+
+def test_storages_store_and_run_store_are_imported_only_from_above():
+    """No circle among ``storage.store``, ``storage.run_store`` and the modules they compose
+    (writer, reader, markers, existing, leftovers...): every import counts, also one made only
+    under ``TYPE_CHECKING`` or inside a function, and ``from storage import ...`` (the package,
+    which imports both) is refused inside storage."""
+    wrong = []
+    for path in sources("storage"):
+        where = os.path.relpath(path, REPO).replace(os.sep, "/")
+        for line, module in imports_of(path):
+            allowed = STORAGE_ABOVE.get(module)
+            if (allowed is not None and where not in allowed) or module == "storage":
+                wrong.append(f"{where}:{line} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_storage_check_sees_an_import_made_for_type_checking_only(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from storage.store import X\n"
+    )
+    assert (3, "storage.store") in imports_of(str(module))
