@@ -19,14 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from storage.backend import (
-    file_exists,
-    list_files,
-    make_dirs,
-    remove_empty_dirs,
-    remove_files,
-    sync_dirs,
-)
+from storage.backend import file_exists, make_dirs
+from storage.deletion import delete_checkpoints
 from storage.errors import (
     CheckpointNotFoundError,
     CommitConflictError,
@@ -391,38 +385,7 @@ class RunStore:
         1,000 keys per DeleteObjects), found with one listing of the run when there are
         several steps. Idempotent. Returns step -> payload files removed.
         """
-        steps = sorted({validate_step(s) for s in steps})
-        if not steps:
-            return {}
-        location = self.location
-        remove_files(location, [self.marker_path(step) for step in steps])
-        # the markers' removal is durable before any payload goes (local disk: fsync)
-        sync_dirs(location, [self.checkpoint_path(step) for step in steps])
-        payload = self._payload_of(steps)
-        remove_files(location, [path for paths in payload.values() for path in paths])
-        for step in steps:
-            remove_empty_dirs(location, self.checkpoint_path(step))
-        return {step: len(payload[step]) for step in steps}
-
-    def _payload_of(self, steps: list[int]) -> dict[int, list[str]]:
-        location = self.location
-        if len(steps) == 1:
-            path = self.checkpoint_path(steps[0])
-            return {steps[0]: [f.path for f in list_files(location, path)]}
-        wanted = {f"{self.checkpoint_path(step)}/": step for step in steps}
-        found: dict[int, list[str]] = {step: [] for step in steps}
-        base = self.run_path()
-        listing = (
-            list_files(location, base)
-            if self.name is not None or location.backend.posix_paths
-            else [f for step in steps for f in list_files(location, self.checkpoint_path(step))]
-        )
-        for listed in listing:
-            head = listed.path[len(base) + 1 :].split("/", 1)[0]
-            step = wanted.get(f"{base}/{head}/")
-            if step is not None:
-                found[step].append(listed.path)
-        return found
+        return delete_checkpoints(self.location, self.layout, steps)
 
     def condemned(self) -> list[tuple[int, str]]:
         """``(step, save_id)`` of every save a ``_CORRUPT`` record condemns."""
