@@ -127,7 +127,9 @@ def test_a_manager_save_of_unknown_outcome_keeps_its_files_and_the_next_job_resu
 ):
     no_client_retries(monkeypatch)
     catalog = f"sqlite:///{tmp_path / 'catalog.db'}" if with_catalog else None
-    saving = config(s3_backend.url, through(s3_backend, proxy, False), catalog)
+    # a short policy: it gives up on the marker as the default one does, in seconds not 30
+    brief = {"deadline_s": 3.0, "max_backoff_s": 0.5}
+    saving = config(s3_backend.url, through(s3_backend, proxy, False), catalog, retry=brief)
     saved = model(1)
     with CheckpointManager(saving, run_name="r", total_steps=10) as manager:
         manager.load_latest({"model": model(0)})

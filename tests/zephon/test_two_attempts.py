@@ -44,6 +44,9 @@ from zephon.latest import find_latest
 from zephon.locations import RunLocation
 from zephon.sync import sync_storage
 
+#: two real job processes per test: the slow set (README.md, "Quick start")
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZEPHON = os.path.join(os.path.dirname(sys.executable), "zephon")
 #: how long a child may take to answer one command before the test gives up on it
