@@ -10,7 +10,7 @@ from typing import Any
 from storage import MAX_STEP, redact
 from zephon.errors import ConfigError
 
-__all__ = ["MAX_KEEP", "Retention", "check_resume_step", "option_name"]
+__all__ = ["MAX_KEEP", "Retention", "RetentionOptions", "check_resume_step", "option_name"]
 
 #: the largest num_to_keep a catalog column holds (INTEGER)
 MAX_KEEP = 2**31 - 1
@@ -78,3 +78,18 @@ def check_resume_step(owner: str, resume_step: Any) -> int | None:
             f"an integer from 0 to {MAX_STEP} (the step this job resumes from), or None"
         )
     return resume_step
+
+
+class RetentionOptions:
+    """For an entry point that holds its ``retention``: ``num_to_keep`` and
+    ``keep_every_steps`` readable as its own attributes, as users passed them."""
+
+    retention: Retention
+
+    @property
+    def num_to_keep(self) -> int | None:
+        return self.retention.num_to_keep
+
+    @property
+    def keep_every_steps(self) -> int | None:
+        return self.retention.keep_every_steps

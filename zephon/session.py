@@ -43,6 +43,7 @@ __all__ = [
     "CatalogArg",
     "Retention",
     "RunSession",
+    "SessionParts",
     "check_resume_step",
     "resolve_catalog",
 ]
@@ -237,3 +238,20 @@ class RunSession:
         finally:
             self._closed = True
             self.close_catalog()
+
+
+class SessionParts:
+    """For an object that holds its run's ``session`` (None until it starts): the session's
+    catalog and attempt as its own attributes (main process; None elsewhere or before)."""
+
+    session: RunSession | None
+
+    @property
+    def catalog(self) -> Catalog | None:
+        """The catalog with the run's row, or None (no catalog: storage alone decides)."""
+        return self.session.catalog if self.session is not None else None
+
+    @property
+    def attempt(self) -> Attempt | None:
+        """This job's attempt, once registered (by its resume or its first save)."""
+        return self.session.attempt if self.session is not None else None

@@ -11,7 +11,6 @@ into one another; ``Job`` opens them in order and closes what it opened if a ste
 
 from __future__ import annotations
 
-from catalog import Catalog
 from storage import CheckpointStore, InvalidNameError, validate_run
 from zephon.attempts import Attempt
 from zephon.checkpointing.damage import report_passed_over
@@ -19,7 +18,7 @@ from zephon.collectives import Collectives
 from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError
 from zephon.locations import RunLocation, inference_run_name
-from zephon.session import RunSession
+from zephon.session import RunSession, SessionParts
 
 __all__ = ["ALREADY_COMPLETE", "Job"]
 
@@ -56,7 +55,7 @@ def check_arguments(kind: str, run_name: str | None, total_steps: int | None) ->
         )
 
 
-class Job:
+class Job(SessionParts):
     """The parts of one job's checkpointing (see the module docstring); construct on every
     rank at the same point of the program (the process group and the tier are collectives)."""
 
@@ -111,16 +110,6 @@ class Job:
             raise
 
     # -- the session's parts, as the saver, the loader and the manager read them ---------------
-
-    @property
-    def catalog(self) -> Catalog | None:
-        """Rank 0: the catalog, when one is configured (None on the other ranks)."""
-        return self.session.catalog
-
-    @property
-    def attempt(self) -> Attempt | None:
-        """Rank 0: this job's attempt, registered by ``load_latest`` (or the first save)."""
-        return self.session.attempt
 
     @property
     def reads_only_until_save(self) -> bool:

@@ -22,15 +22,13 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from catalog import Catalog
 from storage import CheckpointStore, FileEntry, InvalidNameError, validate_run
-from zephon.attempts import Attempt
 from zephon.errors import ConfigError, ZephonError
 from zephon.integrations.download import FOLDER_FORMAT, VERIFIED, fetch_latest
 from zephon.locations import RunLocation
-from zephon.retention import Retention, check_resume_step
+from zephon.retention import Retention, RetentionOptions, check_resume_step
 from zephon.saving import Save
-from zephon.session import CatalogArg, RunSession, resolve_catalog
+from zephon.session import CatalogArg, RunSession, SessionParts, resolve_catalog
 
 __all__ = ["AcceleratorCheckpoints", "FolderCheckpoints", "fetch_latest"]
 
@@ -63,7 +61,7 @@ def _folder_files(folder: str) -> dict[str, int]:
     return files
 
 
-class FolderCheckpoints:
+class FolderCheckpoints(RetentionOptions, SessionParts):
     """Saves local checkpoint folders as Zephon checkpoints of one run (every process).
 
     ``start`` (every process, once the process group exists) sets up and notes where the job
@@ -110,27 +108,9 @@ class FolderCheckpoints:
         self._save: Save | None = None  # main process: the save under way
 
     @property
-    def num_to_keep(self) -> int | None:
-        return self.retention.num_to_keep
-
-    @property
-    def keep_every_steps(self) -> int | None:
-        return self.retention.keep_every_steps
-
-    @property
     def location(self) -> RunLocation:
         assert self.store is not None, "call start() first"
         return RunLocation(self.run, self.store, self.run)
-
-    @property
-    def catalog(self) -> Catalog | None:
-        """Main process, once started: the catalog with the run's row (None without one)."""
-        return self.session.catalog if self.session is not None else None
-
-    @property
-    def attempt(self) -> Attempt | None:
-        """Main process: this job's attempt, once its first save registered it."""
-        return self.session.attempt if self.session is not None else None
 
     def start(self, resumed_from: int | None = None) -> None:
         """Every process: set up collectives, storage and the run's session, and note

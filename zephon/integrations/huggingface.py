@@ -25,7 +25,7 @@ from storage import InvalidNameError, validate_run
 from zephon.errors import ConfigError
 from zephon.integrations.accelerate import FolderCheckpoints
 from zephon.integrations.download import Fetched, fetch_latest
-from zephon.retention import Retention, check_resume_step
+from zephon.retention import Retention, RetentionOptions, check_resume_step
 from zephon.session import CatalogArg, resolve_catalog
 
 __all__ = ["ZephonCallback", "latest_checkpoint", "remove_temporary_downloads"]
@@ -85,7 +85,7 @@ def latest_checkpoint(
     return found.folder
 
 
-class ZephonCallback(TrainerCallback):
+class ZephonCallback(TrainerCallback, RetentionOptions):
     """A ``TrainerCallback`` that commits every ``checkpoint-N`` the Trainer saves as checkpoint
     ``N`` of run ``run_name`` under ``save_dir`` (a path or fsspec URL).
 
@@ -121,14 +121,6 @@ class ZephonCallback(TrainerCallback):
         self.run_name = run_name
         self.storage_options = dict(storage_options or {})
         self.folders: FolderCheckpoints | None = None
-
-    @property
-    def num_to_keep(self) -> int | None:
-        return self.retention.num_to_keep
-
-    @property
-    def keep_every_steps(self) -> int | None:
-        return self.retention.keep_every_steps
 
     def _run_name(self, args: Any) -> str:
         if self.run_name is not None:

@@ -45,9 +45,9 @@ from zephon.integrations.download import open_catalog
 from zephon.latest import find_latest
 from zephon.locations import RunLocation
 from zephon.outage import close_guard
-from zephon.retention import Retention, check_resume_step
+from zephon.retention import Retention, RetentionOptions, check_resume_step
 from zephon.saving import Save
-from zephon.session import RunSession, resolve_catalog
+from zephon.session import RunSession, SessionParts, resolve_catalog
 from zephon.state_tree import join_state, split_state
 
 __all__ = ["LATEST", "ZephonCheckpointIO", "ZephonRNG", "latest_ckpt_path"]
@@ -64,7 +64,7 @@ TENSOR_FILE = "tensors.safetensors"
 FORMAT_VERSION = 1
 
 
-class ZephonCheckpointIO(CheckpointIO):
+class ZephonCheckpointIO(CheckpointIO, RetentionOptions, SessionParts):
     """A Lightning ``CheckpointIO`` that saves every checkpoint as Zephon checkpoint
     ``global_step`` of ``run_name`` under ``save_dir`` (a path or fsspec URL).
 
@@ -124,22 +124,8 @@ class ZephonCheckpointIO(CheckpointIO):
         self._lock = threading.RLock()
 
     @property
-    def catalog(self) -> Catalog | None:
-        """The catalog with the run's row, or None (storage alone decides)."""
-        return self.session.catalog
-
-    @property
-    def attempt(self) -> Attempt | None:
-        """This job's attempt, once its first save (or removal) registered it."""
-        return self.session.attempt
-
-    @property
-    def num_to_keep(self) -> int | None:
-        return self.session.retention.num_to_keep
-
-    @property
-    def keep_every_steps(self) -> int | None:
-        return self.session.retention.keep_every_steps
+    def retention(self) -> Retention:
+        return self.session.retention
 
     @property
     def resume_step(self) -> int | None:
