@@ -23,6 +23,12 @@ from typing import IO, Any, ClassVar
 
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
+from storage.backends.handles import (
+    OPEN_READ_BLOCK,
+    RangedReader,
+    TranslatedReader,
+    WriteHandle,
+)
 from storage.backends.translate import translated
 from storage.redact import mask_url
 from storage.retry import DEFAULT_RETRY, RetryPolicy
@@ -37,8 +43,6 @@ __all__ = [
     "mtime_of",
 ]
 
-#: bytes per ranged request of a file opened with ``open_read``
-OPEN_READ_BLOCK = 8 << 20
 #: the primitives every call of which goes through the backend's retry policy: a subclass
 #: implements ``_<name>``, never ``<name>`` itself
 RETRIED_PRIMITIVES = (
@@ -322,11 +326,11 @@ class Backend:
         Its writes translate their errors as every operation does."""
         with self._doing("writing", path, creating=True):
             handle = self._open_write(path, part_size)
-        return _WriteHandle(self, handle, path)  # type: ignore[return-value]
+        return WriteHandle(self, handle, path)  # type: ignore[return-value]
 
     def finish_write(self, handle: IO[bytes]) -> None:
         """Complete a file from ``open_write``: durable and visible when this returns."""
-        if isinstance(handle, _WriteHandle):
+        if isinstance(handle, WriteHandle):
             with self._doing("writing", handle.path, creating=True):
                 self._finish_write(handle.raw_handle)
         else:
@@ -334,7 +338,7 @@ class Backend:
 
     def discard_write(self, handle: IO[bytes]) -> None:
         """Abandon a file from ``open_write``, leaving nothing of it behind."""
-        self._discard_write(handle.raw_handle if isinstance(handle, _WriteHandle) else handle)
+        self._discard_write(handle.raw_handle if isinstance(handle, WriteHandle) else handle)
 
     # -- the implementations: one try each -----------------------------------------------------
 
@@ -423,7 +427,7 @@ class Backend:
     def _open_read(self, path: str, size: int) -> IO[bytes]:
         # Read in ranged requests of ``OPEN_READ_BLOCK`` bytes (each tried again on its own);
         # the first is read here, so a missing file raises ``FileNotFoundError`` now.
-        handle = io.BufferedReader(_RangedReader(self, path, size), OPEN_READ_BLOCK)
+        handle = io.BufferedReader(RangedReader(self, path, size), OPEN_READ_BLOCK)
         handle.peek(1)
         return handle
 
@@ -464,90 +468,3 @@ def _common_dir(paths: list[str]) -> str:
     while head and not all(p.startswith(f"{head}/") for p in paths):
         head = head.rsplit("/", 1)[0] if "/" in head else ""
     return head or paths[0]
-
-
-class _WriteHandle:
-    """A file from ``Backend.open_write`` whose writes translate their errors as every
-    operation does; everything else is the backend's own handle."""
-
-    def __init__(self, backend: Backend, handle: IO[bytes], path: str) -> None:
-        self.raw_handle = handle
-        self.path = path
-        self._backend = backend
-
-    def write(self, data: Any) -> int:
-        with self._backend._doing("writing", self.path, creating=True):
-            return self.raw_handle.write(data)
-
-    def flush(self) -> None:
-        with self._backend._doing("writing", self.path, creating=True):
-            self.raw_handle.flush()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.raw_handle, name)
-
-
-class TranslatedReader:
-    """A file open for reading whose reads and seeks translate their errors as every
-    operation does (a local file read in place); everything else is the file itself."""
-
-    def __init__(self, backend: Backend, handle: IO[bytes], path: str) -> None:
-        self.raw_handle = handle
-        self.path = path
-        self._backend = backend
-
-    def read(self, size: int = -1) -> bytes:
-        with self._backend._doing("reading", self.path):
-            return self.raw_handle.read(size)
-
-    def readinto(self, buffer: Any) -> int:
-        with self._backend._doing("reading", self.path):
-            return self.raw_handle.readinto(buffer)  # type: ignore[attr-defined]
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        with self._backend._doing("reading", self.path):
-            return self.raw_handle.seek(offset, whence)
-
-    def __enter__(self) -> TranslatedReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.raw_handle.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.raw_handle, name)
-
-
-class _RangedReader(io.RawIOBase):
-    """A file of known size read by ``Backend.read_range``, one (retried) request per read."""
-
-    def __init__(self, backend: Backend, path: str, size: int) -> None:
-        self._backend = backend
-        self._path = path
-        self._size = size
-        self._position = 0
-        self._opened = False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        end = min(self._size, self._position + view.nbytes)
-        if end <= self._position:
-            if not self._opened:  # an empty file: still an error if it is not there
-                self._backend.read_small(self._path)
-                self._opened = True
-            return 0
-        data = self._backend.read_range(self._path, self._position, end)
-        self._opened = True
-        view[: len(data)] = data
-        self._position += len(data)
-        return len(data)
-
-    def readall(self) -> bytes:
-        # RawIOBase's own reads 8 KiB at a time: here that would be a request each.
-        pieces = []
-        while piece := self.read(OPEN_READ_BLOCK):
-            pieces.append(piece)
-        return b"".join(pieces)
