@@ -1,7 +1,8 @@
 """Turning a user's URL or path into an fsspec filesystem and a root path inside it.
 
-A ``Location`` is the only place that knows how a URL maps to fsspec: everything else in the
-storage layer works on plain ``str`` paths in the filesystem's own form (``bucket/prefix/x``
+A ``Location`` is the only place that knows how a URL maps to a filesystem (which it asks the
+backend classes to open, ``storage.backends.connect``): everything else in the storage layer
+works on plain ``str`` paths in the filesystem's own form (``bucket/prefix/x``
 for object stores, ``/abs/path`` for local disk). Paths are ``str``, never ``pathlib``, since
 ``pathlib`` mangles ``s3://``.
 """
@@ -10,17 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
-import fsspec
-from fsspec.spec import AbstractFileSystem
-
-from storage.backends import DEFAULT_POOL_CONNECTIONS, Backend, backend_for, package_for
-from storage.errors import BackendUnavailableError, InvalidNameError, StorageOptionsRefusedError
+from storage.backends import DEFAULT_POOL_CONNECTIONS, Backend, backend_for
+from storage.backends.connect import open_filesystem
+from storage.errors import InvalidNameError
 from storage.layout import RunLayout
-from storage.redact import is_secret_name, mask_url, option_secrets, redact, secrets_in
+from storage.redact import is_secret_name, mask_url, option_secrets, secrets_in
 from storage.retry import DEFAULT_RETRY, RetryPolicy
+
+if TYPE_CHECKING:
+    from fsspec.spec import AbstractFileSystem
 
 __all__ = [
     "DEFAULT_POOL_CONNECTIONS",
@@ -150,29 +152,7 @@ def open_location(
     protocol = protocol_of(url)
     _refuse_url_credentials(url, protocol, masked)
     secrets = secrets_in(url) | option_secrets(storage_options)
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **with_defaults(protocol, storage_options))
-    except ImportError as exc:
-        package = package_for(protocol)
-        raise BackendUnavailableError(
-            f"cannot open {masked}: the {protocol}:// backend needs {package}; "
-            f"install it with `pip install {package}`"
-            if package is not None
-            else f"cannot open {masked}: {redact(exc, secrets)}",
-            url=masked,
-        ) from exc
-    except ValueError as exc:
-        raise InvalidNameError(
-            f"cannot open {masked}: {redact(exc, secrets)}; check the URL's protocol", url=masked
-        ) from exc
-    except Exception as exc:  # fsspec backends fail in many ways on a URL they cannot open
-        what = f"cannot open {masked}: {type(exc).__name__}: {redact(exc, secrets)}"
-        if isinstance(exc, TypeError | AttributeError | KeyError):  # options it cannot take
-            raise StorageOptionsRefusedError(what, url=masked) from exc
-        raise BackendUnavailableError(
-            f"{what}; check the URL and storage_options, and that the endpoint is reachable",
-            url=masked,
-        ) from exc
+    fs, root = open_filesystem(url, protocol, storage_options, masked, secrets)
     fs_protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     backend_class = backend_for(fs_protocol)
     root = backend_class.normalise_root(fs, root)

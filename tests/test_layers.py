@@ -120,3 +120,46 @@ def test_the_storage_check_sees_an_import_made_for_type_checking_only(tmp_path):
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from storage.store import X\n"
     )
     assert (3, "storage.store") in imports_of(str(module))
+
+
+#: the libraries of the storage backends: only storage/backends/ calls them
+BACKEND_LIBRARIES = {"fsspec", "s3fs", "gcsfs", "adlfs", "botocore", "aiohttp"}
+
+
+def runtime_imports_of(path: str) -> list[tuple[int, str]]:
+    """``imports_of`` without the imports made under ``if TYPE_CHECKING:`` (annotations only)."""
+    with open(path) as handle:
+        tree = ast.parse(handle.read(), path)
+    for_types = {
+        node.lineno
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If)
+        and isinstance(block.test, ast.Name)
+        and block.test.id == "TYPE_CHECKING"
+        for node in ast.walk(block)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+    }
+    return [(line, module) for line, module in imports_of(path) if line not in for_types]
+
+
+def test_only_the_backend_classes_call_fsspec():
+    backends = os.path.join(REPO, "storage", "backends")
+    wrong = [
+        f"{os.path.relpath(path, REPO)}:{line} imports {module}: call a backend method instead "
+        "(storage/backends/ translates its errors and retries it)"
+        for layer in ("storage", "catalog", "zephon")
+        for path in sources(layer)
+        if not path.startswith(backends + os.sep)
+        for line, module in runtime_imports_of(path)
+        if module.split(".")[0] in BACKEND_LIBRARIES
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_fsspec_check_sees_a_runtime_import_and_passes_one_for_types(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\nimport fsspec\n"
+        "if TYPE_CHECKING:\n    from fsspec.spec import AbstractFileSystem\n"
+    )
+    assert runtime_imports_of(str(path)) == [(1, "typing"), (2, "fsspec")]
