@@ -20,6 +20,8 @@ import contextlib
 import errno
 import os
 import re
+import sqlite3
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -134,6 +136,24 @@ def redact_text(text: str, secrets: frozenset[str] = frozenset()) -> str:
     )
 
 
+def _use_wal(cursor: Any) -> None:
+    """Switch a SQLite connection to WAL. The switch needs an exclusive lock, and SQLite
+    answers "database is locked" at once, without waiting in its busy handler, while another
+    connection holds one: as when several processes open a new catalog at the same moment.
+    Try again until the busy timeout, as every other statement waits."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    delay = 0.01
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
 def _sqlite_engine(url: URL) -> Engine:
     if url.database and not url.database.startswith("file:"):
         directory = os.path.dirname(os.path.abspath(url.database))
@@ -159,7 +179,7 @@ def _sqlite_engine(url: URL) -> Engine:
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_S * 1000}")
             cursor.execute("PRAGMA foreign_keys = ON")
             # WAL lets readers (resuming jobs, `zephon runs`) proceed while gc writes.
-            cursor.execute("PRAGMA journal_mode = WAL")
+            _use_wal(cursor)
             # NORMAL is crash-safe in WAL mode; a power cut may lose the last commits, which
             # the marker probe and `zephon sync` repair from storage (the source of truth).
             cursor.execute("PRAGMA synchronous = NORMAL")
