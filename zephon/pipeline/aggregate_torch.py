@@ -1,8 +1,9 @@
 """Assembling one state dict from every rank's progress over torch.distributed.
 
 The transport of ``Pipeline.checkpoint()`` selected by ``aggregate_store="torch://"`` (and by
-default when torch.distributed is initialised and no ``aggregate_dir`` is given): no shared
-directory, and every rank gets the merged state. torch is imported only when a pipeline uses
+default when torch.distributed is initialised and no ``aggregate_dir`` is given), or by
+``aggregate_store="torch://HOST:PORT"`` (a TCPStore at that address, no process group): no
+shared directory, and every rank gets the merged state. torch is imported only when a pipeline uses
 it, so ``zephon.pipeline`` stays importable without torch; :func:`distributed_ready` looks for
 an initialised process group without importing anything.
 
@@ -24,6 +25,19 @@ One checkpoint, on every rank of the group:
    deletes its own arrival key and rank 0 the counter and ``complete``: the store holds nothing
    between checkpoints.
 
+**Through a TCPStore alone** (``torch://HOST:PORT``, for jobs without a process group): the
+same three steps with the store as the only channel. Arrival sets ``<prefix>/rank/<r>`` to the
+rank's part itself (JSON bytes), so step 2 is each rank reading every part from the store; each
+rank then adds 1 to ``<prefix>/read``, and the rank whose ``add`` returns ``world_size`` deletes
+the parts, the counters and ``complete`` (nobody reads them any more). Rank and world size are
+the pipeline's own ``global_rank`` and ``world_size``. The store's server: the pipeline's rank 0
+hosts it at its first checkpoint unless something already listens on PORT (torchrun's store on
+``MASTER_PORT``, a server the launcher started), and then, like every other rank, connects as a
+client, waiting up to ``aggregate_timeout_s`` for the server. So HOST must be rank 0's machine
+when nobody else serves the address (as ``MASTER_ADDR`` is under torchrun). One connection per
+address per process is kept for the process's life, so a server hosted by rank 0 outlives its
+pipelines and later pipelines (a restore, another run_id) reuse it.
+
 ``<prefix>`` is ``zephon/pipeline/<run_id or a digest of the pipeline's configuration>/<ranks of
 the group>/<epoch>-<seq>`` (the same key the storage transport uses), so successive checkpoints
 and pipelines with different run_ids never share a key.
@@ -40,19 +54,40 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 import sys
+import threading
 from typing import Any
 
 from zephon.errors import ConfigError
 from zephon.pipeline.errors import AggregationError, AggregationTimeoutError
 from zephon.pipeline.state import Identity, merge_parts
 
-__all__ = ["TORCH_STORE", "TorchAggregator", "distributed_ready"]
+__all__ = ["TORCH_STORE", "TorchAggregator", "distributed_ready", "store_address"]
 
 TORCH_STORE = "torch://"
 _PREFIX = "zephon/pipeline"
+_ADDRESS = re.compile(r"torch://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>[0-9]{1,5})")
 # (default group, its gloo side group): NCCL-only default groups cannot move CPU tensors.
 _side_group: tuple[Any, Any] | None = None
+# One TCPStore per "torch://HOST:PORT" per process, kept for its life (a server hosted here too).
+_stores: dict[tuple[str, int], Any] = {}
+_stores_lock = threading.Lock()
+
+
+def store_address(value: str) -> tuple[str, int] | None:
+    """``aggregate_store`` checked: ``None`` for ``"torch://"`` (the process group's store),
+    ``(host, port)`` for ``"torch://HOST:PORT"``; anything else is a one-line ``ConfigError``."""
+    if value == TORCH_STORE:
+        return None
+    match = _ADDRESS.fullmatch(value) if isinstance(value, str) else None
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise ConfigError(
+            f"aggregate_store must be {TORCH_STORE!r} (the process group's store) or "
+            f"'torch://HOST:PORT' (a TCPStore at that address, port 1-65535), got {value!r}; "
+            "for a shared directory give aggregate_dir=URL"
+        )
+    return match["host"].strip("[]"), int(match["port"])
 
 
 def distributed_ready() -> bool:
@@ -77,8 +112,6 @@ class TorchAggregator:
     topology is refused before training, not at the first checkpoint.
     """
 
-    url = TORCH_STORE
-
     def __init__(
         self,
         *,
@@ -88,7 +121,19 @@ class TorchAggregator:
         rank: int,
         timeout_s: float,
         group: Any = None,
+        address: tuple[str, int] | None = None,
     ) -> None:
+        self.run_id = run_id
+        self.world_size = world_size
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self._group = group
+        self._address = address
+        namespace = f"{_PREFIX}/{run_id or _digest(identity.header())}"
+        if address is not None:  # PipelineOptions refuses an address with a group
+            self._store = None  # connected at the first checkpoint: see _connected()
+            self._namespace = f"{namespace}/world"
+            return
         if not distributed_ready():
             raise ConfigError(
                 f"aggregate_store={TORCH_STORE!r} needs torch.distributed initialised before the "
@@ -121,15 +166,17 @@ class TorchAggregator:
                 "torch.distributed.new_group(ranks, backend='gloo')"
             )
         self._dist = dist
-        self._group = group
         self._store = dist.distributed_c10d._get_default_store()  # shared by every group
         members = dist.get_process_group_ranks(group) if group is not None else None
-        members_id = "world" if members is None else _digest(members)
-        self._namespace = f"{_PREFIX}/{run_id or _digest(identity.header())}/{members_id}"
-        self.run_id = run_id
-        self.world_size = world_size
-        self.rank = rank
-        self.timeout_s = timeout_s
+        self._namespace = f"{namespace}/{'world' if members is None else _digest(members)}"
+
+    @property
+    def url(self) -> str:
+        """``torch://``, or ``torch://HOST:PORT`` with an address: what errors name."""
+        if self._address is None:
+            return TORCH_STORE
+        host, port = self._address
+        return f"{TORCH_STORE}{f'[{host}]' if ':' in host else host}:{port}"
 
     def checkpoint(self, key: str, part: dict[str, Any], identity: Identity) -> dict[str, Any]:
         """Every rank of the group: exchange parts for ``key`` and return the merged state.
@@ -139,13 +186,18 @@ class TorchAggregator:
         that did not checkpoint at the same step, or built different pipelines).
         """
         prefix = f"{self._namespace}/{key}"
-        self._arrive(prefix, key)
         data = json.dumps(part, separators=(",", ":")).encode()
-        blobs = self._all_gather_bytes(data)
-        self._store.delete_key(f"{prefix}/rank/{self.rank}")
-        if self.rank == 0:
-            self._store.delete_key(f"{prefix}/count")
-            self._store.delete_key(f"{prefix}/complete")
+        if self._address is None:
+            self._arrive(prefix, key, b"1")
+            blobs = self._all_gather_bytes(data)
+            self._store.delete_key(f"{prefix}/rank/{self.rank}")
+            if self.rank == 0:
+                self._store.delete_key(f"{prefix}/count")
+                self._store.delete_key(f"{prefix}/complete")
+        else:
+            self._connected(key)
+            self._arrive(prefix, key, data)
+            blobs = self._read_parts(prefix)
         parts = [json.loads(blob) for blob in blobs]
         counts = {p.get("rank"): p.get("delivered") for p in parts}
         if len(set(counts.values())) > 1:
@@ -158,9 +210,9 @@ class TorchAggregator:
             )
         return merge_parts(parts, identity, run_id=self.run_id or "", url=self.url)
 
-    def _arrive(self, prefix: str, key: str) -> None:
+    def _arrive(self, prefix: str, key: str, value: bytes) -> None:
         store = self._store
-        store.set(f"{prefix}/rank/{self.rank}", b"1")
+        store.set(f"{prefix}/rank/{self.rank}", value)
         self._check_abort(prefix, key)
         if store.add(f"{prefix}/count", 1) == self.world_size:
             store.set(f"{prefix}/complete", b"1")
@@ -188,7 +240,7 @@ class TorchAggregator:
     def _timeout(self, key: str, missing: list[int], said: str) -> AggregationTimeoutError:
         run = f" of run {self.run_id!r}" if self.run_id else ""
         return AggregationTimeoutError(
-            f"pipeline checkpoint {key!r}{run} over torch.distributed (rank {self.rank}): "
+            f"pipeline checkpoint {key!r}{run} over {self._channel()} (rank {self.rank}): "
             f"{said}; every rank in world_size={self.world_size} "
             "must call checkpoint() at the same step (raise aggregate_timeout_s if they are slow)",
             missing_ranks=missing,
@@ -196,6 +248,55 @@ class TorchAggregator:
             run_id=self.run_id,
             url=self.url,
         )
+
+    def _connected(self, key: str) -> None:
+        """Connect to the address's TCPStore once per process; rank 0 hosts it if nobody does."""
+        if self._store is not None:
+            return
+        import torch.distributed as dist
+
+        with _stores_lock:
+            store = _stores.get(self._address)
+            if store is None:
+                store = _stores[self._address] = self._open_store(dist, key)
+        self._store = store
+
+    def _open_store(self, dist: Any, key: str) -> Any:
+        host, port = self._address
+        timeout = dt.timedelta(seconds=self.timeout_s)
+        if self.rank == 0:
+            try:
+                return dist.TCPStore(
+                    host, port, is_master=True, wait_for_workers=False, timeout=timeout
+                )
+            except dist.DistNetworkError:
+                pass  # PORT is taken: a server is already there (torchrun's, the launcher's)
+        try:
+            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except dist.DistError as exc:
+            said = (
+                f"nobody served the TCPStore at {self.url} within {self.timeout_s:g} s (rank 0 "
+                "hosts it unless a server already listens there: HOST must be rank 0's machine)"
+            )
+            raise self._timeout(key, [0], said) from exc
+
+    def _read_parts(self, prefix: str) -> list[bytes]:
+        """Every rank's part from the store; the last rank to read them deletes the keys."""
+        store = self._store
+        names = [f"{prefix}/rank/{r}" for r in range(self.world_size)]
+        blobs = [bytes(blob) for blob in store.multi_get(names)]
+        # Past the wait every rank's part is in hand, so cleanup can only fail if the server
+        # went away (rank 0 hosting it exited first), and then the keys went with it.
+        try:
+            if store.add(f"{prefix}/read", 1) == self.world_size:
+                for name in [*names, f"{prefix}/count", f"{prefix}/complete", f"{prefix}/read"]:
+                    store.delete_key(name)
+        except RuntimeError:
+            pass
+        return blobs
+
+    def _channel(self) -> str:
+        return "torch.distributed" if self._address is None else f"the TCPStore at {self.url}"
 
     def _collective_group(self) -> Any:
         global _side_group

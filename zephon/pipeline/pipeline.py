@@ -22,7 +22,7 @@ from typing import Any
 
 from zephon.errors import ConfigError
 from zephon.pipeline.aggregate import Aggregator, aggregation_key
-from zephon.pipeline.aggregate_torch import TORCH_STORE, TorchAggregator, distributed_ready
+from zephon.pipeline.aggregate_torch import TorchAggregator, distributed_ready, store_address
 from zephon.pipeline.iteration import Iteration
 from zephon.pipeline.lanes import LanePlan, LaneProgress, owned_lanes
 from zephon.pipeline.operators import (
@@ -103,10 +103,11 @@ class PipelineOptions:
         timeout = self.aggregate_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"aggregate_timeout_s must be a number > 0, got {timeout!r}")
-        if self.aggregate_store is not None and self.aggregate_store != TORCH_STORE:
+        address = None if self.aggregate_store is None else store_address(self.aggregate_store)
+        if address is not None and self.aggregate_group is not None:
             raise ConfigError(
-                f"aggregate_store must be {TORCH_STORE!r} (aggregation over torch.distributed), "
-                f"got {self.aggregate_store!r}; for a shared directory give aggregate_dir=URL"
+                f"aggregate_group needs aggregate_store='torch://' (the group's own store), not "
+                f"{self.aggregate_store!r}: give a process group or an address, not both"
             )
         if self.aggregate_dir is not None and (
             self.aggregate_store is not None or self.aggregate_group is not None
@@ -287,6 +288,8 @@ class Pipeline:
         progress through one of two transports: ``aggregate_store="torch://"`` over
         torch.distributed (the default group, or ``aggregate_group``; the default when
         torch.distributed is initialised and no ``aggregate_dir`` is given), or
+        ``aggregate_store="torch://HOST:PORT"`` through a TCPStore at that address with no
+        process group (rank 0 hosts it unless a server already listens there), or
         ``aggregate_dir``, an fsspec URL shared by all ranks (with ``storage_options``), which
         also needs ``run_id``. ``flush_every_k_chunks`` defaults to 8 when the chain shuffles or
         packs, else 0 (flush at every chunk).
@@ -416,6 +419,7 @@ class Pipeline:
             rank=opts.global_rank,
             timeout_s=opts.aggregate_timeout_s,
             group=opts.aggregate_group,
+            address=store_address(opts.aggregate_store or "torch://"),
         )
         return self._aggregator
 

@@ -13,6 +13,10 @@ run the first phase, ranks 0 and 1 then the second in a new process group. Print
   (``aggregate_timeout_s=2``) and calls it only after the others gave up.
 - ``resume`` (2 ranks, 2 groups): restores the first phase's state from
   ``<workdir>/state.json`` and trains on; checkpoints once more.
+- ``address`` (4 ranks, no process group at all): two pipelines in lockstep over
+  ``aggregate_store="torch://127.0.0.1:<port3>"`` (nobody serves it: rank 0 hosts) and over
+  ``torch://127.0.0.1:<port4>`` (the test serves it), checkpointed as in ``first``; then rank 3
+  skips a checkpoint and calls it only after the others gave up (they leave a file each).
 """
 
 from __future__ import annotations
@@ -161,6 +165,42 @@ def resume(rank: int, world_size: int, workdir: str) -> dict:
     return {"keys": keys, "final": final}
 
 
+def address(rank: int, world_size: int, workdir: str, ports: tuple[int, int]) -> dict:
+    hosted, served = (f"torch://127.0.0.1:{port}" for port in ports)
+    pipelines = {
+        "hosted": build(rank, world_size, aggregate_store=hosted, run_id="first"),
+        "served": build(rank, world_size, aggregate_store=served, run_id="first"),
+    }
+    iterators = {name: iter(p) for name, p in pipelines.items()}
+    states, done = {name: [] for name in pipelines}, 0
+    for target in CHECKPOINTS:
+        for _ in range(GLOBAL_MICROBATCHES // world_size * (target - done)):
+            batches = {name: next(it) for name, it in iterators.items()}
+            assert len({str(b.keys) for b in batches.values()}) == 1  # lockstep, same data
+        done = target
+        for name, p in pipelines.items():
+            states[name].append(text(p.checkpoint()))
+    for p in pipelines.values():
+        p.close()
+    # the last checkpoint brought every rank together: only rank 3 can be missing after 2 s
+    late = build(rank, world_size, aggregate_store=hosted, run_id="late", aggregate_timeout_s=2)
+    timeout: dict = {}
+    if rank == world_size - 1:
+        gave_up = [os.path.join(workdir, f"gave-up-{r}") for r in range(world_size - 1)]
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(path) for path in gave_up):
+            assert time.monotonic() < deadline, "the other ranks never gave up"
+            time.sleep(0.05)
+    try:
+        late.checkpoint()
+    except AggregationTimeoutError as exc:
+        timeout = {"missing": exc.missing_ranks, "message": str(exc)}
+    if rank != world_size - 1:
+        open(os.path.join(workdir, f"gave-up-{rank}"), "w").close()
+        time.sleep(5)  # rank 0 hosts the store: keep it up until rank 3 has come
+    return {"states": states, "timeout": timeout}
+
+
 def main(rank: int, world: int, first_port: int, config: dict) -> None:
     import torch.distributed as dist  # here: the test imports build() before skipping on torch
 
@@ -181,6 +221,8 @@ def main(rank: int, world: int, first_port: int, config: dict) -> None:
             out[phase] = (first if phase == "first" else resume)(rank, world_size, workdir)
         finally:
             dist.destroy_process_group()
+    assert not dist.is_initialized()
+    out["address"] = address(rank, world, workdir, (config["port3"], config["port4"]))
     report(out)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -17,6 +18,7 @@ from tests.ranks import launch
 from tests.zephon.pipeline.agg_torch_worker import CHECKPOINTS, RESUMED_STEPS, build
 from tests.zephon.pipeline.agg_worker import checkpoint_all, states_at
 from zephon.errors import ConfigError
+from zephon.pipeline import AggregationTimeoutError
 
 pytest.importorskip("torch")
 
@@ -38,12 +40,20 @@ def _expected_texts(tmp_path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    import torch.distributed as dist
+
     workdir = str(tmp_path_factory.mktemp("torch-agg"))
-    config = {"workdir": workdir, "port2": servers.free_port()}
+    ports = {name: servers.free_port() for name in ("port2", "port3", "port4")}
+    # port4's TCPStore is served from here, as a launcher would: the ranks only connect to it
+    server = dist.TCPStore("127.0.0.1", ports["port4"], is_master=True, wait_for_workers=False)
+    config = {"workdir": workdir, **ports}
     results = launch("tests.zephon.pipeline.agg_torch_worker", 4, config, timeout=240)
+    leftovers = [k for k in server.list_keys() if k.startswith("zephon/")]
     return {
         "first": [r["first"] for r in results],
         "resume": [r["resume"] for r in results if "resume" in r],
+        "address": [r["address"] for r in results],
+        "served_leftovers": leftovers,
         "workdir": workdir,
     }
 
@@ -60,6 +70,29 @@ def test_the_torch_transport_gives_every_rank_the_storage_transports_bytes(runs,
     # the storage transport's last reader removed what the checkpoints left in aggregate_dir
     agg = os.path.join(runs["workdir"], "agg")
     assert [f for _, _, files in os.walk(agg) for f in files] == []
+
+
+@pytest.mark.slow
+def test_a_tcpstore_address_without_a_process_group_gives_the_same_bytes(runs, tmp_path):
+    expected = _expected_texts(tmp_path)
+    for rank, result in enumerate(runs["address"]):
+        assert result["states"]["hosted"] == expected, rank  # rank 0 hosted the store
+        assert result["states"]["served"] == expected, rank  # the test's server
+    # the last reader of each checkpoint deleted its keys: nothing left between checkpoints
+    assert runs["served_leftovers"] == []
+
+
+@pytest.mark.slow
+def test_a_rank_missing_at_a_tcpstore_address_is_named_on_every_rank(runs):
+    for rank, result in enumerate(runs["address"][:3]):
+        timeout = result["timeout"]
+        assert timeout["missing"] == [3], rank
+        assert "over the TCPStore at torch://127.0.0.1:" in timeout["message"]
+        assert "ranks [3] did not arrive within 2 s" in timeout["message"]
+        assert "\n" not in timeout["message"]
+    late = runs["address"][3]["timeout"]
+    assert late["missing"] == [3]
+    assert "rank 3 arrived after the others had waited 2 s for ranks [3]" in late["message"]
 
 
 @pytest.mark.slow
@@ -129,6 +162,11 @@ def test_a_wrong_topology_under_torch_distributed_is_one_line_naming_the_fix(run
     "options,at_iter,match",
     [
         ({"aggregate_store": "s3://bucket/agg"}, False, "aggregate_store must be 'torch://'"),
+        ({"aggregate_store": "torch://host"}, False, "or 'torch://HOST:PORT'"),
+        ({"aggregate_store": "torch://:29500"}, False, "or 'torch://HOST:PORT'"),
+        ({"aggregate_store": "torch://host:x"}, False, "or 'torch://HOST:PORT'"),
+        ({"aggregate_store": "torch://host:70000"}, False, "port 1-65535"),
+        ({"aggregate_store": "torch://h:1", "aggregate_group": object()}, False, "not both"),
         ({"aggregate_store": "torch://", "aggregate_dir": "/x"}, False, "not both"),
         ({"aggregate_group": object(), "aggregate_dir": "/x"}, False, "not both"),
         ({"aggregate_store": "torch://"}, True, "needs torch.distributed initialised"),
@@ -141,4 +179,31 @@ def test_misconfiguration_without_torch_distributed_is_one_line(options, at_iter
         p = build(0, 2, **options)
         assert at_iter, "refused only when the pipeline starts"
         iter(p)
+    assert "\n" not in str(info.value)
+
+
+def test_a_tcpstore_address_assembles_the_storage_transports_state_without_torch_distributed(
+    tmp_path,
+):
+    address = f"torch://127.0.0.1:{servers.free_port()}"
+    pipelines = [build(r, 2, aggregate_store=address, run_id="threads") for r in range(2)]
+    reference = [build(r, 2, aggregate_dir=str(tmp_path), run_id="threads") for r in range(2)]
+    for p in [*pipelines, *reference]:
+        it = iter(p)
+        next(it)
+        next(it)
+    with ThreadPoolExecutor(2) as pool:  # checkpoint() waits for every rank: one thread each
+        states = list(pool.map(lambda p: p.checkpoint(), pipelines))
+    assert states == [checkpoint_all(reference)] * 2
+    for p in [*pipelines, *reference]:
+        p.close()
+
+
+def test_nobody_serving_a_tcpstore_address_names_rank_0_in_one_line():
+    address = f"torch://127.0.0.1:{servers.free_port()}"
+    pipeline = build(1, 2, aggregate_store=address, aggregate_timeout_s=1)
+    with pytest.raises(AggregationTimeoutError) as info:
+        pipeline.checkpoint()
+    assert info.value.missing_ranks == [0]
+    assert f"nobody served the TCPStore at {address} within 1 s" in str(info.value)
     assert "\n" not in str(info.value)
