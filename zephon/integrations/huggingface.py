@@ -6,7 +6,12 @@ local folder holding the latest *complete* one.
 Why: the Trainer's own ``resume_from_checkpoint=True`` takes the highest ``checkpoint-N`` in
 ``output_dir`` without checking it is complete, so a job killed while saving crashes on restart
 (``FileNotFoundError`` for ``trainer_state.json``), and its checkpoints live only where the job
-ran. Here a save either committed, with every byte recorded, or does not exist.
+ran. Here a save either committed, with every byte recorded, or does not exist; and the callback
+makes the stock ``resume_from_checkpoint=True`` agree: when the Trainer is made
+(``on_init_end``, the one hook before ``train()`` resolves ``True`` with
+``get_last_checkpoint(output_dir)``) it puts the run's latest complete checkpoint at
+``output_dir/checkpoint-N`` and moves every newer ``checkpoint-M`` folder, which Zephon never
+committed, aside into ``output_dir/.zephon-incomplete/``.
 
 Importing this module imports transformers (``import zephon`` does not).
 """
@@ -14,8 +19,11 @@ Importing this module imports transformers (``import zephon`` does not).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import re
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,10 +36,22 @@ from zephon.integrations.download import Fetched, fetch_latest
 from zephon.retention import Retention, RetentionOptions, check_resume_step
 from zephon.session import CatalogArg, resolve_catalog
 
-__all__ = ["ZephonCallback", "latest_checkpoint", "remove_temporary_downloads"]
+__all__ = [
+    "ZephonCallback",
+    "latest_checkpoint",
+    "prepare_output_dir",
+    "remove_temporary_downloads",
+]
+
+log = logging.getLogger("zephon")
 
 #: who takes the callback's options, as its error messages name it
 OWNER = "ZephonCallback"
+#: where uncommitted ``checkpoint-N`` folders of ``output_dir`` are moved: neither
+#: ``get_last_checkpoint`` nor the Trainer's rotation (``checkpoint-*``) looks inside
+INCOMPLETE = ".zephon-incomplete"
+#: the Trainer's folder names (transformers' ``_re_checkpoint``)
+_CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 #: temporary downloads ``latest_checkpoint`` made in this process, removed when training ends
 _temporary: list[Fetched] = []
 _temporary_lock = threading.Lock()
@@ -85,6 +105,54 @@ def latest_checkpoint(
     return found.folder
 
 
+def prepare_output_dir(
+    output_dir: str,
+    save_dir: str,
+    run_name: str,
+    *,
+    catalog: CatalogArg = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> int | None:
+    """Make ``get_last_checkpoint(output_dir)`` name the run's latest complete checkpoint (every
+    process; collective under torch.distributed), and return its step (None: the run has none).
+
+    The checkpoint is materialised as ``output_dir/checkpoint-<step>`` like ``latest_checkpoint``
+    does into a ``local_dir`` (a folder there holding this very save is re-verified and reused;
+    the Trainer's own folder of that step is replaced by the verified copy), and every
+    ``checkpoint-M`` above it is moved into ``output_dir/.zephon-incomplete/``: a save killed
+    half-written, or one Zephon never committed. Nothing is deleted."""
+    found = fetch_latest(
+        save_dir, run_name, catalog=catalog, storage_options=storage_options, local_dir=output_dir
+    )
+    step = None if found is None else found.step
+    try:
+        names = os.listdir(output_dir)
+    except FileNotFoundError:
+        return step
+    for name in names:
+        match = _CHECKPOINT_FOLDER.match(name)
+        folder = os.path.join(output_dir, name)
+        if match is None or (step is not None and int(match[1]) <= step):
+            continue
+        if not os.path.isdir(folder):
+            continue
+        aside = os.path.join(output_dir, INCOMPLETE, f"{name}.{time.time_ns()}-{os.getpid()}")
+        os.makedirs(os.path.dirname(aside), exist_ok=True)
+        try:
+            os.rename(folder, aside)
+        except FileNotFoundError:
+            continue  # another process of this host moved it first
+        log.warning(
+            "zephon: %s is not a complete checkpoint of run %r (the latest is %s): moved to %s "
+            "so that resume_from_checkpoint=True skips it",
+            folder,
+            run_name,
+            "none" if step is None else f"step {step}",
+            aside,
+        )
+    return step
+
+
 class ZephonCallback(TrainerCallback, RetentionOptions):
     """A ``TrainerCallback`` that commits every ``checkpoint-N`` the Trainer saves as checkpoint
     ``N`` of run ``run_name`` under ``save_dir`` (a path or fsspec URL).
@@ -100,7 +168,11 @@ class ZephonCallback(TrainerCallback, RetentionOptions):
     the local ``output_dir``). ``catalog``: a ``catalog.Catalog`` or its URL, else
     ``$ZEPHON_CATALOG_URL`` (unset: storage alone). ``run_name`` defaults to
     ``args.run_name``, else the last component of ``args.output_dir``. Every option is checked
-    here, at construction (``zephon.retention``).
+    here, at construction (``zephon.retention``). At ``on_init_end`` (the Trainer's
+    construction, every process) it runs ``prepare_output_dir``, so the Trainer's own
+    ``resume_from_checkpoint=True`` resumes from the run's latest complete checkpoint, even on a
+    machine whose ``output_dir`` is empty; pass the callback in ``Trainer(callbacks=[...])``,
+    since ``add_callback`` comes after that hook.
     """
 
     def __init__(
@@ -136,6 +208,15 @@ class ZephonCallback(TrainerCallback, RetentionOptions):
                 "run_name='my-run' (1-128 of A-Za-z0-9._-, not save-<step> or _attempts)"
             ) from None
         return candidate
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        prepare_output_dir(
+            args.output_dir,
+            self.save_dir,
+            self._run_name(args),
+            catalog=self.catalog,
+            storage_options=self.storage_options,
+        )
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.folders is not None:

@@ -115,6 +115,9 @@ class ZephonCheckpointIO(CheckpointIO, RetentionOptions, SessionParts):
         #: Lightning names of each step this process knows of (a step saved twice, e.g.
         #: top-k and ``last.ckpt``, is one checkpoint with two names)
         self._names: dict[int, set[str]] = {}
+        #: whether the last load was ``LATEST`` on a run with no checkpoint (``ZephonRNG``
+        #: then tells Lightning no checkpoint was restored)
+        self.started_fresh = False
         #: name -> step of the save running now (``AsyncCheckpointIO`` saves in a thread)
         self._saving: dict[str, int] = {}
         #: names Lightning removed before their save committed: deleted once it has
@@ -253,10 +256,12 @@ class ZephonCheckpointIO(CheckpointIO, RetentionOptions, SessionParts):
         ``zephon://<run>/<step>`` or of a name this run saved under (one it never saved under:
         ``zephon.CheckpointNotFoundError``); every byte is checked against its CRC32C."""
         name = str(path)
+        self.started_fresh = False
         if name == LATEST:
             latest = find_latest(self.location, catalog=self.catalog, confirm=True)
             if latest is None:
                 log.info("zephon: run %s has no checkpoint yet: starting fresh", self.run)
+                self.started_fresh = True
                 return _NoCheckpoint()
             step = latest.step
         elif name.startswith(_SCHEME):
@@ -372,7 +377,13 @@ def latest_ckpt_path(
 class ZephonRNG(Callback):
     """Saves the torch, numpy and Python RNG states with each checkpoint and restores them
     when training starts again, so dropout and DataLoader shuffling continue as if never
-    interrupted (Lightning itself saves no RNG state)."""
+    interrupted (Lightning itself saves no RNG state).
+
+    On a fresh start (``ckpt_path=LATEST``, the run has no checkpoint yet) it also clears the
+    Trainer's ``ckpt_path`` at ``on_fit_start``, between Lightning's load and its
+    ``resume_end``, which otherwise logs "Restored all states from the checkpoint at
+    zephon://latest" for a checkpoint that does not exist. Lightning resolves ``ckpt_path``
+    before any hook runs and refuses a falsy one, so no earlier moment can answer None."""
 
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
@@ -393,3 +404,14 @@ class ZephonRNG(Callback):
         if self._pending is not None:
             restore_rng(self._pending)
             self._pending = None
+        plugin = _zephon_plugin(trainer)
+        if plugin is not None and plugin.started_fresh and str(trainer.ckpt_path) == LATEST:
+            trainer.ckpt_path = None  # Lightning's public setter: nothing was restored
+
+
+def _zephon_plugin(trainer: Any) -> ZephonCheckpointIO | None:
+    """The trainer's ``ZephonCheckpointIO``, also inside a wrapper (``AsyncCheckpointIO``)."""
+    plugin = getattr(trainer.strategy, "checkpoint_io", None)
+    while plugin is not None and not isinstance(plugin, ZephonCheckpointIO):
+        plugin = getattr(plugin, "checkpoint_io", None)
+    return plugin

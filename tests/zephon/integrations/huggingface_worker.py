@@ -5,7 +5,8 @@ tests/zephon/integrations/test_huggingface.py (run as a subprocess so it can be 
 
 SPEC: output_dir, save_dir, run, catalog (URL or null), storage_options, max_steps,
 resume ("none" | "zephon" | "stock", or a list of them: one job after the other in this
-process; a failing "stock" job is reported on stdout as "stock resume failed: <error>"),
+process; "stock" is the Trainer's own resume_from_checkpoint=True, and a failing "stock" job is
+reported on stdout as "stock resume failed: <error>"),
 kill ("none" | "trainer_save" | "zephon_commit"),
 kill_step, losses (path: the logged losses are written there as JSON).
 """
@@ -130,7 +131,10 @@ def job(spec: dict, mode: str) -> dict:
             local_dir=spec.get("local_dir"),
         )
         print("resuming from", resume, flush=True)
-    elif mode == "stock":
+    elif mode == "stock":  # what the Trainer resolves True to, after the callback's on_init_end
+        from transformers.trainer_utils import get_last_checkpoint
+
+        print("resuming from", get_last_checkpoint(args.output_dir), flush=True)
         resume = True
     trainer.train(resume_from_checkpoint=resume)
     return {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e}

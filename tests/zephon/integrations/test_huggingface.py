@@ -1,7 +1,8 @@
 """The Hugging Face Trainer and accelerate through Zephon, with the real packages and a tiny
 Llama built from its config: a job SIGKILLed while saving resumes from the latest complete
-checkpoint and logs exactly the losses of an uninterrupted run, where the Trainer's own
-``resume_from_checkpoint=True`` crashes on the same output folder."""
+checkpoint and logs exactly the losses of an uninterrupted run, through ``latest_checkpoint``
+or through the Trainer's own ``resume_from_checkpoint=True`` (which without the callback
+crashes on the half-written folder), also on a machine whose output folder is empty."""
 
 from __future__ import annotations
 
@@ -82,12 +83,14 @@ def assert_same_losses(resumed: dict, reference: dict, first: int) -> None:
     [("local", "sqlite", "trainer_save"), ("s3", "postgresql", "zephon_commit")],
     ids=["local-in-trainer-save", "s3-before-the-marker"],
 )
-def test_sigkill_during_a_save_resumes_exactly_where_stock_resume_crashes(
+def test_sigkill_during_a_save_resumes_exactly_even_through_stock_resume(
     storage, database, kill, request, tmp_path, reference_losses
 ):
     """SIGKILL at step 16, inside the Trainer's own save (weights written, no
     trainer_state.json) or inside Zephon's (every file uploaded, no marker): step 8 is the
-    latest complete checkpoint and resuming there replays steps 9..24 exactly."""
+    latest complete checkpoint and resuming there replays steps 9..24 exactly, with the
+    Trainer's own resume_from_checkpoint=True (the half-written folder moved aside) as with
+    latest_checkpoint."""
     backend = make_backend(storage, request, tmp_path)
     with database_url(database, request, tmp_path) as catalog_url:
         common = {
@@ -107,20 +110,19 @@ def test_sigkill_during_a_save_resumes_exactly_where_stock_resume_crashes(
         if kill == "zephon_commit":  # its files are there, uncommitted
             assert 16 in [listing.step for listing in store.run("llama").list_steps()]
             assert (partial / "trainer_state.json").exists()  # the Trainer's folder is whole
-            modes = ["zephon"]
-        else:  # the same output_dir: first the stock resume, then Zephon's
-            modes = ["stock", "zephon"]
-        resumed, losses = run_worker(tmp_path, "resumed", resume=modes, **common)
+            mode = "zephon"
+        else:  # the Trainer's own resume_from_checkpoint=True on the same output_dir
+            assert not (partial / "trainer_state.json").exists()  # stock alone would crash
+            mode = "stock"
+        resumed, losses = run_worker(tmp_path, "resumed", resume=mode, **common)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-        if kill == "trainer_save":
-            assert (partial / "model.safetensors").exists()
-            # the stock resume takes the highest checkpoint-N and crashes on it
-            assert re.search(
-                r"stock resume failed: FileNotFoundError: .*checkpoint-16/trainer_state.json",
-                resumed.stdout,
-            ), resumed.stdout
+        assert "stock resume failed" not in resumed.stdout
         assert re.search(r"resuming from \S*checkpoint-8\n", resumed.stdout), resumed.stdout
         assert_same_losses(losses, reference_losses, first=9)
+        # the uncommitted folder of step 16 was moved aside, not deleted
+        (aside,) = (tmp_path / "out" / ".zephon-incomplete").iterdir()
+        assert aside.name.startswith("checkpoint-16.") and (aside / "model.safetensors").exists()
+        assert (aside / "trainer_state.json").exists() == (kill == "zephon_commit")
 
         assert [m.step for m in store.run("llama").complete()] == [16, MAX_STEPS]  # num_to_keep=2
         assert store.run("llama").lineage().current.resumed_from == 8
@@ -129,6 +131,34 @@ def test_sigkill_during_a_save_resumes_exactly_where_stock_resume_crashes(
         with Catalog(catalog_url) as catalog:
             rows = {row.step: row.state for row in catalog.list_checkpoints("llama")}
         assert rows[16] == rows[24] == "committed" and rows[8] == "deleted"
+
+
+@pytest.mark.slow
+def test_stock_resume_on_a_machine_with_an_empty_output_dir_resumes_from_the_store(
+    s3_backend, tmp_path, reference_losses
+):
+    """The first job dies inside its save of step 24 on one machine; the next starts with an
+    empty output_dir and only the store (S3) and the catalog, and the Trainer's own
+    resume_from_checkpoint=True resumes from step 16 and replays steps 17..24 exactly."""
+    common = {
+        "save_dir": s3_backend.url,
+        "run": "fresh-machine",
+        "catalog": f"sqlite:///{tmp_path}/catalog.db",
+        "storage_options": s3_backend.storage_options,
+    }
+    first = tmp_path / "first-machine"
+    killed, _ = run_worker(
+        tmp_path, "killed", output_dir=str(first), kill="trainer_save", kill_step=24, **common
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    fresh = tmp_path / "second-machine"
+    resumed, losses = run_worker(
+        tmp_path, "resumed", output_dir=str(fresh), resume="stock", **common
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {fresh}/checkpoint-16\n" in resumed.stdout, resumed.stdout
+    assert max(map(int, losses)) == MAX_STEPS  # 1..16 come from the restored trainer_state
+    assert_same_losses(losses, reference_losses, first=17)
 
 
 @pytest.mark.slow

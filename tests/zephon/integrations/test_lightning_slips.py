@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import pytest
 
@@ -143,3 +144,42 @@ def test_async_checkpoint_io_keeps_the_deletions_of_save_top_k(tmp_path):
         tmp_path, "async", lambda d: AsyncCheckpointIO(SlowZephonCheckpointIO(d, RUN))
     )
     assert slow == (kept, stored)
+
+
+def test_a_fresh_start_from_latest_logs_no_restore_and_a_resume_does(tmp_path, caplog):
+    """Lightning logs "Restored all states" whenever ckpt_path is truthy; with ZephonRNG a
+    fresh LATEST (no checkpoint yet) clears it, a real resume keeps it. The example's folder,
+    zephon-checkpoints, is not Lightning's default checkpoints/ (default_root_dir/checkpoints)."""
+    from zephon.integrations.lightning import ZephonRNG
+
+    save_dir = str(tmp_path / "zephon-checkpoints")
+
+    def fit(epochs: int) -> list[str]:
+        trainer = L.Trainer(
+            max_epochs=epochs,
+            accelerator="cpu",
+            default_root_dir=str(tmp_path),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            plugins=[ZephonCheckpointIO(save_dir, RUN)],
+            callbacks=[ZephonRNG()],
+        )
+        caplog.clear()
+        with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(Tiny(), _loader(), ckpt_path=LATEST)
+        assert trainer.checkpoint_callback.dirpath == str(tmp_path / "checkpoints")
+        said = [str(w.message) for w in caught]
+        return [record.getMessage() for record in caplog.records] + said
+
+    fresh = fit(1)
+    assert not [m for m in fresh if "Restored all states" in m], fresh
+    assert not [m for m in fresh if "exists and is not empty" in m], fresh
+    resumed = fit(2)
+    assert "Restored all states from the checkpoint at zephon://latest" in resumed, resumed
+    assert not [m for m in resumed if "exists and is not empty" in m], resumed
+    # Zephon's folder holds the run; Lightning's default folder holds nothing of it
+    assert os.listdir(save_dir) == [RUN]
+    assert not os.path.exists(tmp_path / "checkpoints")
+    assert [m.step for m in CheckpointStore(save_dir).run(RUN).complete()] == [4, 8]
