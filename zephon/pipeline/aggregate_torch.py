@@ -72,6 +72,7 @@ _ADDRESS = re.compile(r"torch://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P
 _side_group: tuple[Any, Any] | None = None
 # One TCPStore per "torch://HOST:PORT" per process, kept for its life (a server hosted here too).
 _stores: dict[tuple[str, int], Any] = {}
+_kept: list[Any] = []
 _stores_lock = threading.Lock()
 
 
@@ -109,7 +110,9 @@ class TorchAggregator:
     """The torch.distributed protocol for one pipeline process (one rank); see the module doc.
 
     Constructed when the pipeline starts (first iteration or ``checkpoint()``), so a wrong
-    topology is refused before training, not at the first checkpoint.
+    topology is refused before training, not at the first checkpoint. With an ``address``
+    there is no group to check against: rank and world size are the pipeline's, and the store
+    is connected to at the first checkpoint (a rank's arrival there is already a wait).
     """
 
     def __init__(
@@ -257,8 +260,13 @@ class TorchAggregator:
 
         with _stores_lock:
             store = _stores.get(self._address)
-            if store is None:
-                store = _stores[self._address] = self._open_store(dist, key)
+        if store is None:
+            # Connected outside the lock: a client may wait for a server that rank 0, in this
+            # very process (threads), is about to host.
+            store = self._open_store(dist, key)
+            with _stores_lock:
+                _kept.append(store)  # a server hosted here must outlive any pipeline
+                store = _stores.setdefault(self._address, store)
         self._store = store
 
     def _open_store(self, dist: Any, key: str) -> Any:
