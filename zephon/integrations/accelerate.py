@@ -134,10 +134,9 @@ class FolderCheckpoints(RetentionOptions, SessionParts):
             )
         self.session.note_loaded(resumed_from)
 
-    def save_folder(
-        self, folder: str, step: int, metadata: Mapping[str, Any] | None = None
-    ) -> None:
-        """Every process: upload ``folder`` as checkpoint ``step`` and commit it (collective).
+    def save_folder(self, folder: str, step: int, metadata: Mapping[str, Any] | None = None) -> str:
+        """Every process: upload ``folder`` as checkpoint ``step`` and commit it (collective);
+        returns the save's id.
 
         All processes wait until every one has written its files; the main process begins the
         save, every process uploads its share in parallel threads, the main process collects
@@ -177,6 +176,7 @@ class FolderCheckpoints(RetentionOptions, SessionParts):
             if coll.is_main and self._save is not None:
                 self._save.failed(exc)
             raise
+        return save_id
 
     def _begin(self, step: int, metadata: Mapping[str, Any] | None) -> Any:
         """Main process: register the attempt at the first save, then begin this one."""

@@ -50,7 +50,14 @@ from zephon.locations import RunLocation
 from zephon.reconcile import quarantine
 from zephon.session import CatalogArg, resolve_catalog
 
-__all__ = ["FOLDER_FORMAT", "VERIFIED", "Fetched", "fetch_latest", "open_catalog"]
+__all__ = [
+    "FOLDER_FORMAT",
+    "VERIFIED",
+    "Fetched",
+    "fetch_latest",
+    "open_catalog",
+    "record_save",
+]
 
 log = logging.getLogger("zephon")
 
@@ -270,6 +277,17 @@ def _materialize(
             shutil.rmtree(temporary, ignore_errors=True)
         raise
     return Fetched(manifest.step, target, temporary)
+
+
+def record_save(folder: str, save_id: str) -> None:
+    """Note in ``folder``, whose files were just committed as save ``save_id``, that it holds
+    that save: ``fetch_latest`` into its parent then checks it again instead of downloading
+    it (``_reusable``: every file's size and CRC32C against the manifest, unlisted ones removed).
+    Written whole (temp file + rename): every process of a shared folder writes the same."""
+    temp = os.path.join(folder, f"{VERIFIED}.{os.getpid()}.tmp")
+    with open(temp, "w") as out:
+        out.write(save_id)
+    os.replace(temp, os.path.join(folder, VERIFIED))
 
 
 def _remove(path: str) -> None:

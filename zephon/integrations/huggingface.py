@@ -32,7 +32,7 @@ from transformers import TrainerCallback
 from storage import InvalidNameError, validate_run
 from zephon.errors import ConfigError
 from zephon.integrations.accelerate import FolderCheckpoints
-from zephon.integrations.download import Fetched, fetch_latest
+from zephon.integrations.download import Fetched, fetch_latest, record_save
 from zephon.retention import Retention, RetentionOptions, check_resume_step
 from zephon.session import CatalogArg, resolve_catalog
 
@@ -240,7 +240,8 @@ class ZephonCallback(TrainerCallback, RetentionOptions):
         assert self.folders is not None
         step = state.global_step
         folder = os.path.join(args.output_dir, f"checkpoint-{step}")
-        self.folders.save_folder(folder, step)
+        save_id = self.folders.save_folder(folder, step)
+        record_save(folder, save_id)  # the next job start checks this folder, not downloads it
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.folders is not None:

@@ -114,6 +114,8 @@ def test_sigkill_during_a_save_resumes_exactly_even_through_stock_resume(
         else:  # the Trainer's own resume_from_checkpoint=True on the same output_dir
             assert not (partial / "trainer_state.json").exists()  # stock alone would crash
             mode = "stock"
+        weights = tmp_path / "out" / "checkpoint-8" / "model.safetensors"
+        written = weights.stat().st_ino  # the Trainer's own file, committed by the callback
         resumed, losses = run_worker(tmp_path, "resumed", resume=mode, **common)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "stock resume failed" not in resumed.stdout
@@ -123,6 +125,8 @@ def test_sigkill_during_a_save_resumes_exactly_even_through_stock_resume(
         (aside,) = (tmp_path / "out" / ".zephon-incomplete").iterdir()
         assert aside.name.startswith("checkpoint-16.") and (aside / "model.safetensors").exists()
         assert (aside / "trainer_state.json").exists() == (kill == "zephon_commit")
+        # the committed folder of step 8 was checked again in place, not downloaded again
+        assert weights.stat().st_ino == written
 
         assert [m.step for m in store.run("llama").complete()] == [16, MAX_STEPS]  # num_to_keep=2
         assert store.run("llama").lineage().current.resumed_from == 8
