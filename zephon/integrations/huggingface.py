@@ -210,6 +210,8 @@ class ZephonCallback(TrainerCallback, RetentionOptions):
         return candidate
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not args.output_dir:  # nothing for get_last_checkpoint to look in
+            return
         prepare_output_dir(
             args.output_dir,
             self.save_dir,
