@@ -122,6 +122,8 @@ class Backend:
     #: the storage options that take credentials, for backends that read none from the URL
     #: (a ``user:pw@`` there would become part of the bucket name): such URLs are refused
     url_credentials_go_in: ClassVar[str | None] = None
+    #: what the backend calls the top level of a path (named in "create it first" fixes)
+    bucket_word: ClassVar[str] = "bucket"
 
     # -- capability flags: what callers may ask -----------------------------------------------
 

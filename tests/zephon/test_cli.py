@@ -114,7 +114,7 @@ def test_db_current_and_upgrade_on_an_empty_database(cli):
         (["checkpoints", "nope"], 5, "run 'nope' is not in catalog"),
         (["pin", "nope", "1"], 5, "run 'nope' is not in catalog"),
         (["verify"], 6, "name a RUN"),
-        (["latest", "r", "--save-dir", "abfs://c/x"], 4, "pip install adlfs"),
+        (["latest", "r", "--save-dir", "oss://c/x"], 4, "pip install ossfs"),
     ],
 )
 def test_errors_are_one_line_with_a_documented_code(cli, argv, code, message):
