@@ -167,11 +167,9 @@ class AzuriteServer:
         from azure.core.exceptions import ResourceExistsError
         from azure.storage.blob import BlobServiceClient
 
-        with BlobServiceClient.from_connection_string(self.connection_string) as client:
-            try:
-                client.create_container(name)
-            except ResourceExistsError:
-                pass
+        client = BlobServiceClient.from_connection_string(self.connection_string)
+        with client, contextlib.suppress(ResourceExistsError):
+            client.create_container(name)
 
 
 def _spawn(argv: list[str], log_path: str = os.devnull, cwd: str | None = None) -> subprocess.Popen:

@@ -1,11 +1,11 @@
 """Storage backends: one class per family of fsspec filesystems, chosen once per location.
 
 ``Backend`` (``base``) works on any fsspec filesystem; ``PosixBackend`` (local disk),
-``S3Backend``, ``GCSBackend`` and ``AzureBackend`` (object stores) and ``MemoryBackend`` (fsspec's in-process
-memory filesystem) do better where they can and say so in their capability flags. The
-registry maps protocols to classes. Adding a backend: subclass, set ``protocols`` and the
-flags, override what differs, ``register`` it, and run ``tests/storage/test_backend_
-conformance.py`` against it.
+``S3Backend``, ``GCSBackend`` and ``AzureBackend`` (object stores) and ``MemoryBackend``
+(fsspec's in-process memory filesystem) do better where they can and say so in their
+capability flags. The registry maps protocols to classes. Adding a backend: subclass, set
+``protocols`` and the flags, override what differs, ``register`` it, and run
+``tests/storage/test_backend_conformance.py`` against it.
 """
 
 from storage.backends.azure import AzureBackend

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import io
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, TypeVar
+from typing import IO, Any, ClassVar, TypeVar
 
 from fsspec.asyn import sync
 from fsspec.spec import AbstractFileSystem
@@ -40,13 +41,20 @@ class AzureBackend(ObjectStoreBackend):
     ``If-None-Match: *``; the service answers 409 ``BlobAlreadyExists`` (the SDK turns a 412
     ``ConditionNotMet`` into the same), adlfs raises ``FileExistsError``. Listings filter by
     prefix on the server (``List Blobs`` with ``prefix``, paged); deletes go out at once, one
-    ``Delete Blob`` per file, in waves of 256; files of two parts or more are staged as ``part_size`` blocks,
-    each tried again on its own, and committed with one ``Put Block List``.
+    ``Delete Blob`` per file, in waves of 256; files of two parts or more, whole or streamed,
+    are staged as ``part_size`` blocks, each tried again on its own, and committed with one
+    ``Put Block List``.
     """
 
     protocols = ("abfs", "az", "abfss")
     package = "adlfs"
     bucket_word: ClassVar[str] = "container"
+    secret_environment = (
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "AZURE_STORAGE_ACCOUNT_KEY",
+        "AZURE_STORAGE_SAS_TOKEN",
+        "AZURE_STORAGE_CLIENT_SECRET",
+    )
 
     def __init__(self, fs: AbstractFileSystem, protocol: str, **where: Any) -> None:
         super().__init__(fs, protocol, **where)
@@ -107,27 +115,50 @@ class AzureBackend(ObjectStoreBackend):
         # In blocks, each tried again on its own, then one Put Block List: a failed block is
         # sent again alone, never the whole file. Uncommitted blocks of an upload that fails
         # are discarded by the service (after a week, or with the next commit of the blob).
-        container, key = self._split(path)
         count = -(-len(data) // part_size)
-        ids = [base64.b64encode(uuid.uuid4().hex.encode()).decode() for _ in range(count)]
+        ids = [new_block_id() for _ in range(count)]
 
         def stage(number: int) -> None:
-            body = data[number * part_size : (number + 1) * part_size]
-            block = functools.partial(self._stage_block, container, key, ids[number], body)
-            self.retry.call(block)
+            self.stage_block(path, ids[number], data[number * part_size : (number + 1) * part_size])
 
         workers = max(1, min(count, DEFAULT_POOL_CONNECTIONS))
         with ThreadPoolExecutor(workers, thread_name_prefix="zephon-blocks") as pool:
             list(pool.map(stage, range(count)))
-        self.retry.call(self._commit_blocks, container, key, ids)
+        self.commit_blocks(path, ids)
+
+    def stage_block(self, path: str, block_id: str, body: bytes) -> None:
+        """Upload one uncommitted block of ``path`` (``Put Block``), tried again on its own."""
+        container, key = self._split(path)
+
+        def send() -> None:
+            blob = self.fs.service_client.get_blob_client(container, key)
+            sync(self.fs.loop, blob.stage_block, block_id, body)
+
+        self.retry.call(send)
+
+    def commit_blocks(self, path: str, ids: list[str]) -> None:
+        """Make ``path`` the blocks ``ids`` in order (``Put Block List``), tried again: the same
+        list committed again after a lost reply gives the same blob."""
+        container, key = self._split(path)
+
+        def send() -> None:
+            blob = self.fs.service_client.get_blob_client(container, key)
+            sync(self.fs.loop, blob.commit_block_list, ids)
+
+        self.retry.call(send)
         self.fs.invalidate_cache(path)
 
-    def _stage_block(self, container: str, key: str, block_id: str, body: bytes) -> None:
-        self._call(container, lambda client: client.get_blob_client(key).stage_block(block_id, body))
+    def _open_write(self, path: str, part_size: int) -> IO[bytes]:
+        """A file that stages a block of ``part_size`` whenever one is full, each tried again
+        on its own, and commits them on close (a file of one part: one ``Put Blob``). adlfs's
+        own file would stage them too, but through no retry policy."""
+        return _BlockWriter(self, path, part_size)
 
-    def _commit_blocks(self, container: str, key: str, ids: list[str]) -> None:
-        # Committing the same list again (a retry after a lost reply) gives the same blob.
-        self._call(container, lambda client: client.get_blob_client(key).commit_block_list(ids))
+    def _discard_write(self, handle: IO[bytes]) -> None:
+        if isinstance(handle, _BlockWriter):  # nothing is visible before the commit
+            handle.discard()
+            return
+        super()._discard_write(handle)
 
     def _remove_files(self, paths: list[str]) -> None:
         by_container: dict[str, list[str]] = {}
@@ -140,6 +171,61 @@ class AzureBackend(ObjectStoreBackend):
                 self._call(container, functools.partial(_delete_batch, keys=batch))
         for path in paths:
             self.fs.invalidate_cache(path)
+
+
+def new_block_id() -> str:
+    """A block id: base64 of 32 characters, the same length for every block of a blob."""
+    return base64.b64encode(uuid.uuid4().hex.encode()).decode()
+
+
+class _BlockWriter:
+    """A streamed upload to Azure: ``buffer`` holds at most one part (``storage.recording``
+    tops it up to exactly one), each full part is staged as a block at once, ``close``
+    commits the blocks (or puts a file of less than one part in one request)."""
+
+    def __init__(self, backend: AzureBackend, path: str, part_size: int) -> None:
+        self.backend = backend
+        self.path = path
+        self.part_size = part_size
+        self.buffer = io.BytesIO()
+        self.blocks: list[str] = []
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        start = 0
+        while start < view.nbytes:
+            room = self.part_size - self.buffer.tell()
+            self.buffer.write(view[start : start + room])
+            start += room
+            if self.buffer.tell() >= self.part_size:
+                self._stage()
+        return view.nbytes
+
+    def flush(self) -> None:
+        """Parts go out as they fill: nothing to do before ``close``."""
+
+    def _stage(self) -> None:
+        block = new_block_id()
+        self.backend.stage_block(self.path, block, self.buffer.getvalue())
+        self.blocks.append(block)
+        self.buffer = io.BytesIO()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if not self.blocks:
+            self.backend.retry.call(self.backend.fs.pipe_file, self.path, self.buffer.getvalue())
+        else:
+            if self.buffer.tell():
+                self._stage()
+            self.backend.commit_blocks(self.path, self.blocks)
+        self.closed = True
+
+    def discard(self) -> None:
+        """Drop the file: its staged blocks were never committed, so nothing is visible."""
+        self.buffer = io.BytesIO()
+        self.closed = True
 
 
 async def _delete_batch(client: Any, *, keys: list[str]) -> None:
