@@ -223,6 +223,24 @@ def test_demo_resumes_bit_for_bit(tmp_path, capsys):
     assert result["resumed_from"] == 4 and set(result["losses"]) == {"5", "6", "7", "8"}
 
 
+@pytest.mark.slow
+def test_demo_resumes_bit_for_bit_on_azure(tmp_path, capsys, azure_backend):
+    """``zephon demo --save-dir az://...``: every rank writes through adlfs to Azurite."""
+    save_dir = f"{azure_backend.url}/demo"
+    options = json.dumps(azure_backend.storage_options)
+    argv = ["demo", "--json", "--work-dir", str(tmp_path), "--save-dir", save_dir]
+    argv += ["--storage-options", options, "--steps", "8", "--kill-after", "5", "--ranks", "2"]
+    code = main(argv)
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["identical"] is True
+    assert result["resumed_from"] == 4 and set(result["losses"]) == {"5", "6", "7", "8"}
+    from storage import CheckpointStore
+
+    with CheckpointStore(save_dir, azure_backend.storage_options) as store:
+        (run,) = [name for name in store.runs() if not name.endswith("-reference")]
+        assert max(store.run(run).committed_steps()) == 8  # on Azure, where it was saved
+
+
 def test_an_unexpected_error_is_still_one_line(monkeypatch, capsys):
     from zephon.cli import commands
 
