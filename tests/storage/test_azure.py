@@ -214,3 +214,36 @@ def test_azures_answers_become_the_builtin_file_errors(azure_backend):
             backend._read_small = failing
             with pytest.raises(answer):
                 backend.read_small(store.location.join("x"))
+
+
+# -- lost replies (docs/fencing.md): a create-only put applied by Azure, its reply lost --------
+
+
+def test_create_only_puts_whose_reply_was_lost_are_settled_as_the_writers_own(
+    azure_backend, azurite
+):
+    """The marker's and the attempt records' Put Blob reach Azurite, their replies are lost:
+    tried again, Azure answers 409 for the writer's own blob, and reading it back settles
+    that the attempt was claimed, it decided, and the checkpoint committed."""
+    files = {"weights.bin": random_payload(70_000), "optim/state.bin": random_payload(1_000)}
+    drops = 2  # aiohttp resends an idempotent PUT once by itself when a reused connection breaks
+    with FaultProxy(azurite.endpoint_url, seed=7) as proxy:
+        options = {"connection_string": connection_string(f"{proxy.url}/{AZURITE_ACCOUNT}")}
+        with CheckpointStore(azure_backend.url, options, retry=QUICK) as store:
+            run = store.run("r")
+            proxy.drop_reply(method="PUT", path=r"/_attempts/\d+\.json(\?|$)", count=drops)
+            fence = run.claim_attempt(after=run.lineage())
+            proxy.drop_reply(method="PUT", path=r"/_attempts/\d+\.resume\.json(\?|$)", count=drops)
+            fence = run.decide_resume(fence, resumed_from=None)
+            assert run.lineage().current == fence.record and fence.epoch == 1
+            with run.begin(5, fence=fence) as writer:
+                writer.write_many(files)
+                proxy.drop_reply(method="PUT", path=r"/save-5/_COMMIT(\?|$)", count=drops)
+                manifest = writer.commit()
+            writer.abort()  # a committed save is never removed
+        assert len(proxy.outcomes("drop_reply")) == 3 * drops and proxy.pending_rules == 0
+    with azure_backend.open_store() as direct:
+        assert direct.run("r").read_manifest(5) == manifest
+        assert manifest.save_id == writer.save_id
+        reader = direct.run("r").reader(5)
+        assert {name: reader.read_bytes(name) for name in files} == files
