@@ -49,6 +49,11 @@ class AzureBackend(ObjectStoreBackend):
     protocols = ("abfs", "az", "abfss")
     package = "adlfs"
     bucket_word: ClassVar[str] = "container"
+    options_needed = (
+        "adlfs needs the account: storage_options connection_string, or account_name with "
+        "account_key, sas_token or a service principal (or the AZURE_STORAGE_* environment "
+        "variables of the same names)"
+    )
     secret_environment = (
         "AZURE_STORAGE_CONNECTION_STRING",
         "AZURE_STORAGE_ACCOUNT_KEY",

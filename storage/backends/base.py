@@ -125,6 +125,9 @@ class Backend:
     #: environment variables the library reads credentials from: their values are scrubbed
     #: from messages like those of the storage options
     secret_environment: ClassVar[tuple[str, ...]] = ()
+    #: what the library needs to open a URL, for a library that refuses to open one without
+    #: it (with a ``ValueError``); None: such an error means the URL itself is wrong
+    options_needed: ClassVar[str | None] = None
     #: what the backend calls the top level of a path (named in "create it first" fixes)
     bucket_word: ClassVar[str] = "bucket"
 

@@ -17,6 +17,7 @@ from storage import (
     CheckpointStore,
     RetryPolicy,
     StorageError,
+    StorageOptionsRefusedError,
 )
 from storage.backends import AzureBackend, backend_for
 from storage.retry import is_throttling, is_transient, reply_status
@@ -126,7 +127,18 @@ def test_a_wrong_key_is_refused_once_without_showing_the_key(azurite):
     assert not re.search(r"after \d+ attempts", message)  # a refusal is not tried again
 
 
-def test_credentials_from_the_environment_never_appear_in_errors(monkeypatch):
+@pytest.fixture
+def fresh_filesystems():
+    """adlfs reads the environment when a filesystem is made, and fsspec keeps one instance
+    per set of options: a test that changes the environment needs new ones (and leaves none)."""
+    from adlfs import AzureBlobFileSystem
+
+    AzureBlobFileSystem.clear_instance_cache()
+    yield
+    AzureBlobFileSystem.clear_instance_cache()
+
+
+def test_credentials_from_the_environment_never_appear_in_errors(monkeypatch, fresh_filesystems):
     secret_key = "RW52aXJvbm1lbnRTZWNyZXRLZXlFbnZpcm9ubWVudA=="
     dead = f"http://127.0.0.1:{free_port()}/{AZURITE_ACCOUNT}"
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(dead, secret_key))
@@ -247,3 +259,13 @@ def test_create_only_puts_whose_reply_was_lost_are_settled_as_the_writers_own(
         assert manifest.save_id == writer.save_id
         reader = direct.run("r").reader(5)
         assert {name: reader.read_bytes(name) for name in files} == files
+
+
+def test_a_url_without_an_account_says_which_options_adlfs_needs(monkeypatch, fresh_filesystems):
+    for variable in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME"):
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(StorageOptionsRefusedError) as info:
+        CheckpointStore("az://container/ckpt")
+    message = str(info.value)
+    assert "az://container/ckpt" in message and "\n" not in message
+    assert "connection_string, or account_name with account_key" in message

@@ -334,9 +334,13 @@ def test_the_key_inside_an_azure_connection_string_is_a_secret_of_its_own():
     ["AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN"],
 )
 def test_azure_credentials_in_the_environment_are_scrubbed_too(variable, monkeypatch):
+    from adlfs import AzureBlobFileSystem
+
+    AzureBlobFileSystem.clear_instance_cache()  # adlfs reads the environment when made
     value = AZURE_CONNECTION if variable.endswith("STRING") else AZURE_KEY
     monkeypatch.setenv(variable, value)
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
     location = open_location("az://container/ckpt", retry=NO_RETRY)
+    AzureBlobFileSystem.clear_instance_cache()
     assert AZURE_KEY in location.secrets
     assert_masked(repr(location), AZURE_KEY)
