@@ -63,8 +63,8 @@ class AzureBackend(ObjectStoreBackend):
 
     def __init__(self, fs: AbstractFileSystem, protocol: str, **where: Any) -> None:
         super().__init__(fs, protocol, **where)
-        # One policy: the SDK's own ExponentialRetry (3 to 10 tries, from 15 s apart) would
-        # run inside every try of Zephon's. Every client adlfs derives from its service client
+        # One policy: the SDK's own ExponentialRetry (3 retries, after about 15, 18 and 24 s)
+        # would run inside every try of Zephon's. Every client adlfs derives from its service client
         # (containers, blobs, the file handles) shares the service client's policy objects.
         config = getattr(getattr(fs, "service_client", None), "_config", None)
         policy = getattr(config, "retry_policy", None)
