@@ -244,6 +244,8 @@ def azurite_server() -> Iterator[AzuriteServer]:
     speak a newer API version than the Azurite release knows; ``--loose`` lets it ignore
     headers it does not implement instead of refusing the request.
     """
+    if shutil.which("node") is None:
+        raise ServerUnavailable("Azurite needs Node.js (20 or newer) on PATH; install it")
     if not os.path.exists(AZURITE_BIN):
         raise ServerUnavailable(
             f"Azurite is not installed at {AZURITE_BIN}; install it with `npm ci --prefix .ci/node`"
