@@ -25,6 +25,7 @@ from fsspec.spec import AbstractFileSystem
 
 from storage.backends.base import ListedFile, mtime_of
 from storage.backends.object_store import DEFAULT_POOL_CONNECTIONS, ObjectStoreBackend
+from storage.redact import mask_url
 
 __all__ = ["AzureBackend"]
 
@@ -70,6 +71,14 @@ class AzureBackend(ObjectStoreBackend):
         policy = getattr(config, "retry_policy", None)
         if policy is not None and hasattr(policy, "total_retries"):
             policy.total_retries = 0
+
+    def display(self, path: str) -> str:
+        # adlfs answers to az://, abfs:// and abfss:// alike and calls itself abfs: name paths
+        # with the scheme the user's URL has, as the user wrote it.
+        scheme = self.url.split("://", 1)[0].lower() if "://" in self.url else ""
+        if scheme in self.protocols and "://" not in path:
+            return mask_url(f"{scheme}://{path.lstrip('/')}")
+        return super().display(path)
 
     def _call(self, container: str, use: Callable[[Any], Awaitable[T]]) -> T:
         """``use(container_client)`` on adlfs's event loop."""

@@ -47,9 +47,11 @@ def new_container(azurite: AzuriteServer) -> str:
 def test_every_azure_protocol_opens_the_azure_backend(azure_backend):
     for protocol in ("az", "abfs", "abfss"):
         assert backend_for(protocol) is AzureBackend
-    url = azure_backend.url.replace("az://", "abfs://")
-    with CheckpointStore(url, azure_backend.storage_options) as store:
-        assert type(store.location.backend) is AzureBackend
+    for scheme in ("abfs", "az"):
+        url = azure_backend.url.replace("az://", f"{scheme}://")
+        with CheckpointStore(url, azure_backend.storage_options) as store:
+            assert type(store.location.backend) is AzureBackend
+            assert store.location.canonical_url == url  # named as the user named it
 
 
 def test_the_marker_and_attempt_records_are_puts_with_if_none_match_star(azure_backend, caplog):
@@ -109,7 +111,7 @@ def test_a_missing_container_names_the_container_to_create(azurite):
         with pytest.raises(BackendUnavailableError) as info, store.run("r").begin(1) as writer:
             writer.write_bytes("a.bin", b"1")
     message = str(info.value)
-    assert "the container abfs://zt-no-such-container must exist" in message
+    assert "the container az://zt-no-such-container must exist" in message
     assert AZURITE_KEY not in message
 
 
