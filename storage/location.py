@@ -18,7 +18,13 @@ from storage.backends import DEFAULT_POOL_CONNECTIONS, Backend, backend_for
 from storage.backends.connect import open_filesystem
 from storage.errors import InvalidNameError
 from storage.layout import RunLayout
-from storage.redact import is_secret_name, mask_url, option_secrets, secrets_in
+from storage.redact import (
+    environment_secrets,
+    is_secret_name,
+    mask_url,
+    option_secrets,
+    secrets_in,
+)
 from storage.retry import DEFAULT_RETRY, RetryPolicy
 
 if TYPE_CHECKING:
@@ -152,6 +158,7 @@ def open_location(
     protocol = protocol_of(url)
     _refuse_url_credentials(url, protocol, masked)
     secrets = secrets_in(url) | option_secrets(storage_options)
+    secrets |= environment_secrets(backend_for(protocol).secret_environment)
     fs, root = open_filesystem(url, protocol, storage_options, masked, secrets)
     fs_protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     backend_class = backend_for(fs_protocol)

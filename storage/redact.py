@@ -19,6 +19,7 @@ shown secret costs a rotated credential.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -26,6 +27,7 @@ from urllib.parse import quote, unquote
 
 __all__ = [
     "MASK",
+    "environment_secrets",
     "is_secret_name",
     "mask_url",
     "option_secrets",
@@ -219,7 +221,10 @@ def option_secrets(options: Mapping[str, Any] | None) -> frozenset[str]:
         if isinstance(value, Mapping):
             for key, item in value.items():
                 if is_secret_name(key):
-                    found.update(s for s in leaves(item) if s not in _NOT_SECRET_VALUES)
+                    for secret in leaves(item):
+                        if secret not in _NOT_SECRET_VALUES:
+                            # and its parts: an Azure connection string's AccountKey=...
+                            found.update({secret, *secrets_in(secret)})
                 else:
                     walk(item)
         elif isinstance(value, list | tuple | set | frozenset):
@@ -230,6 +235,13 @@ def option_secrets(options: Mapping[str, Any] | None) -> frozenset[str]:
 
     walk(options or {})
     return _with_encodings(found)
+
+
+def environment_secrets(names: Iterable[str]) -> frozenset[str]:
+    """The secrets in the environment variables ``names`` that a backend library reads
+    credentials from (``AZURE_STORAGE_CONNECTION_STRING``, ...), as ``option_secrets`` finds
+    them: a library may echo them although the user never passed them to Zephon."""
+    return option_secrets({name: os.environ[name] for name in names if os.environ.get(name)})
 
 
 def _with_encodings(values: Iterable[str]) -> frozenset[str]:

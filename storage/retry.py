@@ -12,7 +12,9 @@ Transient (tried again): HTTP 5xx but 501, throttling (S3 ``SlowDown``, ``Thrott
 connection refusals, resets and timeouts, truncated or unparsable replies and checksum
 mismatches in transit. Never: anything else of 4xx, ``FileNotFoundError``, ``FileExistsError``
 (a create-only PUT that lost the race, or whose first reply was lost), permission errors and
-local disk errors.
+local disk errors. The same rules read the replies of every library: botocore's error codes,
+gcsfs's ``HttpError``, azure.core's ``HttpResponseError`` (``error_code``, ``status_code``) and
+its ``ServiceRequestError`` / ``ServiceResponseError`` (no connection, a reply cut short).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "RetryPolicy",
     "is_throttling",
     "is_transient",
+    "reply_status",
     "retry_after_s",
     "retry_summary",
 ]
@@ -50,6 +53,7 @@ _TRANSIENT_CODES = frozenset(
         "XAmzContentSHA256Mismatch",  # the body was damaged in transit
         "BadDigest",
         "IncompleteBody",  # the connection broke while the body was being sent
+        "OperationTimedOut",  # Azure: the server ran out of time
     }
 )
 _THROTTLING_CODES = frozenset(
@@ -64,6 +68,7 @@ _THROTTLING_CODES = frozenset(
         "RequestLimitExceeded",
         "BandwidthLimitExceeded",
         "ProvisionedThroughputExceededException",
+        "ServerBusy",  # Azure (503): the account's or partition's limits
     }
 )
 #: transport failures by class name (anywhere in the class's MRO), so that no optional
@@ -88,6 +93,9 @@ _TRANSIENT_CLASSES = frozenset(
         "ProtocolError",
         "IncompleteRead",
         "RemoteDisconnected",
+        # azure.core: no connection, or the reply broke off (their *TimeoutError subclasses)
+        "ServiceRequestError",
+        "ServiceResponseError",
         # fsspec, gcsfs
         "FSTimeoutError",
         "ChecksumError",
@@ -127,13 +135,21 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 def _response_of(exc: BaseException) -> tuple[str, int | None, dict[str, Any]] | None:
     """``(error code, HTTP status, headers)`` of an HTTP error reply, if ``exc`` is one
-    (botocore's ``ClientError``, gcsfs's ``HttpError``)."""
+    (botocore's ``ClientError``, gcsfs's ``HttpError``, azure.core's ``HttpResponseError``)."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict) and "Error" in response:
         meta = response.get("ResponseMetadata") or {}
         status = meta.get("HTTPStatusCode")
         code = str((response.get("Error") or {}).get("Code") or "")
         return code, status if isinstance(status, int) else None, meta.get("HTTPHeaders") or {}
+    if any(klass.__name__ == "HttpResponseError" for klass in type(exc).__mro__):
+        status = getattr(exc, "status_code", None)
+        headers = getattr(getattr(exc, "response", None), "headers", None) or {}
+        return (
+            str(getattr(exc, "error_code", None) or ""),
+            status if isinstance(status, int) else None,
+            dict(headers),
+        )
     if type(exc).__name__ == "HttpError":
         code = getattr(exc, "code", None)
         try:
@@ -186,6 +202,15 @@ def is_throttling(exc: BaseException) -> bool:
             code, status, _ = reply
             return code in _THROTTLING_CODES or "Throttl" in code or status == 429
     return False
+
+
+def reply_status(exc: BaseException) -> int | None:
+    """The HTTP status of the error reply ``exc`` carries (or was raised from), if any."""
+    for link in _chain(exc):
+        reply = _response_of(link)
+        if reply is not None:
+            return reply[1]
+    return None
 
 
 def retry_after_s(exc: BaseException) -> float | None:

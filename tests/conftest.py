@@ -70,6 +70,15 @@ def gcs() -> Iterator[servers.GCSServer]:
 
 
 @pytest.fixture(scope="session")
+def azurite() -> Iterator[servers.AzuriteServer]:
+    try:
+        with servers.azurite_server() as server:
+            yield server
+    except servers.ServerUnavailable as exc:
+        unavailable(str(exc))
+
+
+@pytest.fixture(scope="session")
 def postgres_url() -> str:
     url = servers.postgres_url()
     reason = servers.postgres_reachable(url)
@@ -116,7 +125,7 @@ class Backend:
 
 #: the protocol of each test backend's root (``make_backend``); every registered backend class
 #: needs one (tests/storage/test_backend_conformance.py checks)
-TEST_PROTOCOLS = {"local": "file", "memory": "memory", "s3": "s3", "gcs": "gs"}
+TEST_PROTOCOLS = {"local": "file", "memory": "memory", "s3": "s3", "gcs": "gs", "azure": "az"}
 #: test backends whose server accepts but ignores create-only preconditions (the GCS emulator)
 PRECONDITIONS_IGNORED = frozenset({"gcs"})
 
@@ -179,6 +188,11 @@ def make_backend(name: str, request: pytest.FixtureRequest, tmp_path) -> Backend
             enforces_exclusive_create=False,
             gcs=server_g,
         )
+    if name == "azure":
+        server_a: servers.AzuriteServer = request.getfixturevalue("azurite")
+        container = f"zt-{unique}"
+        server_a.create_container(container)
+        return Backend("azure", f"az://{container}/ckpt", server_a.storage_options())
     raise ValueError(f"unknown backend {name!r}")
 
 
@@ -191,6 +205,11 @@ def backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
 @pytest.fixture
 def s3_backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
     return make_backend("s3", request, tmp_path)
+
+
+@pytest.fixture
+def azure_backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
+    return make_backend("azure", request, tmp_path)
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """Local stand-ins for the real services Zephon talks to, started as separate processes.
 
 Used by the test suite (session fixtures in ``tests/conftest.py``) and by ``benchmarks/``:
-moto's S3 server, gcp-storage-emulator, and a probe of the PostgreSQL server the machine runs.
+moto's S3 server, gcp-storage-emulator, Azurite (Azure Blob Storage, from the npm package under
+``.ci/node``), and a probe of the PostgreSQL server the machine runs.
 Each server is a real HTTP or SQL endpoint on 127.0.0.1; nothing here patches a client library.
 """
 
@@ -130,10 +131,52 @@ class GCSServer:
             fs.mkdir(name)
 
 
-def _spawn(argv: list[str], log_path: str = os.devnull) -> subprocess.Popen:
+#: Azurite's one account and its key: published in Azurite's documentation, valid nowhere else
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+#: where ``npm ci --prefix .ci/node`` installs Azurite (README: Developing)
+AZURITE_BIN = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    ".ci",
+    "node",
+    "node_modules",
+    ".bin",
+    "azurite-blob",
+)
+
+
+@dataclass(frozen=True)
+class AzuriteServer:
+    endpoint_url: str  # the account's blob endpoint: http://127.0.0.1:<port>/devstoreaccount1
+    #: Azurite's access log: one line per request
+    log_path: str
+
+    @property
+    def connection_string(self) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+            f"AccountKey={AZURITE_KEY};BlobEndpoint={self.endpoint_url};"
+        )
+
+    def storage_options(self) -> dict:
+        return {"connection_string": self.connection_string}
+
+    def create_container(self, name: str) -> None:
+        from azure.core.exceptions import ResourceExistsError
+        from azure.storage.blob import BlobServiceClient
+
+        client = BlobServiceClient.from_connection_string(self.connection_string)
+        with client, contextlib.suppress(ResourceExistsError):
+            client.create_container(name)
+
+
+def _spawn(argv: list[str], log_path: str = os.devnull, cwd: str | None = None) -> subprocess.Popen:
     with open(log_path, "wb") as log:
         return subprocess.Popen(
             argv,
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -191,6 +234,44 @@ def gcs_server() -> Iterator[GCSServer]:
     finally:
         _stop(proc)
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def azurite_server() -> Iterator[AzuriteServer]:
+    """Azurite's blob service, in memory, in its own process on a free port of 127.0.0.1.
+
+    Its access log is kept (``log_path``). ``--skipApiVersionCheck``: azure-storage-blob may
+    speak a newer API version than the Azurite release knows; ``--loose`` lets it ignore
+    headers it does not implement instead of refusing the request.
+    """
+    if shutil.which("node") is None:
+        raise ServerUnavailable("Azurite needs Node.js (20 or newer) on PATH; install it")
+    if not os.path.exists(AZURITE_BIN):
+        raise ServerUnavailable(
+            f"Azurite is not installed at {AZURITE_BIN}; install it with `npm ci --prefix .ci/node`"
+        )
+    port = free_port()
+    work_dir = tempfile.mkdtemp(prefix="zephon-azurite-")
+    log_path = os.path.join(work_dir, "requests.log")
+    argv = [
+        AZURITE_BIN,
+        "--blobHost",
+        "127.0.0.1",
+        "--blobPort",
+        str(port),
+        "--inMemoryPersistence",
+        "--skipApiVersionCheck",
+        "--loose",
+        "--disableTelemetry",
+    ]
+    proc = _spawn(argv, log_path, cwd=work_dir)  # in memory: nothing is written there
+    try:
+        url = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
+        _wait_http(f"{url}?comp=list", proc, timeout=60)
+        yield AzuriteServer(url, log_path)
+    finally:
+        _stop(proc)
+        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def postgres_url() -> str:

@@ -123,7 +123,7 @@ def test_the_storage_check_sees_an_import_made_for_type_checking_only(tmp_path):
 
 
 #: the libraries of the storage backends: only storage/backends/ calls them
-BACKEND_LIBRARIES = {"fsspec", "s3fs", "gcsfs", "adlfs", "botocore", "aiohttp"}
+BACKEND_LIBRARIES = {"fsspec", "s3fs", "gcsfs", "adlfs", "azure", "botocore", "aiohttp"}
 
 
 def runtime_imports_of(path: str) -> list[tuple[int, str]]:

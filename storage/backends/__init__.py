@@ -1,13 +1,14 @@
 """Storage backends: one class per family of fsspec filesystems, chosen once per location.
 
 ``Backend`` (``base``) works on any fsspec filesystem; ``PosixBackend`` (local disk),
-``S3Backend`` and ``GCSBackend`` (object stores) and ``MemoryBackend`` (fsspec's in-process
-memory filesystem) do better where they can and say so in their capability flags. The
-registry maps protocols to classes. Adding a backend: subclass, set ``protocols`` and the
-flags, override what differs, ``register`` it, and run ``tests/storage/test_backend_
-conformance.py`` against it.
+``S3Backend``, ``GCSBackend`` and ``AzureBackend`` (object stores) and ``MemoryBackend``
+(fsspec's in-process memory filesystem) do better where they can and say so in their
+capability flags. The registry maps protocols to classes. Adding a backend: subclass, set
+``protocols`` and the flags, override what differs, ``register`` it, and run
+``tests/storage/test_backend_conformance.py`` against it.
 """
 
+from storage.backends.azure import AzureBackend
 from storage.backends.base import Backend, ListedFile, mtime_of
 from storage.backends.memory import MemoryBackend
 from storage.backends.object_store import (
@@ -22,6 +23,7 @@ from storage.backends.registry import BACKEND_CLASSES, backend_for, package_for,
 __all__ = [
     "BACKEND_CLASSES",
     "DEFAULT_POOL_CONNECTIONS",
+    "AzureBackend",
     "Backend",
     "GCSBackend",
     "ListedFile",

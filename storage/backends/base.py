@@ -122,6 +122,14 @@ class Backend:
     #: the storage options that take credentials, for backends that read none from the URL
     #: (a ``user:pw@`` there would become part of the bucket name): such URLs are refused
     url_credentials_go_in: ClassVar[str | None] = None
+    #: environment variables the library reads credentials from: their values are scrubbed
+    #: from messages like those of the storage options
+    secret_environment: ClassVar[tuple[str, ...]] = ()
+    #: what the library needs to open a URL, for a library that refuses to open one without
+    #: it (with a ``ValueError``); None: such an error means the URL itself is wrong
+    options_needed: ClassVar[str | None] = None
+    #: what the backend calls the top level of a path (named in "create it first" fixes)
+    bucket_word: ClassVar[str] = "bucket"
 
     # -- capability flags: what callers may ask -----------------------------------------------
 

@@ -41,6 +41,11 @@ def open_filesystem(
             url=masked,
         ) from exc
     except ValueError as exc:
+        needed = backend_for(protocol).options_needed
+        if needed is not None:
+            raise StorageOptionsRefusedError(
+                f"cannot open {masked}: {redact(exc, secrets)}; {needed}", url=masked
+            ) from exc
         raise InvalidNameError(
             f"cannot open {masked}: {redact(exc, secrets)}; check the URL's protocol", url=masked
         ) from exc

@@ -8,6 +8,7 @@ protocols fsspec knows but that need a package.
 
 from __future__ import annotations
 
+from storage.backends.azure import AzureBackend
 from storage.backends.base import Backend
 from storage.backends.memory import MemoryBackend
 from storage.backends.object_store import GCSBackend, S3Backend
@@ -23,9 +24,6 @@ _BY_PROTOCOL: dict[str, type[Backend]] = {}
 #: packages providing fsspec protocols that have no backend class here, for the install hint
 #: (a registered class names its own ``package``)
 PACKAGES = {
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "abfss": "adlfs",
     "hf": "huggingface_hub",
     "sftp": "paramiko",
     "ssh": "paramiko",
@@ -51,7 +49,7 @@ def register(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
-for _cls in (PosixBackend, MemoryBackend, S3Backend, GCSBackend):
+for _cls in (PosixBackend, MemoryBackend, S3Backend, GCSBackend, AzureBackend):
     register(_cls)
 
 

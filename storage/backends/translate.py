@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from storage.errors import BackendUnavailableError, StorageError, StorageOptionsRefusedError
 from storage.redact import redact
-from storage.retry import carry_retry_state, retry_summary
+from storage.retry import carry_retry_state, reply_status, retry_summary
 
 if TYPE_CHECKING:
     from storage.backends.base import Backend
@@ -32,7 +32,25 @@ __all__ = [
 ]
 
 _PASSTHROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
-_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "google", "gcsfs", "requests", "urllib3")
+_NETWORK_MODULES = (
+    "botocore",
+    "aiobotocore",
+    "aiohttp",
+    "google",
+    "gcsfs",
+    "azure",
+    "requests",
+    "urllib3",
+)
+#: replies that are answers, not failures, by the class names of libraries that do not raise
+#: the builtin errors themselves (azure.core.exceptions: 404; 409 ``BlobAlreadyExists``; 412
+#: ``ConditionNotMet``, which only a conditional write of ours can get, and which the
+#: conditional writes here make only to create a file that must not exist)
+_ANSWER_CLASSES: dict[str, type[OSError]] = {
+    "ResourceNotFoundError": FileNotFoundError,
+    "ResourceExistsError": FileExistsError,
+    "ResourceModifiedError": FileExistsError,
+}
 #: libraries whose own code raising a TypeError or AttributeError means unusable options
 _BACKEND_MODULES = (*_NETWORK_MODULES, "s3fs", "gcsfs", "adlfs", "fsspec.implementations")
 
@@ -75,18 +93,35 @@ def translated(backend: Backend, action: str, *, creating: bool = False) -> Iter
     """
     try:
         yield
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        if not creating:
-            raise
-        raise BackendUnavailableError(
-            f"{action} failed: {type(exc).__name__}: {redact(exc, backend.secrets)}; "
-            f"{missing_parent_fix(backend)}",
-            url=backend.url,
-        ) from exc
     except Exception as exc:
+        answer = file_answer(exc)
+        if isinstance(answer, FileNotFoundError | NotADirectoryError) and creating:
+            raise BackendUnavailableError(
+                f"{action} failed: {type(exc).__name__}: {redact(exc, backend.secrets)}; "
+                f"{missing_parent_fix(backend)}",
+                url=backend.url,
+            ) from exc
+        if answer is exc:
+            raise
+        if answer is not None:
+            raise answer from exc
         if not is_backend_failure(exc):
             raise
         raise _translation(backend, action, exc) from exc
+
+
+def file_answer(exc: BaseException) -> OSError | None:
+    """The file-level answer ``exc`` is: itself if it is a builtin one (not found, exists, a
+    directory, not a directory); a builtin one made from a library's own class for it (Azure's
+    ``ResourceNotFoundError`` becomes ``FileNotFoundError``, ...); else None."""
+    if isinstance(exc, _PASSTHROUGH):
+        return exc
+    for klass in type(exc).__mro__:
+        answer = _ANSWER_CLASSES.get(klass.__name__)
+        if answer is not None:
+            code = getattr(exc, "error_code", None) or klass.__name__
+            return answer(f"{code} (HTTP {getattr(exc, 'status_code', '?')})")
+    return None
 
 
 def _translation(backend: Backend, action: str, exc: Exception) -> StorageError:
@@ -111,7 +146,7 @@ def _fix(backend: Backend, exc: Exception, tried: str | None) -> str:
         return read_only_fix(backend)
     if isinstance(exc, PermissionError) and backend.posix_paths:
         return f"check that this user may read and write under {backend.url}"
-    if isinstance(exc, PermissionError):
+    if isinstance(exc, PermissionError) or reply_status(exc) in (401, 403):
         return "check the credentials and permissions in storage_options"
     if isinstance(exc, OSError) and exc.errno in {errno.ENOSPC, errno.EDQUOT}:
         return full_disk_fix(backend)
@@ -139,7 +174,8 @@ def missing_parent_fix(backend: Backend) -> str:
             "the path"
         )
     bucket = backend.display(backend.root.split("/", 1)[0])
-    return f"the bucket {bucket} must exist: create it first or fix the URL"
+    word = backend.bucket_word
+    return f"the {word} {bucket} must exist: create it first or fix the URL"
 
 
 def full_disk_fix(backend: Backend) -> str:

@@ -307,3 +307,40 @@ def test_every_storage_error_is_redacted_on_construction():
     assert_masked(str(error), "URLSECRET7", SECRET, keeps=("s3://AKIA:***@b/x",))
     assert_masked(" ".join(error.problems), TOKEN)
     assert error.url == "s3://AKIA:***@b/x"
+
+
+# -- Azure: connection strings and the environment adlfs reads --------------------------------
+
+AZURE_KEY = "QXp1cmVTZWNyZXRLZXlRWEJ6ZFhKbFUyVmpjbVYwUzJWNQ=="
+AZURE_CONNECTION = (
+    "DefaultEndpointsProtocol=https;AccountName=acct;"
+    f"AccountKey={AZURE_KEY};EndpointSuffix=core.windows.net"
+)
+
+
+def test_the_key_inside_an_azure_connection_string_is_a_secret_of_its_own():
+    found = option_secrets({"connection_string": AZURE_CONNECTION})
+    assert AZURE_CONNECTION in found and AZURE_KEY in found
+    # an SDK message quoting the key alone, out of any name=value context
+    assert_masked(redact(f"bad key {AZURE_KEY}", found), AZURE_KEY, keeps=("bad key",))
+    echoed = f"cannot parse {AZURE_CONNECTION}"
+    assert_masked(redact(echoed), AZURE_KEY)
+    shown = redact_options({"connection_string": AZURE_CONNECTION, "account_name": "acct"})
+    assert shown == {"connection_string": "***", "account_name": "acct"}
+
+
+@pytest.mark.parametrize(
+    "variable",
+    ["AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN"],
+)
+def test_azure_credentials_in_the_environment_are_scrubbed_too(variable, monkeypatch):
+    from adlfs import AzureBlobFileSystem
+
+    AzureBlobFileSystem.clear_instance_cache()  # adlfs reads the environment when made
+    value = AZURE_CONNECTION if variable.endswith("STRING") else AZURE_KEY
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    location = open_location("az://container/ckpt", retry=NO_RETRY)
+    AzureBlobFileSystem.clear_instance_cache()
+    assert AZURE_KEY in location.secrets
+    assert_masked(repr(location), AZURE_KEY)

@@ -49,6 +49,20 @@ def s3_env(doc: Block, request: pytest.FixtureRequest) -> dict[str, str]:
     }
 
 
+_CONTAINER = re.compile(r"az://([a-z0-9][a-z0-9-]{1,61}[a-z0-9])(?=[/\"'])")
+
+
+def azure_env(doc: Block, request: pytest.FixtureRequest) -> dict[str, str]:
+    """For a block naming ``az://CONTAINER/...``: Azurite's connection string where adlfs reads
+    it (``AZURE_STORAGE_CONNECTION_STRING``), the containers made."""
+    if "az://" not in doc.code:
+        return {}
+    server = request.getfixturevalue("azurite")
+    for container in sorted(set(_CONTAINER.findall(doc.code))):
+        server.create_container(container)  # idempotent: blocks of one session share it
+    return {"AZURE_STORAGE_CONNECTION_STRING": server.connection_string}
+
+
 def zephon_command() -> str:
     """The ``zephon`` console script of this environment (what the reader's venv puts on PATH)."""
     return os.path.join(os.path.dirname(sys.executable), "zephon")
@@ -68,7 +82,8 @@ def run_python(doc: Block, request: pytest.FixtureRequest, tmp_path: Path) -> No
     prepare(tmp_path)
     script = tmp_path / "example.py"
     script.write_text(doc.code)
-    done = run([sys.executable, str(script)], tmp_path, clean_env(**s3_env(doc, request)))
+    env = clean_env(**s3_env(doc, request), **azure_env(doc, request))
+    done = run([sys.executable, str(script)], tmp_path, env)
     assert done.returncode == 0, f"{doc.id} failed:\n{done.stderr[-3000:]}"
     shown = output_of(doc)
     if shown is not None:
@@ -426,7 +441,7 @@ CHECKS: dict[tuple[str, int], tuple[str, Checker]] = {
         "python benchmarks/storage_throughput.py",
         check_benchmarks,
     ),
-    ("docs/storage.md", 9): (
+    ("docs/storage.md", 11): (
         "python benchmarks/round_trips.py",
         check_benchmarks,
     ),

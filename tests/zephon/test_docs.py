@@ -6,7 +6,8 @@ kind:
 - ``python``: run as printed in a fresh interpreter in a temporary directory (PYTHONPATH = the
   repository); a block followed by "prints" and an output block must print exactly that. A
   block naming ``s3://`` runs against the moto server (endpoint and keys from the environment,
-  as s3fs reads them) with the buckets it names created.
+  as s3fs reads them) with the buckets it names created; one naming ``az://`` against Azurite
+  (the connection string in ``AZURE_STORAGE_CONNECTION_STRING``), its containers created.
 - ``yaml``: loaded with ``zephon.load_job_config``; README's is examples/job.yaml.
 - ``bash``/``sh``, ``json``, ``sql``, ``cron`` and untyped output blocks: a checker of their
   own in ``CHECKS`` (tests/zephon/doc_checks.py), which says what it runs.
