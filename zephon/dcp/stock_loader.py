@@ -139,7 +139,9 @@ def read_stock_metadata(data: bytes, *, where: str) -> StockCheckpoint:
     try:
         md = unpickle_allowed(data, _METADATA_GLOBALS)
     except UnpickleRefused as exc:
-        raise _refuse(where, f"refused by the restricted unpickler: {exc}; nothing of it ran")
+        raise _refuse(
+            where, f"refused by the restricted unpickler: {exc}; nothing of it ran"
+        ) from None
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise _refuse(where, f"holds a {type(md).__name__}, not DCP Metadata")
     if not isinstance(md.storage_data, dict):
@@ -303,7 +305,9 @@ def tensor_span(
     try:
         return _span(archive, entries, prefix, view, item)
     except UnpickleRefused as exc:
-        raise _refuse(what, f"refused by the restricted unpickler: {exc}; nothing of it ran")
+        raise _refuse(
+            what, f"refused by the restricted unpickler: {exc}; nothing of it ran"
+        ) from None
     except (ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
         raise _refuse(what, str(exc)) from None
 
