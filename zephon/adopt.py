@@ -195,7 +195,7 @@ def _stock_checkpoints(src: Location, step: int | None) -> list[tuple[int, str, 
         raise StockCheckpointError(
             f"{src.url} holds no {METADATA_NAME} and no {_STEP_DIR}<N> directory with one: it "
             "is not a stock DCP checkpoint; give the directory torch's FileSystemWriter wrote, "
-            f"or one of {_STEP_DIR}<N> directories of them",
+            f"or a directory of {_STEP_DIR}<N> ones",
             path=src.url,
         )
     if step is not None:
