@@ -130,7 +130,8 @@ def adopt(
     directories instead (torchtitan's layout; ``step`` not given), each of them as step N, in
     step order. ``catalog`` (a ``catalog.Catalog`` or its URL; default ``$ZEPHON_CATALOG_URL``,
     else none) records each step's row as any save does. ``storage_options`` are the run's
-    fsspec options, ``source_options`` the source's (default: the same).
+    fsspec options, ``source_options`` the source's (default: the run's when both URLs have
+    the same protocol, else none).
 
     Steps the run already holds are skipped (``AdoptReport.skipped``). Raises
     ``StockCheckpointError`` for a source that is not a stock checkpoint Zephon can adopt
@@ -140,7 +141,9 @@ def adopt(
     target = parse_run_url(run_url, "adopt")
     step = check_step(step, "adopt")
     given_source = os.fspath(source) if isinstance(source, os.PathLike) else source
-    options = storage_options if source_options is None else source_options
+    options = source_options
+    if options is None and _protocol(given_source) == _protocol(target.root):
+        options = storage_options  # one store for both, e.g. the same S3 endpoint
     src = open_location(given_source, options)
     found = _stock_checkpoints(src, step)
     say = progress or (lambda _line: None)
@@ -204,6 +207,10 @@ def _stock_checkpoints(src: Location, step: int | None) -> list[tuple[int, str, 
             f"out --step, or give one {_STEP_DIR}<N> directory with --step"
         )
     return found
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
 
 
 def _step_of(name: str) -> int | None:

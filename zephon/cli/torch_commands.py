@@ -169,7 +169,8 @@ def register(add) -> None:
         "--source-options",
         metavar="JSON",
         type=parse_storage_options,
-        help="fsspec storage options of the source (default: those of the run)",
+        help="fsspec storage options of the source (default: the run's, if both URLs have "
+        "the same protocol)",
     )
 
     p = add("demo", cmd_demo, "train, get preempted (SIGKILL), resume, compare the losses")
