@@ -13,7 +13,9 @@ unpickler, which looks up only the globals named below (torch DCP's metadata cla
 ``torch.Size``, dtypes, layouts, memory formats, ``OrderedDict``; in a blob's ``data.pkl``
 the tensor rebuild functions, answered by a placeholder that records their arguments, and
 storage classes). Nothing is rebuilt as a tensor: ``tensor_span`` only says where a blob's
-tensor bytes are, so that Zephon's JSON metadata can point at them. Anything else (a global
+tensor bytes are (the storage record from ``zephon.dcp.stock_format.raw_span``, the tensor's
+offset, shape and strides in it from ``data.pkl``), so that Zephon's JSON metadata can point
+at them. Anything else (a global
 outside the lists, a compressed zip entry, a transform such as compression, a view that is not
 contiguous, a dtype or shape other than the metadata's, a truncated blob) raises
 ``StockCheckpointError`` naming the file and the fix.
@@ -24,7 +26,6 @@ from __future__ import annotations
 import collections
 import io
 import pathlib
-import struct
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from storage import InvalidNameError, validate_file_name
 from zephon.dcp.errors import StockCheckpointError
+from zephon.dcp.stock_format import raw_span
 from zephon.dcp.untrusted import UnpickleRefused, unpickle_allowed
 from zephon.dtypes import DTYPES
 
@@ -268,17 +270,6 @@ def _ints(value: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _stored_data_offset(blob: memoryview, info: zipfile.ZipInfo) -> int:
-    """Where the bytes of the stored zip entry ``info`` start in ``blob``: after its local
-    header, whose name and extra field lengths may differ from the central directory's."""
-    start = info.header_offset
-    header = bytes(blob[start : start + 30])
-    if len(header) < 30 or header[:4] != b"PK\x03\x04":
-        raise ValueError(f"no local header for {info.filename}")
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return start + 30 + name_len + extra_len
-
-
 def tensor_span(
     blob: bytes | bytearray | memoryview, item: StockItem, *, where: str
 ) -> tuple[int, int]:
@@ -351,12 +342,16 @@ def _span(
     stored = storage.numel * (element if storage.kind.dtype is not None else 1)
     if info.file_size != stored:
         raise ValueError(f"has storage bytes of {info.file_size}, its pickle says {stored}")
-    data_start = _stored_data_offset(view, info)
+    # the storage bytes from the zip's own directory (stock_format, shared with the writer
+    # that stores these blobs): one storage record, uncompressed, inside the blob
+    data_start, data_length = raw_span(view)
+    if data_length != info.file_size:
+        raise ValueError(f"has storage bytes of {data_length}, its directory says {info.file_size}")
     numel = 1
     for s in size:
         numel *= s
     first, length = start * element, numel * element
-    if data_start + info.file_size > len(view) or (numel and first + length > info.file_size):
+    if numel and first + length > data_length:
         raise ValueError("ends before its storage does: the file is truncated or damaged")
     return data_start + (first if numel else 0), length
 
