@@ -11,10 +11,11 @@ in step order. For each step:
    session's destination, as ``zephon.dcp.Writer``'s saves are): the job's attempt is
    registered at the first step (continuing the run's latest checkpoint, so a step below it is
    refused as ``SaveBelowLatestError``), the catalog row armed ``pending``, storage ``begin``;
-3. every shard file is copied into the save under its own name: read once from the source,
-   each tensor blob's header read by the allowlist unpickler to find where the tensor's bytes
-   are, their CRC32C computed on the way (and combined into the file's), the bytes written as
-   they are; a refusal fails the save (its files removed, its row ``failed``);
+3. every shard file is copied into the save under its own name and read once: on the server
+   when source and run are on one object store (``CheckpointWriter.copy_from``: the copy is
+   what is read), else streamed from the source into the save; each tensor blob's header is
+   read by the allowlist unpickler to find where the tensor's bytes are, and their CRC32C
+   computed on the way; a refusal fails the save (its files removed, its row ``failed``);
 4. Zephon's JSON metadata (``dcp_metadata.json``) points each tensor at its raw bytes inside
    its blob, and each non-tensor item at its bytes; the marker is committed, then the row.
 
@@ -77,6 +78,8 @@ class AdoptedStep:
     files: int = 0
     bytes: int = 0
     items: int = 0
+    #: how many of the files the store copied on the server (source and run on one store)
+    copied_on_server: int = 0
     skipped: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -87,6 +90,7 @@ class AdoptedStep:
             "files": self.files,
             "bytes": self.bytes,
             "items": self.items,
+            "copied_on_server": self.copied_on_server,
             "skipped": self.skipped,
         }
 
@@ -240,10 +244,13 @@ def _adopt_step(
     writer = save.writer
     try:
         slices: dict[MetadataIndex, ShardSlice] = {}
+        on_server = 0
         for name, items in by_file.items():
-            slices.update(
-                _copy_file(src, f"{directory}/{name}", files[name], name, items, writer, where)
+            placed, copied = _copy_file(
+                src, f"{directory}/{name}", files[name], name, items, writer, where
             )
+            slices.update(placed)
+            on_server += copied
         metadata = Metadata(
             state_dict_metadata=stock.metadata.state_dict_metadata,
             planner_data=stock.metadata.planner_data,
@@ -277,6 +284,7 @@ def _adopt_step(
         files=len(by_file),
         bytes=sum(files[name] for name in by_file),
         items=len(stock.items),
+        copied_on_server=on_server,
     )
 
 
@@ -314,47 +322,66 @@ def _copy_file(
     items: list[StockItem],
     writer: CheckpointWriter,
     where: str,
-) -> dict[MetadataIndex, ShardSlice]:
-    """Copy one shard file into ``writer`` as it is, in one pass, returning each item's slice
-    (tensor items: their raw bytes inside the blob, with their CRC32C)."""
-    slices: dict[MetadataIndex, ShardSlice] = {}
+) -> tuple[dict[MetadataIndex, ShardSlice], bool]:
+    """Copy one shard file into ``writer`` as it is, reading it once; returns each item's
+    slice (tensor items: their raw bytes inside the blob, with their CRC32C) and whether the
+    store copied it on the server (source and run on one object store: the bytes read are the
+    copy's, so every CRC32C is of what the run holds)."""
     shown = f"{where}/{name}"
+    if writer.can_copy_from(src):
+        slices: dict[MetadataIndex, ShardSlice] = {}
+        writer.copy_from(
+            src, path, name, size, read=lambda copy: slices.update(_place(copy, items, name, shown))
+        )
+        return slices, True
     with open_read(src, path, size) as source, writer.open(name) as out:
-        position = 0
-        for item in items:
-            _copy_gap(source, out, item.offset - position, shown)
-            blob = memoryview(_read_exact(source, item.length, shown))
-            if item.is_tensor:
-                start, length = tensor_span(blob, item, where=shown)
-                out.write(blob[:start])
-                raw = blob[start : start + length]
-                crc = crc32c_extend(0, raw)
-                out.write(raw, crc=crc)
-                out.write(blob[start + length :])
-                slices[item.index] = ShardSlice(
-                    name,
-                    item.offset + start,
-                    length,
-                    "raw",
-                    dtype_name(item.dtype),
-                    item.shape,
-                    crc32c=encode_crc32c(crc),
-                )
-            else:
-                crc = crc32c_extend(0, blob)
-                out.write(blob, crc=crc)
-                slices[item.index] = ShardSlice(
-                    name, item.offset, item.length, "bytes", crc32c=encode_crc32c(crc)
-                )
-            position = item.offset + item.length
-        _copy_gap(source, out, size - position, shown)
+        slices = _place(source, items, name, shown, out)
+        end = items[-1].offset + items[-1].length if items else 0
+        _copy_gap(source, out.write, size - end, shown)  # anything after the last item
+    return slices, False
+
+
+def _place(
+    source: IO[bytes], items: list[StockItem], name: str, shown: str, out: Any = None
+) -> dict[MetadataIndex, ShardSlice]:
+    """Read a shard file from its start, finding each item's slice; with ``out``, write every
+    byte read into it (each item's CRC32C combined into the file's, not computed twice)."""
+    write = out.write if out is not None else (lambda _data, crc=None: None)
+    slices: dict[MetadataIndex, ShardSlice] = {}
+    position = 0
+    for item in items:
+        _copy_gap(source, write, item.offset - position, shown)
+        blob = memoryview(_read_exact(source, item.length, shown))
+        if item.is_tensor:
+            start, length = tensor_span(blob, item, where=shown)
+            raw = blob[start : start + length]
+            crc = crc32c_extend(0, raw)
+            write(blob[:start])
+            write(raw, crc=crc)
+            write(blob[start + length :])
+            slices[item.index] = ShardSlice(
+                name,
+                item.offset + start,
+                length,
+                "raw",
+                dtype_name(item.dtype),
+                item.shape,
+                crc32c=encode_crc32c(crc),
+            )
+        else:
+            crc = crc32c_extend(0, blob)
+            write(blob, crc=crc)
+            slices[item.index] = ShardSlice(
+                name, item.offset, item.length, "bytes", crc32c=encode_crc32c(crc)
+            )
+        position = item.offset + item.length
     return slices
 
 
-def _copy_gap(source: IO[bytes], out: Any, length: int, shown: str) -> None:
+def _copy_gap(source: IO[bytes], write: Any, length: int, shown: str) -> None:
     while length > 0:
         piece = _read_exact(source, min(length, _CHUNK), shown)
-        out.write(piece)
+        write(piece)
         length -= len(piece)
 
 

@@ -127,14 +127,14 @@ def test_adopting_into_an_s3_run_copies_from_local_disk_and_loads_bit_for_bit(
         storage_options=backend.storage_options,
     )
 
-    assert report.adopted == [7]
+    assert report.adopted == [7] and report.steps[0].copied_on_server == 0  # streamed
     loaded, step = load_run(run_url, saved, storage_options=backend.storage_options)
     assert step == 7
     assert_exact(loaded, saved)
     assert sqlite_catalog.get_checkpoint("my-run", 7).state == "committed"
 
 
-def test_a_stock_checkpoint_on_s3_is_adopted_into_a_run_in_the_same_bucket(
+def test_a_stock_checkpoint_on_s3_is_copied_on_the_server_into_a_run_in_the_same_bucket(
     tmp_path, request, sqlite_catalog
 ):
     import fsspec
@@ -146,10 +146,35 @@ def test_a_stock_checkpoint_on_s3_is_adopted_into_a_run_in_the_same_bucket(
     for name in os.listdir(tmp_path / "stock"):
         fs.put_file(str(tmp_path / "stock" / name), f"{source}/{name}")
 
-    adopt(source, f"{backend.url}/runs/r", step=3, storage_options=backend.storage_options)
+    report = adopt(source, f"{backend.url}/runs/r", step=3, storage_options=backend.storage_options)
+
+    assert report.steps[0].copied_on_server == 1  # CopyObject: no bytes uploaded
 
     loaded, _ = load_run(f"{backend.url}/runs/r", saved, storage_options=backend.storage_options)
     assert_exact(loaded, saved)
+    runs = CheckpointStore(f"{backend.url}/runs", backend.storage_options)
+    assert runs.run("r").verify(3, deep=True).ok  # the manifest's CRC32Cs are the copy's
+
+
+def test_a_refusal_after_a_server_side_copy_leaves_nothing_in_the_run(tmp_path, request):
+    import fsspec
+
+    backend = make_backend("s3", request, tmp_path)
+    write_stock(str(tmp_path / "stock"), seed=4)
+    sentinel = tmp_path / "sentinel"
+    evil = pickle.dumps(_RunsCommand(f"touch {sentinel}"))
+    _rewrite_item(str(tmp_path / "stock"), "model.2.bias", _blob_with_pickle(evil))
+    fs = fsspec.filesystem("s3", **backend.storage_options)
+    source = f"{backend.url}/stock"
+    for name in os.listdir(tmp_path / "stock"):
+        fs.put_file(str(tmp_path / "stock" / name), f"{source}/{name}")
+
+    with pytest.raises(StockCheckpointError, match=r"'model.2.bias': refused"):
+        adopt(source, f"{backend.url}/runs/r", step=3, storage_options=backend.storage_options)
+
+    assert not sentinel.exists()
+    fs.invalidate_cache()
+    assert fs.find(f"{backend.url}/runs/r/save-3") == []
 
 
 def test_a_directory_of_step_folders_is_adopted_in_step_order_in_one_call(tmp_path, sqlite_catalog):

@@ -82,9 +82,10 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         if done.skipped is not None:
             say(f"skipped step {done.step}: {done.skipped} ({done.url})")
         else:
+            where = " (copied on the server)" if done.copied_on_server else ""
             say(
                 f"adopted step {done.step} from {done.source}: {done.items} items, "
-                f"{done.files} file(s), {human_bytes(done.bytes)} -> {done.url}"
+                f"{done.files} file(s), {human_bytes(done.bytes)}{where} -> {done.url}"
             )
     return 0
 
