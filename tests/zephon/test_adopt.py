@@ -368,6 +368,34 @@ def test_the_tensor_bytes_of_a_view_are_found_inside_its_whole_storage():
     ).tolist() == [4, 5, 6]
 
 
+class _ChangesEnumMember:
+    """A pickle of allowlisted globals only, that would set the state of a shared object (an
+    enum member torch uses process-wide)."""
+
+    def __reduce__(self):
+        from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+        return (_MEM_FORMAT_ENCODING, (0,), {"_value_": 2})
+
+
+def _builds_a_class() -> bytes:
+    """A pickle that names the allowlisted class ``Metadata`` and sets an attribute of the
+    class itself (BUILD on a global), which would outlive the load."""
+    state = pickle.dumps((None, {"zephon_test_marker": 1}), protocol=2)[2:-1]
+    return b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n" + state + b"b."
+
+
+@pytest.mark.parametrize(
+    "data", [pickle.dumps(_ChangesEnumMember()), _builds_a_class()], ids=["enum", "class"]
+)
+def test_a_pickle_that_would_change_a_shared_object_is_refused(data):
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+
+    with pytest.raises(StockCheckpointError, match=r"restricted unpickler: it sets the state"):
+        read_stock_metadata(data, where="x/.metadata")
+    assert _MEM_FORMAT_ENCODING(0).value == 0 and not hasattr(Metadata, "zephon_test_marker")
+
+
 def test_metadata_that_is_no_dcp_metadata_is_refused():
     with pytest.raises(StockCheckpointError, match=r"holds a dict, not DCP Metadata"):
         read_stock_metadata(pickle.dumps({"a": 1}), where="x/.metadata")

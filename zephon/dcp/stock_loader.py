@@ -66,7 +66,8 @@ def _path(*parts: str) -> str:
 
 
 _PATHS = {("pathlib", n): _path for n in ("Path", "PosixPath", "PurePosixPath")}
-_METADATA_CLASSES = (
+#: the metadata classes whose instances a ``.metadata`` pickle builds and fills in
+_BUILDABLE = (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -74,8 +75,9 @@ _METADATA_CLASSES = (
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
-    _MEM_FORMAT_ENCODING,
+    _StorageInfo,
 )
+_METADATA_CLASSES = (*_BUILDABLE[:-1], _MEM_FORMAT_ENCODING)
 
 
 def _layout(name: Any) -> torch.layout:
@@ -139,7 +141,7 @@ def read_stock_metadata(data: bytes, *, where: str) -> StockCheckpoint:
     unpickler and checked: every item's slice in a valid file name, no transforms, tensor
     chunks with dtype and shape. ``StockCheckpointError`` naming ``where`` otherwise."""
     try:
-        md = unpickle_allowed(data, _METADATA_GLOBALS)
+        md = unpickle_allowed(data, _METADATA_GLOBALS, buildable=_BUILDABLE)
     except UnpickleRefused as exc:
         raise _refuse(
             where, f"refused by the restricted unpickler: {exc}; nothing of it ran"

@@ -64,21 +64,35 @@ class UnpickleRefused(Exception):
     callers turn it into their own error naming the file."""
 
 
-class _AllowlistUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` whose ``find_class`` answers only from an allowlist: every global a
-    pickle can call (``REDUCE``, ``NEWOBJ``, ``BUILD``'s ``__setstate__``, the copyreg
-    extension codes) is reached through ``find_class``, so nothing outside the allowlist is
-    imported or run."""
+class _AllowlistUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be guarded
+    """An unpickler whose ``find_class`` answers only from an allowlist: every global a pickle
+    can call (``REDUCE``, ``NEWOBJ``, the copyreg extension codes) is reached through
+    ``find_class``, so nothing outside the allowlist is imported or run. ``BUILD`` (setting an
+    object's state) is allowed only on instances of the ``buildable`` classes, which the
+    pickle itself created: never on a class, a function or a shared object such as an enum
+    member, whose change would outlive the load."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(
         self,
         data: bytes | bytearray | memoryview,
         allowed: Callable[[str, str], Any],
         persistent: Callable[[Any], Any] | None,
+        buildable: tuple[type, ...],
     ) -> None:
         super().__init__(io.BytesIO(data))
         self._allowed = allowed
         self._persistent = persistent
+        self._buildable = buildable
+
+    def _load_build(self) -> None:
+        target = self.stack[-2] if len(self.stack) >= 2 else None
+        if type(target) not in self._buildable:
+            raise UnpickleRefused(f"it sets the state of a {type(target).__name__}")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
     def find_class(self, module: str, name: str) -> Any:
         found = self._allowed(module, name)
@@ -96,15 +110,17 @@ def unpickle_allowed(
     data: bytes | bytearray | memoryview,
     allowed: Mapping[tuple[str, str], Any] | Callable[[str, str], Any],
     *,
+    buildable: tuple[type, ...] = (),
     persistent_load: Callable[[Any], Any] | None = None,
 ) -> Any:
     """The object pickled in ``data``, with every global looked up in ``allowed`` (a mapping of
-    ``(module, name)`` to the object to use, or a function answering None for a refusal) and
-    persistent ids answered by ``persistent_load`` (refused without one). Any refusal or
-    malformed pickle raises ``UnpickleRefused`` saying why; nothing outside ``allowed`` ran."""
+    ``(module, name)`` to the object to use, or a function answering None for a refusal), the
+    state set only of instances of ``buildable`` classes, and persistent ids answered by
+    ``persistent_load`` (refused without one). Any refusal or malformed pickle raises
+    ``UnpickleRefused`` saying why; nothing outside ``allowed`` ran."""
     look_up = allowed if callable(allowed) else lambda module, name: allowed.get((module, name))
     try:
-        return _AllowlistUnpickler(data, look_up, persistent_load).load()
+        return _AllowlistUnpickler(data, look_up, persistent_load, buildable).load()
     except UnpickleRefused:
         raise
     except RecursionError:
