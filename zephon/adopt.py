@@ -28,10 +28,12 @@ restricted unpickler.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
@@ -65,6 +67,10 @@ _STEP_DIR = "step-"
 _CHUNK = 8 << 20
 #: the DCP metadata version torch's FileSystemWriter writes
 _DCP_VERSION = "1.0.0"
+#: shard files copied at once (each holds about one item in memory while it is read)
+_COPY_THREADS = 4
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -245,10 +251,12 @@ def _adopt_step(
     try:
         slices: dict[MetadataIndex, ShardSlice] = {}
         on_server = 0
-        for name, items in by_file.items():
-            placed, copied = _copy_file(
-                src, f"{directory}/{name}", files[name], name, items, writer, where
-            )
+        for placed, copied in _each_file(
+            lambda name: _copy_file(
+                src, f"{directory}/{name}", files[name], name, by_file[name], writer, where
+            ),
+            list(by_file),
+        ):
             slices.update(placed)
             on_server += copied
         metadata = Metadata(
@@ -286,6 +294,33 @@ def _adopt_step(
         items=len(stock.items),
         copied_on_server=on_server,
     )
+
+
+def _each_file(copy: Callable[[str], T], names: list[str]) -> list[T]:
+    """``copy(name)`` of every file, ``_COPY_THREADS`` at a time; the first failure is raised
+    once the copies under way have finished, and no new copy starts after it."""
+    failed = threading.Event()
+
+    def one(name: str) -> T:
+        if failed.is_set():
+            raise _NotStarted(name)
+        try:
+            return copy(name)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(max(1, min(_COPY_THREADS, len(names)))) as pool:
+        futures = [pool.submit(one, name) for name in names]
+    errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None and not isinstance(e, _NotStarted)), None)
+    if first is not None:
+        raise first
+    return [f.result() for f in futures]
+
+
+class _NotStarted(Exception):
+    """A copy not started because another one failed first."""
 
 
 def _check_extent(name: str, items: list[StockItem], files: dict[str, int], where: str) -> None:

@@ -46,9 +46,9 @@ def training_state(seed: int) -> dict:
     }
 
 
-def write_stock(path: str, seed: int) -> dict:
+def write_stock(path: str, seed: int, **writer_options) -> dict:
     state = training_state(seed)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, **writer_options))
     return state
 
 
@@ -110,6 +110,21 @@ def test_a_stock_checkpoint_is_adopted_into_a_local_run_and_loads_bit_for_bit(tm
     store = CheckpointStore(str(tmp_path / "ckpt"))
     names = [f.name for f in store.run("my-run").reader(100).manifest.files]
     assert "dcp_metadata.json" in names and ".metadata" not in names
+
+
+def test_a_checkpoint_of_several_shard_files_is_adopted_whole(tmp_path):
+    saved = write_stock(str(tmp_path / "stock"), seed=5, thread_count=3)
+    shards = sorted(n for n in os.listdir(tmp_path / "stock") if n.endswith(".distcp"))
+    assert len(shards) == 3
+    run_url = str(tmp_path / "ckpt" / "r")
+
+    report = adopt(str(tmp_path / "stock"), run_url, step=1)
+
+    assert report.steps[0].files == 3
+    loaded, _ = load_run(run_url, saved)
+    assert_exact(loaded, saved)
+    manifest = CheckpointStore(str(tmp_path / "ckpt")).run("r").reader(1).manifest
+    assert sorted(f.name for f in manifest.files if f.name.endswith(".distcp")) == shards
 
 
 def test_adopting_into_an_s3_run_copies_from_local_disk_and_loads_bit_for_bit(
