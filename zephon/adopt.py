@@ -55,7 +55,7 @@ from zephon.dcp.errors import StockCheckpointError
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_name, encode_metadata
 from zephon.dcp.stock_loader import METADATA_NAME, StockItem, read_stock_metadata, tensor_span
 from zephon.dcp.writer import METADATA_FILE
-from zephon.errors import ConfigError
+from zephon.errors import ConfigError, SaveBelowLatestError
 from zephon.locations import RunLocation
 from zephon.session import RunSession
 
@@ -174,7 +174,18 @@ def adopt(
                 say(f"step {number}: in the run already, skipped")
                 continue
             say(f"step {number}: adopting {where}")
-            report.steps.append(_adopt_step(src, directory, files, number, session, destination))
+            try:
+                done = _adopt_step(src, directory, files, number, session, destination)
+            except SaveBelowLatestError as exc:
+                raise SaveBelowLatestError(
+                    f"run {target.run}: refusing to adopt step {number} below its latest "
+                    f"checkpoint {exc.latest}: adopt it into another run (a new run URL), or "
+                    f"only steps above {exc.latest}",
+                    run=exc.run,
+                    step=number,
+                    latest=exc.latest,
+                ) from None
+            report.steps.append(done)
         return report
     finally:
         session.close()

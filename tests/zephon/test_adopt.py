@@ -229,6 +229,21 @@ def test_the_step_is_required_for_one_checkpoint_and_refused_for_step_folders(tm
         adopt(str(tmp_path / "empty"), str(tmp_path / "ckpt" / "r"), step=1)
 
 
+def test_a_step_below_the_runs_latest_is_refused_before_anything_is_written(tmp_path):
+    from zephon.errors import SaveBelowLatestError
+
+    write_stock(str(tmp_path / "stock"), seed=1)
+    run_url = str(tmp_path / "ckpt" / "r")
+    adopt(str(tmp_path / "stock"), run_url, step=10)
+
+    with pytest.raises(
+        SaveBelowLatestError,
+        match=r"refusing to adopt step 5 below its latest checkpoint 10: adopt it into another",
+    ):
+        adopt(str(tmp_path / "stock"), run_url, step=5)
+    assert CheckpointStore(str(tmp_path / "ckpt")).run("r").committed_steps() == [10]
+
+
 # -- refusals: nothing runs, nothing is committed ------------------------------------------------
 
 
