@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CreateOutcome",
     "ListedFile",
+    "copy_file",
     "create_exclusive",
     "create_settled",
     "file_exists",
@@ -47,6 +48,7 @@ __all__ = [
     "remove_dir",
     "remove_empty_dirs",
     "remove_files",
+    "same_store",
     "sync_dirs",
 ]
 
@@ -103,6 +105,22 @@ def multipart_options(location: Location, part_size: int) -> dict:
     multipart (S3) or resumable (GCS) upload of ``part_size`` parts; s3fs sends the parts
     concurrently. Other backends take a single write."""
     return location.backend.multipart_options(part_size)
+
+
+def same_store(location: Location, other: Location) -> bool:
+    """Whether ``copy_file`` copies between these two locations on the server: one store
+    (the same filesystem, endpoint and credentials) whose backend can (``server_side_copy``)."""
+    return (
+        location.backend.server_side_copy
+        and type(location.backend) is type(other.backend)
+        and location.fs == other.fs
+    )
+
+
+def copy_file(location: Location, source: str, target: str) -> None:
+    """Copy ``source`` to ``target`` on the server (both paths of ``location``'s store; only
+    where ``same_store`` said so): the bytes never pass through this process."""
+    location.backend.copy_file(source, target)
 
 
 def read_small(location: Location, path: str) -> bytes:

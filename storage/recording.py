@@ -15,7 +15,7 @@ from storage.writeback import WRITEBACK_EVERY, start_writeback
 if TYPE_CHECKING:
     from storage.backends import Backend
 
-__all__ = ["RecordingFile"]
+__all__ = ["ChecksummedReader", "RecordingFile"]
 
 
 class RecordingFile:
@@ -97,3 +97,26 @@ class RecordingFile:
 
     def discard(self) -> None:
         self._backend.discard_write(self._handle)
+
+
+class ChecksummedReader(io.RawIOBase):
+    """A readable stream that records the size and CRC32C of every byte read through it (a
+    file read back once, e.g. a server-side copy, whose entry is what was read)."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        super().__init__()
+        self._handle = handle
+        self.crc = Crc32c()
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._handle.read(size)
+        self.crc.update(data)
+        return data
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)

@@ -21,15 +21,18 @@ from concurrent.futures import Executor
 from typing import Any, BinaryIO
 
 from storage.backend import (
+    copy_file,
     create_settled,
     file_exists,
     list_files,
     make_dirs,
+    open_read,
     outcome_unknown,
     put_bytes,
     remove_dir,
     remove_empty_dirs,
     remove_files,
+    same_store,
     sync_dirs,
 )
 from storage.checksum import Crc32c
@@ -46,7 +49,7 @@ from storage.location import Location
 from storage.manifest import FileEntry, Manifest, validate_save_id
 from storage.markers import describe_commit
 from storage.parallel import concurrently
-from storage.recording import RecordingFile
+from storage.recording import ChecksummedReader, RecordingFile
 
 __all__ = ["CheckpointWriter", "Payload"]
 
@@ -164,6 +167,42 @@ class CheckpointWriter:
             with self._open_file(target) as out:
                 yield out
             self._record(name, out.crc)
+
+    def can_copy_from(self, source: Location) -> bool:
+        """Whether ``copy_from`` can copy files of ``source`` into this save on the server."""
+        return same_store(self._location, source)
+
+    def copy_from(
+        self,
+        source: Location,
+        path: str,
+        name: str,
+        size: int,
+        read: Callable[[BinaryIO], None] | None = None,
+    ) -> FileEntry:
+        """Copy the file ``path`` of ``source`` (``size`` bytes) into this save as ``name`` on
+        the server (only where ``can_copy_from``), then read the copy back once for its size
+        and CRC32C: what the manifest records are the copy's own bytes. ``read``, if given,
+        gets that stream first, from its start (e.g. to parse the file on the way).
+        ``WriteAbortedError`` if the copy does not hold ``size`` bytes."""
+        target = self._claim(name)
+        location = self._location
+        with self._guard(name):
+            copy_file(location, path, target)
+            with open_read(location, target, size) as handle:
+                stream = ChecksummedReader(handle)
+                if read is not None:
+                    read(stream)
+                while stream.read(_CHUNK):
+                    pass
+            if stream.crc.size != size:
+                raise WriteAbortedError(
+                    f"copy of {source.display(path)} into {self.url} holds {stream.crc.size} "
+                    f"bytes, not {size}: the source changed while it was copied; copy again",
+                    run=self.run,
+                    step=self.step,
+                )
+            return self._record(name, stream.crc)
 
     def write_many(self, files: Mapping[str, Payload]) -> list[FileEntry]:
         """Write several files in parallel on the store's thread pool; returns their entries.

@@ -81,14 +81,16 @@ class RunSession:
     by an entry point with no notion of a total: the row's stays as it is; None clears it);
     ``resume_step`` is the step the job
     declared it resumed from (``note_loaded`` records the step it loaded, which wins);
-    ``on_corrupt`` is called for a damaged checkpoint passed over while registering."""
+    ``on_corrupt`` is called for a damaged checkpoint passed over while registering;
+    ``retention`` None leaves the run's policy as the catalog holds it (a tool writing into
+    someone else's run: ``zephon adopt``), keeping everything without a catalog."""
 
     def __init__(
         self,
         location: RunLocation,
         *,
         catalog: CatalogArg = None,
-        retention: Retention = NO_RETENTION,
+        retention: Retention | None = NO_RETENTION,
         kind: str = "train",
         total_steps: Any = UNSET,
         resume_step: int | None = None,
@@ -97,7 +99,9 @@ class RunSession:
         on_corrupt: Callable[[int, str], None] | None = None,
     ) -> None:
         self.location = location
-        self.retention = retention
+        #: whether the job's retention is the run's policy (else the catalog's stays)
+        self.sets_retention = retention is not None
+        self.retention = retention if retention is not None else NO_RETENTION
         self.kind = kind
         self.total_steps = total_steps
         self.resume_step = resume_step
@@ -142,7 +146,12 @@ class RunSession:
         """The run's row with the job's kind, total and retention; owed to the catalog
         while it cannot be reached (``zephon.outage``)."""
         location, retention = self.location, self.retention
-        given = {"total_steps": self.total_steps} if self.total_steps is not UNSET else {}
+        given: dict[str, Any] = {}
+        if self.total_steps is not UNSET:
+            given["total_steps"] = self.total_steps
+        if self.sets_retention:
+            given["num_to_keep"] = retention.num_to_keep
+            given["keep_every_steps"] = retention.keep_every_steps
         try:
             ensure_run(
                 catalog,
@@ -152,8 +161,6 @@ class RunSession:
                     location.store.location.canonical_url,
                     kind=self.kind,
                     status="active",
-                    num_to_keep=retention.num_to_keep,
-                    keep_every_steps=retention.keep_every_steps,
                     **given,
                 ),
             )

@@ -57,6 +57,7 @@ RETRIED_PRIMITIVES = (
     "put_small",
     "create_exclusive",
     "remove_files",
+    "copy_file",
 )
 #: every public operation: its errors are translated (``storage.backends.translate``), so a
 #: subclass implements ``_<name>``, never ``<name>`` itself
@@ -143,6 +144,9 @@ class Backend:
     server_side_prefix: ClassVar[bool] = False
     #: large writes go out in parts of ``part_size`` (multipart or resumable uploads)
     multipart_uploads: ClassVar[bool] = False
+    #: copies a file to another path of the same store on the server (S3 CopyObject, GCS
+    #: rewrite), its bytes never passing through this process (``copy_file``)
+    server_side_copy: ClassVar[bool] = False
     #: other processes (and machines) see what this process writes
     cross_process: ClassVar[bool] = True
     #: ``CheckpointStore.max_workers`` by default: threads per checkpoint read or write. Where
@@ -302,6 +306,15 @@ class Backend:
         with self._doing("creating", path, creating=True):
             self.retry.call(self._create_exclusive, path, data)
 
+    def copy_file(self, source: str, target: str) -> None:
+        """Copy ``source`` to ``target`` of this store on the server, where the backend can
+        (``server_side_copy``; elsewhere ``NotImplementedError``): durable when this returns.
+        ``FileNotFoundError`` if ``source`` is missing."""
+        if not self.server_side_copy:
+            raise NotImplementedError(f"{type(self).__name__} has no server-side copy")
+        with self._doing("copying to", target):
+            self.retry.call(self._copy_file, source, target)
+
     def remove_files(self, paths: Iterable[str]) -> int:
         """Delete files in as few requests as the backend allows; missing ones are ignored.
         Returns how many paths were passed."""
@@ -400,6 +413,9 @@ class Backend:
         if self.fs.exists(path):
             raise FileExistsError(path)
         self.fs.pipe_file(path, data)
+
+    def _copy_file(self, source: str, target: str) -> None:
+        self.fs.cp_file(source, target)
 
     def _remove_files(self, paths: list[str]) -> None:
         try:

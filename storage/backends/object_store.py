@@ -35,6 +35,7 @@ class ObjectStoreBackend(Backend):
     exclusive_create = True
     server_side_prefix = True
     multipart_uploads = True
+    server_side_copy = True
     default_workers: ClassVar[int] = DEFAULT_POOL_CONNECTIONS
 
     def _list_files(self, path: str, *, prefix: str = "") -> list[ListedFile]:

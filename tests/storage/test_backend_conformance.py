@@ -162,6 +162,21 @@ def test_a_finished_write_is_visible_and_a_discarded_one_leaves_nothing(case: Ca
 # -- the marker --------------------------------------------------------------------------------
 
 
+def test_server_side_copy_copies_within_the_store_where_the_backend_has_it(case: Case):
+    data = random_payload(PART + 17)
+    source = write(case, "c/source.bin", data)
+    target = case.path("c/sub/target.bin")
+    case.backend.make_dirs(case.path("c/sub"))
+    if not case.backend.server_side_copy:
+        with pytest.raises(NotImplementedError, match="has no server-side copy"):
+            case.backend.copy_file(source, target)
+        return
+    case.backend.copy_file(source, target)
+    assert case.backend.read_file(target) == data
+    with pytest.raises(FileNotFoundError):
+        case.backend.copy_file(case.path("c/missing.bin"), case.path("c/other.bin"))
+
+
 def test_create_exclusive_creates_once_and_refuses_the_second(case: Case):
     path = case.path("m/_COMMITTED")
     case.backend.make_dirs(case.path("m"))

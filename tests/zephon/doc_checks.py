@@ -404,6 +404,38 @@ def check_multinode_launch(doc: Block, request, tmp_path) -> None:
         assert args.training_script_args == ['"$SPEC"'] and args.rdzv_id == "elastic-1"
 
 
+def check_adopt_commands(doc: Block, request, tmp_path) -> None:
+    """Runs ``zephon adopt`` as printed, against the moto server, in a directory holding the
+    stock checkpoints the block names, written by torch's own ``FileSystemWriter``
+    (``outputs/checkpoint/step-100`` and ``step-200``, ``exported/step-900``); then the run
+    holds the three steps, and ``zd.Reader`` loads the latest."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for path, step in (
+        ("outputs/checkpoint/step-100", 100),
+        ("outputs/checkpoint/step-200", 200),
+        ("exported/step-900", 900),
+    ):
+        state = {"w": torch.full((4,), float(step)), "extra": {"step": step}}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / path)))
+    env = clean_env(**s3_env(doc, request))
+    outputs = []
+    for command in _commands(doc):
+        words = shlex.split(command)
+        assert words[0] == "zephon"
+        done = run([zephon_command(), *words[1:]], tmp_path, env)
+        assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}"
+        outputs.append(done.stdout)
+    assert outputs[0].startswith("adopted step 100 from ")
+    assert json.loads(outputs[1])["adopted"] == [900]
+    assert [line.split()[:2] for line in outputs[2].splitlines()[2:]] == [
+        ["100", "committed"],
+        ["200", "committed"],
+        ["900", "committed"],
+    ]
+
+
 def shown_by(number: int) -> Checker:
     def check(doc: Block, request, tmp_path) -> None:
         """An output compared by the test of the block that prints it."""
@@ -478,6 +510,10 @@ CHECKS: dict[tuple[str, int], tuple[str, Checker]] = {
     ("docs/README.md", 3): ("python3 -m venv .venv && . .venv/bin/activate", check_install_only),
     ("docs/pipeline.md", 11): ("{", check_pipeline_state),
     ("docs/dcp.md", 10): ("{", check_dcp_metadata),
+    ("docs/dcp.md", 14): (
+        "zephon adopt outputs/checkpoint s3://bucket/ckpt/llama-run --catalog sqlite:///catalog.db",
+        check_adopt_commands,
+    ),
     ("docs/manager.md", 6): ("import sys", check_reshard),
     ("docs/manager.md", 8): (
         "resumed step 1; data and rank_state per rank: [({'rank': 0}, None), ({'rank': 0}, None)]",

@@ -1,4 +1,4 @@
-"""The ``zephon`` command: catalog queries, retention for cron, verify, sync, export, demo.
+"""The ``zephon`` command: catalog queries, retention for cron, verify, sync, export, adopt, demo.
 
 Every error becomes one line on stderr and a documented exit code, never a traceback:
 

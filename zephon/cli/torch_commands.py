@@ -1,10 +1,17 @@
-"""Subcommands that handle tensors (export, demo); torch is imported only when they run."""
+"""Subcommands that handle tensors (export, adopt, demo); torch is imported only when they
+run."""
 
 from __future__ import annotations
 
 import argparse
 
-from zephon.cli import count_between, parse_run, parse_size, parse_step
+from zephon.cli import (
+    count_between,
+    parse_run,
+    parse_size,
+    parse_step,
+    parse_storage_options,
+)
 from zephon.cli.render import human_bytes, print_json, print_table, say
 from zephon.errors import ConfigError
 
@@ -47,6 +54,39 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"{human_bytes(result.total_bytes)} in {len(result.files) - 1} file(s) "
             f"to {result.directory}"
         )
+    return 0
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    from zephon.adopt import adopt
+    from zephon.cli.commands import open_catalog, storage_options, with_progress
+
+    options = storage_options(args)
+    with open_catalog(args) as cat:
+        report = with_progress(
+            "adopt",
+            lambda report_step: adopt(
+                args.source,
+                args.run_url,
+                step=args.step,
+                catalog=cat,
+                storage_options=options,
+                source_options=args.source_options,
+                progress=report_step,
+            ),
+        )
+    if args.json:
+        print_json(report.to_dict())
+        return 0
+    for done in report.steps:
+        if done.skipped is not None:
+            say(f"skipped step {done.step}: {done.skipped} ({done.url})")
+        else:
+            where = " (copied on the server)" if done.copied_on_server else ""
+            say(
+                f"adopted step {done.step} from {done.source}: {done.items} items, "
+                f"{done.files} file(s), {human_bytes(done.bytes)}{where} -> {done.url}"
+            )
     return 0
 
 
@@ -114,6 +154,24 @@ def register(add) -> None:
         type=parse_size,
         default=parse_size("5GB"),
         help="start a new file above this size (default 5GB)",
+    )
+
+    p = add("adopt", cmd_adopt, "bring stock torch DCP checkpoints into a Zephon run")
+    p.add_argument(
+        "source",
+        help="a stock DCP checkpoint directory (torch's FileSystemWriter), or a directory of "
+        "step-N ones (torchtitan's layout)",
+    )
+    p.add_argument("run_url", metavar="run_url", help="the run's URL, <save_dir>/<run>")
+    p.add_argument(
+        "--step", type=parse_step, help="the step a single checkpoint becomes (not for step-N)"
+    )
+    p.add_argument(
+        "--source-options",
+        metavar="JSON",
+        type=parse_storage_options,
+        help="fsspec storage options of the source (default: the run's, if both URLs have "
+        "the same protocol)",
     )
 
     p = add("demo", cmd_demo, "train, get preempted (SIGKILL), resume, compare the losses")

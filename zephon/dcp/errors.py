@@ -16,6 +16,7 @@ __all__ = [
     "CoordinatorError",
     "MetadataEncodingError",
     "StateDictMismatchError",
+    "StockCheckpointError",
     "UnsafeItemError",
     "WriterSetupError",
 ]
@@ -65,6 +66,16 @@ class UnsafeItemError(DCPError, ValueError):
         super().__init__(message)
         self.key = key
         self.url = url
+
+
+class StockCheckpointError(DCPError, ValueError):
+    """A stock DCP checkpoint (torch's ``FileSystemWriter``) that ``zephon adopt`` refuses: a
+    pickle naming a global outside the allowlist, a compressed or transformed item, a
+    non-contiguous tensor view, a truncated blob. ``path`` names the file; nothing of it ran."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class DistributedCheckpointError(DCPError):

@@ -6,12 +6,17 @@ reader therefore never hands a planner the stored bytes of such an item. ``restr
 the one restricted unpickler (``ZephonLoadPlanner`` uses it too); ``deliver_bytes`` gives a
 planner only what it rebuilt; ``check_read_kind`` and ``kind_problem`` refuse a tensor
 relabelled as a non-tensor item (or back), which would reach the planner through the other path.
+``unpickle_allowed`` is the one allowlist unpickler for pickles that are not ``torch.save``
+files (a stock checkpoint's ``.metadata``, the ``data.pkl`` inside each of its tensor blobs:
+``zephon.dcp.stock_loader``): only the globals its caller names are ever looked up.
 """
 
 from __future__ import annotations
 
 import io
+import pickle
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +26,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from zephon.dcp.errors import UnsafeItemError
 from zephon.dcp.metadata_codec import ShardSlice
 
-__all__ = ["check_read_kind", "deliver_bytes", "kind_problem", "restricted_load"]
+__all__ = [
+    "UnpickleRefused",
+    "check_read_kind",
+    "deliver_bytes",
+    "kind_problem",
+    "restricted_load",
+    "unpickle_allowed",
+]
 
 #: lines of torch's weights_only message that are advice, not the reason
 _ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation")
@@ -45,6 +57,76 @@ def restricted_load(data: bytes | bytearray | memoryview, *, key: str, where: st
         key=key,
         url=where,
     )
+
+
+class UnpickleRefused(Exception):
+    """Raised by ``unpickle_allowed``: the pickle is not one it accepts (the message says why);
+    callers turn it into their own error naming the file."""
+
+
+class _AllowlistUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be guarded
+    """An unpickler whose ``find_class`` answers only from an allowlist: every global a pickle
+    can call (``REDUCE``, ``NEWOBJ``, the copyreg extension codes) is reached through
+    ``find_class``, so nothing outside the allowlist is imported or run. ``BUILD`` (setting an
+    object's state) is allowed only on instances of the ``buildable`` classes, which the
+    pickle itself created: never on a class, a function or a shared object such as an enum
+    member, whose change would outlive the load."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(
+        self,
+        data: bytes | bytearray | memoryview,
+        allowed: Callable[[str, str], Any],
+        persistent: Callable[[Any], Any] | None,
+        buildable: tuple[type, ...],
+    ) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+        self._persistent = persistent
+        self._buildable = buildable
+
+    def _load_build(self) -> None:
+        target = self.stack[-2] if len(self.stack) >= 2 else None
+        if type(target) not in self._buildable:
+            raise UnpickleRefused(f"it sets the state of a {type(target).__name__}")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed(module, name)
+        if found is None:
+            raise UnpickleRefused(f"it names the global {module}.{name}, which is not allowed")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise UnpickleRefused("it holds a persistent id, which is not allowed here")
+        return self._persistent(pid)
+
+
+def unpickle_allowed(
+    data: bytes | bytearray | memoryview,
+    allowed: Mapping[tuple[str, str], Any] | Callable[[str, str], Any],
+    *,
+    buildable: tuple[type, ...] = (),
+    persistent_load: Callable[[Any], Any] | None = None,
+) -> Any:
+    """The object pickled in ``data``, with every global looked up in ``allowed`` (a mapping of
+    ``(module, name)`` to the object to use, or a function answering None for a refusal), the
+    state set only of instances of ``buildable`` classes, and persistent ids answered by
+    ``persistent_load`` (refused without one). Any refusal or malformed pickle raises
+    ``UnpickleRefused`` saying why; nothing outside ``allowed`` ran."""
+    look_up = allowed if callable(allowed) else lambda module, name: allowed.get((module, name))
+    try:
+        return _AllowlistUnpickler(data, look_up, persistent_load, buildable).load()
+    except UnpickleRefused:
+        raise
+    except RecursionError:
+        raise UnpickleRefused("it nests too deeply") from None
+    except Exception as exc:  # noqa: BLE001 - a malformed pickle, whatever the unpickler says
+        raise UnpickleRefused(f"it is not a readable pickle ({_reason(exc)})") from None
 
 
 def _reason(exc: Exception) -> str:
