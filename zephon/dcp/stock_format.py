@@ -7,17 +7,34 @@ that the pickled ``.metadata`` names. So the writer stores each tensor as a ``to
 so Zephon's JSON slice points at those raw bytes inside the blob (its reader and range fetches
 are unchanged, older saves stay readable) while the stock ``.metadata`` points at the whole blob.
 
+``write_blob`` streams a tensor's blob into the shard file without copying the tensor (the zip's
+small headers are gathered into one write; the storage bytes go out as a view of the tensor).
 ``raw_span`` finds the storage bytes in a blob from the zip's central directory and the record's
-local header: nothing is ever unpickled.
+local header: nothing is ever unpickled. ``stock_metadata`` is the pickled ``.metadata`` a stock
+reader opens.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-__all__ = ["raw_span"]
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from storage import crc32c_extend
+
+__all__ = ["STOCK_METADATA_FILE", "Blob", "raw_span", "stock_metadata", "write_blob"]
+
+#: the file torch's ``FileSystemReader``/``FsspecReader`` open first, in the payload directory
+STOCK_METADATA_FILE = ".metadata"
+#: header and trailer writes of a blob are gathered; a write this large goes out as it is
+_DIRECT_BYTES = 64 * 1024
 
 _EOCD = b"PK\x05\x06"
 _ZIP64_LOCATOR = b"PK\x06\x07"
@@ -92,8 +109,12 @@ def locate_storage(read: Read, size: int) -> tuple[int, int]:
 def _central_directory(read: Read, size: int) -> tuple[int, int]:
     """The central directory's offset and size, from the end-of-central-directory record (or its
     zip64 form, which ``torch.save`` always writes)."""
-    tail_len = min(size, 22 + _MAX16)
+    # torch writes no zip comment, so the record is the last 22 bytes; else search for it
+    tail_len = min(size, 22)
     tail = read(size - tail_len, tail_len)
+    if tail[:4] != _EOCD:
+        tail_len = min(size, 22 + _MAX16)
+        tail = read(size - tail_len, tail_len)
     at = tail.rfind(_EOCD)
     if at < 0:
         raise ValueError("not a torch.save blob: no zip end-of-central-directory record")
@@ -127,3 +148,108 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, local: int) -> tuple[int,
             return out[0], out[1], out[2]
         position += 4 + length
     return usize, csize, local
+
+
+@dataclass(frozen=True)
+class Blob:
+    """Where one tensor's ``torch.save`` blob went: ``length`` bytes in all, the tensor's raw
+    bytes (C order) at ``raw_offset`` within it, ``raw_length`` long, with CRC32C ``raw_crc32c``."""
+
+    length: int
+    raw_offset: int
+    raw_length: int
+    raw_crc32c: int
+
+
+def write_blob(tensor: torch.Tensor, emit: Callable[[memoryview], int]) -> Blob:
+    """Write ``tensor`` (dense, on the CPU, contiguous, owning exactly its storage, as
+    ``own_storage`` makes it) as a ``torch.save`` blob through ``emit(view) -> CRC32C of view``,
+    which must write the view before it returns (it is not valid afterwards).
+
+    The zip's own CRC32 is not computed (``torch.load`` does not check it, and it would cost a
+    pass over every byte at about 1.5 GB/s); Zephon's CRC32C covers the bytes instead.
+    """
+    sink = _Sink(emit)
+    # torch.save(tensor, sink) with compute_crc32=False for this blob only: the public switch
+    # is process-wide (torch.utils.serialization.config), so other threads' saves would change.
+    archive = torch._C.PyTorchFileWriter(sink, False, torch.serialization._get_storage_alignment())
+    torch.serialization._save(tensor, archive, pickle, 2, False)
+    archive.write_end_of_file()
+    sink.flush()
+    offset, length = locate_storage(sink.read, sink.position)
+    if length != tensor.numel() * tensor.element_size():
+        raise ValueError(
+            f"torch.save wrote {length} storage bytes for a tensor of {tensor.nbytes}: save a "
+            "tensor that owns its storage exactly"
+        )
+    return Blob(sink.position, offset, length, sink.crc_of(offset, length, tensor))
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself if it is contiguous and owns exactly its storage, else a copy that
+    does (``torch.save`` writes a view's whole storage)."""
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.nbytes:
+        return tensor.clone()
+    return tensor
+
+
+def stock_metadata(metadata: Metadata, storage: Mapping[MetadataIndex, _StorageInfo]) -> bytes:
+    """torch's own ``.metadata`` for ``metadata``: the same object with ``storage`` (each item's
+    file relative to the payload directory, and the span of its blob or bytes) as its
+    ``storage_data``, pickled as torch's ``FileSystemWriter`` does."""
+    return pickle.dumps(dataclasses.replace(metadata, storage_data=dict(storage)))
+
+
+class _Sink:
+    """The file-like object ``torch.save`` writes a blob into: small writes are gathered into
+    one ``emit`` (and kept, for ``locate_storage``); large ones, the tensor's bytes, are
+    emitted as they are and only their position, length and CRC32C kept."""
+
+    def __init__(self, emit: Callable[[memoryview], int]) -> None:
+        self._emit = emit
+        self.position = 0
+        self._pending = bytearray()
+        self._pending_start = 0
+        self._kept: list[tuple[int, bytes]] = []
+        self._direct: list[tuple[int, int, int]] = []
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        size = view.nbytes
+        if size >= _DIRECT_BYTES:
+            self.flush()
+            self._direct.append((self.position, size, self._emit(view)))
+        else:
+            if not self._pending:
+                self._pending_start = self.position
+            self._pending += view
+        self.position += size
+        return size
+
+    def flush(self) -> None:
+        if self._pending:
+            kept = bytes(self._pending)
+            self._emit(memoryview(kept))
+            self._kept.append((self._pending_start, kept))
+            self._pending = bytearray()
+
+    def read(self, offset: int, length: int) -> bytes:
+        for start, kept in self._kept:
+            if start <= offset and offset + length <= start + len(kept):
+                return kept[offset - start : offset - start + length]
+        raise ValueError(f"not a torch.save blob: no zip record at {offset}+{length}")
+
+    def crc_of(self, offset: int, length: int, tensor: torch.Tensor) -> int:
+        """The CRC32C of the blob's bytes at ``offset``, which hold ``tensor``'s storage."""
+        for start, size, crc in self._direct:
+            if (start, size) == (offset, length):
+                return crc
+        for start, kept in self._kept:
+            if start <= offset and offset + length <= start + len(kept):
+                return crc32c_extend(0, memoryview(kept)[offset - start : offset - start + length])
+        # torch.save split the storage into several writes: checksum the tensor's bytes again
+        return crc32c_extend(0, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
