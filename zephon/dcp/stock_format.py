@@ -27,9 +27,18 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from storage import crc32c_extend
+from storage import CheckpointReader, crc32c_extend
+from zephon.errors import UsageError
+from zephon.locations import stock_dcp_url
 
-__all__ = ["STOCK_METADATA_FILE", "Blob", "raw_span", "stock_metadata", "write_blob"]
+__all__ = [
+    "STOCK_METADATA_FILE",
+    "Blob",
+    "raw_span",
+    "stock_directory",
+    "stock_metadata",
+    "write_blob",
+]
 
 #: the file torch's ``FileSystemReader``/``FsspecReader`` open first, in the payload directory
 STOCK_METADATA_FILE = ".metadata"
@@ -49,6 +58,20 @@ _MAX16 = 0xFFFF
 _STORAGE_RECORD = re.compile(r"[^/]+/data/[0-9]+")
 
 Read = Callable[[int, int], bytes]
+
+
+def stock_directory(checkpoint: CheckpointReader) -> str:
+    """The URL of the directory to point torch's stock ``FileSystemReader``/``FsspecReader``
+    at for a committed checkpoint (``store.run(run).reader(step)``): the directory holding its
+    ``.metadata``. The same as ``stock_dcp_url`` in ``zephon latest/checkpoints --json``."""
+    manifest = checkpoint.manifest
+    url = stock_dcp_url(checkpoint.url, manifest.payload, manifest.metadata)
+    if url is None:
+        raise UsageError(
+            f"checkpoint {checkpoint.url} has no torch .metadata (not a DCP save, or saved "
+            "before Zephon wrote one): load it with zephon.dcp.Reader instead"
+        )
+    return url
 
 
 def raw_span(blob: bytes | memoryview) -> tuple[int, int]:

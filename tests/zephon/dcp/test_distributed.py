@@ -11,10 +11,15 @@ import json
 from dataclasses import dataclass
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from tests.conftest import Backend, make_backend
 from tests.ranks import launch, store_config
-from tests.zephon.dcp.worker import RUN
+from tests.zephon.dcp.worker import RUN, build, flat, rank_tensors, state_of
+from zephon.locations import stock_dcp_url
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +77,33 @@ def test_only_the_coordinator_commits_and_sees_the_manifest(run):
     assert manifest.metadata["k"] == 1
     assert manifest.metadata["dcp"]["ranks"] == run.world
     assert run.ranks[0]["commit_metadata"] == manifest.metadata
+
+
+def test_every_ranks_save_loads_in_one_process_with_torchs_stock_reader(run):
+    # step 1: every rank's model and optimizer, its own keys, and a DTensor sharded by rows
+    store = run.store()
+    manifest = store.run(RUN).read_manifest(1)
+    directory = stock_dcp_url(store.run(RUN).reader(1).url, manifest.payload, manifest.metadata)
+    reader = (
+        FileSystemReader(directory)
+        if run.backend.name == "local"
+        else FsspecReader(directory, **run.backend.storage_options)
+    )
+    model, optim = build(seed=1)
+    expected = {k: v for r in range(run.world) for k, v in state_of(model, optim, r).items()}
+    torch.manual_seed(7)
+    expected["sharded"] = torch.randn(run.world * 2, run.world * 3)
+    fresh_model, fresh_optim = build(seed=2)
+    target = {
+        k: v for r in range(run.world) for k, v in state_of(fresh_model, fresh_optim, r).items()
+    }
+    target.update({f"rank{r}": rank_tensors(r, fill=-1.0) for r in range(run.world)})
+    target["sharded"] = torch.zeros_like(expected["sharded"])
+    dcp.load(target, storage_reader=reader)
+    got, want = flat(target), flat(expected)
+    assert got.keys() == want.keys()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    assert target["optim"]["param_groups"] == expected["optim"]["param_groups"]
 
 
 def test_metadata_is_json_without_pickle(run):
