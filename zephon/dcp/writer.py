@@ -4,9 +4,12 @@ Every rank writes its own shard files through its own ``CheckpointWriter`` (so s
 are recorded while the bytes go out); each rank's ``WriteResult``s carry the slices the reader
 needs and the ``FileEntry`` of every file the rank wrote. Every item's bytes are checksummed
 once: the CRC32C goes into its slice (for the reader to check on load) and is combined into the
-file's CRC for the manifest, so the file is never read twice. The coordinator's ``finish`` adds all
-ranks' entries to its primary writer, writes the JSON metadata, then commits: the marker appears
-last, listing every rank's files, or not at all.
+file's CRC for the manifest, so the file is never read twice. Each tensor is written as a
+``torch.save`` blob (``zephon.dcp.stock_format``): its slice names the raw elements inside it, so
+Zephon's reader reads them directly, while torch's stock readers load the whole blob. The
+coordinator's ``finish`` adds all ranks' entries to its primary writer, writes the JSON metadata
+and torch's pickled ``.metadata`` together, then commits: the marker appears last, listing every
+rank's files, or not at all.
 """
 
 from __future__ import annotations
