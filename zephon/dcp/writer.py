@@ -40,7 +40,7 @@ from storage import (
 )
 from zephon.dcp.errors import WriterSetupError
 from zephon.dcp.metadata_codec import FORMAT_VERSION, ShardSlice, dtype_name, encode_metadata
-from zephon.dcp.stock_format import STOCK_METADATA_FILE, own_storage, stock_metadata, write_blob
+from zephon.dcp.stock_format import STOCK_METADATA_FILE, ShardStream, own_storage, stock_metadata
 from zephon.errors import ArgumentTypeError, UsageError
 
 __all__ = ["METADATA_FILE", "ZephonStorageWriter", "shard_prefix"]
@@ -319,7 +319,6 @@ class ZephonStorageWriter(StorageWriter):
         placed: list[tuple[WriteItem, ShardSlice, _StorageInfo]] = []
         relative = name[len(self.prefix) :]
         with self.writer.open(name) as out:
-            position = 0
 
             def emit(view: memoryview) -> int:
                 # One native pass (GIL released) for the piece's CRC; the storage writer
@@ -328,6 +327,7 @@ class ZephonStorageWriter(StorageWriter):
                 out.write(view, crc=crc)
                 return crc
 
+            stream = ShardStream(emit)
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -338,10 +338,12 @@ class ZephonStorageWriter(StorageWriter):
                         )
                     view = data.getbuffer()
                     try:
-                        length, crc = view.nbytes, emit(view)
+                        length = view.nbytes
+                        start, crc = stream.add_bytes(view)
                     finally:
                         view.release()
-                    where = ShardSlice(name, position, length, "bytes", crc32c=encode_crc32c(crc))
+                    where = ShardSlice(name, start, length, "bytes", crc32c=encode_crc32c(crc))
+                    stock = _StorageInfo(relative, start, length)
                 else:
                     if not isinstance(data, torch.Tensor):
                         raise ArgumentTypeError(
@@ -351,19 +353,19 @@ class ZephonStorageWriter(StorageWriter):
                     tensor = _dense_cpu(data)
                     # torch.save's blob, so torch's stock readers load it; Zephon's slice
                     # names only the raw bytes inside it
-                    blob = write_blob(tensor, emit)
-                    length = blob.length
+                    blob = stream.add_tensor(tensor)
                     where = ShardSlice(
                         name,
-                        position + blob.raw_offset,
+                        blob.start + blob.raw_offset,
                         blob.raw_length,
                         "raw",
                         dtype_name(tensor.dtype),
                         tuple(tensor.shape),
                         crc32c=encode_crc32c(blob.raw_crc32c),
                     )
-                placed.append((item, where, _StorageInfo(relative, position, length)))
-                position += length
+                    stock = _StorageInfo(relative, blob.start, blob.length)
+                placed.append((item, where, stock))
+            stream.close()
         entry = next(e for e in self.writer.entries if e.name == name)
         return [
             WriteResult(

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from tests.zephon.dcp.test_single_process import awkward_state, flat
 from zephon import dcp as zd
-from zephon.dcp.stock_format import STOCK_METADATA_FILE, raw_span
+from zephon.dcp.stock_format import STOCK_METADATA_FILE, ShardStream, raw_span
 from zephon.locations import stock_dcp_url
 
 
@@ -191,3 +191,25 @@ def test_latest_and_checkpoints_json_name_the_directory_for_stock_readers(cli, c
     target = {"w": torch.zeros(3, 2), "meta": {"step": 0}}
     dcp.load(target, storage_reader=FileSystemReader(rows[1]["stock_dcp_url"]))
     assert torch.equal(target["w"], torch.full((3, 2), 1.0))
+
+
+def test_a_shard_stream_of_small_tensors_of_one_shape_gives_loadable_blobs():
+    # the second blob of a dtype and shape reuses the first one's zip around its own elements
+    out = io.BytesIO()
+
+    def emit(view: memoryview) -> int:
+        out.write(view)
+        return 0
+
+    stream = ShardStream(emit)
+    tensors = [torch.randn(3, 4), torch.randn(3, 4), torch.tensor(True), torch.tensor(False)]
+    tensors += [torch.zeros(0, 2), torch.zeros(0, 2), torch.randn(70_000)]  # the last: large
+    blobs = [stream.add_tensor(t) for t in tensors]
+    stream.close()
+    data = out.getvalue()
+    assert blobs[-1].start + blobs[-1].length == len(data)
+    for tensor, blob in zip(tensors, blobs, strict=True):
+        one = data[blob.start : blob.start + blob.length]
+        assert raw_span(one) == (blob.raw_offset, blob.raw_length)
+        loaded = torch.load(io.BytesIO(one), weights_only=True)
+        assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor)
