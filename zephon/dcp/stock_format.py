@@ -330,13 +330,18 @@ class ShardStream:
 
 
 def own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself if it is contiguous and owns exactly its storage, else a copy that
-    does (``torch.save`` writes a view's whole storage)."""
+    """``tensor`` itself if it is contiguous and owns exactly its storage; for a contiguous view
+    into a larger storage (a slice, a flat parameter's shard) a tensor over the same memory
+    whose storage is exactly its elements (``torch.save`` writes a view's whole storage); a
+    contiguous copy otherwise."""
     if not tensor.is_contiguous():
         return tensor.contiguous()
-    if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.nbytes:
+    if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    if tensor.numel() == 0:
         return tensor.clone()
-    return tensor
+    elements = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return torch.frombuffer(elements, dtype=tensor.dtype).view(tensor.shape)
 
 
 def stock_metadata(metadata: Metadata, storage: Mapping[MetadataIndex, _StorageInfo]) -> bytes:
