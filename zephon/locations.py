@@ -38,6 +38,7 @@ __all__ = [
     "resolve_catalog_url",
     "retry_from_env",
     "run_location",
+    "stock_dcp_url",
     "storage_options_from_env",
 ]
 
@@ -160,3 +161,19 @@ def run_location(
     store = CheckpointStore(record.storage_url, storage_options, retry=retry)
     storage_run = record.name if record.kind == "train" else None
     return RunLocation(record.name, store, storage_run)
+
+
+def stock_dcp_url(
+    checkpoint_url: str, payload: str, metadata: Mapping[str, Any] | None
+) -> str | None:
+    """The directory to point torch's stock DCP readers (``FileSystemReader``,
+    ``FsspecReader``) at for a committed checkpoint: its payload directory (``payload`` from
+    the marker, ``""`` before fencing) plus the DCP subdirectory holding torch's ``.metadata``
+    (the marker's ``dcp.stock_metadata``). None for a checkpoint without one (no DCP state, or
+    saved before Zephon wrote it)."""
+    facts = (metadata or {}).get("dcp")
+    name = facts.get("stock_metadata") if isinstance(facts, Mapping) else None
+    if not isinstance(name, str) or not name.endswith(".metadata"):
+        return None
+    parts = [checkpoint_url.rstrip("/"), payload.strip("/"), name.rpartition("/")[0]]
+    return "/".join(p for p in parts if p)

@@ -477,7 +477,7 @@ CHECKS: dict[tuple[str, int], tuple[str, Checker]] = {
         "python benchmarks/round_trips.py",
         check_benchmarks,
     ),
-    ("docs/dcp.md", 11): (
+    ("docs/dcp.md", 13): (
         "python benchmarks/save_restore.py [--mib 1024]",
         check_usage,
     ),

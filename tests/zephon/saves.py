@@ -3,6 +3,8 @@ does, and that stop it at exact points (after the marker, before it) as a crash 
 
 from __future__ import annotations
 
+import os
+
 from catalog import Catalog
 from zephon.attempts import Attempt, register
 from zephon.locations import RunLocation
@@ -36,3 +38,22 @@ def crash_before_marker(attempt: Attempt, catalog: Catalog | None, step: int) ->
     save = Save.begin(attempt, step, catalog=catalog)
     save.writer.write_bytes("w.bin", b"partial")
     return save
+
+
+def flip_a_tensor_byte(payload: str, subdir: str = "dcp") -> str:
+    """Flip the middle byte of the largest tensor slice of the DCP save whose payload directory
+    is the local path ``payload``; returns the slice's file (relative to ``payload``). A load
+    checks the bytes it reads: a tensor's elements, not the zip around them in its
+    ``torch.save`` blob (the manifest's file CRC32C covers those: ``zephon verify --deep``)."""
+    from zephon.dcp import decode_metadata
+
+    with open(os.path.join(payload, subdir, "dcp_metadata.json"), "rb") as handle:
+        metadata = decode_metadata(handle.read(), where=payload)
+    slices = [w for w in metadata.storage_data.values() if w.encoding == "raw"]
+    where = max(slices, key=lambda w: w.length)
+    with open(os.path.join(payload, where.file), "r+b") as handle:
+        handle.seek(where.offset + where.length // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    return where.file

@@ -19,6 +19,7 @@ from torch import nn
 import zephon
 from catalog import CheckpointRecordNotFoundError
 from storage import CorruptCheckpointError
+from tests.zephon.saves import flip_a_tensor_byte
 from zephon import dcp as zdcp
 from zephon.checkpointing import CheckpointManager
 from zephon.cli import EXIT_STORAGE
@@ -76,12 +77,7 @@ def a_shard(config: CheckpointingConfig) -> str:
 
 
 def damage_a_shard(config: CheckpointingConfig) -> None:
-    shard = a_shard(config)
-    with open(shard, "r+b") as handle:
-        handle.seek(os.path.getsize(shard) // 2)
-        byte = handle.read(1)
-        handle.seek(-1, os.SEEK_CUR)
-        handle.write(bytes([byte[0] ^ 0xFF]))
+    flip_a_tensor_byte(os.path.dirname(os.path.dirname(a_shard(config))))
 
 
 def remove_a_shard(config: CheckpointingConfig) -> None:

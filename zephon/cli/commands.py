@@ -41,6 +41,7 @@ from zephon.locations import (
     resolve_catalog_url,
     retry_from_env,
     run_location,
+    stock_dcp_url,
 )
 from zephon.sync import sync_storage
 
@@ -145,7 +146,11 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         print_json(
             sorted(
                 [
-                    {**r.to_dict(), "replicas": [c.to_dict() for c in copies.get(r.step, [])]}
+                    {
+                        **r.to_dict(),
+                        "stock_dcp_url": stock_dcp_url(r.path, r.save_id, r.metadata),
+                        "replicas": [c.to_dict() for c in copies.get(r.step, [])],
+                    }
                     for r in rows
                 ]
                 + [
@@ -285,6 +290,9 @@ def cmd_latest(args: argparse.Namespace) -> int:
                 "bytes": latest.manifest.total_bytes,
                 "promoted": list(latest.promoted),
                 "missing": list(latest.missing),
+                "stock_dcp_url": stock_dcp_url(
+                    latest.url, latest.manifest.payload, latest.manifest.metadata
+                ),
             }
         )
     else:

@@ -23,6 +23,7 @@ from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, encode_metada
 from zephon.dcp.planner import ZephonLoadPlanner
 from zephon.dcp.reader import ZephonStorageReader
 from zephon.dcp.staging import ZephonStager
+from zephon.dcp.stock_format import stock_directory
 from zephon.dcp.writer import METADATA_FILE, ZephonStorageWriter
 
 __all__ = [
@@ -49,4 +50,5 @@ __all__ = [
     "encode_metadata",
     "load",
     "save",
+    "stock_directory",
 ]

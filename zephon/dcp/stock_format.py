@@ -7,17 +7,50 @@ that the pickled ``.metadata`` names. So the writer stores each tensor as a ``to
 so Zephon's JSON slice points at those raw bytes inside the blob (its reader and range fetches
 are unchanged, older saves stay readable) while the stock ``.metadata`` points at the whole blob.
 
+``ShardStream`` writes a shard file's items, each tensor as its blob, without copying a tensor
+(the zip's small headers and small items are gathered into few writes; a tensor's bytes go out
+as a view of it).
 ``raw_span`` finds the storage bytes in a blob from the zip's central directory and the record's
-local header: nothing is ever unpickled.
+local header: nothing is ever unpickled. ``stock_metadata`` is the pickled ``.metadata`` a stock
+reader opens.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-__all__ = ["raw_span"]
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from storage import CheckpointReader, crc32c_extend
+from zephon.errors import UsageError
+from zephon.locations import stock_dcp_url
+
+__all__ = [
+    "STOCK_METADATA_FILE",
+    "Blob",
+    "ShardStream",
+    "own_storage",
+    "raw_span",
+    "stock_directory",
+    "stock_metadata",
+]
+
+#: the file torch's ``FileSystemReader``/``FsspecReader`` open first, in the payload directory
+STOCK_METADATA_FILE = ".metadata"
+#: a write this large (a tensor's bytes) goes out as it is; smaller ones are gathered
+_DIRECT_BYTES = 64 * 1024
+#: gathered bytes are written once they reach this size
+_GATHER_BYTES = 1024 * 1024
+#: (dtype, shape, alignment) -> the bytes of a small tensor's blob before and after its elements
+_TEMPLATES: dict[tuple[torch.dtype, tuple[int, ...], int], tuple[bytes, bytes]] = {}
+_MAX_TEMPLATES = 4096
 
 _EOCD = b"PK\x05\x06"
 _ZIP64_LOCATOR = b"PK\x06\x07"
@@ -32,6 +65,20 @@ _MAX16 = 0xFFFF
 _STORAGE_RECORD = re.compile(r"[^/]+/data/[0-9]+")
 
 Read = Callable[[int, int], bytes]
+
+
+def stock_directory(checkpoint: CheckpointReader) -> str:
+    """The URL of the directory to point torch's stock ``FileSystemReader``/``FsspecReader``
+    at for a committed checkpoint (``store.run(run).reader(step)``): the directory holding its
+    ``.metadata``. The same as ``stock_dcp_url`` in ``zephon latest/checkpoints --json``."""
+    manifest = checkpoint.manifest
+    url = stock_dcp_url(checkpoint.url, manifest.payload, manifest.metadata)
+    if url is None:
+        raise UsageError(
+            f"checkpoint {checkpoint.url} has no torch .metadata (not a DCP save, or saved "
+            "before Zephon wrote one): load it with zephon.dcp.Reader instead"
+        )
+    return url
 
 
 def raw_span(blob: bytes | memoryview) -> tuple[int, int]:
@@ -92,8 +139,12 @@ def locate_storage(read: Read, size: int) -> tuple[int, int]:
 def _central_directory(read: Read, size: int) -> tuple[int, int]:
     """The central directory's offset and size, from the end-of-central-directory record (or its
     zip64 form, which ``torch.save`` always writes)."""
-    tail_len = min(size, 22 + _MAX16)
+    # torch writes no zip comment, so the record is the last 22 bytes; else search for it
+    tail_len = min(size, 22)
     tail = read(size - tail_len, tail_len)
+    if tail[:4] != _EOCD:
+        tail_len = min(size, 22 + _MAX16)
+        tail = read(size - tail_len, tail_len)
     at = tail.rfind(_EOCD)
     if at < 0:
         raise ValueError("not a torch.save blob: no zip end-of-central-directory record")
@@ -127,3 +178,174 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, local: int) -> tuple[int,
             return out[0], out[1], out[2]
         position += 4 + length
     return usize, csize, local
+
+
+@dataclass(frozen=True)
+class Blob:
+    """Where one tensor's ``torch.save`` blob went in its shard file: ``length`` bytes from
+    ``start``; the tensor's raw bytes (C order) at ``raw_offset`` within it, ``raw_length``
+    long, with CRC32C ``raw_crc32c``."""
+
+    start: int
+    length: int
+    raw_offset: int
+    raw_length: int
+    raw_crc32c: int
+
+
+class ShardStream:
+    """One shard file's items, written in order through ``emit(view) -> CRC32C of view``
+    (which must write the view before it returns: it is not valid afterwards).
+
+    Small writes (a blob's zip headers, small tensors, small bytes items) are gathered into
+    one ``emit`` of up to ``_GATHER_BYTES``, so a file of many small items costs few writes;
+    a large one (a tensor's bytes) goes out as it is, a view of the tensor, never copied.
+    ``close()`` writes what is still gathered.
+    """
+
+    def __init__(self, emit: Callable[[memoryview], int]) -> None:
+        self._emit = emit
+        self.position = 0
+        self._pending = bytearray()
+        # the blob being written: its start, its small runs (for ``locate_storage``: kept
+        # as (offset in the blob, bytes)) and its large writes (offset, length, CRC32C)
+        self._blob_start = 0
+        self._runs: list[tuple[int, bytearray]] = []
+        self._direct: list[tuple[int, int, int]] = []
+
+    def add_bytes(self, data: memoryview) -> tuple[int, int]:
+        """Write a bytes item; returns its offset in the file and its CRC32C."""
+        start = self.position
+        if data.nbytes >= _DIRECT_BYTES:
+            self._drain()
+            crc = self._emit(data)
+        else:
+            crc = crc32c_extend(0, data)
+            self._gather(data)
+        self.position += data.nbytes
+        return start, crc
+
+    def add_tensor(self, tensor: torch.Tensor) -> Blob:
+        """Write ``tensor`` (dense, on the CPU, contiguous, owning exactly its storage, as
+        ``own_storage`` makes it) as a ``torch.save`` blob.
+
+        The zip's own CRC32 is not computed (``torch.load`` does not check it, and it would cost
+        a pass over every byte at about 1.5 GB/s); Zephon's CRC32C covers the bytes instead.
+        """
+        alignment = torch.serialization._get_storage_alignment()
+        nbytes = tensor.numel() * tensor.element_size()
+        key = (tensor.dtype, tuple(tensor.shape), alignment)
+        template = _TEMPLATES.get(key) if nbytes < _DIRECT_BYTES else None
+        if template is not None:
+            return self._from_template(tensor, *template)
+        self._blob_start, self._runs, self._direct = self.position, [], []
+        # torch.save(tensor, self) with compute_crc32=False for this blob only: the public
+        # switch is process-wide (torch.utils.serialization.config), so it would change other
+        # threads' saves too
+        archive = torch._C.PyTorchFileWriter(self, False, alignment)
+        torch.serialization._save(tensor, archive, pickle, 2, False)
+        archive.write_end_of_file()
+        length = self.position - self._blob_start
+        offset, raw_length = locate_storage(self._read, length)
+        if raw_length != tensor.numel() * tensor.element_size():
+            raise ValueError(
+                f"torch.save wrote {raw_length} storage bytes for a tensor of {tensor.nbytes}: "
+                "save a tensor that owns its storage exactly"
+            )
+        crc = self._crc_of(offset, raw_length, tensor)
+        if nbytes < _DIRECT_BYTES and len(self._runs) == 1:
+            if len(_TEMPLATES) >= _MAX_TEMPLATES:
+                _TEMPLATES.clear()
+            blob = self._runs[0][1]
+            _TEMPLATES[key] = (bytes(blob[:offset]), bytes(blob[offset + raw_length :]))
+        return Blob(self._blob_start, length, offset, raw_length, crc)
+
+    def _from_template(self, tensor: torch.Tensor, head: bytes, tail: bytes) -> Blob:
+        """A small tensor's blob from the zip around an earlier one of the same dtype and shape
+        (all that its headers, pickle and central directory depend on: the tensor is dense,
+        contiguous, detached and owns its storage): ``torch.save`` costs ~100 us a tensor,
+        which a state of many small tensors would pay on every save."""
+        raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        start = self.position
+        crc = crc32c_extend(0, raw)
+        for piece in (memoryview(head), raw, memoryview(tail)):
+            self._gather(piece)
+        self.position += len(head) + raw.nbytes + len(tail)
+        return Blob(start, self.position - start, len(head), raw.nbytes, crc)
+
+    def close(self) -> None:
+        self._drain()
+
+    # -- the file-like object torch.save writes a blob into -------------------------------
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        size = view.nbytes
+        at = self.position - self._blob_start
+        if size >= _DIRECT_BYTES:
+            self._drain()
+            self._direct.append((at, size, self._emit(view)))
+        else:
+            self._gather(view)
+            if self._runs and self._runs[-1][0] + len(self._runs[-1][1]) == at:
+                self._runs[-1][1].extend(view)
+            else:
+                self._runs.append((at, bytearray(view)))
+        self.position += size
+        return size
+
+    def flush(self) -> None:
+        """Called by ``torch.save`` at the end of a blob: gathered bytes wait for more."""
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _gather(self, view: memoryview) -> None:
+        self._pending += view
+        if len(self._pending) >= _GATHER_BYTES:
+            self._drain()
+
+    def _drain(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, bytearray()
+            self._emit(memoryview(pending))
+
+    def _read(self, offset: int, length: int) -> bytes:
+        for start, kept in self._runs:
+            if start <= offset and offset + length <= start + len(kept):
+                return bytes(kept[offset - start : offset - start + length])
+        raise ValueError(f"not a torch.save blob: no zip record at {offset}+{length}")
+
+    def _crc_of(self, offset: int, length: int, tensor: torch.Tensor) -> int:
+        """The CRC32C of the blob's bytes at ``offset``, which hold ``tensor``'s storage."""
+        for start, size, crc in self._direct:
+            if (start, size) == (offset, length):
+                return crc
+        for start, kept in self._runs:
+            if start <= offset and offset + length <= start + len(kept):
+                return crc32c_extend(0, memoryview(kept)[offset - start : offset - start + length])
+        # torch.save split the storage into several writes: checksum the tensor's bytes again
+        return crc32c_extend(0, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself if it is contiguous and owns exactly its storage; for a contiguous view
+    into a larger storage (a slice, a flat parameter's shard) a tensor over the same memory
+    whose storage is exactly its elements (``torch.save`` writes a view's whole storage); a
+    contiguous copy otherwise."""
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    if tensor.numel() == 0:
+        return tensor.clone()
+    elements = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return torch.frombuffer(elements, dtype=tensor.dtype).view(tensor.shape)
+
+
+def stock_metadata(metadata: Metadata, storage: Mapping[MetadataIndex, _StorageInfo]) -> bytes:
+    """torch's own ``.metadata`` for ``metadata``: the same object with ``storage`` (each item's
+    file relative to the payload directory, and the span of its blob or bytes) as its
+    ``storage_data``, pickled as torch's ``FileSystemWriter`` does."""
+    return pickle.dumps(dataclasses.replace(metadata, storage_data=dict(storage)))

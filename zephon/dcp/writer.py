@@ -4,9 +4,12 @@ Every rank writes its own shard files through its own ``CheckpointWriter`` (so s
 are recorded while the bytes go out); each rank's ``WriteResult``s carry the slices the reader
 needs and the ``FileEntry`` of every file the rank wrote. Every item's bytes are checksummed
 once: the CRC32C goes into its slice (for the reader to check on load) and is combined into the
-file's CRC for the manifest, so the file is never read twice. The coordinator's ``finish`` adds all
-ranks' entries to its primary writer, writes the JSON metadata, then commits: the marker appears
-last, listing every rank's files, or not at all.
+file's CRC for the manifest, so the file is never read twice. Each tensor is written as a
+``torch.save`` blob (``zephon.dcp.stock_format``): its slice names the raw elements inside it, so
+Zephon's reader reads them directly, while torch's stock readers load the whole blob. The
+coordinator's ``finish`` adds all ranks' entries to its primary writer, writes the JSON metadata
+and torch's pickled ``.metadata`` together, then commits: the marker appears last, listing every
+rank's files, or not at all.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -36,6 +40,7 @@ from storage import (
 )
 from zephon.dcp.errors import WriterSetupError
 from zephon.dcp.metadata_codec import FORMAT_VERSION, ShardSlice, dtype_name, encode_metadata
+from zephon.dcp.stock_format import STOCK_METADATA_FILE, ShardStream, own_storage, stock_metadata
 from zephon.errors import ArgumentTypeError, UsageError
 
 __all__ = ["METADATA_FILE", "ZephonStorageWriter", "shard_prefix"]
@@ -68,9 +73,11 @@ class _FilePrefix:
 
 @dataclass(frozen=True)
 class _Written:
-    """A ``WriteResult.storage_data``: the item's slice plus the entry of the file holding it."""
+    """A ``WriteResult.storage_data``: the item's slice, where torch's stock reader finds it
+    (relative to the payload directory), and the entry of the file holding it."""
 
     slice: ShardSlice
+    stock: _StorageInfo
     entry: FileEntry
 
 
@@ -83,9 +90,10 @@ def shard_prefix(subdir: str) -> str:
     return f"{subdir}/"
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> tuple[memoryview, torch.dtype, tuple[int, ...]]:
-    """The tensor's elements in C order as a zero-copy byte view (a copy only if it was not
-    contiguous, not on the CPU, or a lazy conjugate/negative view)."""
+def _dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as a dense CPU tensor owning exactly its storage, its elements in C order
+    (a copy only if it was not contiguous, not on the CPU, a view of a larger storage, or a lazy
+    conjugate/negative view)."""
     t = tensor.detach()
     if t.layout != torch.strided or t.is_quantized:
         raise ArgumentTypeError(
@@ -94,13 +102,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[memoryview, torch.dtype, tuple[
         )
     if t.device.type != "cpu":
         t = t.to("cpu")
-    t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    shape = tuple(t.shape)
-    if t.numel() == 0:
-        return memoryview(b""), t.dtype, shape
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()), t.dtype, shape
+    return own_storage(t.resolve_conj().resolve_neg())
 
 
 def _item_bytes(item: WriteItem) -> int:
@@ -314,16 +316,18 @@ class ZephonStorageWriter(StorageWriter):
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
-        placed: list[tuple[WriteItem, ShardSlice]] = []
+        placed: list[tuple[WriteItem, ShardSlice, _StorageInfo]] = []
+        relative = name[len(self.prefix) :]
         with self.writer.open(name) as out:
-            position = 0
 
-            def emit(view: memoryview) -> tuple[int, str]:
-                # One native pass (GIL released) for the slice's CRC; the storage writer
+            def emit(view: memoryview) -> int:
+                # One native pass (GIL released) for the piece's CRC; the storage writer
                 # combines it into the file's CRC instead of checksumming the bytes again.
                 crc = crc32c_extend(0, view)
-                return out.write(view, crc=crc), encode_crc32c(crc)
+                out.write(view, crc=crc)
+                return crc
 
+            stream = ShardStream(emit)
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -334,37 +338,52 @@ class ZephonStorageWriter(StorageWriter):
                         )
                     view = data.getbuffer()
                     try:
-                        length, crc = emit(view)
+                        length = view.nbytes
+                        start, crc = stream.add_bytes(view)
                     finally:
                         view.release()
-                    where = ShardSlice(name, position, length, "bytes", crc32c=crc)
+                    where = ShardSlice(name, start, length, "bytes", crc32c=encode_crc32c(crc))
+                    stock = _StorageInfo(relative, start, length)
                 else:
                     if not isinstance(data, torch.Tensor):
                         raise ArgumentTypeError(
                             f"planner resolved tensor item {item.index.fqn!r} to "
                             f"{type(data).__name__}: its resolve_data must return a torch.Tensor"
                         )
-                    view, dtype, shape = _tensor_bytes(data)
-                    length, crc = emit(view)
+                    tensor = _dense_cpu(data)
+                    # torch.save's blob, so torch's stock readers load it; Zephon's slice
+                    # names only the raw bytes inside it
+                    blob = stream.add_tensor(tensor)
                     where = ShardSlice(
-                        name, position, length, "raw", dtype_name(dtype), shape, crc32c=crc
+                        name,
+                        blob.start + blob.raw_offset,
+                        blob.raw_length,
+                        "raw",
+                        dtype_name(tensor.dtype),
+                        tuple(tensor.shape),
+                        crc32c=encode_crc32c(blob.raw_crc32c),
                     )
-                position += length
-                placed.append((item, where))
+                    stock = _StorageInfo(relative, blob.start, blob.length)
+                placed.append((item, where, stock))
+            stream.close()
         entry = next(e for e in self.writer.entries if e.name == name)
         return [
             WriteResult(
-                index=item.index, size_in_bytes=where.length, storage_data=_Written(where, entry)
+                index=item.index,
+                size_in_bytes=stock.length,
+                storage_data=_Written(where, stock, entry),
             )
-            for item, where in placed
+            for item, where, stock in placed
         ]
 
     # -- commit --------------------------------------------------------------------------------
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only, after every rank wrote: record every rank's files in the primary
-        writer, write the JSON metadata, then commit the marker (written last)."""
+        writer, write the JSON metadata and torch's own ``.metadata`` (for stock readers),
+        then commit the marker (written last)."""
         slices = {}
+        stock = {}
         entries: dict[str, FileEntry] = {}
         for rank, rank_results in enumerate(results):
             for result in rank_results:
@@ -375,17 +394,25 @@ class ZephonStorageWriter(StorageWriter):
                         f"{result.index.fqn!r}; every rank must use ZephonStorageWriter"
                     )
                 slices[result.index] = written.slice
+                stock[result.index] = written.stock
                 entries[written.entry.name] = written.entry
         metadata.version = metadata.version or _DCP_VERSION
         metadata.storage_data = slices
         metadata.storage_meta = self.storage_meta()
         self.writer.add_entries(entries.values())
-        self.writer.write_bytes(self.metadata_name, encode_metadata(metadata))
+        # both at once: the stock file costs the save no extra round trip
+        self.writer.write_many(
+            {
+                self.metadata_name: encode_metadata(metadata),
+                f"{self.prefix}{STOCK_METADATA_FILE}": stock_metadata(metadata, stock),
+            }
+        )
         extra = self._commit_metadata
         extra = dict(extra(metadata) if callable(extra) else extra or {})
         extra["dcp"] = {
             "format_version": FORMAT_VERSION,
             "metadata": self.metadata_name,
+            "stock_metadata": f"{self.prefix}{STOCK_METADATA_FILE}",
             "ranks": len(results),
             "shard_files": len(entries),
         }

@@ -102,7 +102,7 @@ def test_commit_metadata_and_on_commit_see_the_manifest(store):
 def test_files_can_live_under_a_subdirectory(store):
     save(store, {"w": torch.ones(3)}, subdir="model")
     names = store.run("r").reader(1).names
-    assert names == ["model/__0_0.distcp", "model/dcp_metadata.json"]
+    assert names == ["model/.metadata", "model/__0_0.distcp", "model/dcp_metadata.json"]
     target = {"w": torch.zeros(3)}
     zd.load(target, zd.ZephonStorageReader(store, "r", 1, subdir="model"))
     assert torch.equal(target["w"], torch.ones(3))

@@ -180,7 +180,10 @@ def test_verifying_reads_each_slice_once_and_nothing_else(s3_backend):
             (key.rsplit("/", 1)[-1], rng) for key, rng in gets.calls if key.endswith(".distcp")
         ]
         assert sorted(name for name, _ in shard_gets) == sorted(shards)
-        assert all(rng == "bytes=0-8191" for _, rng in shard_gets)  # 64 x 32 float32 each
+        # 64 x 32 float32 each: exactly the raw bytes inside each tensor's torch.save blob
+        spans = {f"bytes={w.offset}-{w.offset + w.length - 1}" for w in slices(store).values()}
+        assert all(w.length == 8192 for w in slices(store).values())
+        assert {rng for _, rng in shard_gets} == spans
 
 
 class RecordObjectGets(S3Calls):
