@@ -17,12 +17,14 @@ in step order. For each step:
    read by the allowlist unpickler to find where the tensor's bytes are, and their CRC32C
    computed on the way; a refusal fails the save (its files removed, its row ``failed``);
 4. Zephon's JSON metadata (``dcp_metadata.json``) points each tensor at its raw bytes inside
-   its blob, and each non-tensor item at its bytes; the marker is committed, then the row.
+   its blob, and each non-tensor item at its bytes; torch's own ``.metadata`` is written anew
+   from what the allowlist loader rebuilt (so stock readers still load the adopted checkpoint,
+   as they load every Zephon save); the marker is committed, then the row.
 
 A step the run already holds (its marker exists) is skipped and reported, so an adoption that
-stopped part-way is finished by running it again. The stock ``.metadata`` is not copied: the
-adopted checkpoint holds no pickle besides the items' own, which every load rebuilds with the
-restricted unpickler.
+stopped part-way is finished by running it again. The source's ``.metadata`` is never copied
+byte for byte: the one written is pickled here from allowlisted objects only, and Zephon's own
+reader never reads it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, TypeVar
 
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
 from catalog import Catalog
@@ -53,6 +56,7 @@ from storage import (
 from zephon.dcp.addressing import check_step, parse_run_url
 from zephon.dcp.errors import StockCheckpointError
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_name, encode_metadata
+from zephon.dcp.stock_format import STOCK_METADATA_FILE, stock_metadata
 from zephon.dcp.stock_loader import METADATA_NAME, StockItem, read_stock_metadata, tensor_span
 from zephon.dcp.writer import METADATA_FILE
 from zephon.errors import ConfigError, SaveBelowLatestError
@@ -280,12 +284,17 @@ def _adopt_step(
         encoded = encode_metadata(metadata)
         decode_metadata(encoded, where=f"{writer.url}/{METADATA_FILE}")  # loadable, or refused
         writer.write_bytes(METADATA_FILE, encoded)
+        stock_storage = {
+            item.index: _StorageInfo(item.file, item.offset, item.length) for item in stock.items
+        }
+        writer.write_bytes(STOCK_METADATA_FILE, stock_metadata(metadata, stock_storage))
         ranks = {name.split("_")[2] for name in by_file if name.count("_") >= 3}
         save.commit(
             {
                 "dcp": {
                     "format_version": 2,
                     "metadata": METADATA_FILE,
+                    "stock_metadata": STOCK_METADATA_FILE,
                     "ranks": max(1, len(ranks)),
                     "shard_files": len(by_file),
                 },

@@ -105,11 +105,16 @@ def test_a_stock_checkpoint_is_adopted_into_a_local_run_and_loads_bit_for_bit(tm
     assert step == 100
     assert_exact(loaded, saved)
     row = catalog.get_checkpoint("my-run", 100)
-    assert row.state == "committed" and row.bytes > 0 and row.file_count == 2
-    # the adopted checkpoint holds no pickled metadata, only Zephon's JSON
+    assert row.state == "committed" and row.bytes > 0 and row.file_count == 3
+    # like every Zephon save it carries Zephon's JSON and torch's own .metadata (written anew
+    # from the allowlisted objects), so a stock reader loads the adopted checkpoint too
     store = CheckpointStore(str(tmp_path / "ckpt"))
     names = [f.name for f in store.run("my-run").reader(100).manifest.files]
-    assert "dcp_metadata.json" in names and ".metadata" not in names
+    assert "dcp_metadata.json" in names and ".metadata" in names
+    stock = blank_like(saved)
+    directory = zd.stock_directory(store.run("my-run").reader(100))
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(directory))
+    assert_exact(stock, saved)
 
 
 def test_a_checkpoint_of_several_shard_files_is_adopted_whole(tmp_path):
