@@ -45,9 +45,9 @@ from sqlalchemy.engine import make_url
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _common
 
-from catalog import Catalog  # noqa: E402
-from catalog.catalog import PRUNE_BATCH  # noqa: E402
-from catalog.models import Run  # noqa: E402
+from zephon.catalog import Catalog  # noqa: E402
+from zephon.catalog.catalog import PRUNE_BATCH  # noqa: E402
+from zephon.catalog.models import Run  # noqa: E402
 
 POSTGRES_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 GOAL_P50_MS = 5.0
@@ -270,7 +270,7 @@ def section_catalog_latest(args: argparse.Namespace, results: list[Row]) -> list
 
 
 def _s3_store(server, name: str):
-    from storage import CheckpointStore
+    from zephon.storage import CheckpointStore
 
     bucket = f"{name}-{uuid.uuid4().hex[:8]}"
     server.create_bucket(bucket)
@@ -280,8 +280,8 @@ def _s3_store(server, name: str):
 def _plant_checkpoints(store, run: str, steps: range, files: int, size: int = 64) -> None:
     """Committed checkpoints written straight as objects (payload, then a real manifest as the
     marker), in concurrent batches: the commit path itself is measured by storage_throughput."""
-    from storage.checksum import crc32c_of
-    from storage.manifest import FileEntry, Manifest
+    from zephon.storage.checksum import crc32c_of
+    from zephon.storage.manifest import FileEntry, Manifest
 
     payload = b"x" * size
     entry_crc = crc32c_of(payload)
@@ -344,8 +344,8 @@ def section_storage_scan(args: argparse.Namespace, results: list[Row]) -> list[R
 def section_gc_requests(args: argparse.Namespace, results: list[Row]) -> list[Row]:
     """Storage requests ``zephon gc`` makes to delete 100 checkpoints of 100 files each."""
     from _common import count_s3_requests, servers
+    from zephon.storage import CheckpointStore
 
-    from storage import CheckpointStore
     from zephon.gc import collect_garbage
 
     count, files = args.gc_checkpoints, args.gc_files

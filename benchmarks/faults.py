@@ -118,7 +118,7 @@ def rate_case(proxy: FaultProxy, config: dict, rate: float) -> dict:
 def outage_case(proxy: FaultProxy, config: dict, store_url: str) -> dict:
     """Step 1 uploaded, steps 2 and 3 saved during an outage; seconds from recovery until
     save_dir has every retained step, and step 1's upload time without faults."""
-    from storage import CheckpointStore
+    from zephon.storage import CheckpointStore
 
     run = f"outage-{config['tag']}"
     local_dir = os.path.join(config["tmp"], "local")

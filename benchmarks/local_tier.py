@@ -72,8 +72,8 @@ def build_model(mib: float, tensors: int, world: int):
 def worker(rank: int, world: int, port: int, config: dict) -> None:
     import torch
     import torch.distributed as dist
+    from zephon.catalog import Catalog
 
-    from catalog import Catalog
     from zephon import CheckpointingConfig, CheckpointManager
 
     warnings.simplefilter("ignore")

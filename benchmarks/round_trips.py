@@ -118,7 +118,7 @@ def make_files(count: int, kib: int) -> dict[str, bytes]:
 
 def storage_cases(endpoint: str, payloads: dict[str, dict[str, bytes]]) -> dict[str, Case]:
     """The storage-level cases against one endpoint, each on a run of its own."""
-    from storage import CheckpointStore
+    from zephon.storage import CheckpointStore
 
     store = CheckpointStore(f"s3://{BUCKET}/storage", options_for(endpoint))
     tag = uuid.uuid4().hex[:8]
@@ -165,9 +165,9 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from zephon.catalog import Catalog
+    from zephon.storage import CheckpointStore
 
-    from catalog import Catalog
-    from storage import CheckpointStore
     from zephon import dcp as zd
     from zephon.latest import find_latest
     from zephon.locations import RunLocation

@@ -122,8 +122,8 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from zephon.storage import CheckpointStore
 
-    from storage import CheckpointStore
     from zephon import dcp as zd
 
     join_group(rank, world, port, timeout=1800)

@@ -88,9 +88,9 @@ def _tensors(state) -> list:
 def worker(rank: int, world: int, port: int, config: dict) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from zephon.storage import CheckpointStore
+    from zephon.storage.checksum import crc32c_extend
 
-    from storage import CheckpointStore
-    from storage.checksum import crc32c_extend
     from zephon import dcp as zd
 
     join_group(rank, world, port, timeout=1800)

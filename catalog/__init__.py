@@ -10,10 +10,10 @@ Start with ``Catalog`` (docs/catalog.md describes the tables, states and protoco
 
 from __future__ import annotations
 
-from catalog.catalog import DEFAULT_GRACE, MISSING_MARKER_REASON, Catalog
-from catalog.claims import DEFAULT_LEASE, claim_holder
-from catalog.engine import mask_url
-from catalog.errors import (
+from zephon.catalog.catalog import DEFAULT_GRACE, MISSING_MARKER_REASON, Catalog
+from zephon.catalog.claims import DEFAULT_LEASE, claim_holder
+from zephon.catalog.engine import mask_url
+from zephon.catalog.errors import (
     CatalogDatabaseError,
     CatalogError,
     CatalogUnavailableError,
@@ -33,8 +33,8 @@ from catalog.errors import (
     SchemaUnversionedError,
     StateConflictError,
 )
-from catalog.models import CheckpointState, ReplicaState, ReplicaTier, RunKind, RunStatus
-from catalog.records import (
+from zephon.catalog.models import CheckpointState, ReplicaState, ReplicaTier, RunKind, RunStatus
+from zephon.catalog.records import (
     AttemptRecord,
     AttemptRegistration,
     CheckpointRecord,
@@ -43,10 +43,10 @@ from catalog.records import (
     RunRecord,
     RunSummary,
 )
-from catalog.repairs import SyncOutcome
-from catalog.retention import Action, Decision, ResumePoint, RetentionPlan, plan_retention
-from catalog.runs import UNSET
-from catalog.validate import TIMING_PHASES
+from zephon.catalog.repairs import SyncOutcome
+from zephon.catalog.retention import Action, Decision, ResumePoint, RetentionPlan, plan_retention
+from zephon.catalog.runs import UNSET
+from zephon.catalog.validate import TIMING_PHASES
 
 
 def upgrade(url: str) -> tuple[str | None, str]:

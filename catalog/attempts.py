@@ -33,12 +33,11 @@ from typing import Any
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
-
-from catalog import guarded
-from catalog.errors import FencedOutError, InvalidValueError
-from catalog.models import Attempt, Checkpoint, CheckpointState, Run
-from catalog.records import AttemptRecord
-from catalog.retention import ResumePoint
+from zephon.catalog import guarded
+from zephon.catalog.errors import FencedOutError, InvalidValueError
+from zephon.catalog.models import Attempt, Checkpoint, CheckpointState, Run
+from zephon.catalog.records import AttemptRecord
+from zephon.catalog.retention import ResumePoint
 
 # States a newer attempt abandons. Deleting/deleted rows are gc's; corrupt and stale ones are
 # already out of every lineage.

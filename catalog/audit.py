@@ -20,8 +20,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Delete, any_, delete, func, insert, select
 from sqlalchemy.orm import Session
-
-from catalog.models import Event
+from zephon.catalog.models import Event
 
 
 @functools.cache

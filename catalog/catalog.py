@@ -29,19 +29,18 @@ from types import TracebackType
 from typing import Self
 
 from sqlalchemy.engine import URL
-
-from catalog import schema, validate
-from catalog.engine import Database
-from catalog.retention import DEFAULT_GRACE
-from catalog.roles.attempts import AttemptMethods
-from catalog.roles.checkpoints import CheckpointQueryMethods
-from catalog.roles.deletion import DeletionMethods
-from catalog.roles.events import PRUNE_BATCH, EventMethods
-from catalog.roles.pins import PinMethods
-from catalog.roles.replicas import ReplicaMethods
-from catalog.roles.runs import RunMethods
-from catalog.roles.saving import SaveMethods
-from catalog.roles.sync import MISSING_MARKER_REASON, SyncMethods
+from zephon.catalog import schema, validate
+from zephon.catalog.engine import Database
+from zephon.catalog.retention import DEFAULT_GRACE
+from zephon.catalog.roles.attempts import AttemptMethods
+from zephon.catalog.roles.checkpoints import CheckpointQueryMethods
+from zephon.catalog.roles.deletion import DeletionMethods
+from zephon.catalog.roles.events import PRUNE_BATCH, EventMethods
+from zephon.catalog.roles.pins import PinMethods
+from zephon.catalog.roles.replicas import ReplicaMethods
+from zephon.catalog.roles.runs import RunMethods
+from zephon.catalog.roles.saving import SaveMethods
+from zephon.catalog.roles.sync import MISSING_MARKER_REASON, SyncMethods
 
 __all__ = ["DEFAULT_GRACE", "MISSING_MARKER_REASON", "PRUNE_BATCH", "Catalog"]
 

@@ -38,10 +38,9 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import ColumnElement, and_, or_, select
 from sqlalchemy.orm import Session
-
-from catalog import attempts, guarded, queries, replicas
-from catalog.models import Checkpoint, CheckpointState, Run
-from catalog.retention import DEFAULT_GRACE, RetentionPlan, plan_retention
+from zephon.catalog import attempts, guarded, queries, replicas
+from zephon.catalog.models import Checkpoint, CheckpointState, Run
+from zephon.catalog.retention import DEFAULT_GRACE, RetentionPlan, plan_retention
 
 DEFAULT_LEASE = timedelta(hours=1)
 

@@ -35,8 +35,7 @@ from sqlalchemy.exc import (
     OperationalError,
 )
 from sqlalchemy.orm import Session, sessionmaker
-
-from catalog.errors import CatalogDatabaseError, CatalogUnavailableError, InvalidValueError
+from zephon.catalog.errors import CatalogDatabaseError, CatalogUnavailableError, InvalidValueError
 
 SQLITE_BUSY_TIMEOUT_S = 30
 POSTGRES_CONNECT_TIMEOUT_S = 10

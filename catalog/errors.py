@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # records import models; errors stay importable on their own
-    from catalog.records import AttemptRecord
+    from zephon.catalog.records import AttemptRecord
 
 
 class CatalogError(Exception):

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sqlalchemy import Select, select
-
-from catalog.models import Checkpoint, CheckpointState, Run
+from zephon.catalog.models import Checkpoint, CheckpointState, Run
 
 
 def latest_committed(run: str) -> Select[tuple[Checkpoint]]:

@@ -14,8 +14,8 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, Self
 
-from catalog.errors import replica_label
-from catalog.models import Attempt, Checkpoint, Event, Replica, Run
+from zephon.catalog.errors import replica_label
+from zephon.catalog.models import Attempt, Checkpoint, Event, Replica, Run
 
 
 def _jsonable(value: Any) -> Any:

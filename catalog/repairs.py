@@ -19,10 +19,9 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, and_, or_
 from sqlalchemy.orm import Session
-
-from catalog import attempts, guarded, replicas
-from catalog.models import Checkpoint, CheckpointState, Run
-from catalog.transitions import insert, load
+from zephon.catalog import attempts, guarded, replicas
+from zephon.catalog.models import Checkpoint, CheckpointState, Run
+from zephon.catalog.transitions import insert, load
 
 _RETRIES = 5
 

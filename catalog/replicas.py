@@ -34,16 +34,15 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, cast, func, literal, select, type_coerce
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
-
-from catalog import guarded
-from catalog.errors import (
+from zephon.catalog import guarded
+from zephon.catalog.errors import (
     CheckpointRecordNotFoundError,
     InvalidTransitionError,
     ReplicaNotFoundError,
     StateConflictError,
     replica_label,
 )
-from catalog.models import Checkpoint, JsonDocument, Replica, ReplicaState, Run
+from zephon.catalog.models import Checkpoint, JsonDocument, Replica, ReplicaState, Run
 
 __all__ = [
     "add_to_save",

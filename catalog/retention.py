@@ -36,8 +36,8 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Protocol
 
-from catalog import validate
-from catalog.models import CheckpointState
+from zephon.catalog import validate
+from zephon.catalog.models import CheckpointState
 
 
 class Action(StrEnum):

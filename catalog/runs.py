@@ -23,10 +23,9 @@ from typing import Any, Final, Literal
 
 from sqlalchemy import Select, and_, func, select
 from sqlalchemy.orm import Session, aliased
-
-from catalog import guarded
-from catalog.errors import RunConflictError, RunExistsError, RunNotFoundError
-from catalog.models import Checkpoint, CheckpointState, Run
+from zephon.catalog import guarded
+from zephon.catalog.errors import RunConflictError, RunExistsError, RunNotFoundError
+from zephon.catalog.models import Checkpoint, CheckpointState, Run
 
 
 class _Unset(Enum):

@@ -45,19 +45,19 @@ from alembic.script import ScriptDirectory
 from alembic.script.revision import ResolutionError
 from alembic.util import CommandError
 from sqlalchemy import Connection, create_engine, text
-
-import migrations
-from catalog import drift
-from catalog.audit import record_event
-from catalog.drift import Fingerprint
-from catalog.engine import Database
-from catalog.errors import (
+from zephon.catalog import drift
+from zephon.catalog.audit import record_event
+from zephon.catalog.drift import Fingerprint
+from zephon.catalog.engine import Database
+from zephon.catalog.errors import (
     MigrationsNotFoundError,
     SchemaDriftError,
     SchemaError,
     SchemaOutdatedError,
     SchemaUnversionedError,
 )
+
+from zephon import migrations
 
 # Any constant works, as long as every Zephon version uses the same one: it is the key of the
 # PostgreSQL advisory lock that serialises schema creation and upgrades in one database.

@@ -23,12 +23,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
-
-from catalog import runs, validate
-from catalog.audit import default_actor, record_event
-from catalog.engine import Database
-from catalog.models import Run
-from catalog.runs import LockMode
+from zephon.catalog import runs, validate
+from zephon.catalog.audit import default_actor, record_event
+from zephon.catalog.engine import Database
+from zephon.catalog.models import Run
+from zephon.catalog.runs import LockMode
 
 __all__ = ["CatalogBase", "RunTransaction", "Transaction", "call_time", "utc_now"]
 

@@ -24,15 +24,14 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-
-from catalog import guarded
-from catalog.errors import (
+from zephon.catalog import guarded
+from zephon.catalog.errors import (
     CheckpointExistsError,
     CheckpointRecordNotFoundError,
     InvalidTransitionError,
     StateConflictError,
 )
-from catalog.models import Checkpoint, CheckpointState, Run
+from zephon.catalog.models import Checkpoint, CheckpointState, Run
 
 _BEGIN_RETRIES = 5
 

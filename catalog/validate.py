@@ -24,8 +24,8 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-from catalog.errors import InvalidValueError
-from catalog.models import CheckpointState, ReplicaState, ReplicaTier, RunKind, RunStatus
+from zephon.catalog.errors import InvalidValueError
+from zephon.catalog.models import CheckpointState, ReplicaState, ReplicaTier, RunKind, RunStatus
 
 #: the largest value of a ``BIGINT`` column (steps, epochs, sizes, milestones)
 MAX_BIGINT = 2**63 - 1

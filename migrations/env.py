@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from alembic import context
 from sqlalchemy.engine import Connection
-
-from catalog.models import Base
+from zephon.catalog.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -57,7 +56,7 @@ def run_online() -> None:
             context.run_migrations()
         return
 
-    from catalog.engine import make_engine
+    from zephon.catalog.engine import make_engine
 
     engine = make_engine(_url_from_command_line())
     try:

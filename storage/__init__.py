@@ -16,7 +16,7 @@ manifest). Every backend primitive tries transient failures again under the loca
 ``RetryPolicy`` (``storage.retry``). Other layers import only these names.
 """
 
-from storage.backend import (
+from zephon.storage.backend import (
     CreateOutcome,
     ListedFile,
     create_exclusive,
@@ -33,9 +33,9 @@ from storage.backend import (
     remove_empty_dirs,
     remove_files,
 )
-from storage.backends import Backend
-from storage.checksum import Crc32c, crc32c_extend, crc32c_of, decode_crc32c, encode_crc32c
-from storage.errors import (
+from zephon.storage.backends import Backend
+from zephon.storage.checksum import Crc32c, crc32c_extend, crc32c_of, decode_crc32c, encode_crc32c
+from zephon.storage.errors import (
     BackendUnavailableError,
     CheckpointNotFoundError,
     CommitConflictError,
@@ -47,8 +47,8 @@ from storage.errors import (
     StorageOptionsRefusedError,
     WriteAbortedError,
 )
-from storage.jsondoc import MAX_JSON_DEPTH, JsonDocumentError, parse_json
-from storage.layout import (
+from zephon.storage.jsondoc import MAX_JSON_DEPTH, JsonDocumentError, parse_json
+from zephon.storage.layout import (
     MARKER_NAME,
     MAX_STEP,
     parse_number,
@@ -57,18 +57,18 @@ from storage.layout import (
     validate_run,
     validate_step,
 )
-from storage.lineage import AttemptRecord, Fence, Lineage, newer_epochs
-from storage.location import Location, mask_url, open_location
-from storage.manifest import FileEntry, Manifest, validate_save_id
-from storage.parallel import concurrently
-from storage.reader import CheckpointReader
-from storage.redact import redact, redact_options, secrets_in
-from storage.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
-from storage.run_store import RunStore, new_save_id
-from storage.scan import StepListing
-from storage.store import CheckpointStore, Orphan
-from storage.verify import FileProblem, VerifyReport, verify_checkpoint
-from storage.writer import CheckpointWriter
+from zephon.storage.lineage import AttemptRecord, Fence, Lineage, newer_epochs
+from zephon.storage.location import Location, mask_url, open_location
+from zephon.storage.manifest import FileEntry, Manifest, validate_save_id
+from zephon.storage.parallel import concurrently
+from zephon.storage.reader import CheckpointReader
+from zephon.storage.redact import redact, redact_options, secrets_in
+from zephon.storage.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
+from zephon.storage.run_store import RunStore, new_save_id
+from zephon.storage.scan import StepListing
+from zephon.storage.store import CheckpointStore, Orphan
+from zephon.storage.verify import FileProblem, VerifyReport, verify_checkpoint
+from zephon.storage.writer import CheckpointWriter
 
 __all__ = [
     "MARKER_NAME",

@@ -14,13 +14,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
-from storage.backends.base import ListedFile, mtime_of
-from storage.backends.translate import is_backend_failure
-from storage.errors import BackendUnavailableError, StorageOptionsRefusedError
-from storage.retry import retry_summary
+from zephon.storage.backends.base import ListedFile, mtime_of
+from zephon.storage.backends.translate import is_backend_failure
+from zephon.storage.errors import BackendUnavailableError, StorageOptionsRefusedError
+from zephon.storage.retry import retry_summary
 
 if TYPE_CHECKING:
-    from storage.location import Location
+    from zephon.storage.location import Location
 
 __all__ = [
     "CreateOutcome",

@@ -24,8 +24,7 @@ import glob
 import os
 
 import google_crc32c
-
-from storage.errors import InvalidArgumentError
+from zephon.storage.errors import InvalidArgumentError
 
 __all__ = [
     "NATIVE",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from storage.backend import list_files, remove_empty_dirs, remove_files, sync_dirs
-from storage.layout import RunLayout, validate_step
-from storage.location import Location
+from zephon.storage.backend import list_files, remove_empty_dirs, remove_files, sync_dirs
+from zephon.storage.layout import RunLayout, validate_step
+from zephon.storage.location import Location
 
 __all__ = ["delete_checkpoints"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from storage.redact import mask_url, redact
+from zephon.storage.redact import mask_url, redact
 
 
 class StorageError(Exception):

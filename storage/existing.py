@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 
-from storage.backend import (
+from zephon.storage.backend import (
     create_settled,
     file_exists,
     list_files,
@@ -22,13 +22,13 @@ from storage.backend import (
     remove_files,
     sync_dirs,
 )
-from storage.checksum import crc32c_of
-from storage.errors import CommitConflictError, CorruptCheckpointError, FencedOutError
-from storage.layout import RunLayout
-from storage.lineage import AttemptRecord, Fence, Lineage, newer_epochs
-from storage.location import Location
-from storage.manifest import Manifest
-from storage.markers import describe, marker_bytes, parse_marker
+from zephon.storage.checksum import crc32c_of
+from zephon.storage.errors import CommitConflictError, CorruptCheckpointError, FencedOutError
+from zephon.storage.layout import RunLayout
+from zephon.storage.lineage import AttemptRecord, Fence, Lineage, newer_epochs
+from zephon.storage.location import Location
+from zephon.storage.manifest import Manifest
+from zephon.storage.markers import describe, marker_bytes, parse_marker
 
 __all__ = [
     "UNREAD",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from storage.errors import InvalidNameError
+from zephon.storage.errors import InvalidNameError
 
 __all__ = [
     "MAX_STEP",

@@ -7,12 +7,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from storage.backend import list_files, remove_dir, remove_empty_dirs, remove_files
-from storage.errors import CheckpointNotFoundError, CorruptCheckpointError
-from storage.layout import CORRUPT_PREFIX, MARKER_NAME, RunLayout
-from storage.location import Location
-from storage.markers import read_manifest
-from storage.scan import scan_steps
+from zephon.storage.backend import list_files, remove_dir, remove_empty_dirs, remove_files
+from zephon.storage.errors import CheckpointNotFoundError, CorruptCheckpointError
+from zephon.storage.layout import CORRUPT_PREFIX, MARKER_NAME, RunLayout
+from zephon.storage.location import Location
+from zephon.storage.markers import read_manifest
+from zephon.storage.scan import scan_steps
 
 __all__ = ["Orphan", "condemned_saves", "find_orphans", "remove_condemned", "remove_orphan"]
 

@@ -34,11 +34,11 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from storage.backend import create_settled, list_files, make_dirs, read_small
-from storage.errors import CorruptCheckpointError, FencedOutError
-from storage.jsondoc import parse_json
-from storage.layout import ATTEMPTS_DIR
-from storage.location import Location
+from zephon.storage.backend import create_settled, list_files, make_dirs, read_small
+from zephon.storage.errors import CorruptCheckpointError, FencedOutError
+from zephon.storage.jsondoc import parse_json
+from zephon.storage.layout import ATTEMPTS_DIR
+from zephon.storage.location import Location
 
 __all__ = [
     "AttemptRecord",

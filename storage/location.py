@@ -14,18 +14,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
-from storage.backends import DEFAULT_POOL_CONNECTIONS, Backend, backend_for
-from storage.backends.connect import open_filesystem
-from storage.errors import InvalidNameError
-from storage.layout import RunLayout
-from storage.redact import (
+from zephon.storage.backends import DEFAULT_POOL_CONNECTIONS, Backend, backend_for
+from zephon.storage.backends.connect import open_filesystem
+from zephon.storage.errors import InvalidNameError
+from zephon.storage.layout import RunLayout
+from zephon.storage.redact import (
     environment_secrets,
     is_secret_name,
     mask_url,
     option_secrets,
     secrets_in,
 )
-from storage.retry import DEFAULT_RETRY, RetryPolicy
+from zephon.storage.retry import DEFAULT_RETRY, RetryPolicy
 
 if TYPE_CHECKING:
     from fsspec.spec import AbstractFileSystem

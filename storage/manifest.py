@@ -23,10 +23,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.checksum import crc32c_of
-from storage.errors import CorruptCheckpointError, InvalidNameError
-from storage.jsondoc import parse_json
-from storage.layout import MAX_STEP, validate_file_name
+from zephon.storage.checksum import crc32c_of
+from zephon.storage.errors import CorruptCheckpointError, InvalidNameError
+from zephon.storage.jsondoc import parse_json
+from zephon.storage.layout import MAX_STEP, validate_file_name
 
 __all__ = ["FORMAT_VERSION", "FileEntry", "Manifest", "SAVE_ID", "validate_save_id"]
 

@@ -7,12 +7,12 @@ writer and the leftovers share them without holding the store.
 
 from __future__ import annotations
 
-from storage.backend import read_small
-from storage.errors import CheckpointNotFoundError, CorruptCheckpointError
-from storage.layout import CORRUPT_PREFIX, MARKER_NAME, RunLayout
-from storage.lineage import Lineage
-from storage.location import Location
-from storage.manifest import Manifest
+from zephon.storage.backend import read_small
+from zephon.storage.errors import CheckpointNotFoundError, CorruptCheckpointError
+from zephon.storage.layout import CORRUPT_PREFIX, MARKER_NAME, RunLayout
+from zephon.storage.lineage import Lineage
+from zephon.storage.location import Location
+from zephon.storage.manifest import Manifest
 
 __all__ = [
     "describe",

@@ -6,11 +6,15 @@ from __future__ import annotations
 import os
 from typing import BinaryIO, Protocol
 
-from storage.backend import get_file, open_read, read_file, read_range
-from storage.checksum import Crc32c
-from storage.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
-from storage.location import Location
-from storage.manifest import FileEntry, Manifest
+from zephon.storage.backend import get_file, open_read, read_file, read_range
+from zephon.storage.checksum import Crc32c
+from zephon.storage.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+)
+from zephon.storage.location import Location
+from zephon.storage.manifest import FileEntry, Manifest
 
 __all__ = ["CheckpointReader", "HoldsLocation"]
 

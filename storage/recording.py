@@ -9,11 +9,11 @@ from __future__ import annotations
 import io
 from typing import IO, TYPE_CHECKING
 
-from storage.checksum import Crc32c
-from storage.writeback import WRITEBACK_EVERY, start_writeback
+from zephon.storage.checksum import Crc32c
+from zephon.storage.writeback import WRITEBACK_EVERY, start_writeback
 
 if TYPE_CHECKING:
-    from storage.backends import Backend
+    from zephon.storage.backends import Backend
 
 __all__ = ["ChecksummedReader", "RecordingFile"]
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from storage.errors import InvalidArgumentError
+from zephon.storage.errors import InvalidArgumentError
 
 __all__ = [
     "DEFAULT_RETRY",

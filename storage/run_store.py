@@ -19,15 +19,15 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from storage.backend import file_exists, make_dirs
-from storage.deletion import delete_checkpoints
-from storage.errors import (
+from zephon.storage.backend import file_exists, make_dirs
+from zephon.storage.deletion import delete_checkpoints
+from zephon.storage.errors import (
     CheckpointNotFoundError,
     CommitConflictError,
     CorruptCheckpointError,
     InvalidArgumentError,
 )
-from storage.existing import (
+from zephon.storage.existing import (
     UNREAD,
     check_fence,
     condemn,
@@ -36,9 +36,9 @@ from storage.existing import (
     stale_error,
     supersede,
 )
-from storage.layout import RunLayout, validate_run, validate_step
-from storage.leftovers import condemned_saves, remove_condemned
-from storage.lineage import (
+from zephon.storage.layout import RunLayout, validate_run, validate_step
+from zephon.storage.leftovers import condemned_saves, remove_condemned
+from zephon.storage.lineage import (
     AttemptRecord,
     Fence,
     Lineage,
@@ -47,14 +47,14 @@ from storage.lineage import (
     read_lineage,
     read_records,
 )
-from storage.location import Location
-from storage.manifest import Manifest, validate_save_id
-from storage.markers import describe_commit, judge, marker_bytes, parse_marker, read_manifest
-from storage.parallel import concurrently
-from storage.reader import CheckpointReader
-from storage.scan import StepListing, scan_steps
-from storage.verify import VerifyReport, verify_checkpoint
-from storage.writer import CheckpointWriter
+from zephon.storage.location import Location
+from zephon.storage.manifest import Manifest, validate_save_id
+from zephon.storage.markers import describe_commit, judge, marker_bytes, parse_marker, read_manifest
+from zephon.storage.parallel import concurrently
+from zephon.storage.reader import CheckpointReader
+from zephon.storage.scan import StepListing, scan_steps
+from zephon.storage.verify import VerifyReport, verify_checkpoint
+from zephon.storage.writer import CheckpointWriter
 
 __all__ = ["RunStore", "new_save_id"]
 

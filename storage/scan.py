@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from storage.backend import list_files
-from storage.layout import CORRUPT_PREFIX, MARKER_NAME, STEP_PREFIX, parse_step_dirname
-from storage.location import Location
-from storage.manifest import SAVE_ID
+from zephon.storage.backend import list_files
+from zephon.storage.layout import CORRUPT_PREFIX, MARKER_NAME, STEP_PREFIX, parse_step_dirname
+from zephon.storage.location import Location
+from zephon.storage.manifest import SAVE_ID
 
 __all__ = ["StepListing", "scan_steps", "newest_mtime_local"]
 

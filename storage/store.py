@@ -14,17 +14,17 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from storage.backend import list_dirs
-from storage.backends import Backend, PosixBackend
-from storage.errors import InvalidArgumentError
-from storage.layout import validate_run
-from storage.leftovers import Orphan, find_orphans, remove_orphan
-from storage.lineage import Lineage
-from storage.location import Location, open_location
-from storage.manifest import Manifest
-from storage.markers import judge
-from storage.retry import RetryPolicy
-from storage.run_store import RunStore, new_save_id
+from zephon.storage.backend import list_dirs
+from zephon.storage.backends import Backend, PosixBackend
+from zephon.storage.errors import InvalidArgumentError
+from zephon.storage.layout import validate_run
+from zephon.storage.leftovers import Orphan, find_orphans, remove_orphan
+from zephon.storage.lineage import Lineage
+from zephon.storage.location import Location, open_location
+from zephon.storage.manifest import Manifest
+from zephon.storage.markers import judge
+from zephon.storage.retry import RetryPolicy
+from zephon.storage.run_store import RunStore, new_save_id
 
 __all__ = ["CheckpointStore", "Orphan", "new_save_id"]
 

@@ -7,12 +7,12 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from storage.backend import list_files, read_ranges
-from storage.checksum import Crc32c
-from storage.errors import CorruptCheckpointError
-from storage.location import Location
-from storage.manifest import Manifest
-from storage.redact import redact
+from zephon.storage.backend import list_files, read_ranges
+from zephon.storage.checksum import Crc32c
+from zephon.storage.errors import CorruptCheckpointError
+from zephon.storage.location import Location
+from zephon.storage.manifest import Manifest
+from zephon.storage.redact import redact
 
 __all__ = ["FileProblem", "VerifyReport", "verify_checkpoint"]
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
 from typing import Any, BinaryIO
 
-from storage.backend import (
+from zephon.storage.backend import (
     copy_file,
     create_settled,
     file_exists,
@@ -35,21 +35,21 @@ from storage.backend import (
     same_store,
     sync_dirs,
 )
-from storage.checksum import Crc32c
-from storage.errors import (
+from zephon.storage.checksum import Crc32c
+from zephon.storage.errors import (
     BackendUnavailableError,
     CommitConflictError,
     InvalidNameError,
     WriteAbortedError,
 )
-from storage.existing import check_fence, supersede
-from storage.layout import MARKER_NAME, RunLayout, validate_file_name
-from storage.lineage import Fence
-from storage.location import Location
-from storage.manifest import FileEntry, Manifest, validate_save_id
-from storage.markers import describe_commit
-from storage.parallel import concurrently
-from storage.recording import ChecksummedReader, RecordingFile
+from zephon.storage.existing import check_fence, supersede
+from zephon.storage.layout import MARKER_NAME, RunLayout, validate_file_name
+from zephon.storage.lineage import Fence
+from zephon.storage.location import Location
+from zephon.storage.manifest import FileEntry, Manifest, validate_save_id
+from zephon.storage.markers import describe_commit
+from zephon.storage.parallel import concurrently
+from zephon.storage.recording import ChecksummedReader, RecordingFile
 
 __all__ = ["CheckpointWriter", "Payload"]
 

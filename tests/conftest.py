@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+from zephon.storage.backends import BACKEND_CLASSES, backend_for
+from zephon.storage.backends import Backend as StorageBackend
 
-from storage.backends import BACKEND_CLASSES, backend_for
-from storage.backends import Backend as StorageBackend
 from tests import servers
 from tests.mounts import Mounts, MountUnavailable
 
@@ -103,7 +103,7 @@ class Backend:
 
     def open_store(self, **kwargs):
         """A CheckpointStore on this backend's root."""
-        from storage import CheckpointStore
+        from zephon.storage import CheckpointStore
 
         return CheckpointStore(self.url, self.storage_options, **{**self.store_kwargs, **kwargs})
 
@@ -241,7 +241,7 @@ def catalog_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
 @pytest.fixture
 def catalog(catalog_url: str):
     """An open catalog at schema head on each backend in turn."""
-    from catalog import Catalog
+    from zephon.catalog import Catalog
 
     with Catalog(catalog_url) as opened:
         yield opened

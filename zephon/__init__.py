@@ -13,8 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from catalog import CatalogError
-from storage import CheckpointNotFoundError, StorageError
+from zephon.catalog import CatalogError
 from zephon.errors import (
     ArgumentTypeError,
     CatalogOutageError,
@@ -25,6 +24,7 @@ from zephon.errors import (
     UsageError,
     ZephonError,
 )
+from zephon.storage import CheckpointNotFoundError, StorageError
 
 __version__ = "0.1.0"
 

@@ -40,8 +40,17 @@ from typing import IO, Any, TypeVar
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
-from catalog import Catalog
-from storage import (
+from zephon.catalog import Catalog
+from zephon.dcp.addressing import check_step, parse_run_url
+from zephon.dcp.errors import StockCheckpointError
+from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_name, encode_metadata
+from zephon.dcp.stock_format import STOCK_METADATA_FILE, stock_metadata
+from zephon.dcp.stock_loader import METADATA_NAME, StockItem, read_stock_metadata, tensor_span
+from zephon.dcp.writer import METADATA_FILE
+from zephon.errors import ConfigError, SaveBelowLatestError
+from zephon.locations import RunLocation
+from zephon.session import RunSession
+from zephon.storage import (
     CheckpointStore,
     CheckpointWriter,
     Location,
@@ -53,15 +62,6 @@ from storage import (
     parse_step_dirname,
     read_file,
 )
-from zephon.dcp.addressing import check_step, parse_run_url
-from zephon.dcp.errors import StockCheckpointError
-from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_name, encode_metadata
-from zephon.dcp.stock_format import STOCK_METADATA_FILE, stock_metadata
-from zephon.dcp.stock_loader import METADATA_NAME, StockItem, read_stock_metadata, tensor_span
-from zephon.dcp.writer import METADATA_FILE
-from zephon.errors import ConfigError, SaveBelowLatestError
-from zephon.locations import RunLocation
-from zephon.session import RunSession
 
 __all__ = ["AdoptReport", "AdoptedStep", "adopt"]
 

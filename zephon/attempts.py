@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TypeVar
 
-import catalog as catalog_layer
-import storage
-from catalog import Catalog, CatalogUnavailableError
-from storage import AttemptRecord, Fence, Lineage
+from zephon import catalog as catalog_layer
+from zephon import storage
+from zephon.catalog import Catalog, CatalogUnavailableError
 from zephon.errors import SaveBelowLatestError, StaleAttemptError, as_zephon_error
 from zephon.locations import RunLocation
 from zephon.outage import DebtBeingPaid, guard, record_missed
+from zephon.storage import AttemptRecord, Fence, Lineage
 
 __all__ = [
     "Attempt",

@@ -26,10 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from storage import DEFAULT_RETRY, MAX_STEP, InvalidArgumentError, RetryPolicy
 from zephon.destinations.local.config import TierConfig
 from zephon.errors import ConfigError, invalid_option
 from zephon.retention import Retention
+from zephon.storage import DEFAULT_RETRY, MAX_STEP, InvalidArgumentError, RetryPolicy
 
 __all__ = [
     "CheckpointingConfig",
@@ -61,7 +61,7 @@ def _positive_int(value: Any, most: int = MAX_STEP) -> bool:
 def _masked_repr(config: Any, urls: tuple[str, ...]) -> str:
     """The dataclass repr with credentials masked: configs get logged and printed whole, and
     their URLs may carry passwords and their storage_options keys, secrets and tokens."""
-    from storage import mask_url, redact_options
+    from zephon.storage import mask_url, redact_options
 
     shown = []
     for item in fields(config):
@@ -331,7 +331,7 @@ def load_job_config(source: str | os.PathLike | Mapping[str, Any]) -> JobConfig:
         raise _fail("trainer.total_steps", total, f"use an integer from 1 to {MAX_STEP}")
     name = run.get("name")
     if name is not None:
-        from storage import InvalidNameError, validate_run
+        from zephon.storage import InvalidNameError, validate_run
 
         try:
             validate_run(name)

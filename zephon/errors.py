@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import catalog as catalog_layer
-import storage
+from zephon import catalog as catalog_layer
+from zephon import storage
 
 
 class ZephonError(Exception):
@@ -17,7 +17,7 @@ class ConfigError(ZephonError, ValueError):
 def invalid_option(key: str, value: object, allowed: str) -> ConfigError:
     """The one-line ``ConfigError`` for option ``key``: its value (secrets redacted) and what
     is allowed instead."""
-    from storage import redact  # the storage layer is below; imported when a message is made
+    from zephon.storage import redact  # the storage layer is below; imported when a message is made
 
     return ConfigError(f"{key} = {redact(repr(value))} is invalid: {allowed}")
 

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from catalog import (
+from zephon.attempts import fenced, mirror_lineage
+from zephon.catalog import (
     DEFAULT_GRACE,
     DEFAULT_LEASE,
     Catalog,
@@ -27,13 +28,12 @@ from catalog import (
     StateConflictError,
     plan_retention,
 )
-from storage import CheckpointStore, Fence, Lineage, RetryPolicy, StorageError
-from zephon.attempts import fenced, mirror_lineage
 from zephon.errors import StaleAttemptError
 from zephon.holders import held_claims, still_held
 from zephon.locations import RunLocation, run_location
 from zephon.outage import DebtBeingPaid, guard
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
+from zephon.storage import CheckpointStore, Fence, Lineage, RetryPolicy, StorageError
 from zephon.sync import SyncReport, reconcile_run
 
 __all__ = [

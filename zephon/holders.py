@@ -20,7 +20,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from catalog import Catalog, CheckpointRecord, claim_holder
+from zephon.catalog import Catalog, CheckpointRecord, claim_holder
 
 __all__ = ["HeldClaims", "Holder", "held_claims", "judge_holder", "still_held"]
 

@@ -24,9 +24,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from catalog import Catalog, CatalogUnavailableError, CheckpointRecord, RunNotFoundError
-from storage import CheckpointNotFoundError, Lineage, Manifest, newer_epochs
 from zephon.attempts import mirror_lineage
+from zephon.catalog import Catalog, CatalogUnavailableError, CheckpointRecord, RunNotFoundError
 from zephon.errors import ZephonError
 from zephon.locations import RunLocation
 from zephon.outage import guard
@@ -40,6 +39,7 @@ from zephon.reconcile import (
     record_history,
     repair,
 )
+from zephon.storage import CheckpointNotFoundError, Lineage, Manifest, newer_epochs
 
 __all__ = ["LatestCheckpoint", "find_latest"]
 

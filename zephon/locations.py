@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from catalog import RunRecord
-from storage import (
+from zephon.catalog import RunRecord
+from zephon.config import retry_policy_from
+from zephon.errors import ConfigError
+from zephon.storage import (
     DEFAULT_RETRY,
     CheckpointStore,
     RetryPolicy,
@@ -24,8 +26,6 @@ from storage import (
     secrets_in,
     validate_run,
 )
-from zephon.config import retry_policy_from
-from zephon.errors import ConfigError
 
 __all__ = [
     "CATALOG_URL_ENV",

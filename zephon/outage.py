@@ -34,8 +34,8 @@ import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
-import catalog as catalog_layer
-from catalog import Catalog, CatalogUnavailableError, CheckpointState, RunNotFoundError
+from zephon import catalog as catalog_layer
+from zephon.catalog import Catalog, CatalogUnavailableError, CheckpointState, RunNotFoundError
 from zephon.config import DEFAULT_CATALOG_OUTAGE_S
 from zephon.errors import CatalogOutageError, StaleAttemptError
 from zephon.locations import RunLocation

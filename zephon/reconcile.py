@@ -35,9 +35,9 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from catalog import Catalog, CheckpointRecord, SyncOutcome
-from storage import CorruptCheckpointError, Lineage, Manifest, concurrently
+from zephon.catalog import Catalog, CheckpointRecord, SyncOutcome
 from zephon.locations import RunLocation
+from zephon.storage import CorruptCheckpointError, Lineage, Manifest, concurrently
 
 __all__ = [
     "Examined",

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from storage import MAX_STEP, redact
 from zephon.errors import ConfigError
+from zephon.storage import MAX_STEP, redact
 
 __all__ = ["MAX_KEEP", "Retention", "RetentionOptions", "check_resume_step", "option_name"]
 

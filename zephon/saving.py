@@ -35,12 +35,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from catalog import Catalog, CatalogUnavailableError, InvalidTransitionError
-from storage import CheckpointWriter, Manifest, new_save_id, redact
 from zephon.attempts import Attempt, fenced
+from zephon.catalog import Catalog, CatalogUnavailableError, InvalidTransitionError
 from zephon.errors import NotCommittedError, as_zephon_error
 from zephon.outage import DebtBeingPaid, guard
 from zephon.reconcile import manifest_facts
+from zephon.storage import CheckpointWriter, Manifest, new_save_id, redact
 
 __all__ = ["Save", "manifest_facts"]
 

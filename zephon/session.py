@@ -26,8 +26,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from catalog import UNSET, Catalog
 from zephon.attempts import Attempt, register_writer
+from zephon.catalog import UNSET, Catalog
 from zephon.config import DEFAULT_CATALOG_OUTAGE_S
 from zephon.destinations import Destination, TierConfig, choose_destination
 from zephon.errors import ConfigError

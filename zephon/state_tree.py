@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from storage import CorruptCheckpointError
 from zephon.dtypes import dtype_from_name, dtype_name
 from zephon.errors import ZephonError
+from zephon.storage import CorruptCheckpointError
 
 __all__ = ["StateEncodingError", "join_state", "split_state", "tensor_keys"]
 

@@ -7,11 +7,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from catalog import Catalog, CatalogError, RunKind, SyncOutcome
-from storage import CheckpointStore, RetryPolicy, StorageError
 from zephon.attempts import mirror_lineage
+from zephon.catalog import Catalog, CatalogError, RunKind, SyncOutcome
 from zephon.locations import RunLocation, inference_run_name
 from zephon.reconcile import Verdict, examine, quarantine, record_history, repair
+from zephon.storage import CheckpointStore, RetryPolicy, StorageError
 
 __all__ = ["SyncReport", "sync_storage"]
 

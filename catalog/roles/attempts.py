@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from catalog import attempts, validate
-from catalog.records import AttemptRecord, AttemptRegistration
-from catalog.runs import UNSET, _Unset
-from catalog.session_base import CatalogBase, utc_now
+from zephon.catalog import attempts, validate
+from zephon.catalog.records import AttemptRecord, AttemptRegistration
+from zephon.catalog.runs import UNSET, _Unset
+from zephon.catalog.session_base import CatalogBase, utc_now
 
 __all__ = ["AttemptMethods"]
 

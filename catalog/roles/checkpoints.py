@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from catalog import queries, runs, transitions, validate
-from catalog.errors import CheckpointRecordNotFoundError, InvalidValueError
-from catalog.models import CheckpointState
-from catalog.records import CheckpointRecord
-from catalog.session_base import CatalogBase
+from zephon.catalog import queries, runs, transitions, validate
+from zephon.catalog.errors import CheckpointRecordNotFoundError, InvalidValueError
+from zephon.catalog.models import CheckpointState
+from zephon.catalog.records import CheckpointRecord
+from zephon.catalog.session_base import CatalogBase
 
 __all__ = ["CheckpointQueryMethods"]
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from catalog import attempts, claims, runs, transitions, validate
-from catalog.records import CheckpointRecord
-from catalog.retention import DEFAULT_GRACE, RetentionPlan
-from catalog.session_base import CatalogBase, call_time, utc_now
+from zephon.catalog import attempts, claims, runs, transitions, validate
+from zephon.catalog.records import CheckpointRecord
+from zephon.catalog.retention import DEFAULT_GRACE, RetentionPlan
+from zephon.catalog.session_base import CatalogBase, call_time, utc_now
 
 __all__ = ["DeletionMethods"]
 

@@ -7,11 +7,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
-
-from catalog import audit, validate
-from catalog.models import Event
-from catalog.records import EventRecord
-from catalog.session_base import CatalogBase, call_time
+from zephon.catalog import audit, validate
+from zephon.catalog.models import Event
+from zephon.catalog.records import EventRecord
+from zephon.catalog.session_base import CatalogBase, call_time
 
 __all__ = ["PRUNE_BATCH", "EventMethods"]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from catalog import transitions, validate
-from catalog.records import CheckpointRecord
-from catalog.session_base import CatalogBase, utc_now
+from zephon.catalog import transitions, validate
+from zephon.catalog.records import CheckpointRecord
+from zephon.catalog.session_base import CatalogBase, utc_now
 
 __all__ = ["PinMethods"]
 

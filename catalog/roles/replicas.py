@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from catalog import audit, replicas, validate
-from catalog.errors import InvalidValueError
-from catalog.models import ReplicaState
-from catalog.records import ReplicaRecord
-from catalog.session_base import CatalogBase, utc_now
+from zephon.catalog import audit, replicas, validate
+from zephon.catalog.errors import InvalidValueError
+from zephon.catalog.models import ReplicaState
+from zephon.catalog.records import ReplicaRecord
+from zephon.catalog.session_base import CatalogBase, utc_now
 
 __all__ = ["ReplicaMethods"]
 

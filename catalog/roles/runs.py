@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from catalog import attempts, runs, validate
-from catalog.models import RunKind, RunStatus
-from catalog.records import RunRecord, RunSummary
-from catalog.retention import validate_policy
-from catalog.runs import UNSET, _Unset
-from catalog.session_base import CatalogBase, utc_now
+from zephon.catalog import attempts, runs, validate
+from zephon.catalog.models import RunKind, RunStatus
+from zephon.catalog.records import RunRecord, RunSummary
+from zephon.catalog.retention import validate_policy
+from zephon.catalog.runs import UNSET, _Unset
+from zephon.catalog.session_base import CatalogBase, utc_now
 
 __all__ = ["OptionalInt", "RunMethods"]
 

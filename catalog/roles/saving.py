@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from catalog import attempts, audit, replicas, transitions, validate
-from catalog.models import Checkpoint
-from catalog.records import CheckpointRecord
-from catalog.session_base import CatalogBase, utc_now
+from zephon.catalog import attempts, audit, replicas, transitions, validate
+from zephon.catalog.models import Checkpoint
+from zephon.catalog.records import CheckpointRecord
+from zephon.catalog.session_base import CatalogBase, utc_now
 
 __all__ = ["SaveMethods"]
 

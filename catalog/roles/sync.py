@@ -12,12 +12,11 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
-
-from catalog import repairs, validate
-from catalog.models import Checkpoint, Run
-from catalog.records import CheckpointRecord
-from catalog.repairs import SyncOutcome
-from catalog.session_base import CatalogBase, utc_now
+from zephon.catalog import repairs, validate
+from zephon.catalog.models import Checkpoint, Run
+from zephon.catalog.records import CheckpointRecord
+from zephon.catalog.repairs import SyncOutcome
+from zephon.catalog.session_base import CatalogBase, utc_now
 
 __all__ = ["MISSING_MARKER_REASON", "SyncMethods"]
 

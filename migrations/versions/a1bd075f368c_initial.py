@@ -14,8 +14,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
-
-from migrations.columns import JSON_DOCUMENT, TIMESTAMP
+from zephon.migrations.columns import JSON_DOCUMENT, TIMESTAMP
 
 revision: str = "a1bd075f368c"
 down_revision: str | Sequence[str] | None = None

@@ -26,8 +26,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
-
-from migrations.columns import JSON_DOCUMENT, TIMESTAMP
+from zephon.migrations.columns import JSON_DOCUMENT, TIMESTAMP
 
 revision: str = "c7d2e5a94b10"
 down_revision: str | Sequence[str] | None = "3a0e83d9015e"

@@ -27,8 +27,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
-
-from migrations.columns import TIMESTAMP
+from zephon.migrations.columns import TIMESTAMP
 
 revision: str = "fbbf4a6c29ae"
 down_revision: str | Sequence[str] | None = "a1bd075f368c"

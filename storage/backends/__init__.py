@@ -8,17 +8,17 @@ capability flags. The registry maps protocols to classes. Adding a backend: subc
 ``tests/storage/test_backend_conformance.py`` against it.
 """
 
-from storage.backends.azure import AzureBackend
-from storage.backends.base import Backend, ListedFile, mtime_of
-from storage.backends.memory import MemoryBackend
-from storage.backends.object_store import (
+from zephon.storage.backends.azure import AzureBackend
+from zephon.storage.backends.base import Backend, ListedFile, mtime_of
+from zephon.storage.backends.memory import MemoryBackend
+from zephon.storage.backends.object_store import (
     DEFAULT_POOL_CONNECTIONS,
     GCSBackend,
     ObjectStoreBackend,
     S3Backend,
 )
-from storage.backends.posix import PosixBackend, fsync_dir
-from storage.backends.registry import BACKEND_CLASSES, backend_for, package_for, register
+from zephon.storage.backends.posix import PosixBackend, fsync_dir
+from zephon.storage.backends.registry import BACKEND_CLASSES, backend_for, package_for, register
 
 __all__ = [
     "BACKEND_CLASSES",

@@ -22,16 +22,15 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
-
-from storage.backends.handles import (
+from zephon.storage.backends.handles import (
     OPEN_READ_BLOCK,
     RangedReader,
     TranslatedReader,
     WriteHandle,
 )
-from storage.backends.translate import translated
-from storage.redact import mask_url
-from storage.retry import DEFAULT_RETRY, RetryPolicy
+from zephon.storage.backends.translate import translated
+from zephon.storage.redact import mask_url
+from zephon.storage.retry import DEFAULT_RETRY, RetryPolicy
 
 __all__ = [
     "OPEN_READ_BLOCK",

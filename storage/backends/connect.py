@@ -9,10 +9,13 @@ from typing import Any
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
-
-from storage.backends.registry import backend_for, package_for
-from storage.errors import BackendUnavailableError, InvalidNameError, StorageOptionsRefusedError
-from storage.redact import redact
+from zephon.storage.backends.registry import backend_for, package_for
+from zephon.storage.errors import (
+    BackendUnavailableError,
+    InvalidNameError,
+    StorageOptionsRefusedError,
+)
+from zephon.storage.redact import redact
 
 __all__ = ["open_filesystem"]
 

@@ -12,7 +12,7 @@ import io
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from storage.backends.base import Backend
+    from zephon.storage.backends.base import Backend
 
 __all__ = ["OPEN_READ_BLOCK", "RangedReader", "TranslatedReader", "WriteHandle"]
 

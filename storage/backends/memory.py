@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.backends.base import Backend
+from zephon.storage.backends.base import Backend
 
 __all__ = ["MemoryBackend"]
 

@@ -8,12 +8,12 @@ protocols fsspec knows but that need a package.
 
 from __future__ import annotations
 
-from storage.backends.azure import AzureBackend
-from storage.backends.base import Backend
-from storage.backends.memory import MemoryBackend
-from storage.backends.object_store import GCSBackend, S3Backend
-from storage.backends.posix import PosixBackend
-from storage.errors import InvalidArgumentError
+from zephon.storage.backends.azure import AzureBackend
+from zephon.storage.backends.base import Backend
+from zephon.storage.backends.memory import MemoryBackend
+from zephon.storage.backends.object_store import GCSBackend, S3Backend
+from zephon.storage.backends.posix import PosixBackend
+from zephon.storage.errors import InvalidArgumentError
 
 __all__ = ["BACKEND_CLASSES", "PACKAGES", "backend_for", "package_for", "register"]
 

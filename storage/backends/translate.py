@@ -16,12 +16,12 @@ import errno
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from storage.errors import BackendUnavailableError, StorageError, StorageOptionsRefusedError
-from storage.redact import redact
-from storage.retry import carry_retry_state, reply_status, retry_summary
+from zephon.storage.errors import BackendUnavailableError, StorageError, StorageOptionsRefusedError
+from zephon.storage.redact import redact
+from zephon.storage.retry import carry_retry_state, reply_status, retry_summary
 
 if TYPE_CHECKING:
-    from storage.backends.base import Backend
+    from zephon.storage.backends.base import Backend
 
 __all__ = [
     "full_disk_fix",

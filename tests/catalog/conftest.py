@@ -10,9 +10,8 @@ from datetime import UTC, datetime
 import pytest
 from alembic import command
 from sqlalchemy import create_engine, text
-
-from catalog import Catalog, schema
-from catalog.engine import Database
+from zephon.catalog import Catalog, schema
+from zephon.catalog.engine import Database
 
 
 @pytest.fixture

@@ -6,8 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-
-from catalog import (
+from zephon.catalog import (
     AttemptRecord,
     FencedOutError,
     InvalidTransitionError,
@@ -16,6 +15,7 @@ from catalog import (
     StateConflictError,
     attempts,
 )
+
 from tests.catalog.conftest import STARTED, commit_step, register
 
 

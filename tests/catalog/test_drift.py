@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import create_engine, event, text
-
-import catalog
-from catalog import (
+from zephon.catalog import (
     Catalog,
     SchemaDriftError,
     SchemaOutdatedError,
@@ -17,8 +15,10 @@ from catalog import (
     drift,
     schema,
 )
-from catalog.engine import Database
+from zephon.catalog.engine import Database
+
 from tests.catalog.conftest import execute_sql, migrate
+from zephon import catalog
 
 INITIAL = "a1bd075f368c"
 EPOCHS = "fbbf4a6c29ae"

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 from sqlalchemy import text
+from zephon.catalog import Catalog, CatalogUnavailableError, InvalidValueError, mask_url
+from zephon.catalog.engine import Database
 
-from catalog import Catalog, CatalogUnavailableError, InvalidValueError, mask_url
-from catalog.engine import Database
 from tests.mounts import fill
 
 
@@ -164,7 +164,7 @@ def test_catalog_imports_neither_storage_nor_zephon_nor_fsspec_nor_torch():
 def test_catalog_errors_survive_pickling_as_a_distributed_job_sends_them():
     import pickle
 
-    from catalog import (
+    from zephon.catalog import (
         CheckpointExistsError,
         CheckpointRecordNotFoundError,
         FencedOutError,

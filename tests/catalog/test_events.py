@@ -7,10 +7,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import create_engine, event, insert, text
-
-from catalog import Catalog
-from catalog.audit import delete_batch
-from catalog.models import Event
+from zephon.catalog import Catalog
+from zephon.catalog.audit import delete_batch
+from zephon.catalog.models import Event
 
 # The real clock: schema_created and run events are written with it.
 NOW = datetime.now(UTC)

@@ -9,8 +9,8 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from zephon.catalog import Catalog, FencedOutError, StateConflictError, attempts, transitions
 
-from catalog import Catalog, FencedOutError, StateConflictError, attempts, transitions
 from tests.catalog import workers
 from tests.catalog.conftest import commit_step, in_threads, register
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import text
+from zephon.catalog import SyncOutcome
 
-from catalog import SyncOutcome
 from tests.catalog.conftest import commit_step, register
 
 

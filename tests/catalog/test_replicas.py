@@ -9,8 +9,7 @@ import math
 
 import pytest
 from sqlalchemy import create_engine, text
-
-from catalog import (
+from zephon.catalog import (
     TIMING_PHASES,
     CheckpointRecordNotFoundError,
     InvalidTransitionError,
@@ -21,6 +20,7 @@ from catalog import (
     StateConflictError,
     replicas,
 )
+
 from tests.catalog import workers
 from tests.catalog.conftest import commit_step, in_threads
 
@@ -514,7 +514,7 @@ def test_an_old_upload_committing_races_a_new_save_and_one_wins_cleanly(postgres
     from tests import servers
 
     with servers.postgres_database(postgres_url) as url:
-        from catalog import Catalog
+        from zephon.catalog import Catalog
 
         with Catalog(url) as catalog:
             catalog.ensure_run("r", "/c")
@@ -552,7 +552,7 @@ def test_an_old_upload_committing_races_a_new_save_and_one_wins_cleanly(postgres
 def test_concurrent_add_timings_lose_no_phase(catalog_url):
     import threading
 
-    from catalog import Catalog
+    from zephon.catalog import Catalog
 
     with Catalog(catalog_url) as catalog:
         catalog.ensure_run("r", "/c")

@@ -6,8 +6,7 @@ import json
 
 import pytest
 from sqlalchemy import event
-
-from catalog import (
+from zephon.catalog import (
     UNSET,
     Catalog,
     InvalidValueError,
@@ -15,6 +14,7 @@ from catalog import (
     RunExistsError,
     RunNotFoundError,
 )
+
 from tests.catalog.conftest import commit_step
 
 

@@ -12,21 +12,20 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, insert, text
 from sqlalchemy.exc import IntegrityError
-
-import catalog
-import migrations
-from catalog import (
+from zephon.catalog import (
     Catalog,
     MigrationsNotFoundError,
     SchemaOutdatedError,
     SchemaUnversionedError,
     schema,
 )
-from catalog.engine import Database
-from catalog.models import Base, Checkpoint, CheckpointState, Run
-from catalog.queries import latest_committed
+from zephon.catalog.engine import Database
+from zephon.catalog.models import Base, Checkpoint, CheckpointState, Run
+from zephon.catalog.queries import latest_committed
+
 from tests.catalog import workers
 from tests.catalog.conftest import execute_sql, migrate
+from zephon import catalog, migrations
 
 
 def _diff_against_models(url: str) -> list:

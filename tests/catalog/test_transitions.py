@@ -5,8 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-
-from catalog import (
+from zephon.catalog import (
     CheckpointExistsError,
     CheckpointRecordNotFoundError,
     InvalidTransitionError,
@@ -16,6 +15,7 @@ from catalog import (
     SyncOutcome,
     guarded,
 )
+
 from tests.catalog.conftest import commit_step
 
 

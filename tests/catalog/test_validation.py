@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import event
+from zephon.catalog import Catalog, InvalidValueError, plan_retention, validate
 
-from catalog import Catalog, InvalidValueError, plan_retention, validate
 from tests.catalog.conftest import register
 
 BIGINT = 2**63 - 1

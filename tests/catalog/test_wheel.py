@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-import catalog
 from tests.conftest import unavailable
+from zephon import catalog
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ["pyproject.toml", "README.md", "zephon", "storage", "catalog", "migrations"]
 
 PROBE = """
 import json, sys
-import catalog, migrations
+from zephon import catalog, migrations
 before = catalog.current_revision(sys.argv[1])
 after = catalog.upgrade(sys.argv[1])
 with catalog.Catalog(sys.argv[1]) as opened:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from catalog import Catalog
+from zephon.catalog import Catalog
 
 
 def open_catalog(url: str, start: Any) -> str | None:
@@ -70,7 +70,7 @@ def run_in_processes(jobs: list[tuple[Any, tuple]], timeout: float = 120) -> lis
 
 def begin_then_commit(url: str, run: str, step: int, start: Any) -> str:
     """Race to save the same step: 'committed', 'conflict' (re-armed by another) or 'exists'."""
-    from catalog import CheckpointExistsError, StateConflictError
+    from zephon.catalog import CheckpointExistsError, StateConflictError
 
     with Catalog(url) as catalog:
         start.wait(60)
@@ -175,7 +175,7 @@ def stress_gc(url: str, run: str, done: str, greedy: bool, start: Any):
 def upload_commits(url: str, run: str, rounds: int, start: Any) -> list[str]:
     """Per round (step): start the save_dir replica of save ``old-<step>``, then, at the
     barrier, commit it: 'committed', or 'lost' when a new save re-armed the row first."""
-    from catalog import StateConflictError
+    from zephon.catalog import StateConflictError
 
     outcomes = []
     with Catalog(url) as catalog:

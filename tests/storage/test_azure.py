@@ -10,8 +10,7 @@ import re
 import uuid
 
 import pytest
-
-from storage import (
+from zephon.storage import (
     NO_RETRY,
     BackendUnavailableError,
     CheckpointStore,
@@ -19,8 +18,9 @@ from storage import (
     StorageError,
     StorageOptionsRefusedError,
 )
-from storage.backends import AzureBackend, backend_for
-from storage.retry import is_throttling, is_transient, reply_status
+from zephon.storage.backends import AzureBackend, backend_for
+from zephon.storage.retry import is_throttling, is_transient, reply_status
+
 from tests.conftest import random_payload
 from tests.faults import FaultProxy
 from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY, AzuriteServer, free_port

@@ -19,9 +19,9 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
+from zephon.storage import Location, open_location
+from zephon.storage.backends import BACKEND_CLASSES, Backend, backend_for
 
-from storage import Location, open_location
-from storage.backends import BACKEND_CLASSES, Backend, backend_for
 from tests.conftest import (
     BACKENDS,
     PRECONDITIONS_IGNORED,

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from storage import checksum
-from storage.checksum import (
+from zephon.storage import checksum
+from zephon.storage.checksum import (
     Crc32c,
     crc32c_combine,
     crc32c_extend,
@@ -21,6 +20,7 @@ from storage.checksum import (
     decode_crc32c,
     encode_crc32c,
 )
+
 from tests.conftest import backends_with
 
 blocks = st.binary(max_size=4096)

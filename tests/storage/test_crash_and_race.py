@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
+from zephon.storage import CheckpointStore
 
-from storage import CheckpointStore
 from tests.conftest import backends_with, make_backend
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from storage import (
+from zephon.storage import (
     NO_RETRY,
     BackendUnavailableError,
     CheckpointStore,
@@ -13,6 +12,7 @@ from storage import (
     mask_url,
     open_location,
 )
+
 from tests.servers import free_port
 
 

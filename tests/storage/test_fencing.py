@@ -8,16 +8,15 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from storage import (
+from zephon.storage import (
     CheckpointStore,
     CommitConflictError,
     CorruptCheckpointError,
     FencedOutError,
     Lineage,
 )
-from storage.checksum import crc32c_of
-from storage.manifest import Manifest
+from zephon.storage.checksum import crc32c_of
+from zephon.storage.manifest import Manifest
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import s3fs
+from zephon.storage import NO_RETRY, BackendUnavailableError, CheckpointStore, RetryPolicy
 
-from storage import NO_RETRY, BackendUnavailableError, CheckpointStore, RetryPolicy
 from tests.conftest import Backend
 from tests.faults import FaultProxy
 

@@ -5,8 +5,7 @@ would make ``save-٤`` or ``zephon://r/٤`` name step 4."""
 from __future__ import annotations
 
 import pytest
-
-from storage import CheckpointStore, parse_number, parse_step_dirname
+from zephon.storage import CheckpointStore, parse_number, parse_step_dirname
 
 
 @pytest.mark.parametrize(

@@ -12,15 +12,15 @@ import time
 import uuid
 
 import pytest
-
-from storage import (
+from zephon.storage import (
     BackendUnavailableError,
     CheckpointStore,
     CommitConflictError,
     RetryPolicy,
 )
-from storage.backends import Backend
-from storage.retry import is_throttling, is_transient, retry_after_s
+from zephon.storage.backends import Backend
+from zephon.storage.retry import is_throttling, is_transient, retry_after_s
+
 from tests.conftest import random_payload
 from tests.faults import FaultProxy
 

@@ -13,15 +13,14 @@ import importlib.util
 import os
 
 import pytest
-
-from storage import (
+from zephon.storage import (
     CheckpointStore,
     FencedOutError,
     WriteAbortedError,
     new_save_id,
 )
-from storage.location import DEFAULT_POOL_CONNECTIONS, with_defaults
-from storage.store import LOCAL_WORKERS, REMOTE_WORKERS
+from zephon.storage.location import DEFAULT_POOL_CONNECTIONS, with_defaults
+from zephon.storage.store import LOCAL_WORKERS, REMOTE_WORKERS
 
 #: long enough that requests sent together are under way together on a loaded machine
 HOLD_MS = 1000

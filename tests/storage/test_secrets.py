@@ -4,8 +4,7 @@ mask every secret while keeping the bucket and path that make the message useful
 from __future__ import annotations
 
 import pytest
-
-from storage import (
+from zephon.storage import (
     NO_RETRY,
     BackendUnavailableError,
     CheckpointStore,
@@ -14,7 +13,8 @@ from storage import (
     StorageError,
     open_location,
 )
-from storage.redact import mask_url, option_secrets, redact, redact_options, secrets_in
+from zephon.storage.redact import mask_url, option_secrets, redact, redact_options, secrets_in
+
 from tests.servers import free_port
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYzEXAMPLEKEY"

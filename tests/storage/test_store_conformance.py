@@ -9,9 +9,7 @@ import os
 import socket
 
 import pytest
-
-import storage
-from storage import (
+from zephon.storage import (
     CheckpointNotFoundError,
     CheckpointStore,
     CommitConflictError,
@@ -20,8 +18,10 @@ from storage import (
     InvalidNameError,
     WriteAbortedError,
 )
-from storage.checksum import crc32c_of
+from zephon.storage.checksum import crc32c_of
+
 from tests.conftest import backends_with, random_payload
+from zephon import storage
 
 
 @pytest.fixture
@@ -400,7 +400,7 @@ def test_large_files_upload_in_parts_and_verify(store, backend):
 
 
 def _files(store, run, step):
-    from storage.backend import list_files
+    from zephon.storage.backend import list_files
 
     return list_files(store.location, store.run(run).checkpoint_path(step))
 

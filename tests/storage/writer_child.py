@@ -17,8 +17,8 @@ import signal
 import sys
 import time
 
-from storage import CheckpointStore, CommitConflictError, WriteAbortedError
-from storage.backends import ObjectStoreBackend, PosixBackend
+from zephon.storage import CheckpointStore, CommitConflictError, WriteAbortedError
+from zephon.storage.backends import ObjectStoreBackend, PosixBackend
 
 #: the backend classes whose marker create the kill points wrap (S3 and GCS share theirs)
 MARKER_CLASSES = (PosixBackend, ObjectStoreBackend)

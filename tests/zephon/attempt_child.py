@@ -51,10 +51,10 @@ from typing import Any
 
 import psycopg  # noqa: F401 - imported ahead of the first command (see above)
 import s3fs  # noqa: F401
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointStore, Fence, Manifest, create_exclusive
+from zephon.storage.layout import MARKER_NAME
 
-from catalog import Catalog
-from storage import CheckpointStore, Fence, Manifest, create_exclusive
-from storage.layout import MARKER_NAME
 from zephon.attempts import Attempt, claim, decide, register_resuming
 from zephon.attempts import register as register_attempt
 from zephon.gc import gc_run, retain_without_catalog

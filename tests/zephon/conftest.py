@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from zephon.catalog import Catalog
 
-from catalog import Catalog
 from tests.conftest import unavailable
 from tests.pg_cluster import PostgresCluster
 from tests.servers import ServerUnavailable

@@ -18,7 +18,7 @@ from tests.zephon.doc_blocks import Block
 
 
 def _catalog_with_checkpoints(url: str):
-    from catalog import Catalog
+    from zephon.catalog import Catalog
 
     cat = Catalog(url)
     cat.ensure_run("r", "/ckpt")
@@ -46,7 +46,7 @@ def check_sql(doc: Block, request: pytest.FixtureRequest, tmp_path: Path) -> Non
                 rows = _execute(url, doc.code, {"run": "r"})
                 assert [tuple(row)[:1] for row in rows] == [(30,)], (backend, rows)
             else:
-                from catalog import Catalog
+                from zephon.catalog import Catalog
 
                 with Catalog(url) as cat:
                     before = len(cat.events(run=None, limit=1000))
@@ -58,7 +58,7 @@ def check_sql(doc: Block, request: pytest.FixtureRequest, tmp_path: Path) -> Non
 
 
 def _raised(action) -> str:
-    from catalog import CatalogError
+    from zephon.catalog import CatalogError
 
     with pytest.raises(CatalogError) as caught:
         action()
@@ -66,7 +66,7 @@ def _raised(action) -> str:
 
 
 def check_message(doc: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    from catalog import Catalog
+    from zephon.catalog import Catalog
 
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     with Catalog(url) as cat:

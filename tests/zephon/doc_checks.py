@@ -354,7 +354,8 @@ def check_tiers_table(doc: Block, request, tmp_path) -> None:
     the page's title, header and rows (sizes, durations and MB/s aside)."""
     import socket
 
-    from catalog import Catalog
+    from zephon.catalog import Catalog
+
     from tests.zephon.doc_readme import compare_table
 
     url = f"sqlite:///{tmp_path / 'catalog.db'}"

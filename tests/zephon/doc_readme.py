@@ -137,7 +137,8 @@ def check_cron(doc: Block) -> None:
     """Parsed only (it names a PostgreSQL host and an AWS profile of the reader's): five cron
     fields, environment assignments, the venv's ``zephon``, and arguments the zephon CLI
     parser accepts; the catalog URL is one the catalog accepts."""
-    from catalog import mask_url
+    from zephon.catalog import mask_url
+
     from zephon.cli import build_parser
 
     words = shlex.split(doc.code)

@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import MetadataIndex
+from zephon.storage import CheckpointStore
 
-from storage import CheckpointStore
 from tests.conftest import make_backend
 from zephon import dcp as zd
 from zephon.adopt import adopt

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 from torch import nn
+from zephon.catalog import Catalog
 
-from catalog import Catalog
 from tests.zephon.saves import save_step, start
 from zephon import CatalogOutageError
 from zephon.checkpointing import CheckpointManager

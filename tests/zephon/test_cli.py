@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from zephon.catalog import Catalog
 
-from catalog import Catalog
 from tests.zephon.saves import crash_after_marker, save_step, start
 from tests.zephon.test_composition import make_run
 from zephon.cli import main
@@ -234,7 +234,7 @@ def test_demo_resumes_bit_for_bit_on_azure(tmp_path, capsys, azure_backend):
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["identical"] is True
     assert result["resumed_from"] == 4 and set(result["losses"]) == {"5", "6", "7", "8"}
-    from storage import CheckpointStore
+    from zephon.storage import CheckpointStore
 
     with CheckpointStore(save_dir, azure_backend.storage_options) as store:
         (run,) = [name for name in store.runs() if not name.endswith("-reference")]

@@ -21,9 +21,9 @@ import shutil
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from zephon.catalog import Catalog
+from zephon.storage.layout import MARKER_NAME
 
-from catalog import Catalog
-from storage.layout import MARKER_NAME
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
 from zephon.cli import main

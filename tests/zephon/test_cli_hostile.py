@@ -10,8 +10,8 @@ import re
 import time
 
 import pytest
+from zephon.storage.layout import MARKER_NAME
 
-from storage.layout import MARKER_NAME
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
 from zephon.cli import main

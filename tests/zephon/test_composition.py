@@ -6,9 +6,9 @@ import datetime as dt
 import time
 
 import pytest
+from zephon.catalog import Catalog
+from zephon.storage.backend import list_files
 
-from catalog import Catalog
-from storage.backend import list_files
 from tests.conftest import DISK_AND_OBJECT_STORE
 from tests.zephon.saves import crash_after_marker, crash_before_marker, save_step, start
 from zephon.gc import GcPolicy, collect_garbage, gc_run, retain_without_catalog

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 import torch
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointStore
 
-from catalog import Catalog
-from storage import CheckpointStore
 from zephon.errors import ConfigError, SaveBelowLatestError
 from zephon.locations import CATALOG_URL_ENV
 from zephon.retention import MAX_KEEP, Retention, check_resume_step

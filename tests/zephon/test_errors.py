@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 from torch import nn
+from zephon.catalog import CheckpointRecordNotFoundError
+from zephon.storage import CorruptCheckpointError
 
 import zephon
-from catalog import CheckpointRecordNotFoundError
-from storage import CorruptCheckpointError
 from tests.zephon.saves import flip_a_tensor_byte
 from zephon import dcp as zdcp
 from zephon.checkpointing import CheckpointManager
@@ -193,7 +193,7 @@ def test_a_state_save_cannot_hold_is_a_zephon_error_in_one_line_and_nothing_is_l
 
 
 def test_there_is_one_checkpoint_not_found_error_and_it_is_storages():
-    import storage
+    from zephon import storage
 
     assert zephon.CheckpointNotFoundError is storage.CheckpointNotFoundError
     assert issubclass(zephon.CheckpointNotFoundError, zephon.StorageError)

@@ -13,9 +13,9 @@ import threading
 import time
 
 import pytest
+from zephon.catalog import Catalog
+from zephon.storage.backend import list_files
 
-from catalog import Catalog
-from storage.backend import list_files
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
 

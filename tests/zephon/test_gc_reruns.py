@@ -11,8 +11,8 @@ import subprocess
 import time
 
 import pytest
+from zephon.catalog import Catalog
 
-from catalog import Catalog
 from tests.faults import FaultProxy
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run

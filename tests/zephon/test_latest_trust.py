@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import torch
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointNotFoundError, CheckpointStore
 
-from catalog import Catalog
-from storage import CheckpointNotFoundError, CheckpointStore
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
 from zephon import dcp as zd

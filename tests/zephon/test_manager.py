@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 from torch import nn
+from zephon.catalog import Catalog
+from zephon.storage import CorruptCheckpointError
 
-from catalog import Catalog
-from storage import CorruptCheckpointError
 from tests.zephon.saves import flip_a_tensor_byte
 from zephon.checkpointing import CheckpointManager, export_safetensors
 from zephon.config import CheckpointingConfig, ModelStageConfig, load_job_config
@@ -313,7 +313,7 @@ def test_a_failed_background_save_is_raised_by_the_next_call(config, monkeypatch
     config.async_save = True
     model = build()[0]
     with manager_for(config) as manager:
-        from storage import writer as writer_module
+        from zephon.storage import writer as writer_module
 
         real = writer_module.CheckpointWriter.commit
 

@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 from torch import nn
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointStore
 
-from catalog import Catalog
-from storage import CheckpointStore
 from zephon import SaveBelowLatestError
 from zephon import dcp as zd
 from zephon.checkpointing import CheckpointManager, export_safetensors

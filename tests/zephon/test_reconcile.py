@@ -9,9 +9,9 @@ import datetime as dt
 from datetime import UTC, datetime
 
 import pytest
+from zephon.catalog import Catalog, CheckpointRecord
+from zephon.storage import AttemptRecord, CheckpointNotFoundError, Lineage, Manifest
 
-from catalog import Catalog, CheckpointRecord
-from storage import AttemptRecord, CheckpointNotFoundError, Lineage, Manifest
 from tests.zephon.saves import crash_after_marker, save_step, start
 from tests.zephon.test_composition import make_run
 from zephon.gc import GcPolicy, gc_run

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointStore
 
-from catalog import Catalog
-from storage import CheckpointStore
 from tests.zephon.saves import start
 from zephon.checkpointing import CheckpointManager
 from zephon.config import CheckpointingConfig

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 from sqlalchemy.engine import make_url
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointStore
 
-from catalog import Catalog
-from storage import CheckpointStore
 from tests.servers import free_port
 from tests.zephon.saves import save_step, start
 from zephon.cli import main

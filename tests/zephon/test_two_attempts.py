@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from torch import nn
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointStore
+from zephon.storage.backend import list_files
 
-from catalog import Catalog
-from storage import CheckpointStore
-from storage.backend import list_files
 from tests.conftest import DISK_AND_OBJECT_STORE, Backend, database_url, make_backend
 from tests.zephon.test_composition import make_run
 from zephon.attempts import register_resuming

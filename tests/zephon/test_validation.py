@@ -9,10 +9,10 @@ import string
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from zephon.catalog import Catalog, InvalidValueError
+from zephon.catalog import validate as catalog_validate
+from zephon.storage import InvalidNameError, RetryPolicy, validate_run
 
-from catalog import Catalog, InvalidValueError
-from catalog import validate as catalog_validate
-from storage import InvalidNameError, RetryPolicy, validate_run
 from zephon.checkpointing import CheckpointManager
 from zephon.config import CheckpointingConfig, load_job_config
 from zephon.errors import ConfigError

@@ -12,9 +12,9 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from storage import CheckpointNotFoundError, CorruptCheckpointError
 from zephon.collectives import Collectives
 from zephon.reconcile import quarantine
+from zephon.storage import CheckpointNotFoundError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from zephon.checkpointing.job import Job

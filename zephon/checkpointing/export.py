@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from storage import CheckpointStore
 from zephon.checkpointing.source import INDEX_FILE, read_model_tensors, read_source_tensors
 from zephon.errors import ZephonError
+from zephon.storage import CheckpointStore
 
 __all__ = ["ExportResult", "export_safetensors"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from storage import CorruptCheckpointError, JsonDocumentError, parse_json
+from zephon.storage import CorruptCheckpointError, JsonDocumentError, parse_json
 
 __all__ = [
     "DCP_SUBDIR",

@@ -11,7 +11,6 @@ into one another; ``Job`` opens them in order and closes what it opened if a ste
 
 from __future__ import annotations
 
-from storage import CheckpointStore, InvalidNameError, validate_run
 from zephon.attempts import Attempt
 from zephon.checkpointing.damage import report_passed_over
 from zephon.collectives import Collectives
@@ -19,6 +18,7 @@ from zephon.config import MAX_STEP, CheckpointingConfig, ModelStageConfig
 from zephon.errors import ConfigError
 from zephon.locations import RunLocation, inference_run_name
 from zephon.session import RunSession, SessionParts
+from zephon.storage import CheckpointStore, InvalidNameError, validate_run
 
 __all__ = ["ALREADY_COMPLETE", "Job"]
 

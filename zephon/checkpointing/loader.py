@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from storage import CheckpointStore, CorruptCheckpointError
 from zephon import dcp as zdcp
 from zephon.attempts import register_resuming
 from zephon.checkpointing.damage import (
@@ -37,6 +36,7 @@ from zephon.checkpointing.source import load_frozen_from_source
 from zephon.errors import ConfigError, ZephonError
 from zephon.latest import LatestCheckpoint, find_latest
 from zephon.state_tree import join_state, split_state, tensor_keys
+from zephon.storage import CheckpointStore, CorruptCheckpointError
 
 __all__ = ["LoadPlan", "Loader", "Resume", "ResumePoint"]
 

@@ -24,9 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from catalog import Catalog, CatalogUnavailableError
-from storage import CheckpointStore
 from zephon.attempts import Attempt, fenced
+from zephon.catalog import Catalog, CatalogUnavailableError
 from zephon.checkpointing.background import Background
 from zephon.checkpointing.job import ALREADY_COMPLETE, Job
 from zephon.checkpointing.loader import Loader, Resume
@@ -36,6 +35,7 @@ from zephon.config import CheckpointingConfig, ModelStageConfig
 from zephon.destinations import Destination
 from zephon.locations import RunLocation
 from zephon.outage import DebtBeingPaid, guard
+from zephon.storage import CheckpointStore
 
 __all__ = ["CheckpointManager", "Resume", "ALREADY_COMPLETE"]
 

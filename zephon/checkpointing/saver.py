@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from storage import CheckpointWriter, FileEntry
 from zephon import dcp as zdcp
 from zephon.checkpointing.background import Background
 from zephon.checkpointing.files import (
@@ -33,6 +32,7 @@ from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
 from zephon.errors import ZephonError, as_zephon_error
 from zephon.saving import Save
 from zephon.state_tree import split_state, tensor_keys
+from zephon.storage import CheckpointWriter, FileEntry
 
 __all__ = ["PreparedState", "Saver"]
 

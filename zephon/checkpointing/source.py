@@ -13,17 +13,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
-from storage import (
+from zephon import dcp as zdcp
+from zephon.checkpointing.files import DCP_SUBDIR, META_FILE, decode_json
+from zephon.errors import ZephonError
+from zephon.state_tree import join_state, tensor_keys
+from zephon.storage import (
     CheckpointNotFoundError,
     CheckpointStore,
     RetryPolicy,
     parse_number,
     parse_step_dirname,
 )
-from zephon import dcp as zdcp
-from zephon.checkpointing.files import DCP_SUBDIR, META_FILE, decode_json
-from zephon.errors import ZephonError
-from zephon.state_tree import join_state, tensor_keys
 
 __all__ = [
     "INDEX_FILE",

@@ -35,9 +35,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from catalog import CatalogError
-from storage import MAX_STEP, StorageError, parse_number, validate_run
+from zephon.catalog import CatalogError
 from zephon.errors import ZephonError
+from zephon.storage import MAX_STEP, StorageError, parse_number, validate_run
 
 __all__ = ["main", "build_parser"]
 
@@ -217,7 +217,7 @@ def _add_wide(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from catalog import CheckpointState
+    from zephon.catalog import CheckpointState
     from zephon.cli import commands as c
     from zephon.cli.boundary import at_boundary
 
@@ -339,8 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import contextlib
     import io
 
-    from storage import redact
     from zephon.locations import known_secrets
+    from zephon.storage import redact
 
     argv = list(sys.argv[1:] if argv is None else argv)
     secrets = known_secrets(argv)
@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fail(message: object, code: int = EXIT_ZEPHON, secrets: frozenset[str] = frozenset()) -> int:
     """Print ``message`` as the one ``zephon: error:`` line, credentials masked (``secrets``:
     the literal values to scrub besides what ``storage.redact.redact`` recognises)."""
-    from storage import redact
+    from zephon.storage import redact
 
     text = " ".join(redact(message, secrets).split())
     sys.stderr.write(f"zephon: error: {text}\n")

@@ -16,8 +16,8 @@ import functools
 import os
 from collections.abc import Callable
 
-from storage import BackendUnavailableError, StorageOptionsRefusedError
 from zephon.locations import STORAGE_OPTIONS_ENV
+from zephon.storage import BackendUnavailableError, StorageOptionsRefusedError
 
 __all__ = ["at_boundary", "refused_options_fix"]
 

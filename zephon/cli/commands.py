@@ -14,21 +14,13 @@ from typing import Any, TypeVar
 
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-import catalog as catalog_pkg
-from catalog import (
+from zephon import catalog as catalog_pkg
+from zephon.catalog import (
     Catalog,
     CheckpointRecordNotFoundError,
     CheckpointState,
     ReplicaRecord,
     RunNotFoundError,
-)
-from storage import (
-    MARKER_NAME,
-    CheckpointNotFoundError,
-    CheckpointStore,
-    CorruptCheckpointError,
-    StorageError,
-    is_dir,
 )
 from zephon.cli import render, storage_options_object, timing
 from zephon.cli.render import Column, human_bytes, print_json, print_table, say
@@ -42,6 +34,14 @@ from zephon.locations import (
     retry_from_env,
     run_location,
     stock_dcp_url,
+)
+from zephon.storage import (
+    MARKER_NAME,
+    CheckpointNotFoundError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    StorageError,
+    is_dir,
 )
 from zephon.sync import sync_storage
 

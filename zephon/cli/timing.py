@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 
-from catalog import CheckpointRecord, ReplicaRecord
+from zephon.catalog import CheckpointRecord, ReplicaRecord
 from zephon.cli.render import human_bytes, human_rate, human_seconds
 
 __all__ = [

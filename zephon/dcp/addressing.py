@@ -8,9 +8,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from storage import CheckpointStore, mask_url, parse_step_dirname, validate_run, validate_step
 from zephon.dcp.errors import WriterSetupError
 from zephon.errors import ConfigError
+from zephon.storage import (
+    CheckpointStore,
+    mask_url,
+    parse_step_dirname,
+    validate_run,
+    validate_step,
+)
 
 __all__ = ["RunURL", "check_step", "parse_run_url", "step_of_checkpoint_id"]
 

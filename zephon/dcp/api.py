@@ -17,13 +17,13 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from storage import CheckpointStore, CheckpointWriter
 from zephon.dcp.errors import WriterSetupError
 from zephon.dcp.planner import ZephonLoadPlanner
 from zephon.dcp.reader import ZephonStorageReader
 from zephon.dcp.staging import ZephonStager
 from zephon.dcp.writer import ZephonStorageWriter
 from zephon.errors import as_zephon_error
+from zephon.storage import CheckpointStore, CheckpointWriter
 
 __all__ = ["as_zephon_error", "async_save", "attach_ranks", "load", "save"]
 

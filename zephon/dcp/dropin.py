@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from storage import CheckpointStore, CheckpointWriter, Manifest, RetryPolicy
 from zephon.attempts import Attempt, fenced
 from zephon.collectives import Collectives
 from zephon.dcp.addressing import RunURL, check_step, parse_run_url, step_of_checkpoint_id
@@ -38,6 +37,7 @@ from zephon.locations import RunLocation
 from zephon.retention import Retention, check_resume_step
 from zephon.saving import Save
 from zephon.session import CatalogArg, RunSession, resolve_catalog
+from zephon.storage import CheckpointStore, CheckpointWriter, Manifest, RetryPolicy
 
 __all__ = ["RunURL", "Writer", "parse_run_url"]
 

@@ -20,14 +20,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from catalog import Catalog
-from storage import (
-    CheckpointNotFoundError,
-    CheckpointStore,
-    Manifest,
-    RetryPolicy,
-    StorageError,
-)
+from zephon.catalog import Catalog
 from zephon.dcp.addressing import check_step, parse_run_url, step_of_checkpoint_id
 from zephon.dcp.errors import DCPError
 from zephon.dcp.reader import MAX_REQUEST_BYTES, ZephonStorageReader
@@ -36,6 +29,13 @@ from zephon.errors import ConfigError
 from zephon.latest import LatestCheckpoint, find_latest
 from zephon.locations import RunLocation
 from zephon.session import CatalogArg, resolve_catalog
+from zephon.storage import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    Manifest,
+    RetryPolicy,
+    StorageError,
+)
 
 __all__ = ["Reader", "ReaderDisagreementError"]
 

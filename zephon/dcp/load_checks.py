@@ -13,10 +13,10 @@ import math
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from storage import CheckpointReader, CorruptCheckpointError, encode_crc32c
 from zephon.dcp.metadata_codec import dtype_from_name
 from zephon.dcp.read_plan import SliceRead
 from zephon.dcp.untrusted import kind_problem
+from zephon.storage import CheckpointReader, CorruptCheckpointError, encode_crc32c
 
 __all__ = ["check_slices", "crc_mismatch_error", "read_checked_file", "short_read_error"]
 

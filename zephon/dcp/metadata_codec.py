@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from storage import CorruptCheckpointError, decode_crc32c, parse_json
 from zephon import dtypes
 from zephon.dcp.errors import MetadataEncodingError
+from zephon.storage import CorruptCheckpointError, decode_crc32c, parse_json
 
 __all__ = [
     "FORMAT",

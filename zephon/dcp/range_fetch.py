@@ -20,11 +20,11 @@ from typing import BinaryIO
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from storage import CheckpointReader, CorruptCheckpointError, crc32c_extend
 from zephon.dcp.errors import StateDictMismatchError
 from zephon.dcp.load_checks import crc_mismatch_error, short_read_error
 from zephon.dcp.read_plan import ReadGroup, SliceRead
 from zephon.dcp.untrusted import deliver_bytes
+from zephon.storage import CheckpointReader, CorruptCheckpointError, crc32c_extend
 
 __all__ = ["RangeFetcher"]
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
-from storage import decode_crc32c
 from zephon.dcp.errors import StateDictMismatchError
 from zephon.dcp.metadata_codec import ShardSlice, dtype_from_name
+from zephon.storage import decode_crc32c
 
 __all__ = ["ReadGroup", "SliceRead", "group_reads", "plan_read"]
 

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from storage import CheckpointReader, CheckpointStore, CorruptCheckpointError, Manifest
 from zephon.dcp.load_checks import check_slices, read_checked_file
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata
 from zephon.dcp.range_fetch import RangeFetcher
@@ -37,6 +36,7 @@ from zephon.dcp.read_plan import group_reads, plan_read
 from zephon.dcp.untrusted import check_read_kind
 from zephon.dcp.writer import METADATA_FILE, shard_prefix
 from zephon.errors import UsageError
+from zephon.storage import CheckpointReader, CheckpointStore, CorruptCheckpointError, Manifest
 
 __all__ = ["MAX_REQUEST_BYTES", "THREAD_COUNT", "ZephonStorageReader"]
 

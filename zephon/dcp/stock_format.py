@@ -28,9 +28,9 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from storage import CheckpointReader, crc32c_extend
 from zephon.errors import UsageError
 from zephon.locations import stock_dcp_url
+from zephon.storage import CheckpointReader, crc32c_extend
 
 __all__ = [
     "STOCK_METADATA_FILE",

@@ -44,11 +44,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from storage import InvalidNameError, validate_file_name
 from zephon.dcp.errors import StockCheckpointError
 from zephon.dcp.stock_format import raw_span
 from zephon.dcp.untrusted import UnpickleRefused, unpickle_allowed
 from zephon.dtypes import DTYPES
+from zephon.storage import InvalidNameError, validate_file_name
 
 __all__ = ["METADATA_NAME", "StockCheckpoint", "StockItem", "read_stock_metadata", "tensor_span"]
 

@@ -30,7 +30,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from storage import (
+from zephon.dcp.errors import WriterSetupError
+from zephon.dcp.metadata_codec import FORMAT_VERSION, ShardSlice, dtype_name, encode_metadata
+from zephon.dcp.stock_format import STOCK_METADATA_FILE, ShardStream, own_storage, stock_metadata
+from zephon.errors import ArgumentTypeError, UsageError
+from zephon.storage import (
     CheckpointWriter,
     FileEntry,
     Manifest,
@@ -38,10 +42,6 @@ from storage import (
     encode_crc32c,
     validate_file_name,
 )
-from zephon.dcp.errors import WriterSetupError
-from zephon.dcp.metadata_codec import FORMAT_VERSION, ShardSlice, dtype_name, encode_metadata
-from zephon.dcp.stock_format import STOCK_METADATA_FILE, ShardStream, own_storage, stock_metadata
-from zephon.errors import ArgumentTypeError, UsageError
 
 __all__ = ["METADATA_FILE", "ZephonStorageWriter", "shard_prefix"]
 

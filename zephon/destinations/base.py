@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from storage import CheckpointStore, CheckpointWriter, Lineage
+from zephon.storage import CheckpointStore, CheckpointWriter, Lineage
 
 if TYPE_CHECKING:
     from zephon.attempts import Attempt

@@ -22,13 +22,13 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from storage import CheckpointStore, FileEntry, InvalidNameError, validate_run
 from zephon.errors import ConfigError, ZephonError
 from zephon.integrations.download import FOLDER_FORMAT, VERIFIED, fetch_latest
 from zephon.locations import RunLocation
 from zephon.retention import Retention, RetentionOptions, check_resume_step
 from zephon.saving import Save
 from zephon.session import CatalogArg, RunSession, SessionParts, resolve_catalog
+from zephon.storage import CheckpointStore, FileEntry, InvalidNameError, validate_run
 
 __all__ = ["AcceleratorCheckpoints", "FolderCheckpoints", "fetch_latest"]
 

@@ -29,8 +29,14 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from catalog import Catalog
-from storage import (
+from zephon import outage
+from zephon.catalog import Catalog
+from zephon.errors import ConfigError, ZephonError
+from zephon.latest import find_latest
+from zephon.locations import RunLocation
+from zephon.reconcile import quarantine
+from zephon.session import CatalogArg, resolve_catalog
+from zephon.storage import (
     MARKER_NAME,
     CheckpointNotFoundError,
     CheckpointStore,
@@ -43,12 +49,6 @@ from storage import (
     validate_run,
     verify_checkpoint,
 )
-from zephon import outage
-from zephon.errors import ConfigError, ZephonError
-from zephon.latest import find_latest
-from zephon.locations import RunLocation
-from zephon.reconcile import quarantine
-from zephon.session import CatalogArg, resolve_catalog
 
 __all__ = [
     "FOLDER_FORMAT",

@@ -29,12 +29,12 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from storage import InvalidNameError, validate_run
 from zephon.errors import ConfigError
 from zephon.integrations.accelerate import FolderCheckpoints
 from zephon.integrations.download import Fetched, fetch_latest, record_save
 from zephon.retention import Retention, RetentionOptions, check_resume_step
 from zephon.session import CatalogArg, resolve_catalog
+from zephon.storage import InvalidNameError, validate_run
 
 __all__ = [
     "ZephonCallback",

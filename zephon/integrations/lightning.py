@@ -27,17 +27,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from catalog import Catalog
-from storage import (
-    CheckpointNotFoundError,
-    CheckpointStore,
-    CorruptCheckpointError,
-    InvalidNameError,
-    mask_url,
-    parse_number,
-    validate_run,
-)
 from zephon.attempts import Attempt
+from zephon.catalog import Catalog
 from zephon.checkpointing.files import capture_rng, decode_json, encode_json, restore_rng
 from zephon.errors import ConfigError, SaveBelowLatestError, ZephonError
 from zephon.gc import delete_requested
@@ -49,6 +40,15 @@ from zephon.retention import Retention, RetentionOptions, check_resume_step
 from zephon.saving import Save
 from zephon.session import RunSession, SessionParts, resolve_catalog
 from zephon.state_tree import join_state, split_state
+from zephon.storage import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    InvalidNameError,
+    mask_url,
+    parse_number,
+    validate_run,
+)
 
 __all__ = ["LATEST", "ZephonCheckpointIO", "ZephonRNG", "latest_ckpt_path"]
 

@@ -41,14 +41,14 @@ from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
-from catalog import Catalog
-from storage import mask_url
 from zephon import dcp as zd
+from zephon.catalog import Catalog
 from zephon.errors import ConfigError, ZephonError
 from zephon.latest import find_latest
 from zephon.locations import storage_options_from_env
 from zephon.retention import Retention
 from zephon.session import resolve_catalog
+from zephon.storage import mask_url
 
 __all__ = ["ZephonCheckpointManager", "zephon_checkpointer"]
 

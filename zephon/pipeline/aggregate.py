@@ -44,7 +44,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from storage import (
+from zephon.pipeline.errors import AggregationError, AggregationTimeoutError
+from zephon.pipeline.state import Identity, merge_parts
+from zephon.storage import (
     StorageError,
     create_settled,
     forget_cached,
@@ -58,8 +60,6 @@ from storage import (
     remove_empty_dirs,
     remove_files,
 )
-from zephon.pipeline.errors import AggregationError, AggregationTimeoutError
-from zephon.pipeline.state import Identity, merge_parts
 
 __all__ = ["Aggregator", "aggregation_key"]
 

@@ -100,7 +100,7 @@ class Dataset:
         data library uses), so ``from_path(name="web", path="s3://b/web", fmt="jsonl")`` works
         too; give each value once.
         """
-        from storage import open_location
+        from zephon.storage import open_location
 
         url = _one_of(name, "url", url, "path", path, required=True)
         format = _one_of(name, "format", format, "fmt", fmt)

@@ -12,9 +12,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from storage import DEFAULT_RETRY, RetryPolicy, parse_json
 from zephon.errors import ArgumentTypeError
 from zephon.pipeline.errors import DataSourceError
+from zephon.storage import DEFAULT_RETRY, RetryPolicy, parse_json
 
 __all__ = ["InMemoryShard", "JsonlShard", "ParquetShard", "Shard"]
 

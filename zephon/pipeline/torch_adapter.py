@@ -18,10 +18,10 @@ from typing import Any
 # importing it (``zephon.PipelineStateful``) fails here, at once, as documented.
 import torch  # noqa: F401
 
-from storage import parse_json
 from zephon.errors import ArgumentTypeError
 from zephon.pipeline.errors import PipelineStateError
 from zephon.pipeline.pipeline import Pipeline
+from zephon.storage import parse_json
 
 __all__ = ["PipelineStateful"]
 

@@ -14,9 +14,9 @@ import pytest
 import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointStore, CorruptCheckpointError
 
-from catalog import Catalog
-from storage import CheckpointStore, CorruptCheckpointError
 from tests.conftest import database_url
 from zephon import ConfigError, StaleAttemptError
 from zephon import dcp as zd

@@ -13,9 +13,9 @@ import re
 
 import pytest
 import torch
+from zephon.storage import CorruptCheckpointError
+from zephon.storage.checksum import crc32c_extend, crc32c_of
 
-from storage import CorruptCheckpointError
-from storage.checksum import crc32c_extend, crc32c_of
 from tests.s3_calls import S3Calls
 from tests.zephon.dcp.test_verify import RecordObjectGets, flip, rewrite, slices
 from zephon import dcp as zd

@@ -12,8 +12,8 @@ from concurrent.futures import Future
 import pytest
 import torch
 from torch.distributed.checkpoint import CheckpointException
+from zephon.storage import CheckpointNotFoundError, CorruptCheckpointError
 
-from storage import CheckpointNotFoundError, CorruptCheckpointError
 from tests.s3_calls import S3Calls
 from zephon import dcp as zd
 from zephon.errors import ZephonError

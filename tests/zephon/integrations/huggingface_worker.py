@@ -69,7 +69,7 @@ def main(spec: dict) -> None:
         Trainer._save_rng_state = dying
     elif spec["kill"] == "zephon_commit":
         # SIGKILL inside Zephon's save: every file uploaded, the marker not yet written.
-        from storage.writer import CheckpointWriter
+        from zephon.storage.writer import CheckpointWriter
 
         original_commit = CheckpointWriter.commit
 

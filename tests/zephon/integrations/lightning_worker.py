@@ -58,7 +58,7 @@ def main() -> None:
     a = p.parse_args()
     if a.kill_in_save_of is not None:
         # Fault injection: SIGKILL between the files and the marker of one save.
-        import storage
+        from zephon import storage
 
         real_commit = storage.CheckpointWriter.commit
 

@@ -11,8 +11,8 @@ import stat
 import tempfile
 
 import pytest
+from zephon.storage import CheckpointStore
 
-from storage import CheckpointStore
 from zephon import ConfigError
 from zephon.integrations.accelerate import FolderCheckpoints
 from zephon.integrations.download import VERIFIED, fetch_latest

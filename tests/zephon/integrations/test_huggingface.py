@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 import pytest
+from zephon.storage import CheckpointStore
 
-from storage import CheckpointStore
 from tests.conftest import database_url, make_backend
 
 pytest.importorskip("transformers")
@@ -130,7 +130,7 @@ def test_sigkill_during_a_save_resumes_exactly_even_through_stock_resume(
 
         assert [m.step for m in store.run("llama").complete()] == [16, MAX_STEPS]  # num_to_keep=2
         assert store.run("llama").lineage().current.resumed_from == 8
-        from catalog import Catalog
+        from zephon.catalog import Catalog
 
         with Catalog(catalog_url) as catalog:
             rows = {row.step: row.state for row in catalog.list_checkpoints("llama")}

@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from storage import CheckpointStore  # noqa: E402
+from zephon.storage import CheckpointStore  # noqa: E402
+
 from tests.conftest import database_url  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,7 +89,7 @@ def test_sigkill_mid_run_and_mid_save_resume_with_equal_losses_on_s3_and_postgre
             tmp, url, "s3run", *args, "--kill-in-save-of", "8", storage_options=options, killed=True
         )
         losses = run_worker(tmp, url, "s3run", *args, storage_options=options)
-        from catalog import Catalog
+        from zephon.catalog import Catalog
 
         with Catalog(catalog) as opened:
             committed = [r.step for r in opened.list_checkpoints("s3run", states="committed")]
@@ -105,7 +106,7 @@ def test_num_to_keep_and_save_top_k_reach_zephon_retention(tmp_path):
     catalog = f"sqlite:///{tmp_path / 'catalog.db'}"
     run_worker(tmp, keep_dir, "keep", "--catalog", catalog, "--keep", "2", "--epochs", "3")
     assert [m.step for m in CheckpointStore(keep_dir).run("keep").complete()] == [8, 12]
-    from catalog import Catalog
+    from zephon.catalog import Catalog
 
     with Catalog(catalog) as opened:
         rows = {r.step: r.state for r in opened.list_checkpoints("keep")}

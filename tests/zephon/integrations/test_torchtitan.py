@@ -25,7 +25,7 @@ if os.environ.get("ZEPHON_REQUIRE_TORCHTITAN") == "1":
 else:
     pytest.importorskip("torchtitan")
 
-from storage import CheckpointStore  # noqa: E402
+from zephon.storage import CheckpointStore  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -97,7 +97,7 @@ def reference(tmp_path_factory, assets) -> dict[int, float]:
 
 
 def committed_rows(catalog_url: str, run: str) -> list[int]:
-    from catalog import Catalog
+    from zephon.catalog import Catalog
 
     with Catalog(catalog_url) as opened:
         return [r.step for r in opened.list_checkpoints(run, states="committed")]
@@ -127,7 +127,7 @@ def test_keep_every_steps_keeps_the_milestones_with_the_catalog_from_the_environ
     """The retention options of every entry point (tests/zephon/test_entry_points.py) through
     the override's JSON: num_to_keep=1 with keep_every_steps=4 keeps 4 and 8 of the saves 2,
     4, 6, 8; the catalog named by $ZEPHON_CATALOG_URL holds the rows and the run's policy."""
-    from catalog import Catalog
+    from zephon.catalog import Catalog
 
     tmp, dump = str(tmp_path), str(tmp_path / "out")
     catalog = f"sqlite:///{tmp_path / 'catalog.db'}"

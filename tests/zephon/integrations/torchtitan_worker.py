@@ -101,7 +101,7 @@ def _kill_in_save() -> None:
     step = int(os.environ.get("TT_KILL_IN_SAVE_OF") or 0)
     if not step:
         return
-    import storage
+    from zephon import storage
 
     real_commit = storage.CheckpointWriter.commit
 

@@ -16,8 +16,8 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+from zephon.catalog import Catalog
 
-from catalog import Catalog
 from tests.servers import postgres_database
 from tests.zephon.multinode.nodes import Cluster, read_json, read_steps
 from zephon.demo.elastic_job import ElasticSpec

@@ -7,9 +7,9 @@ import json
 
 import fsspec
 import pytest
+from zephon.storage.errors import StorageError
 
 import zephon
-from storage.errors import StorageError
 from zephon.errors import ConfigError
 from zephon.pipeline import DataSourceError
 

@@ -15,9 +15,14 @@ import pytest
 import s3fs
 import torch
 from torch import nn
+from zephon.catalog import Catalog
+from zephon.storage import (
+    NO_RETRY,
+    BackendUnavailableError,
+    CheckpointStore,
+    CorruptCheckpointError,
+)
 
-from catalog import Catalog
-from storage import NO_RETRY, BackendUnavailableError, CheckpointStore, CorruptCheckpointError
 from tests.conftest import Backend
 from tests.faults import FaultProxy
 from zephon import StaleAttemptError

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointStore
 
 from benchmarks.latency_proxy import LatencyProxy
-from catalog import Catalog
-from storage import CheckpointStore
 from tests.conftest import Backend, database_url, make_backend
 from tests.ranks import launch, store_config
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from zephon.catalog import Catalog
+
 from benchmarks.latency_proxy import LatencyProxy
-from catalog import Catalog
 from tests.zephon.tier.test_tier import RUN, config, loads, state_at, superseded
 from zephon import StaleAttemptError
 from zephon.checkpointing import CheckpointManager

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from storage import CheckpointWriter, Lineage
 from zephon.collectives import Collectives
 from zephon.destinations.base import Destination
 from zephon.destinations.local.config import TierConfig
@@ -16,6 +15,7 @@ from zephon.destinations.local.tier import LocalTier
 from zephon.destinations.local.tracking import LOCAL, Tracker
 from zephon.destinations.local.uploader import Uploader, UploadJob
 from zephon.saving import Save
+from zephon.storage import CheckpointWriter, Lineage
 
 if TYPE_CHECKING:
     from zephon.attempts import Attempt

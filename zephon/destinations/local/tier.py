@@ -17,7 +17,12 @@ import os
 import socket
 from collections.abc import Iterable
 
-from storage import (
+from zephon.attempts import Attempt
+from zephon.collectives import Collectives
+from zephon.destinations.local.tracking import LOCAL, Tracker
+from zephon.locations import RunLocation
+from zephon.saving import Save
+from zephon.storage import (
     CheckpointNotFoundError,
     CheckpointStore,
     CheckpointWriter,
@@ -27,11 +32,6 @@ from storage import (
     Manifest,
     StorageError,
 )
-from zephon.attempts import Attempt
-from zephon.collectives import Collectives
-from zephon.destinations.local.tracking import LOCAL, Tracker
-from zephon.locations import RunLocation
-from zephon.saving import Save
 
 __all__ = ["LocalTier"]
 

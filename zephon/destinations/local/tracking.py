@@ -14,8 +14,8 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from catalog import Catalog, InvalidTransitionError
-from storage import Manifest, redact
+from zephon.catalog import Catalog, InvalidTransitionError
+from zephon.storage import Manifest, redact
 
 __all__ = ["LOCAL", "SAVE_DIR", "Tracker"]
 

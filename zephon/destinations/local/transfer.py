@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from storage import CheckpointWriter, CorruptCheckpointError, FileEntry
+from zephon.storage import CheckpointWriter, CorruptCheckpointError, FileEntry
 
 __all__ = ["UPLOAD_THREADS", "copy_verified"]
 

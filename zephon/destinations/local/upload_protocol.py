@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage import CorruptCheckpointError, FileEntry, Manifest, new_save_id, redact
 from zephon.attempts import Attempt
 from zephon.destinations.local.exchange import Exchange
 from zephon.destinations.local.tier import LocalTier
@@ -24,6 +23,7 @@ from zephon.destinations.local.transfer import copy_verified
 from zephon.errors import StaleAttemptError, ZephonError, as_zephon_error
 from zephon.locations import RunLocation
 from zephon.saving import Save
+from zephon.storage import CorruptCheckpointError, FileEntry, Manifest, new_save_id, redact
 
 __all__ = ["UploadError", "UploadJob", "UploadProtocol", "failure_reason", "first_line"]
 
