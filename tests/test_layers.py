@@ -1,6 +1,9 @@
 """The layers stay honest, read from the source: storage knows nothing of the catalog or torch,
 the catalog nothing of fsspec or storage, and zephon uses only their public APIs (the names of
-``storage/__init__.py`` and ``catalog/__init__.py``, never a module inside them)."""
+``storage/__init__.py`` and ``catalog/__init__.py``, never a module inside them).
+
+The layers' folders install as ``zephon.storage``, ``zephon.catalog`` and ``zephon.migrations``
+(pyproject's package-dir): ``layer_of`` names the layer an imported module belongs to."""
 
 from __future__ import annotations
 
@@ -12,15 +15,40 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: layer -> top-level packages its modules may not import
+#: the layers installed under zephon's namespace: module prefix -> layer (its folder)
+NAMESPACED = {
+    "zephon.storage": "storage",
+    "zephon.catalog": "catalog",
+    "zephon.migrations": "migrations",
+}
+
+#: layer -> layers and top-level packages its modules may not import
 FORBIDDEN = {
-    "storage": {"catalog", "zephon", "torch", "sqlalchemy", "alembic"},
+    "storage": {"catalog", "migrations", "zephon", "torch", "sqlalchemy", "alembic"},
     "catalog": {"storage", "zephon", "torch", "fsspec"},
 }
 
 
+def layer_of(module: str) -> str:
+    """The layer (or top-level package) of an imported module: ``zephon.storage.layout`` ->
+    ``storage``, ``zephon.dcp`` -> ``zephon``, ``fsspec.spec`` -> ``fsspec``."""
+    for prefix, layer in NAMESPACED.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    return module.split(".")[0]
+
+
+def test_layer_of_tells_a_namespaced_layer_from_zephon_itself():
+    assert layer_of("zephon.storage.layout") == "storage"
+    assert layer_of("zephon.catalog") == "catalog"
+    assert layer_of("zephon.storagex") == "zephon"
+    assert layer_of("zephon") == "zephon"
+    assert layer_of("storage") == "storage"
+
+
 def imports_of(path: str) -> list[tuple[int, str]]:
-    """Every module a file imports, with its line (``from a.b import c`` gives ``a.b``)."""
+    """Every module a file imports, with its line (``from a.b import c`` gives ``a.b``, and
+    ``from zephon import storage`` the layer ``zephon.storage``)."""
     with open(path) as handle:
         tree = ast.parse(handle.read(), path)
     found = []
@@ -28,7 +56,11 @@ def imports_of(path: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module))
+            layers = [f"zephon.{a.name}" for a in node.names if f"zephon.{a.name}" in NAMESPACED]
+            if node.module == "zephon" and layers:  # from zephon import catalog: that layer
+                found += [(node.lineno, layer) for layer in layers]
+            else:
+                found.append((node.lineno, node.module))
     return found
 
 
@@ -42,7 +74,7 @@ def test_a_lower_layer_imports_nothing_above_it(layer):
         f"{os.path.relpath(path, REPO)}:{line} imports {module}"
         for path in sources(layer)
         for line, module in imports_of(path)
-        if module.split(".")[0] in FORBIDDEN[layer]
+        if layer_of(module) in FORBIDDEN[layer]
     ]
     assert not wrong, "\n".join(wrong)
 
@@ -50,18 +82,25 @@ def test_a_lower_layer_imports_nothing_above_it(layer):
 def test_zephon_uses_only_the_public_api_of_storage_and_catalog():
     wrong = [
         f"{os.path.relpath(path, REPO)}:{line} imports {module}: import the name from "
-        f"{module.split('.')[0]} itself (export it there if it is not)"
+        f"zephon.{layer_of(module)} itself (export it there if it is not)"
         for path in sources("zephon")
         for line, module in imports_of(path)
-        if module.split(".")[0] in {"storage", "catalog"} and "." in module
+        if layer_of(module) in {"storage", "catalog"}
+        and module not in {"zephon.storage", "zephon.catalog"}
     ]
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_check_sees_a_layer_imported_from_zephon(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from zephon import catalog as c, storage\nfrom zephon import dcp\n")
+    assert imports_of(str(module)) == [(1, "zephon.catalog"), (1, "zephon.storage"), (2, "zephon")]
+
+
 def test_the_check_sees_a_submodule_import(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("import os\nfrom storage.layout import validate_run\n")
-    assert imports_of(str(module)) == [(1, "os"), (2, "storage.layout")]
+    module.write_text("import os\nfrom zephon.storage.layout import validate_run\n")
+    assert imports_of(str(module)) == [(1, "os"), (2, "zephon.storage.layout")]
 
 
 #: zephon's packages below others: package (or module) -> zephon packages it may not import
@@ -94,22 +133,22 @@ def test_destinations_and_dcp_import_nothing_of_the_packages_above_them(below):
 #: the run store composes the satellites, and nothing below imports back up (the package's
 #: ``__init__`` re-exports both)
 STORAGE_ABOVE = {
-    "storage.store": {"storage/__init__.py"},
-    "storage.run_store": {"storage/__init__.py", "storage/store.py"},
+    "zephon.storage.store": {"storage/__init__.py"},
+    "zephon.storage.run_store": {"storage/__init__.py", "storage/store.py"},
 }
 
 
 def test_storages_store_and_run_store_are_imported_only_from_above():
     """No circle among ``storage.store``, ``storage.run_store`` and the modules they compose
     (writer, reader, markers, existing, leftovers...): every import counts, also one made only
-    under ``TYPE_CHECKING`` or inside a function, and ``from storage import ...`` (the package,
-    which imports both) is refused inside storage."""
+    under ``TYPE_CHECKING`` or inside a function, and ``from zephon.storage import ...`` (the
+    package, which imports both) is refused inside storage."""
     wrong = []
     for path in sources("storage"):
         where = os.path.relpath(path, REPO).replace(os.sep, "/")
         for line, module in imports_of(path):
             allowed = STORAGE_ABOVE.get(module)
-            if (allowed is not None and where not in allowed) or module == "storage":
+            if (allowed is not None and where not in allowed) or module == "zephon.storage":
                 wrong.append(f"{where}:{line} imports {module}")
     assert not wrong, "\n".join(wrong)
 
@@ -117,9 +156,10 @@ def test_storages_store_and_run_store_are_imported_only_from_above():
 def test_the_storage_check_sees_an_import_made_for_type_checking_only(tmp_path):
     module = tmp_path / "m.py"
     module.write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from storage.store import X\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from zephon.storage.store import X\n"
     )
-    assert (3, "storage.store") in imports_of(str(module))
+    assert (3, "zephon.storage.store") in imports_of(str(module))
 
 
 #: the libraries of the storage backends: only storage/backends/ calls them

@@ -1,11 +1,16 @@
 """Zephon: exact, cheap resumption for ML training jobs.
 
-Names are resolved lazily so that ``import zephon`` (and the ``zephon`` command's catalog and gc
-subcommands) work without torch and stay fast; torch is imported only where tensors are handled.
+Every name is resolved lazily, so that ``import zephon`` (and the ``zephon`` command's catalog
+and gc subcommands) work without torch and stay fast, and so that importing one layer
+(``zephon.storage``, ``zephon.catalog``) loads nothing of the others: torch is imported only where
+tensors are handled, SQLAlchemy only where the catalog is used.
 
-The errors are imported eagerly: the three roots (``ZephonError``, ``StorageError``,
-``CatalogError``) cover everything Zephon raises on purpose, and ``CheckpointNotFoundError``
-(a ``StorageError``) is the one error for "there is no such checkpoint", wherever it is asked.
+The layers install under this package (``zephon.storage``, ``zephon.catalog``,
+``zephon.migrations``), so a user's own ``storage.py`` or ``catalog/`` never shadows them.
+
+The errors: the three roots (``ZephonError``, ``StorageError``, ``CatalogError``) cover
+everything Zephon raises on purpose, and ``CheckpointNotFoundError`` (a ``StorageError``)
+is the one error for "there is no such checkpoint", wherever it is asked.
 """
 
 from __future__ import annotations
@@ -13,23 +18,27 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from zephon.catalog import CatalogError
-from zephon.errors import (
-    ArgumentTypeError,
-    CatalogOutageError,
-    ConfigError,
-    NotCommittedError,
-    SaveBelowLatestError,
-    StaleAttemptError,
-    UsageError,
-    ZephonError,
-)
-from zephon.storage import CheckpointNotFoundError, StorageError
-
 __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
+    # errors
+    "CatalogError": "zephon.catalog",
+    "CheckpointNotFoundError": "zephon.storage",
+    "StorageError": "zephon.storage",
+    **{
+        name: "zephon.errors"
+        for name in (
+            "ArgumentTypeError",
+            "CatalogOutageError",
+            "ConfigError",
+            "NotCommittedError",
+            "SaveBelowLatestError",
+            "StaleAttemptError",
+            "UsageError",
+            "ZephonError",
+        )
+    },
     # checkpointing (imports torch when first used)
     "CheckpointManager": "zephon.checkpointing",
     "Resume": "zephon.checkpointing",
@@ -53,21 +62,7 @@ _LAZY = {
     "AggregationTimeoutError": "zephon.pipeline",
 }
 
-__all__ = [
-    "ArgumentTypeError",
-    "CatalogError",
-    "CatalogOutageError",
-    "CheckpointNotFoundError",
-    "ConfigError",
-    "NotCommittedError",
-    "SaveBelowLatestError",
-    "StaleAttemptError",
-    "StorageError",
-    "UsageError",
-    "ZephonError",
-    "__version__",
-    *_LAZY,
-]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -77,12 +77,13 @@ def run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 240):
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_python(doc: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    """Run the block as printed in a fresh interpreter; its shown output must match exactly."""
+def run_python(doc: Block, request: pytest.FixtureRequest, tmp_path: Path, **env: str) -> None:
+    """Run the block as printed in a fresh interpreter (``env`` added to a reader's shell's);
+    its shown output must match exactly."""
     prepare(tmp_path)
     script = tmp_path / "example.py"
     script.write_text(doc.code)
-    env = clean_env(**s3_env(doc, request), **azure_env(doc, request))
+    env = clean_env(**s3_env(doc, request), **azure_env(doc, request), **env)
     done = run([sys.executable, str(script)], tmp_path, env)
     assert done.returncode == 0, f"{doc.id} failed:\n{done.stderr[-3000:]}"
     shown = output_of(doc)
@@ -452,6 +453,15 @@ def _catalog_check(doc: Block, request, tmp_path) -> None:
     check(doc, request, tmp_path)
 
 
+def check_postgres_catalog(doc: Block, request, tmp_path) -> None:
+    """Run as printed with ``ZEPHON_CATALOG_URL`` naming a new database on the PostgreSQL
+    server the tests use (tests/servers.py)."""
+    from tests.servers import postgres_database
+
+    with postgres_database(request.getfixturevalue("postgres_url")) as url:
+        run_python(doc, request, tmp_path, ZEPHON_CATALOG_URL=url)
+
+
 def _readme_check(doc: Block, request, tmp_path) -> None:
     from tests.zephon.doc_readme import check
 
@@ -482,23 +492,24 @@ CHECKS: dict[tuple[str, int], tuple[str, Checker]] = {
         "python benchmarks/save_restore.py [--mib 1024]",
         check_usage,
     ),
-    ("docs/catalog.md", 3): ("SELECT step, path FROM checkpoints", _catalog_check),
-    ("docs/catalog.md", 4): (
+    ("docs/catalog.md", 3): ("import os", check_postgres_catalog),
+    ("docs/catalog.md", 5): ("SELECT step, path FROM checkpoints", _catalog_check),
+    ("docs/catalog.md", 6): (
         "invalid num_to_keep 1000000000000000000000000000000: expected an integer from 1 to"
         " 2147483647, or None",
         _catalog_check,
     ),
-    ("docs/catalog.md", 7): (
+    ("docs/catalog.md", 9): (
         "DELETE FROM events WHERE id IN (SELECT id FROM events WHERE at < :cutoff ORDER BY at"
         " LIMIT :n)",
         _catalog_check,
     ),
-    ("docs/catalog.md", 9): (
+    ("docs/catalog.md", 11): (
         "invalid timings phase 'write': expected one of stall_s, stage_s, write_s, commit_s,"
         " total_s, local_s, upload_s",
         _catalog_check,
     ),
-    ("docs/catalog.md", 15): (
+    ("docs/catalog.md", 17): (
         "run 'r1' in catalog sqlite:///...: attempt epoch 3 is no longer current: attempt epoch 5"
         " (host h1,",
         _catalog_check,
@@ -509,7 +520,7 @@ CHECKS: dict[tuple[str, int], tuple[str, Checker]] = {
         check_multinode_launch,
     ),
     ("docs/README.md", 3): ("python3 -m venv .venv && . .venv/bin/activate", check_install_only),
-    ("docs/pipeline.md", 11): ("{", check_pipeline_state),
+    ("docs/pipeline.md", 13): ("{", check_pipeline_state),
     ("docs/dcp.md", 10): ("{", check_dcp_metadata),
     ("docs/dcp.md", 14): (
         "zephon adopt outputs/checkpoint s3://bucket/ckpt/llama-run --catalog sqlite:///catalog.db",
