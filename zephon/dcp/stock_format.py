@@ -23,6 +23,7 @@ import re
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -193,6 +194,27 @@ class Blob:
     raw_crc32c: int
 
 
+def _storage_alignment() -> int:
+    """The alignment ``torch.save`` gives storage records (64 unless configured)."""
+    aligned = getattr(torch.serialization, "_get_storage_alignment", None)
+    return aligned() if aligned is not None else 64
+
+
+def _save_without_crc32(tensor: torch.Tensor, out: Any, alignment: int) -> None:
+    """``torch.save(tensor, out)`` with ``compute_crc32=False`` for this blob only (the public
+    switch, ``torch.utils.serialization.config``, is process-wide, so it would change other
+    threads' saves too). Both calls are torch internals (checked with torch 2.13): a torch
+    without them gets the public ``torch.save``, which only adds a pass for the zip's CRC32."""
+    try:
+        archive = torch._C.PyTorchFileWriter(out, False, alignment)
+        save = torch.serialization._save
+    except (AttributeError, TypeError):
+        torch.save(tensor, out)
+        return
+    save(tensor, archive, pickle, 2, False)
+    archive.write_end_of_file()
+
+
 class ShardStream:
     """One shard file's items, written in order through ``emit(view) -> CRC32C of view``
     (which must write the view before it returns: it is not valid afterwards).
@@ -232,19 +254,14 @@ class ShardStream:
         The zip's own CRC32 is not computed (``torch.load`` does not check it, and it would cost
         a pass over every byte at about 1.5 GB/s); Zephon's CRC32C covers the bytes instead.
         """
-        alignment = torch.serialization._get_storage_alignment()
+        alignment = _storage_alignment()
         nbytes = tensor.numel() * tensor.element_size()
         key = (tensor.dtype, tuple(tensor.shape), alignment)
         template = _TEMPLATES.get(key) if nbytes < _DIRECT_BYTES else None
         if template is not None:
             return self._from_template(tensor, *template)
         self._blob_start, self._runs, self._direct = self.position, [], []
-        # torch.save(tensor, self) with compute_crc32=False for this blob only: the public
-        # switch is process-wide (torch.utils.serialization.config), so it would change other
-        # threads' saves too
-        archive = torch._C.PyTorchFileWriter(self, False, alignment)
-        torch.serialization._save(tensor, archive, pickle, 2, False)
-        archive.write_end_of_file()
+        _save_without_crc32(tensor, self, alignment)
         length = self.position - self._blob_start
         offset, raw_length = locate_storage(self._read, length)
         if raw_length != tensor.numel() * tensor.element_size():

@@ -9,6 +9,7 @@ import copy
 import io
 import json
 import pickle
+import types
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from tests.zephon.dcp.test_single_process import awkward_state, flat
 from zephon import dcp as zd
+from zephon.dcp import stock_format
 from zephon.dcp.stock_format import STOCK_METADATA_FILE, ShardStream, raw_span
 from zephon.locations import stock_dcp_url
 
@@ -213,3 +215,21 @@ def test_a_shard_stream_of_small_tensors_of_one_shape_gives_loadable_blobs():
         assert raw_span(one) == (blob.raw_offset, blob.raw_length)
         loaded = torch.load(io.BytesIO(one), weights_only=True)
         assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor)
+
+
+def test_a_torch_without_the_internal_writer_gets_blobs_through_the_public_torch_save(
+    monkeypatch,
+):
+    # the fast path calls torch internals (checked with this torch); a release without them
+    # writes blobs through the public torch.save, which load and whose raw bytes are found
+    without_internals = types.SimpleNamespace(
+        _C=types.SimpleNamespace(), serialization=types.SimpleNamespace(), save=torch.save
+    )
+    monkeypatch.setattr(stock_format, "torch", without_internals)
+    tensor = torch.randn(3, 4)
+    out = io.BytesIO()
+    stock_format._save_without_crc32(tensor, out, 64)
+    blob = out.getvalue()
+    offset, length = raw_span(blob)
+    assert blob[offset : offset + length] == tensor.numpy().tobytes()
+    assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), tensor)
