@@ -45,7 +45,7 @@ from zephon.dcp.addressing import check_step, parse_run_url
 from zephon.dcp.errors import StockCheckpointError
 from zephon.dcp.metadata_codec import ShardSlice, decode_metadata, dtype_name, encode_metadata
 from zephon.dcp.stock_format import STOCK_METADATA_FILE, stock_metadata
-from zephon.dcp.stock_loader import METADATA_NAME, StockItem, read_stock_metadata, tensor_span
+from zephon.dcp.stock_loader import StockItem, read_stock_metadata, tensor_span
 from zephon.dcp.writer import METADATA_FILE
 from zephon.errors import ConfigError, SaveBelowLatestError
 from zephon.locations import RunLocation
@@ -204,7 +204,7 @@ def _stock_checkpoints(src: Location, step: int | None) -> list[tuple[int, str, 
     for entry in list_files(src, root):
         if entry.path.startswith(f"{root}/"):
             listed[entry.path[len(root) + 1 :]] = entry.size
-    if METADATA_NAME in listed:
+    if STOCK_METADATA_FILE in listed:
         if step is None:
             raise ConfigError(
                 f"{src.url} is one stock checkpoint: give the step to adopt it as (--step N)"
@@ -218,11 +218,11 @@ def _stock_checkpoints(src: Location, step: int | None) -> list[tuple[int, str, 
         if number is not None and rest and "/" not in rest:
             steps.setdefault(number, {})[rest] = size
     found = sorted((n, f"{root}/{_STEP_DIR}{n}", files) for n, files in steps.items())
-    found = [(n, d, files) for n, d, files in found if METADATA_NAME in files]
+    found = [(n, d, files) for n, d, files in found if STOCK_METADATA_FILE in files]
     if not found:
         raise StockCheckpointError(
-            f"{src.url} holds no {METADATA_NAME} and no {_STEP_DIR}<N> directory with one: it "
-            "is not a stock DCP checkpoint; give the directory torch's FileSystemWriter wrote, "
+            f"{src.url} holds no {STOCK_METADATA_FILE} and no {_STEP_DIR}<N> directory with "
+            "one: it is not a stock DCP checkpoint; give the directory torch's FileSystemWriter wrote, "
             f"or a directory of {_STEP_DIR}<N> ones",
             path=src.url,
         )
@@ -255,7 +255,7 @@ def _adopt_step(
     """Adopt one stock checkpoint as ``step`` through the save path (module docstring)."""
     where = src.display(directory)
     stock = read_stock_metadata(
-        read_file(src, f"{directory}/{METADATA_NAME}"), where=f"{where}/{METADATA_NAME}"
+        read_file(src, f"{directory}/{STOCK_METADATA_FILE}"), where=f"{where}/{STOCK_METADATA_FILE}"
     )
     by_file = stock.by_file()
     for name, items in by_file.items():
@@ -348,7 +348,7 @@ def _check_extent(name: str, items: list[StockItem], files: dict[str, int], wher
     items reach (a truncated copy), or items that overlap."""
     if name not in files:
         raise StockCheckpointError(
-            f"{where}/{name} is missing, but {METADATA_NAME} places items in it: adopt a "
+            f"{where}/{name} is missing, but {STOCK_METADATA_FILE} places items in it: adopt a "
             "complete copy of the checkpoint",
             path=f"{where}/{name}",
         )
@@ -356,9 +356,9 @@ def _check_extent(name: str, items: list[StockItem], files: dict[str, int], wher
     for item in items:
         if item.offset < end:
             raise StockCheckpointError(
-                f"{where}/{METADATA_NAME}: item {item.index.fqn!r} overlaps the item before it "
-                f"in {name}: the metadata is damaged; adopt an intact copy",
-                path=f"{where}/{METADATA_NAME}",
+                f"{where}/{STOCK_METADATA_FILE}: item {item.index.fqn!r} overlaps the item "
+                f"before it in {name}: the metadata is damaged; adopt an intact copy",
+                path=f"{where}/{STOCK_METADATA_FILE}",
             )
         end = item.offset + item.length
     if end > files[name]:

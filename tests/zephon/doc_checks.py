@@ -522,7 +522,7 @@ CHECKS: dict[tuple[str, int], tuple[str, Checker]] = {
     ("docs/README.md", 3): ("python3 -m venv .venv && . .venv/bin/activate", check_install_only),
     ("docs/pipeline.md", 13): ("{", check_pipeline_state),
     ("docs/dcp.md", 10): ("{", check_dcp_metadata),
-    ("docs/dcp.md", 14): (
+    ("docs/dcp.md", 16): (
         "zephon adopt outputs/checkpoint s3://bucket/ckpt/llama-run --catalog sqlite:///catalog.db",
         check_adopt_commands,
     ),

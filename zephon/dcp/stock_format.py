@@ -17,6 +17,7 @@ reader opens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pickle
 import re
@@ -211,7 +212,15 @@ def _save_without_crc32(tensor: torch.Tensor, out: Any, alignment: int) -> None:
     except (AttributeError, TypeError):
         torch.save(tensor, out)
         return
-    save(tensor, archive, pickle, 2, False)
+    try:
+        save(tensor, archive, pickle, 2, False)
+    except BaseException:
+        # finish the archive now, whatever it raises: an archive left unfinished is finished by
+        # its C++ destructor at garbage collection, and a write failing there (the storage
+        # that failed this save) ends the whole process (std::terminate, "Aborted")
+        with contextlib.suppress(Exception):
+            archive.write_end_of_file()
+        raise
     archive.write_end_of_file()
 
 

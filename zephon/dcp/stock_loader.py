@@ -50,10 +50,7 @@ from zephon.dcp.untrusted import UnpickleRefused, unpickle_allowed
 from zephon.dtypes import DTYPES
 from zephon.storage import InvalidNameError, validate_file_name
 
-__all__ = ["METADATA_NAME", "StockCheckpoint", "StockItem", "read_stock_metadata", "tensor_span"]
-
-#: the pickled metadata file of a stock checkpoint
-METADATA_NAME = ".metadata"
+__all__ = ["StockCheckpoint", "StockItem", "read_stock_metadata", "tensor_span"]
 
 _FIX = "adopt only checkpoints written by torch.distributed.checkpoint's FileSystemWriter"
 _LAYOUTS = {str(torch.strided): torch.strided, str(torch.sparse_coo): torch.sparse_coo}

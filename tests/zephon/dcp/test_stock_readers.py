@@ -9,6 +9,8 @@ import copy
 import io
 import json
 import pickle
+import subprocess
+import sys
 import types
 
 import pytest
@@ -233,3 +235,32 @@ def test_a_torch_without_the_internal_writer_gets_blobs_through_the_public_torch
     offset, length = raw_span(blob)
     assert blob[offset : offset + length] == tensor.numpy().tobytes()
     assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), tensor)
+
+
+FAILING_STORAGE = """
+import gc
+import torch
+from zephon.dcp.stock_format import ShardStream
+
+def emit(view):
+    raise OSError("storage went away")
+
+stream = ShardStream(emit)
+try:
+    stream.add_tensor(torch.randn(100_000))
+except OSError as exc:
+    print("raised", exc)
+del stream
+gc.collect()
+print("alive")
+"""
+
+
+def test_a_write_failing_inside_a_blob_raises_and_later_garbage_collection_does_not_abort():
+    # torch's zip writer finishes an unfinished archive in its C++ destructor; a write failing
+    # there ends the process ("Aborted"): the stream must finish the archive when a save fails
+    done = subprocess.run(
+        [sys.executable, "-c", FAILING_STORAGE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["raised storage went away", "alive"]
