@@ -222,8 +222,8 @@ def _stock_checkpoints(src: Location, step: int | None) -> list[tuple[int, str, 
     if not found:
         raise StockCheckpointError(
             f"{src.url} holds no {STOCK_METADATA_FILE} and no {_STEP_DIR}<N> directory with "
-            "one: it is not a stock DCP checkpoint; give the directory torch's FileSystemWriter wrote, "
-            f"or a directory of {_STEP_DIR}<N> ones",
+            "one: it is not a stock DCP checkpoint; give the directory torch's FileSystemWriter "
+            f"wrote, or a directory of {_STEP_DIR}<N> ones",
             path=src.url,
         )
     if step is not None:
