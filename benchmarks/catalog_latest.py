@@ -344,9 +344,9 @@ def section_storage_scan(args: argparse.Namespace, results: list[Row]) -> list[R
 def section_gc_requests(args: argparse.Namespace, results: list[Row]) -> list[Row]:
     """Storage requests ``zephon gc`` makes to delete 100 checkpoints of 100 files each."""
     from _common import count_s3_requests, servers
-    from zephon.storage import CheckpointStore
 
     from zephon.gc import collect_garbage
+    from zephon.storage import CheckpointStore
 
     count, files = args.gc_checkpoints, args.gc_files
     with servers.s3_server() as server, sqlite_database() as url:

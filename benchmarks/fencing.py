@@ -25,12 +25,12 @@ import tempfile
 import uuid
 
 from _common import count_s3_requests, servers, table, timed
-from zephon.catalog import Catalog  # noqa: E402 - _common puts the repo on sys.path
-from zephon.storage import CheckpointStore
 
 from zephon.attempts import register
+from zephon.catalog import Catalog  # noqa: E402 - _common puts the repo on sys.path
 from zephon.locations import RunLocation
 from zephon.saving import Save, manifest_facts
+from zephon.storage import CheckpointStore
 
 FILES = 8
 

@@ -72,9 +72,9 @@ def build_model(mib: float, tensors: int, world: int):
 def worker(rank: int, world: int, port: int, config: dict) -> None:
     import torch
     import torch.distributed as dist
-    from zephon.catalog import Catalog
 
     from zephon import CheckpointingConfig, CheckpointManager
+    from zephon.catalog import Catalog
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)

@@ -165,12 +165,12 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from zephon.catalog import Catalog
-    from zephon.storage import CheckpointStore
 
     from zephon import dcp as zd
+    from zephon.catalog import Catalog
     from zephon.latest import find_latest
     from zephon.locations import RunLocation
+    from zephon.storage import CheckpointStore
 
     join_group(rank, world, port, timeout=600)
     delays = config["delays_ms"]

@@ -122,9 +122,9 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from zephon.storage import CheckpointStore
 
     from zephon import dcp as zd
+    from zephon.storage import CheckpointStore
 
     join_group(rank, world, port, timeout=1800)
     ckpt_group = dist.new_group(backend="gloo")

@@ -88,10 +88,10 @@ def _tensors(state) -> list:
 def worker(rank: int, world: int, port: int, config: dict) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from zephon.storage import CheckpointStore
-    from zephon.storage.checksum import crc32c_extend
 
     from zephon import dcp as zd
+    from zephon.storage import CheckpointStore
+    from zephon.storage.checksum import crc32c_extend
 
     join_group(rank, world, port, timeout=1800)
     ckpt_group = dist.new_group(backend="gloo")

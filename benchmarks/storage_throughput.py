@@ -22,6 +22,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from _common import count_s3_requests, interleaved, servers, table, timed
+
 from zephon.storage import CheckpointStore  # noqa: E402 - _common puts the repo on sys.path
 
 FILES = 32

@@ -33,6 +33,7 @@ from typing import Any
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
+
 from zephon.catalog import guarded
 from zephon.catalog.errors import FencedOutError, InvalidValueError
 from zephon.catalog.models import Attempt, Checkpoint, CheckpointState, Run

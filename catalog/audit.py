@@ -20,6 +20,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Delete, any_, delete, func, insert, select
 from sqlalchemy.orm import Session
+
 from zephon.catalog.models import Event
 
 

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Self
 
 from sqlalchemy.engine import URL
+
 from zephon.catalog import schema, validate
 from zephon.catalog.engine import Database
 from zephon.catalog.retention import DEFAULT_GRACE

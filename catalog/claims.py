@@ -38,6 +38,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import ColumnElement, and_, or_, select
 from sqlalchemy.orm import Session
+
 from zephon.catalog import attempts, guarded, queries, replicas
 from zephon.catalog.models import Checkpoint, CheckpointState, Run
 from zephon.catalog.retention import DEFAULT_GRACE, RetentionPlan, plan_retention

@@ -29,6 +29,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Index, bindparam, text
 from sqlalchemy.schema import CreateIndex
+
 from zephon.catalog.models import CATALOG_TABLES, Base
 
 VERSION_TABLE = "alembic_version"

@@ -35,6 +35,7 @@ from sqlalchemy.exc import (
     OperationalError,
 )
 from sqlalchemy.orm import Session, sessionmaker
+
 from zephon.catalog.errors import CatalogDatabaseError, CatalogUnavailableError, InvalidValueError
 
 SQLITE_BUSY_TIMEOUT_S = 30

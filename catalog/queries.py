@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sqlalchemy import Select, select
+
 from zephon.catalog.models import Checkpoint, CheckpointState, Run
 
 

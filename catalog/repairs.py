@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, and_, or_
 from sqlalchemy.orm import Session
+
 from zephon.catalog import attempts, guarded, replicas
 from zephon.catalog.models import Checkpoint, CheckpointState, Run
 from zephon.catalog.transitions import insert, load

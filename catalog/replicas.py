@@ -34,6 +34,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, cast, func, literal, select, type_coerce
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
+
 from zephon.catalog import guarded
 from zephon.catalog.errors import (
     CheckpointRecordNotFoundError,

@@ -23,6 +23,7 @@ from typing import Any, Final, Literal
 
 from sqlalchemy import Select, and_, func, select
 from sqlalchemy.orm import Session, aliased
+
 from zephon.catalog import guarded
 from zephon.catalog.errors import RunConflictError, RunExistsError, RunNotFoundError
 from zephon.catalog.models import Checkpoint, CheckpointState, Run

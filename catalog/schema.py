@@ -45,6 +45,8 @@ from alembic.script import ScriptDirectory
 from alembic.script.revision import ResolutionError
 from alembic.util import CommandError
 from sqlalchemy import Connection, create_engine, text
+
+from zephon import migrations
 from zephon.catalog import drift
 from zephon.catalog.audit import record_event
 from zephon.catalog.drift import Fingerprint
@@ -56,8 +58,6 @@ from zephon.catalog.errors import (
     SchemaOutdatedError,
     SchemaUnversionedError,
 )
-
-from zephon import migrations
 
 # Any constant works, as long as every Zephon version uses the same one: it is the key of the
 # PostgreSQL advisory lock that serialises schema creation and upgrades in one database.

@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
+
 from zephon.catalog import runs, validate
 from zephon.catalog.audit import default_actor, record_event
 from zephon.catalog.engine import Database

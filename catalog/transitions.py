@@ -24,6 +24,7 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+
 from zephon.catalog import guarded
 from zephon.catalog.errors import (
     CheckpointExistsError,

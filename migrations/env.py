@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from alembic import context
 from sqlalchemy.engine import Connection
+
 from zephon.catalog.models import Base
 
 config = context.config

@@ -24,6 +24,7 @@ import glob
 import os
 
 import google_crc32c
+
 from zephon.storage.errors import InvalidArgumentError
 
 __all__ = [

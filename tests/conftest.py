@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
-from zephon.storage.backends import BACKEND_CLASSES, backend_for
-from zephon.storage.backends import Backend as StorageBackend
 
 from tests import servers
 from tests.mounts import Mounts, MountUnavailable
+from zephon.storage.backends import BACKEND_CLASSES, backend_for
+from zephon.storage.backends import Backend as StorageBackend
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 

@@ -7,6 +7,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
+
 from zephon.catalog import audit, validate
 from zephon.catalog.models import Event
 from zephon.catalog.records import EventRecord

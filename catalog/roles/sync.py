@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
+
 from zephon.catalog import repairs, validate
 from zephon.catalog.models import Checkpoint, Run
 from zephon.catalog.records import CheckpointRecord

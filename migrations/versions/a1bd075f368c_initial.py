@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
+
 from zephon.migrations.columns import JSON_DOCUMENT, TIMESTAMP
 
 revision: str = "a1bd075f368c"

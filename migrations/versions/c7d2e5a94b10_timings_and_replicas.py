@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
+
 from zephon.migrations.columns import JSON_DOCUMENT, TIMESTAMP
 
 revision: str = "c7d2e5a94b10"

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
+
 from zephon.migrations.columns import TIMESTAMP
 
 revision: str = "fbbf4a6c29ae"

@@ -22,6 +22,7 @@ from typing import IO, Any, ClassVar, TypeVar
 
 from fsspec.asyn import sync
 from fsspec.spec import AbstractFileSystem
+
 from zephon.storage.backends.base import ListedFile, mtime_of
 from zephon.storage.backends.object_store import DEFAULT_POOL_CONNECTIONS, ObjectStoreBackend
 from zephon.storage.redact import mask_url

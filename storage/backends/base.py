@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+
 from zephon.storage.backends.handles import (
     OPEN_READ_BLOCK,
     RangedReader,

@@ -9,6 +9,7 @@ from typing import Any
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
+
 from zephon.storage.backends.registry import backend_for, package_for
 from zephon.storage.errors import (
     BackendUnavailableError,

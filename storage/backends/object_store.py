@@ -12,6 +12,7 @@ from typing import IO, Any, ClassVar
 
 import fsspec.config
 from fsspec.spec import AbstractFileSystem
+
 from zephon.storage.backends.base import Backend, ListedFile, _listed
 
 __all__ = ["DEFAULT_POOL_CONNECTIONS", "GCSBackend", "ObjectStoreBackend", "S3Backend"]

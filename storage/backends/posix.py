@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from typing import IO, ClassVar
 
 from fsspec.spec import AbstractFileSystem
+
 from zephon.storage.backends.base import Backend, TranslatedReader
 
 __all__ = ["PosixBackend", "fsync_dir"]

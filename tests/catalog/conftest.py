@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 import pytest
 from alembic import command
 from sqlalchemy import create_engine, text
+
 from zephon.catalog import Catalog, schema
 from zephon.catalog.engine import Database
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+
+from tests.catalog.conftest import STARTED, commit_step, register
 from zephon.catalog import (
     AttemptRecord,
     FencedOutError,
@@ -15,8 +17,6 @@ from zephon.catalog import (
     StateConflictError,
     attempts,
 )
-
-from tests.catalog.conftest import STARTED, commit_step, register
 
 
 def _states(catalog, run="r"):

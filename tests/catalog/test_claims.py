@@ -11,9 +11,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from zephon.catalog import FencedOutError, InvalidValueError, RunNotFoundError, claim_holder
 
 from tests.catalog.conftest import commit_step, register
+from zephon.catalog import FencedOutError, InvalidValueError, RunNotFoundError, claim_holder
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ the newest ``num_to_keep`` are committed at the end; pending rows were never tou
 from __future__ import annotations
 
 import pytest
-from zephon.catalog import Catalog
 
 from tests.catalog import workers
 from tests.catalog.conftest import commit_step
+from zephon.catalog import Catalog
 
 NUM_TO_KEEP = 3
 KEEP_EVERY = 25

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import create_engine, event, text
+
+from tests.catalog.conftest import execute_sql, migrate
+from zephon import catalog
 from zephon.catalog import (
     Catalog,
     SchemaDriftError,
@@ -16,9 +19,6 @@ from zephon.catalog import (
     schema,
 )
 from zephon.catalog.engine import Database
-
-from tests.catalog.conftest import execute_sql, migrate
-from zephon import catalog
 
 INITIAL = "a1bd075f368c"
 EPOCHS = "fbbf4a6c29ae"

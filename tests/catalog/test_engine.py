@@ -7,10 +7,10 @@ import sys
 
 import pytest
 from sqlalchemy import text
-from zephon.catalog import Catalog, CatalogUnavailableError, InvalidValueError, mask_url
-from zephon.catalog.engine import Database
 
 from tests.mounts import fill
+from zephon.catalog import Catalog, CatalogUnavailableError, InvalidValueError, mask_url
+from zephon.catalog.engine import Database
 
 
 def test_sqlite_connections_use_wal_busy_timeout_and_foreign_keys(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import create_engine, event, insert, text
+
 from zephon.catalog import Catalog
 from zephon.catalog.audit import delete_batch
 from zephon.catalog.models import Event

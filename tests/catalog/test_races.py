@@ -9,10 +9,10 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from zephon.catalog import Catalog, FencedOutError, StateConflictError, attempts, transitions
 
 from tests.catalog import workers
 from tests.catalog.conftest import commit_step, in_threads, register
+from zephon.catalog import Catalog, FencedOutError, StateConflictError, attempts, transitions
 
 
 def test_commit_and_fail_racing_on_one_attempt_move_the_row_once(catalog_url):

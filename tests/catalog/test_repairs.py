@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import text
-from zephon.catalog import SyncOutcome
 
 from tests.catalog.conftest import commit_step, register
+from zephon.catalog import SyncOutcome
 
 
 def _marker(save_id: str, epoch: int, **facts):

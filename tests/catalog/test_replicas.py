@@ -9,6 +9,9 @@ import math
 
 import pytest
 from sqlalchemy import create_engine, text
+
+from tests.catalog import workers
+from tests.catalog.conftest import commit_step, in_threads
 from zephon.catalog import (
     TIMING_PHASES,
     CheckpointRecordNotFoundError,
@@ -20,9 +23,6 @@ from zephon.catalog import (
     StateConflictError,
     replicas,
 )
-
-from tests.catalog import workers
-from tests.catalog.conftest import commit_step, in_threads
 
 LOCAL = {"tier": "local", "host": "node-1"}
 SHARED = {"tier": "save_dir", "host": ""}

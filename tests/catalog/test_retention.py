@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from zephon.catalog import Action, InvalidValueError, ResumePoint, plan_retention
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -6,6 +6,8 @@ import json
 
 import pytest
 from sqlalchemy import event
+
+from tests.catalog.conftest import commit_step
 from zephon.catalog import (
     UNSET,
     Catalog,
@@ -14,8 +16,6 @@ from zephon.catalog import (
     RunExistsError,
     RunNotFoundError,
 )
-
-from tests.catalog.conftest import commit_step
 
 
 def test_ensure_run_creates_a_run_with_defaults(catalog):

@@ -12,6 +12,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, insert, text
 from sqlalchemy.exc import IntegrityError
+
+from tests.catalog import workers
+from tests.catalog.conftest import execute_sql, migrate
+from zephon import catalog, migrations
 from zephon.catalog import (
     Catalog,
     MigrationsNotFoundError,
@@ -22,10 +26,6 @@ from zephon.catalog import (
 from zephon.catalog.engine import Database
 from zephon.catalog.models import Base, Checkpoint, CheckpointState, Run
 from zephon.catalog.queries import latest_committed
-
-from tests.catalog import workers
-from tests.catalog.conftest import execute_sql, migrate
-from zephon import catalog, migrations
 
 
 def _diff_against_models(url: str) -> list:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+
+from tests.catalog.conftest import commit_step
 from zephon.catalog import (
     CheckpointExistsError,
     CheckpointRecordNotFoundError,
@@ -15,8 +17,6 @@ from zephon.catalog import (
     SyncOutcome,
     guarded,
 )
-
-from tests.catalog.conftest import commit_step
 
 
 def _actions(catalog, run="r"):

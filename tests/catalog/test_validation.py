@@ -8,9 +8,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import event
-from zephon.catalog import Catalog, InvalidValueError, plan_retention, validate
 
 from tests.catalog.conftest import register
+from zephon.catalog import Catalog, InvalidValueError, plan_retention, validate
 
 BIGINT = 2**63 - 1
 INT = 2**31 - 1

@@ -10,6 +10,10 @@ import re
 import uuid
 
 import pytest
+
+from tests.conftest import random_payload
+from tests.faults import FaultProxy
+from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY, AzuriteServer, free_port
 from zephon.storage import (
     NO_RETRY,
     BackendUnavailableError,
@@ -20,10 +24,6 @@ from zephon.storage import (
 )
 from zephon.storage.backends import AzureBackend, backend_for
 from zephon.storage.retry import is_throttling, is_transient, reply_status
-
-from tests.conftest import random_payload
-from tests.faults import FaultProxy
-from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY, AzuriteServer, free_port
 
 PART = 5 << 20
 QUICK = RetryPolicy(

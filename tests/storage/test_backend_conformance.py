@@ -19,8 +19,6 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
-from zephon.storage import Location, open_location
-from zephon.storage.backends import BACKEND_CLASSES, Backend, backend_for
 
 from tests.conftest import (
     BACKENDS,
@@ -31,6 +29,8 @@ from tests.conftest import (
     random_payload,
 )
 from tests.conftest import Backend as StorageRoot
+from zephon.storage import Location, open_location
+from zephon.storage.backends import BACKEND_CLASSES, Backend, backend_for
 
 GENERIC = "generic"
 PART = 5 << 20

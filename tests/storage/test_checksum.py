@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.conftest import backends_with
 from zephon.storage import checksum
 from zephon.storage.checksum import (
     Crc32c,
@@ -20,8 +22,6 @@ from zephon.storage.checksum import (
     decode_crc32c,
     encode_crc32c,
 )
-
-from tests.conftest import backends_with
 
 blocks = st.binary(max_size=4096)
 crcs = st.integers(min_value=0, max_value=0xFFFFFFFF)

@@ -12,9 +12,9 @@ import sys
 import time
 
 import pytest
-from zephon.storage import CheckpointStore
 
 from tests.conftest import backends_with, make_backend
+from zephon.storage import CheckpointStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KILL_POINTS = ["before-marker", "marker-in-flight", "after-marker"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from tests.servers import free_port
 from zephon.storage import (
     NO_RETRY,
     BackendUnavailableError,
@@ -12,8 +14,6 @@ from zephon.storage import (
     mask_url,
     open_location,
 )
-
-from tests.servers import free_port
 
 
 def test_every_storage_error_shares_the_root():

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import s3fs
-from zephon.storage import NO_RETRY, BackendUnavailableError, CheckpointStore, RetryPolicy
 
 from tests.conftest import Backend
 from tests.faults import FaultProxy
+from zephon.storage import NO_RETRY, BackendUnavailableError, CheckpointStore, RetryPolicy
 
 MARKER = r"/save-\d+/_COMMIT$"
 #: replies dropped per scripted fault: aiohttp resends an idempotent request (a PUT) once by

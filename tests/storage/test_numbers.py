@@ -5,6 +5,7 @@ would make ``save-٤`` or ``zephon://r/٤`` name step 4."""
 from __future__ import annotations
 
 import pytest
+
 from zephon.storage import CheckpointStore, parse_number, parse_step_dirname
 
 

@@ -12,6 +12,9 @@ import time
 import uuid
 
 import pytest
+
+from tests.conftest import random_payload
+from tests.faults import FaultProxy
 from zephon.storage import (
     BackendUnavailableError,
     CheckpointStore,
@@ -20,9 +23,6 @@ from zephon.storage import (
 )
 from zephon.storage.backends import Backend
 from zephon.storage.retry import is_throttling, is_transient, retry_after_s
-
-from tests.conftest import random_payload
-from tests.faults import FaultProxy
 
 PART = 5 << 20
 #: fast enough for tests: small backoffs, a deadline of seconds

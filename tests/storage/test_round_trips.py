@@ -13,6 +13,7 @@ import importlib.util
 import os
 
 import pytest
+
 from zephon.storage import (
     CheckpointStore,
     FencedOutError,

@@ -4,6 +4,8 @@ mask every secret while keeping the bucket and path that make the message useful
 from __future__ import annotations
 
 import pytest
+
+from tests.servers import free_port
 from zephon.storage import (
     NO_RETRY,
     BackendUnavailableError,
@@ -14,8 +16,6 @@ from zephon.storage import (
     open_location,
 )
 from zephon.storage.redact import mask_url, option_secrets, redact, redact_options, secrets_in
-
-from tests.servers import free_port
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYzEXAMPLEKEY"
 TOKEN = "FwoGZXIvYXdzEXAMPLE-session-token"

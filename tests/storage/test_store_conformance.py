@@ -9,6 +9,9 @@ import os
 import socket
 
 import pytest
+
+from tests.conftest import backends_with, random_payload
+from zephon import storage
 from zephon.storage import (
     CheckpointNotFoundError,
     CheckpointStore,
@@ -19,9 +22,6 @@ from zephon.storage import (
     WriteAbortedError,
 )
 from zephon.storage.checksum import crc32c_of
-
-from tests.conftest import backends_with, random_payload
-from zephon import storage
 
 
 @pytest.fixture

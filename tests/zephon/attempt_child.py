@@ -51,16 +51,16 @@ from typing import Any
 
 import psycopg  # noqa: F401 - imported ahead of the first command (see above)
 import s3fs  # noqa: F401
-from zephon.catalog import Catalog
-from zephon.storage import CheckpointStore, Fence, Manifest, create_exclusive
-from zephon.storage.layout import MARKER_NAME
 
 from zephon.attempts import Attempt, claim, decide, register_resuming
 from zephon.attempts import register as register_attempt
+from zephon.catalog import Catalog
 from zephon.gc import gc_run, retain_without_catalog
 from zephon.latest import LatestCheckpoint, find_latest
 from zephon.locations import RunLocation, run_location
 from zephon.saving import Save
+from zephon.storage import CheckpointStore, Fence, Manifest, create_exclusive
+from zephon.storage.layout import MARKER_NAME
 
 
 def described(latest: LatestCheckpoint | None) -> dict[str, Any] | None:

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from zephon.catalog import Catalog
 
 from tests.conftest import unavailable
 from tests.pg_cluster import PostgresCluster
 from tests.servers import ServerUnavailable
+from zephon.catalog import Catalog
 from zephon.cli import main
 
 

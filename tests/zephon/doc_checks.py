@@ -355,9 +355,8 @@ def check_tiers_table(doc: Block, request, tmp_path) -> None:
     the page's title, header and rows (sizes, durations and MB/s aside)."""
     import socket
 
-    from zephon.catalog import Catalog
-
     from tests.zephon.doc_readme import compare_table
+    from zephon.catalog import Catalog
 
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     with Catalog(url) as cat:

@@ -138,7 +138,6 @@ def check_cron(doc: Block) -> None:
     fields, environment assignments, the venv's ``zephon``, and arguments the zephon CLI
     parser accepts; the catalog URL is one the catalog accepts."""
     from zephon.catalog import mask_url
-
     from zephon.cli import build_parser
 
     words = shlex.split(doc.code)

@@ -14,9 +14,8 @@ import json
 import sys
 import time
 
-from zephon.catalog import Catalog
-
 from tests.zephon.saves import start
+from zephon.catalog import Catalog
 from zephon.locations import run_location
 from zephon.saving import Save
 

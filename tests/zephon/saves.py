@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 
-from zephon.catalog import Catalog
-
 from zephon.attempts import Attempt, register
+from zephon.catalog import Catalog
 from zephon.locations import RunLocation
 from zephon.saving import Save
 

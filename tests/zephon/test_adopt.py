@@ -15,7 +15,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from zephon.storage import CheckpointStore
 
 from tests.conftest import make_backend
 from zephon import dcp as zd
@@ -23,6 +22,7 @@ from zephon.adopt import adopt
 from zephon.dcp.errors import StockCheckpointError
 from zephon.dcp.stock_loader import StockItem, read_stock_metadata, tensor_span
 from zephon.errors import ConfigError
+from zephon.storage import CheckpointStore
 
 # -- stock checkpoints, written by torch itself -------------------------------------------------
 

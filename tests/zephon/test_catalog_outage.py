@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 from torch import nn
-from zephon.catalog import Catalog
 
 from tests.zephon.saves import save_step, start
 from zephon import CatalogOutageError
+from zephon.catalog import Catalog
 from zephon.checkpointing import CheckpointManager
 from zephon.config import CheckpointingConfig, load_job_config
 from zephon.errors import ConfigError

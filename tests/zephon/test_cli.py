@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from zephon.catalog import Catalog
 
 from tests.zephon.saves import crash_after_marker, save_step, start
 from tests.zephon.test_composition import make_run
+from zephon.catalog import Catalog
 from zephon.cli import main
 
 

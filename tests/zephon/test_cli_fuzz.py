@@ -21,12 +21,12 @@ import shutil
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from zephon.catalog import Catalog
-from zephon.storage.layout import MARKER_NAME
 
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
+from zephon.catalog import Catalog
 from zephon.cli import main
+from zephon.storage.layout import MARKER_NAME
 
 COMMANDS = ["runs", "checkpoints", "latest", "verify", "gc", "sync", "pin", "unpin", "db", "export"]
 FUZZ = settings(

@@ -10,12 +10,12 @@ import re
 import time
 
 import pytest
-from zephon.storage.layout import MARKER_NAME
 
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
 from zephon.cli import main
 from zephon.locations import RunLocation
+from zephon.storage.layout import MARKER_NAME
 
 
 def one_line(err: str) -> str:

@@ -9,11 +9,11 @@ import json
 import pytest
 from rich.console import Console
 from sqlalchemy import create_engine, update
-from zephon.catalog import CheckpointRecord
-from zephon.catalog.models import Checkpoint
 
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
+from zephon.catalog import CheckpointRecord
+from zephon.catalog.models import Checkpoint
 from zephon.cli import render, timing
 from zephon.cli.render import human_rate, human_seconds
 

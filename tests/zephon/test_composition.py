@@ -6,15 +6,15 @@ import datetime as dt
 import time
 
 import pytest
-from zephon.catalog import Catalog
-from zephon.storage.backend import list_files
 
 from tests.conftest import DISK_AND_OBJECT_STORE
 from tests.zephon.saves import crash_after_marker, crash_before_marker, save_step, start
+from zephon.catalog import Catalog
 from zephon.gc import GcPolicy, collect_garbage, gc_run, retain_without_catalog
 from zephon.latest import find_latest
 from zephon.locations import RunLocation, run_location
 from zephon.saving import Save
+from zephon.storage.backend import list_files
 from zephon.sync import sync_storage
 
 

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 import torch
-from zephon.catalog import Catalog
-from zephon.storage import CheckpointStore
 
+from zephon.catalog import Catalog
 from zephon.errors import ConfigError, SaveBelowLatestError
 from zephon.locations import CATALOG_URL_ENV
 from zephon.retention import MAX_KEEP, Retention, check_resume_step
 from zephon.session import resolve_catalog
+from zephon.storage import CheckpointStore
 
 RUN = "entry"
 #: steps 1..6 saved with num_to_keep=2, keep_every_steps=3 keep the newest two and step 3

@@ -15,15 +15,15 @@ import time
 import pytest
 import torch
 from torch import nn
-from zephon.catalog import CheckpointRecordNotFoundError
-from zephon.storage import CorruptCheckpointError
 
 import zephon
 from tests.zephon.saves import flip_a_tensor_byte
 from zephon import dcp as zdcp
+from zephon.catalog import CheckpointRecordNotFoundError
 from zephon.checkpointing import CheckpointManager
 from zephon.cli import EXIT_STORAGE
 from zephon.config import CheckpointingConfig, ModelStageConfig
+from zephon.storage import CorruptCheckpointError
 
 ROOTS = (zephon.ZephonError, zephon.StorageError, zephon.CatalogError)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

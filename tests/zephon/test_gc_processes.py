@@ -13,11 +13,11 @@ import threading
 import time
 
 import pytest
-from zephon.catalog import Catalog
-from zephon.storage.backend import list_files
 
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
+from zephon.catalog import Catalog
+from zephon.storage.backend import list_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZEPHON = os.path.join(os.path.dirname(sys.executable), "zephon")

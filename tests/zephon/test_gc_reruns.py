@@ -11,12 +11,12 @@ import subprocess
 import time
 
 import pytest
-from zephon.catalog import Catalog
 
 from tests.faults import FaultProxy
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
 from tests.zephon.test_gc_processes import assert_deleted_rows_are_gone, gc_argv
+from zephon.catalog import Catalog
 
 pytestmark = pytest.mark.slow
 

@@ -9,13 +9,13 @@ import os
 
 import pytest
 import torch
-from zephon.storage import CorruptCheckpointError, create_exclusive
-from zephon.storage.checksum import crc32c_of
 
 from tests.zephon.test_manager import Counter, build, state_of, train
 from zephon.checkpointing import CheckpointManager
 from zephon.config import CheckpointingConfig
 from zephon.state_tree import join_state
+from zephon.storage import CorruptCheckpointError, create_exclusive
+from zephon.storage.checksum import crc32c_of
 
 
 @pytest.fixture

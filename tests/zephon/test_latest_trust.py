@@ -13,17 +13,17 @@ import sys
 
 import pytest
 import torch
-from zephon.catalog import Catalog
-from zephon.storage import CheckpointNotFoundError, CheckpointStore
 
 from tests.zephon.saves import save_step, start
 from tests.zephon.test_composition import make_run
 from zephon import dcp as zd
 from zephon.attempts import register
+from zephon.catalog import Catalog
 from zephon.checkpointing import CheckpointManager
 from zephon.config import CheckpointingConfig
 from zephon.latest import find_latest
 from zephon.locations import RunLocation
+from zephon.storage import CheckpointNotFoundError, CheckpointStore
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from latency_proxy import LatencyProxy  # noqa: E402

@@ -11,12 +11,12 @@ import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from zephon.storage.backends import S3Backend
 
 from tests.faults import FaultProxy
 from tests.storage.test_lost_replies import DROPS, MARKER, through
 from zephon import CheckpointingConfig, CheckpointManager, StorageError
 from zephon import dcp as zd
+from zephon.storage.backends import S3Backend
 
 
 @pytest.fixture

@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 from torch import nn
-from zephon.catalog import Catalog
-from zephon.storage import CorruptCheckpointError
 
 from tests.zephon.saves import flip_a_tensor_byte
+from zephon.catalog import Catalog
 from zephon.checkpointing import CheckpointManager, export_safetensors
 from zephon.config import CheckpointingConfig, ModelStageConfig, load_job_config
 from zephon.errors import ConfigError, ZephonError
+from zephon.storage import CorruptCheckpointError
 
 
 def build(seed: int = 0, total_steps: int = 10):

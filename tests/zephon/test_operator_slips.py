@@ -10,15 +10,15 @@ import os
 import pytest
 import torch
 from torch import nn
-from zephon.catalog import Catalog
-from zephon.storage import CheckpointStore
 
 from zephon import SaveBelowLatestError
 from zephon import dcp as zd
+from zephon.catalog import Catalog
 from zephon.checkpointing import CheckpointManager, export_safetensors
 from zephon.cli import main as zephon_main
 from zephon.config import CheckpointingConfig
 from zephon.errors import ConfigError
+from zephon.storage import CheckpointStore
 
 RUN = "train"
 

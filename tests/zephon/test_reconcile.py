@@ -9,14 +9,14 @@ import datetime as dt
 from datetime import UTC, datetime
 
 import pytest
-from zephon.catalog import Catalog, CheckpointRecord
-from zephon.storage import AttemptRecord, CheckpointNotFoundError, Lineage, Manifest
 
 from tests.zephon.saves import crash_after_marker, save_step, start
 from tests.zephon.test_composition import make_run
+from zephon.catalog import Catalog, CheckpointRecord
 from zephon.gc import GcPolicy, gc_run
 from zephon.latest import find_latest
 from zephon.reconcile import Verdict, judge, quarantine
+from zephon.storage import AttemptRecord, CheckpointNotFoundError, Lineage, Manifest
 from zephon.sync import sync_storage
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from zephon.catalog import Catalog
-from zephon.storage import CheckpointStore
 
 from tests.zephon.saves import start
+from zephon.catalog import Catalog
 from zephon.checkpointing import CheckpointManager
 from zephon.config import CheckpointingConfig
 from zephon.locations import RunLocation
 from zephon.saving import Save
+from zephon.storage import CheckpointStore
 
 MEASURED = {"write_s", "commit_s", "total_s"}
 

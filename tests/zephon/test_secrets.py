@@ -12,11 +12,10 @@ import sys
 
 import pytest
 from sqlalchemy.engine import make_url
-from zephon.catalog import Catalog
-from zephon.storage import CheckpointStore
 
 from tests.servers import free_port
 from tests.zephon.saves import save_step, start
+from zephon.catalog import Catalog
 from zephon.cli import main
 from zephon.config import CheckpointingConfig, ModelStageConfig, load_job_config
 from zephon.errors import ConfigError
@@ -27,6 +26,7 @@ from zephon.locations import (
     known_secrets,
     run_location,
 )
+from zephon.storage import CheckpointStore
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYzEXAMPLEKEY"
 TOKEN = "FwoGZXIvYXdzEXAMPLE-session-token"

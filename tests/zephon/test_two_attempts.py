@@ -30,18 +30,18 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from torch import nn
-from zephon.catalog import Catalog
-from zephon.storage import CheckpointStore
-from zephon.storage.backend import list_files
 
 from tests.conftest import DISK_AND_OBJECT_STORE, Backend, database_url, make_backend
 from tests.zephon.test_composition import make_run
 from zephon.attempts import register_resuming
+from zephon.catalog import Catalog
 from zephon.checkpointing import CheckpointManager
 from zephon.checkpointing.files import decode_json, rank_file
 from zephon.config import CheckpointingConfig
 from zephon.latest import find_latest
 from zephon.locations import RunLocation
+from zephon.storage import CheckpointStore
+from zephon.storage.backend import list_files
 from zephon.sync import sync_storage
 
 #: two real job processes per test: the slow set (README.md, "Quick start")

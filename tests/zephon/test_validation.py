@@ -9,14 +9,14 @@ import string
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from zephon.catalog import Catalog, InvalidValueError
 from zephon.catalog import validate as catalog_validate
-from zephon.storage import InvalidNameError, RetryPolicy, validate_run
-
 from zephon.checkpointing import CheckpointManager
 from zephon.config import CheckpointingConfig, load_job_config
 from zephon.errors import ConfigError
 from zephon.locations import RETRY_ENV, retry_from_env
+from zephon.storage import InvalidNameError, RetryPolicy, validate_run
 
 NAMES = st.one_of(
     st.text(alphabet=string.ascii_letters + string.digits + "._-/ \\~ü\n", max_size=140),

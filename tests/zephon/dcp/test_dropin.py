@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from zephon.catalog import Catalog
-from zephon.storage import CheckpointNotFoundError
 
 from tests.conftest import Backend, database_url, make_backend
 from tests.ranks import launch, store_config
 from tests.zephon.dcp.dropin_worker import RUN, empty_at, equal, state_at
 from zephon import ConfigError
 from zephon import dcp as zd
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointNotFoundError
 
 
 @dataclass

@@ -14,12 +14,12 @@ import pytest
 import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
-from zephon.catalog import Catalog
-from zephon.storage import CheckpointStore, CorruptCheckpointError
 
 from tests.conftest import database_url
 from zephon import ConfigError, StaleAttemptError
 from zephon import dcp as zd
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointStore, CorruptCheckpointError
 
 RUN = "dropin-tiered"
 

@@ -13,12 +13,12 @@ import re
 
 import pytest
 import torch
-from zephon.storage import CorruptCheckpointError
-from zephon.storage.checksum import crc32c_extend, crc32c_of
 
 from tests.s3_calls import S3Calls
 from tests.zephon.dcp.test_verify import RecordObjectGets, flip, rewrite, slices
 from zephon import dcp as zd
+from zephon.storage import CorruptCheckpointError
+from zephon.storage.checksum import crc32c_extend, crc32c_of
 
 MIB = 1 << 20
 PART = 5 * MIB  # S3's smallest part

@@ -16,11 +16,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from zephon.storage import CorruptCheckpointError
-from zephon.storage.checksum import encode_crc32c
 
 from zephon.dcp import MetadataEncodingError, ShardSlice, decode_metadata, encode_metadata
 from zephon.dcp.metadata_codec import FORMAT_VERSION
+from zephon.storage import CorruptCheckpointError
+from zephon.storage.checksum import encode_crc32c
 
 DTYPES = [
     torch.float32,

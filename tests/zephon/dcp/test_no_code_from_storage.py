@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from zephon.storage import crc32c_of, create_exclusive
 
 from zephon import dcp as zd
+from zephon.storage import crc32c_of, create_exclusive
 
 
 class Planted:

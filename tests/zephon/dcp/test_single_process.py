@@ -12,11 +12,11 @@ from concurrent.futures import Future
 import pytest
 import torch
 from torch.distributed.checkpoint import CheckpointException
-from zephon.storage import CheckpointNotFoundError, CorruptCheckpointError
 
 from tests.s3_calls import S3Calls
 from zephon import dcp as zd
 from zephon.errors import ZephonError
+from zephon.storage import CheckpointNotFoundError, CorruptCheckpointError
 
 
 def awkward_state() -> dict:

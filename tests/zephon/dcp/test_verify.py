@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
-from zephon.storage import CorruptCheckpointError
-from zephon.storage.checksum import crc32c_of
 
 from tests.conftest import DISK_AND_OBJECT_STORE, make_backend
 from tests.ranks import launch, store_config
 from tests.s3_calls import S3Calls
 from zephon import dcp as zd
 from zephon.dcp.metadata_codec import ShardSlice
+from zephon.storage import CorruptCheckpointError
+from zephon.storage.checksum import crc32c_of
 
 RUN = "r"
 METADATA = "dcp_metadata.json"

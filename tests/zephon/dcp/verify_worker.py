@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
-from zephon.storage import CheckpointStore
 
 from tests.ranks import serve
 from tests.zephon.dcp.worker import error_record
 from zephon import dcp as zd
+from zephon.storage import CheckpointStore
 
 RUN = "verify-test"
 ROWS_PER_RANK = 16

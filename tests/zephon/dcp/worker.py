@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
-from zephon.storage import CheckpointStore
 
 from tests.ranks import serve
 from zephon import dcp as zd
+from zephon.storage import CheckpointStore
 
 RUN = "dcp-test"
 

@@ -11,11 +11,11 @@ import stat
 import tempfile
 
 import pytest
-from zephon.storage import CheckpointStore
 
 from zephon import ConfigError
 from zephon.integrations.accelerate import FolderCheckpoints
 from zephon.integrations.download import VERIFIED, fetch_latest
+from zephon.storage import CheckpointStore
 
 
 @pytest.fixture

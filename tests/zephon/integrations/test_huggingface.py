@@ -15,9 +15,9 @@ import subprocess
 import sys
 
 import pytest
-from zephon.storage import CheckpointStore
 
 from tests.conftest import database_url, make_backend
+from zephon.storage import CheckpointStore
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -13,9 +13,8 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from zephon.storage import CheckpointStore  # noqa: E402
-
 from tests.conftest import database_url  # noqa: E402
+from zephon.storage import CheckpointStore  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))

@@ -18,10 +18,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-from zephon.storage import CheckpointStore  # noqa: E402
 
 from zephon import SaveBelowLatestError  # noqa: E402
 from zephon.integrations.lightning import LATEST, ZephonCheckpointIO  # noqa: E402
+from zephon.storage import CheckpointStore  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

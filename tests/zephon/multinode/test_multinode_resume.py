@@ -16,10 +16,10 @@ from typing import Any
 import fsspec
 import pytest
 import torch
-from zephon.catalog import Catalog
 
 from tests.servers import postgres_database
 from tests.zephon.multinode.nodes import Cluster, read_json, read_steps
+from zephon.catalog import Catalog
 from zephon.demo.elastic_job import ElasticSpec
 
 pytestmark = pytest.mark.slow

@@ -7,11 +7,11 @@ import json
 
 import fsspec
 import pytest
-from zephon.storage.errors import StorageError
 
 import zephon
 from zephon.errors import ConfigError
 from zephon.pipeline import DataSourceError
+from zephon.storage.errors import StorageError
 
 
 def _jsonl(rows) -> bytes:

@@ -15,23 +15,23 @@ import pytest
 import s3fs
 import torch
 from torch import nn
+
+from tests.conftest import Backend
+from tests.faults import FaultProxy
+from zephon import StaleAttemptError
+from zephon.attempts import register
 from zephon.catalog import Catalog
+from zephon.checkpointing import CheckpointManager
+from zephon.config import CheckpointingConfig, load_job_config
+from zephon.destinations.local.uploader import UploadsFailedError, copy_verified
+from zephon.errors import ConfigError
+from zephon.locations import RunLocation
 from zephon.storage import (
     NO_RETRY,
     BackendUnavailableError,
     CheckpointStore,
     CorruptCheckpointError,
 )
-
-from tests.conftest import Backend
-from tests.faults import FaultProxy
-from zephon import StaleAttemptError
-from zephon.attempts import register
-from zephon.checkpointing import CheckpointManager
-from zephon.config import CheckpointingConfig, load_job_config
-from zephon.destinations.local.uploader import UploadsFailedError, copy_verified
-from zephon.errors import ConfigError
-from zephon.locations import RunLocation
 
 RUN = "tiered"
 

@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from zephon.catalog import Catalog
-from zephon.storage import CheckpointStore
 
 from benchmarks.latency_proxy import LatencyProxy
 from tests.conftest import Backend, database_url, make_backend
 from tests.ranks import launch, store_config
+from zephon.catalog import Catalog
+from zephon.storage import CheckpointStore
 
 MODULE = "tests.zephon.tier.tier_worker"
 WORLD = 2

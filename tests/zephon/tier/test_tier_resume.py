@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from zephon.catalog import Catalog
-
 from benchmarks.latency_proxy import LatencyProxy
 from tests.zephon.tier.test_tier import RUN, config, loads, state_at, superseded
 from zephon import StaleAttemptError
+from zephon.catalog import Catalog
 from zephon.checkpointing import CheckpointManager
 
 
