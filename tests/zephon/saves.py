@@ -40,17 +40,24 @@ def crash_before_marker(attempt: Attempt, catalog: Catalog | None, step: int) ->
     return save
 
 
-def flip_a_tensor_byte(payload: str, subdir: str = "dcp") -> str:
-    """Flip the middle byte of the largest tensor slice of the DCP save whose payload directory
-    is the local path ``payload``; returns the slice's file (relative to ``payload``). A load
-    checks the bytes it reads: a tensor's elements, not the zip around them in its
-    ``torch.save`` blob (the manifest's file CRC32C covers those: ``zephon verify --deep``)."""
+def largest_tensor_slice(metadata_json: bytes, where: str):
+    """The largest tensor slice (file relative to the payload directory, offset and length of
+    the tensor's elements) named by a DCP save's ``dcp_metadata.json``. A load checks the bytes
+    it reads: a tensor's elements, not the zip around them in its ``torch.save`` blob (the
+    manifest's file CRC32C covers those: ``zephon verify --deep``), so damage meant to be met by
+    a load goes there."""
     from zephon.dcp import decode_metadata
 
-    with open(os.path.join(payload, subdir, "dcp_metadata.json"), "rb") as handle:
-        metadata = decode_metadata(handle.read(), where=payload)
+    metadata = decode_metadata(metadata_json, where=where)
     slices = [w for w in metadata.storage_data.values() if w.encoding == "raw"]
-    where = max(slices, key=lambda w: w.length)
+    return max(slices, key=lambda w: w.length)
+
+
+def flip_a_tensor_byte(payload: str, subdir: str = "dcp") -> str:
+    """Flip the middle byte of the largest tensor slice of the DCP save whose payload directory
+    is the local path ``payload``; returns the slice's file (relative to ``payload``)."""
+    with open(os.path.join(payload, subdir, "dcp_metadata.json"), "rb") as handle:
+        where = largest_tensor_slice(handle.read(), payload)
     with open(os.path.join(payload, where.file), "r+b") as handle:
         handle.seek(where.offset + where.length // 2)
         byte = handle.read(1)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from tests.conftest import DISK_AND_OBJECT_STORE, Backend, database_url, make_backend
+from tests.zephon.saves import largest_tensor_slice
 from tests.zephon.test_composition import make_run
 from zephon.attempts import register_resuming
 from zephon.catalog import Catalog
@@ -710,13 +711,25 @@ def shards(store: CheckpointStore, step: int) -> list[str]:
     return sorted(n for n in store.run("r").reader(step).names if n.endswith(".distcp"))
 
 
+def _tensor_file(store: CheckpointStore, step: int) -> tuple[str, int]:
+    """The shard file holding the save's largest tensor, and the offset of the middle of that
+    tensor's elements in it (where a load meets damage: tests/zephon/saves.py)."""
+    reader = store.run("r").reader(step)
+    where = largest_tensor_slice(reader.read_bytes("dcp/dcp_metadata.json"), reader.url)
+    return f"{reader.path}/{where.file}", where.offset + where.length // 2
+
+
 def flip_a_byte(store: CheckpointStore, step: int) -> None:
-    _flip_a_byte(store, step, shards(store, step)[0])
+    path, middle = _tensor_file(store, step)
+    data = bytearray(store.location.fs.cat_file(path))
+    data[middle] ^= 0xFF
+    store.location.fs.pipe_file(path, bytes(data))
 
 
 def truncate_a_file(store: CheckpointStore, step: int) -> None:
-    path = f"{store.run('r').reader(step).path}/{shards(store, step)[0]}"
-    store.location.fs.pipe_file(path, store.location.fs.cat_file(path)[:-3])
+    """An interrupted copy: the file ends inside a tensor's elements."""
+    path, middle = _tensor_file(store, step)
+    store.location.fs.pipe_file(path, store.location.fs.cat_file(path)[:middle])
 
 
 def swap_two_shards(store: CheckpointStore, step: int) -> None:
