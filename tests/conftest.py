@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import pytest
 
@@ -51,31 +53,32 @@ def mounts() -> Iterator[Mounts]:
         made.unmount_all()
 
 
-@pytest.fixture(scope="session")
-def s3() -> Iterator[servers.S3Server]:
+T = TypeVar("T")
+
+
+def _serve(start: Callable[[], AbstractContextManager[T]]) -> Iterator[T]:
+    """A server the tests start themselves, for the session; unavailable: skipped locally,
+    failed under CI."""
     try:
-        with servers.s3_server() as server:
+        with start() as server:
             yield server
     except servers.ServerUnavailable as exc:
         unavailable(str(exc))
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[servers.S3Server]:
+    yield from _serve(servers.s3_server)
 
 
 @pytest.fixture(scope="session")
 def gcs() -> Iterator[servers.GCSServer]:
-    try:
-        with servers.gcs_server() as server:
-            yield server
-    except servers.ServerUnavailable as exc:
-        unavailable(str(exc))
+    yield from _serve(servers.gcs_server)
 
 
 @pytest.fixture(scope="session")
 def azurite() -> Iterator[servers.AzuriteServer]:
-    try:
-        with servers.azurite_server() as server:
-            yield server
-    except servers.ServerUnavailable as exc:
-        unavailable(str(exc))
+    yield from _serve(servers.azurite_server)
 
 
 @pytest.fixture(scope="session")
