@@ -36,7 +36,9 @@ hosts it at its first checkpoint unless something already listens on PORT (torch
 client, waiting up to ``aggregate_timeout_s`` for the server. So HOST must be rank 0's machine
 when nobody else serves the address (as ``MASTER_ADDR`` is under torchrun). One connection per
 address per process is kept for the process's life, so a server hosted by rank 0 outlives its
-pipelines and later pipelines (a restore, another run_id) reuse it.
+pipelines and later pipelines (a restore, another run_id) reuse it; each pipeline talks through
+its own clone of that connection (a store object serialises its calls, so a shared one would
+let one pipeline's wait stall another's arrival).
 
 ``<prefix>`` is ``zephon/pipeline/<run_id or a digest of the pipeline's configuration>/<ranks of
 the group>/<epoch>-<seq>`` (the same key the storage transport uses), so successive checkpoints
@@ -169,7 +171,9 @@ class TorchAggregator:
                 "torch.distributed.new_group(ranks, backend='gloo')"
             )
         self._dist = dist
-        self._store = dist.distributed_c10d._get_default_store()  # shared by every group
+        # A clone is this aggregator's own connection to the group's store: a store object
+        # serialises its calls, so a wait here would stall any other thread's use of it.
+        self._store = _own_connection(dist.distributed_c10d._get_default_store())
         members = dist.get_process_group_ranks(group) if group is not None else None
         self._namespace = f"{namespace}/{'world' if members is None else _digest(members)}"
 
@@ -267,7 +271,7 @@ class TorchAggregator:
             with _stores_lock:
                 _kept.append(store)  # a server hosted here must outlive any pipeline
                 store = _stores.setdefault(self._address, store)
-        self._store = store
+        self._store = _own_connection(store)
 
     def _open_store(self, dist: Any, key: str) -> Any:
         host, port = self._address
@@ -328,6 +332,19 @@ class TorchAggregator:
         out = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=group)
         return [bytes(t[:n].tolist()) for t, n in zip(out, lengths, strict=True)]
+
+
+def _own_connection(store: Any) -> Any:
+    """A connection of this aggregator's own to ``store``'s server (``Store.clone()``).
+
+    A store object serialises its calls: one thread's ``wait`` holds it until the key appears
+    or the wait times out, so two pipelines of one process sharing an object (ranks as threads,
+    or a pipeline beside an async checkpoint thread) could wait on each other until the timeout.
+    """
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError):  # a store that cannot be cloned is used as it is
+        return store
 
 
 def _digest(value: Any) -> str:

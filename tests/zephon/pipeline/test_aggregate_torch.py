@@ -199,6 +199,41 @@ def test_a_tcpstore_address_assembles_the_storage_transports_state_without_torch
         p.close()
 
 
+def test_a_rank_waiting_on_a_tcpstore_does_not_hold_up_another_rank_of_its_process():
+    """Two pipelines of one process at one address, the first already waiting when the second
+    arrives: with one store object between them the second's arrival queued behind the first's
+    wait until that timed out (seen in CI as 'ranks [0] did not arrive within 300 s')."""
+    import datetime as dt
+    import time
+
+    import torch.distributed as dist
+
+    port = servers.free_port()
+    server = dist.TCPStore(  # a server the launcher started: both ranks connect as clients
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=30)
+    )
+    address = f"torch://127.0.0.1:{port}"
+    pipelines = [
+        build(r, 2, aggregate_store=address, run_id="queued", aggregate_timeout_s=20)
+        for r in range(2)
+    ]
+    for p in pipelines:
+        it = iter(p)
+        next(it)
+    started = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(pipelines[1].checkpoint)
+        while not server.check(["zephon/pipeline/queued/world/fresh-00000000/count"]):
+            assert not waiting.done(), waiting.exception()
+            time.sleep(0.05)  # rank 1 has arrived and is waiting for rank 0
+        time.sleep(0.5)
+        state = pipelines[0].checkpoint()
+        assert waiting.result() == state
+    assert time.monotonic() - started < 10, "rank 0's arrival waited for rank 1's timeout"
+    for p in pipelines:
+        p.close()
+
+
 def test_nobody_serving_a_tcpstore_address_names_rank_0_in_one_line():
     address = f"torch://127.0.0.1:{servers.free_port()}"
     pipeline = build(1, 2, aggregate_store=address, aggregate_timeout_s=1)
