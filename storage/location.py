@@ -182,6 +182,7 @@ def open_location(
             url=masked,
             secrets=secrets,
             role=role,
+            options=storage_options,
         ),
         secrets=secrets,
         role=role,

@@ -31,6 +31,7 @@ from zephon.storage.errors import InvalidArgumentError
 __all__ = [
     "DEFAULT_RETRY",
     "carry_retry_state",
+    "give_up",
     "NO_RETRY",
     "RetryPolicy",
     "is_throttling",
@@ -249,6 +250,12 @@ def _give_up(exc: BaseException, failures: int, elapsed: float) -> None:
             setattr(exc, _SUMMARY, f"after {failures} attempts in {elapsed:.1f} s")
     except AttributeError:  # an exception class with __slots__: tried again by an outer one
         pass
+
+
+def give_up(exc: BaseException) -> None:
+    """Mark ``exc`` as given up on by a client that already tried it under the policy (the
+    native client's multipart uploads): no policy around it tries it again."""
+    _give_up(exc, 1, 0.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,8 @@ class AzureBackend(ObjectStoreBackend):
         return {"block_size": part_size}
 
     def _put_bytes(self, path: str, data: bytes, part_size: int) -> None:
+        if self._put_native(path, data, part_size):
+            return
         if len(data) < 2 * part_size:  # one Put Blob
             self.fs.pipe_file(path, data)
             return
@@ -165,7 +167,10 @@ class AzureBackend(ObjectStoreBackend):
     def _open_write(self, path: str, part_size: int) -> IO[bytes]:
         """A file that stages a block of ``part_size`` whenever one is full, each tried again
         on its own, and commits them on close (a file of one part: one ``Put Blob``). adlfs's
-        own file would stage them too, but through no retry policy."""
+        own file would stage them too, but through no retry policy. Or the native client's
+        file (``storage.backends.native``)."""
+        if self._native(path) is not None:
+            return super()._open_write(path, part_size)
         return _BlockWriter(self, path, part_size)
 
     def _discard_write(self, handle: IO[bytes]) -> None:

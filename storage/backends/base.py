@@ -52,8 +52,10 @@ RETRIED_PRIMITIVES = (
     "read_small",
     "read_file",
     "read_range",
+    "read_range_into",
     "get_file",
     "put_bytes",
+    "put_buffer",
     "put_small",
     "create_exclusive",
     "remove_files",
@@ -163,8 +165,12 @@ class Backend:
         url: str | None = None,
         secrets: frozenset[str] = frozenset(),
         role: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         self.fs = fs
+        #: the storage_options the location was opened with (before the backend's defaults);
+        #: kept for what reads options fsspec never sees (``native``), never shown
+        self.options: Mapping[str, Any] = dict(options or {})
         self.protocol = protocol
         #: how transient failures of every primitive are tried again (``storage.retry``)
         self.retry = retry
@@ -281,6 +287,14 @@ class Backend:
         with self._doing("reading", path):
             return self.retry.call(self._read_range, path, start, end)
 
+    def read_range_into(self, path: str, start: int, buffer: Any) -> int:
+        """Bytes of a file from ``start`` straight into ``buffer`` (any writable C-contiguous
+        buffer: a tensor's bytes), as many as it holds, in one ranged request; returns how
+        many arrived (fewer at the file's end). Where the backend can, no bytes object is made
+        on the way."""
+        with self._doing("reading", path):
+            return self.retry.call(self._read_range_into, path, start, buffer)
+
     def get_file(self, path: str, local_path: str) -> None:
         """Download a file to a local path."""
         with self._doing("downloading", path):
@@ -290,6 +304,14 @@ class Backend:
         """Write one whole file from memory (durable when this returns)."""
         with self._doing("writing", path, creating=True):
             self.retry.call(self._put_bytes, path, data, part_size)
+
+    def put_buffer(self, path: str, data: Any, part_size: int, crc32c: str | None = None) -> None:
+        """Write one whole file from any C-contiguous buffer (a tensor's bytes, a memoryview),
+        durable when this returns; read in place where the backend can (no copy).
+        ``crc32c``: the data's CRC32C (``storage.checksum`` form), which the backend sends for
+        the store to check where it can (S3 ``x-amz-checksum-crc32c`` on a single PUT)."""
+        with self._doing("writing", path, creating=True):
+            self.retry.call(self._put_buffer, path, data, part_size, crc32c)
 
     def put_small(self, path: str, data: bytes) -> None:
         """Write a small file with one plain write: not atomic, not exclusive, not synced
@@ -397,8 +419,18 @@ class Backend:
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         return self.fs.cat_file(path, start=start, end=end)
 
+    def _read_range_into(self, path: str, start: int, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self._read_range(path, start, start + view.nbytes)
+        count = len(data)
+        view[:count] = data
+        return count
+
     def _get_file(self, path: str, local_path: str) -> None:
         self.fs.get_file(path, local_path)
+
+    def _put_buffer(self, path: str, data: Any, part_size: int, crc32c: str | None) -> None:
+        self._put_bytes(path, data if isinstance(data, bytes) else bytes(data), part_size)
 
     def _put_bytes(self, path: str, data: bytes, part_size: int) -> None:
         self.fs.pipe_file(path, data, **self.multipart_options(part_size))

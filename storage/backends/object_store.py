@@ -14,6 +14,7 @@ import fsspec.config
 from fsspec.spec import AbstractFileSystem
 
 from zephon.storage.backends.base import Backend, ListedFile, _listed
+from zephon.storage.backends.native import OPTION, NativeClient, NativeWriter, native_client
 
 __all__ = ["DEFAULT_POOL_CONNECTIONS", "GCSBackend", "ObjectStoreBackend", "S3Backend"]
 
@@ -25,6 +26,18 @@ DEFAULT_POOL_CONNECTIONS = 32
 #: botocore's own retries, unless the user configures them: none, since Zephon's policy
 #: (``storage.retry``) tries every request again and botocore's would multiply with it
 BOTOCORE_RETRIES = {"total_max_attempts": 1}
+#: botocore's own checksums, unless the user configures them: only where S3 requires one.
+#: Since botocore 1.36 it computes a CRC32 of every request body and checks one on every
+#: reply; Zephon's CRC32C of each file (the manifest's, sent as ``x-amz-checksum-crc32c`` on
+#: single PUTs) already covers the bytes, so the second pass is CPU spent for nothing.
+BOTOCORE_CHECKSUMS = {
+    "request_checksum_calculation": "when_required",
+    "response_checksum_validation": "when_required",
+}
+
+
+def _native_choice(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {OPTION: options[OPTION]} if OPTION in options else {}
 
 
 class ObjectStoreBackend(Backend):
@@ -37,6 +50,90 @@ class ObjectStoreBackend(Backend):
     multipart_uploads = True
     server_side_copy = True
     default_workers: ClassVar[int] = DEFAULT_POOL_CONNECTIONS
+
+    def __init__(self, fs: AbstractFileSystem, protocol: str, **where: Any) -> None:
+        super().__init__(fs, protocol, **where)
+        #: the native data path for payload bytes (``storage.backends.native``), or None where
+        #: they go through the fsspec filesystem
+        self.native: NativeClient | None = native_client(
+            protocol,
+            {**(getattr(fs, "storage_options", None) or {}), **_native_choice(self.options)},
+            self.root.lstrip("/").split("/", 1)[0],
+            self.retry,
+        )
+
+    def _native(self, path: str) -> NativeClient | None:
+        """The native client if it serves ``path`` (a path in the location's bucket)."""
+        native = self.native
+        if native is None or path.lstrip("/").split("/", 1)[0] != native.bucket:
+            return None
+        return native
+
+    # -- the payload: through the native client where there is one ----------------------------
+
+    def _read_file(self, path: str) -> bytes:
+        native = self._native(path)
+        if native is not None:
+            return native.read_file(path)
+        return super()._read_file(path)
+
+    def _read_range(self, path: str, start: int, end: int) -> bytes:
+        native = self._native(path)
+        if native is not None:
+            return native.read_range(path, start, end)
+        return super()._read_range(path, start, end)
+
+    def _read_range_into(self, path: str, start: int, buffer: Any) -> int:
+        native = self._native(path)
+        if native is not None:
+            return native.read_range_into(path, start, memoryview(buffer).cast("B"))
+        return super()._read_range_into(path, start, buffer)
+
+    def _get_file(self, path: str, local_path: str) -> None:
+        native = self._native(path)
+        if native is not None:
+            native.get_file(path, local_path)
+            return
+        super()._get_file(path, local_path)
+
+    def _put_native(self, path: str, data: Any, part_size: int) -> bool:
+        """Write ``data`` through the native client if there is one; whether it did."""
+        native = self._native(path)
+        if native is None:
+            return False
+        native.put(path, data, part_size, self.default_workers)
+        self.fs.invalidate_cache(path)
+        return True
+
+    def _put_bytes(self, path: str, data: bytes, part_size: int) -> None:
+        if not self._put_native(path, data, part_size):
+            super()._put_bytes(path, data, part_size)
+
+    def _put_buffer(self, path: str, data: Any, part_size: int, crc32c: str | None) -> None:
+        if not self._put_native(path, data, part_size):
+            super()._put_buffer(path, data, part_size, crc32c)
+
+    def _open_write(self, path: str, part_size: int) -> IO[bytes]:
+        native = self._native(path)
+        if native is not None:
+            return native.open_write(path, part_size, self.default_workers)
+        return super()._open_write(path, part_size)
+
+    def _discard_write(self, handle: IO[bytes]) -> None:
+        if isinstance(handle, NativeWriter):  # an upload never completed publishes nothing
+            handle.discard()
+            return
+        super()._discard_write(handle)
+
+    # -- the control path: fsspec --------------------------------------------------------------
+
+    @classmethod
+    def default_options(cls, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The options without ``native`` (Zephon's own, which the fsspec filesystem must not
+        see: s3fs hands unknown options to botocore)."""
+        options = dict(storage_options or {})
+        options.pop(OPTION, None)
+        return options
 
     def _list_files(self, path: str, *, prefix: str = "") -> list[ListedFile]:
         try:
@@ -89,7 +186,7 @@ class S3Backend(ObjectStoreBackend):
         is merged in. A botocore ``Config`` object in ``client_kwargs`` is the user's whole
         configuration and is left alone.
         """
-        options = dict(storage_options or {})
+        options = super().default_options(storage_options)
         configured: dict[str, Any] = {}
         for name in sorted(cls.protocols):  # s3fs takes the configuration of both protocols
             configured.update(fsspec.config.conf.get(name) or {})
@@ -105,6 +202,8 @@ class S3Backend(ObjectStoreBackend):
         }
         config_kwargs.setdefault("max_pool_connections", DEFAULT_POOL_CONNECTIONS)
         config_kwargs.setdefault("retries", dict(BOTOCORE_RETRIES))
+        for name, value in BOTOCORE_CHECKSUMS.items():
+            config_kwargs.setdefault(name, value)
         options["config_kwargs"] = config_kwargs
         return options
 
@@ -116,9 +215,22 @@ class S3Backend(ObjectStoreBackend):
         fs.retries = 1
 
     def _read_file(self, path: str) -> bytes:
+        if self._native(path) is not None:
+            return super()._read_file(path)
         return self._read_small(path)
 
+    def _put_buffer(self, path: str, data: Any, part_size: int, crc32c: str | None) -> None:
+        view = memoryview(data).cast("B")
+        if self._native(path) is not None or view.nbytes >= 2 * part_size or crc32c is None:
+            super()._put_buffer(path, data, part_size, crc32c)
+            return
+        # One PUT carrying the CRC32C Zephon computed anyway: S3 checks it against the bytes
+        # it received and refuses the object if they differ (botocore computes no CRC32).
+        self.fs.pipe_file(path, view.tobytes(), ChecksumCRC32C=crc32c)
+
     def _put_bytes(self, path: str, data: bytes, part_size: int) -> None:
+        if self._put_native(path, data, part_size):
+            return
         if len(data) < 2 * part_size:  # one PUT
             self.fs.pipe_file(path, data, **self.multipart_options(part_size))
             return
@@ -150,8 +262,11 @@ class S3Backend(ObjectStoreBackend):
 
     def _open_write(self, path: str, part_size: int) -> IO[bytes]:
         """s3fs's buffered file, each of whose requests (the multipart upload's start, every
-        part, its completion; or the one PUT of a small file) is tried again on its own."""
+        part, its completion; or the one PUT of a small file) is tried again on its own; or
+        the native client's file."""
         handle = super()._open_write(path, part_size)
+        if isinstance(handle, NativeWriter):
+            return handle
         bucket, key, _ = self.fs.split_path(path)
         send = handle._call_s3
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from zephon.storage.errors import BackendUnavailableError, StorageError, StorageOptionsRefusedError
 from zephon.storage.redact import redact
-from zephon.storage.retry import carry_retry_state, reply_status, retry_summary
+from zephon.storage.retry import carry_retry_state, give_up, reply_status, retry_summary
 
 if TYPE_CHECKING:
     from zephon.storage.backends.base import Backend
@@ -27,6 +28,8 @@ __all__ = [
     "full_disk_fix",
     "is_backend_failure",
     "missing_parent_fix",
+    "native_error",
+    "native_errors",
     "read_only_fix",
     "translated",
 ]
@@ -190,3 +193,69 @@ def full_disk_fix(backend: Backend) -> str:
         f"the disk holding {backend.url} is full: free space there or use a location on a "
         "larger disk"
     )
+
+
+# -- obstore (the native data path, ``storage.backends.native``) ---------------------------------
+
+_STATUS = re.compile(r"status(?: code)?:? (\d{3})")
+_S3_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
+
+
+class NativeReplyError(OSError):
+    """An error reply to a request of the native client, in the shape the retry policy reads
+    (``response`` as botocore gives it: the error code and the HTTP status), so 5xx and
+    throttling are tried again and 401/403 are named as credentials, as on the fsspec path."""
+
+    def __init__(self, message: str, code: str, status: int) -> None:
+        super().__init__(message)
+        self.response = {
+            "Error": {"Code": code},
+            "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": {}},
+        }
+
+
+class NativeConnectionError(ConnectionError):
+    """The native client's request got no reply (refused, reset, timed out): transient."""
+
+
+def native_error(exc: BaseException) -> BaseException:
+    """The exception the fsspec path would raise for obstore's ``exc``: ``FileNotFoundError``,
+    ``FileExistsError``, ``PermissionError``, a reply error carrying its status, or a
+    connection error; ``exc`` itself if it is none of obstore's."""
+    names = {klass.__name__ for klass in type(exc).__mro__}
+    if not type(exc).__module__.startswith("obstore"):
+        return exc
+    text = str(exc)
+    first = text.split("\n", 1)[0]
+    if "NotFoundError" in names:
+        return FileNotFoundError(first)
+    if names & {"AlreadyExistsError", "PreconditionError"}:
+        return FileExistsError(first)
+    if names & {"PermissionDeniedError", "UnauthenticatedError"}:
+        return PermissionError(first)
+    status = _STATUS.search(text)
+    if status is not None:
+        code = _S3_CODE.search(text)
+        return NativeReplyError(first, code.group(1) if code else "", int(status.group(1)))
+    lowered = text.lower()
+    if any(word in lowered for word in ("connect", "timed out", "timeout", "reset", "broken")):
+        return NativeConnectionError(first)
+    if names & {"UnknownConfigurationKeyError"}:
+        return TypeError(first)
+    return NativeReplyError(first, "", 0) if "GenericError" in names else exc
+
+
+@contextlib.contextmanager
+def native_errors(*, given_up: bool = False) -> Iterator[None]:
+    """Raise obstore's errors as ``native_error`` makes them (``translated`` then treats them
+    as every backend's). ``given_up``: the client already tried the request under the retry
+    policy (multipart uploads), so no policy around it tries it again."""
+    try:
+        yield
+    except Exception as exc:
+        answer = native_error(exc)
+        if given_up and answer is not exc:
+            give_up(answer)
+        if answer is exc:
+            raise
+        raise answer from exc
