@@ -8,6 +8,15 @@
     Goal: ratio >= 0.9.
 (c) scan of a run with 1,000 committed checkpoints on S3: requests and time of
     ``committed_steps`` (one paged listing) vs the naive delimited listing + one HEAD per step.
+(d) one object of ``--object-mib`` MiB (256) put and read back on moto: the backend's
+    ``put_buffer`` / ``read_range_into`` through the native client (obstore) against the same
+    calls through s3fs (``native=False``), and the AWS CRT client that s3torchconnector uses
+    (when ``s3torchconnectorclient`` is installed): time, and this process's CPU seconds per
+    GiB (getrusage; moto runs in its own process). Ratios are s3fs / candidate.
+(e) warm local load: ``zephon.dcp.load`` of ``--load-mib`` MiB of tensors from local disk (in
+    the page cache) into preallocated tensors, every slice's CRC32C checked, against a plain
+    read of the same shard files into preallocated memory (``readinto``, one file after
+    another). Goal: ratio (plain / Zephon) >= 0.8.
 Ratios are baseline time / Zephon time (the median over repeats that run the two back to back):
 above 1 means Zephon is faster.
 """
@@ -16,9 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
+import statistics
 import tempfile
+import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from _common import count_s3_requests, interleaved, servers, table, timed
@@ -170,13 +183,189 @@ def bench_scan(s3: servers.S3Server, steps: int) -> list[tuple]:
     ]
 
 
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed_cpu(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall seconds and this process's CPU seconds (all threads) of one call."""
+    cpu, wall = _cpu_s(), time.perf_counter()
+    fn()
+    return time.perf_counter() - wall, _cpu_s() - cpu
+
+
+def _crt_client(s3: servers.S3Server):
+    """The AWS CRT client s3torchconnector uses, on moto; None if it is not installed."""
+    try:
+        from s3torchconnectorclient._mountpoint_s3_client import MountpointS3Client
+    except ImportError:
+        return None
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    return MountpointS3Client("us-east-1", endpoint=s3.endpoint_url, force_path_style=True)
+
+
+def bench_object(s3: servers.S3Server, mib: int, repeats: int) -> list[tuple]:
+    """(d): one object of ``mib`` MiB put and read back, per client, interleaved."""
+    bucket = f"object-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(bucket)
+    data = memoryview(bytearray(os.urandom(mib << 20)))
+    into = memoryview(bytearray(mib << 20))
+    part = 16 << 20
+    stores = {
+        "s3fs": CheckpointStore(f"s3://{bucket}/f", {**s3.storage_options(), "native": False}),
+        "obstore": CheckpointStore(f"s3://{bucket}/n", s3.storage_options()),
+    }
+    assert stores["obstore"].location.backend.native is not None
+    assert stores["s3fs"].location.backend.native is None
+    sides: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {}
+    for name, store in stores.items():
+        backend, path = store.location.backend, f"{store.location.root}/obj"
+
+        def put(backend=backend, path=path) -> None:
+            backend.put_buffer(path, data, part)
+
+        def get(backend=backend, path=path) -> None:
+            assert backend.read_range_into(path, 0, into) == into.nbytes
+
+        sides[name] = (put, get)
+    crt = _crt_client(s3)
+    if crt is not None:
+
+        def crt_put() -> None:
+            stream = crt.put_object(bucket, "crt/obj")
+            for start in range(0, data.nbytes, part):
+                stream.write(data[start : start + part])
+            stream.close()
+
+        def crt_get() -> None:
+            got = 0
+            for chunk in crt.get_object(bucket, "crt/obj"):
+                into[got : got + len(chunk)] = chunk
+                got += len(chunk)
+            assert got == into.nbytes
+
+        sides["AWS CRT"] = (crt_put, crt_get)
+    times: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    names = list(sides)
+    for repeat in range(repeats):
+        order = names if repeat % 2 == 0 else names[::-1]
+        for op, index in (("put", 0), ("get", 1)):
+            for name in order:
+                times.setdefault((name, op), []).append(_timed_cpu(sides[name][index]))
+    rows = []
+    gib = mib / 1024
+    for op in ("put", "get"):
+        base = [w for w, _ in times[("s3fs", op)]]
+        base_cpu = statistics.median(c for _, c in times[("s3fs", op)])
+        for name in names:
+            walls = [w for w, _ in times[(name, op)]]
+            cpu = statistics.median(c for _, c in times[(name, op)])
+            ratio = statistics.median(b / w for b, w in zip(base, walls, strict=True))
+            rows.append(
+                (
+                    f"{op} {mib} MiB: {name}",
+                    f"{statistics.median(walls):.2f}",
+                    f"{cpu / gib:.2f}",
+                    f"{ratio:.2f}" if name != "s3fs" else "",
+                    f"{base_cpu / cpu:.2f}" if name != "s3fs" else "",
+                )
+            )
+    for store in stores.values():
+        store.close()
+    return rows
+
+
+def bench_warm_load(total_mib: int, repeats: int) -> list[tuple]:
+    """(e): Zephon's DCP load from the page cache against plain reads of the same files."""
+    import torch
+
+    from zephon import dcp as zd
+
+    base = tempfile.mkdtemp(prefix="zephon-bench-load-")
+    try:
+        store = CheckpointStore(os.path.join(base, "ckpt"))
+        count = 64
+        numel = (total_mib << 20) // 4 // count
+        state = {f"layer{i}.weight": torch.randn(numel) for i in range(count)}
+        target = {name: torch.empty_like(t) for name, t in state.items()}
+        writer = zd.attach_ranks(store, "bench", 1, store.run("bench").begin(1))
+        zd.save(state, zd.ZephonStorageWriter(writer, thread_count=4))
+        reader = store.run("bench").reader(1)
+        files = [os.path.join(reader.path, name) for name in reader.names]
+        buffers = [bytearray(os.path.getsize(path)) for path in files]
+
+        def plain() -> None:
+            for path, buffer in zip(files, buffers, strict=True):
+                with open(path, "rb", buffering=0) as handle:
+                    view, got = memoryview(buffer), 0
+                    while got < len(view):
+                        got += handle.readinto(view[got:])
+
+        def zephon() -> None:
+            zd.load(target, zd.ZephonStorageReader(store, "bench", 1))
+
+        plain(), zephon()  # into the page cache
+        base_med, zep_med, ratio = interleaved(repeats, plain, zephon)
+        for name, tensor in state.items():
+            assert torch.equal(tensor, target[name]), name
+        mib = sum(len(b) for b in buffers) / (1 << 20)
+        return [
+            (
+                "warm: plain readinto of the files (baseline)",
+                f"{base_med:.3f}",
+                f"{mib / base_med:.0f}",
+                "",
+            ),
+            (
+                "warm: Zephon DCP load (CRC32C checked)",
+                f"{zep_med:.3f}",
+                f"{mib / zep_med:.0f}",
+                f"{ratio:.2f}",
+            ),
+        ]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--local-mib", type=int, default=1024)
     parser.add_argument("--s3-mib", type=int, default=256)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--object-mib", type=int, default=256)
+    parser.add_argument("--load-mib", type=int, default=1024)
+    parser.add_argument(
+        "--only", default="a,b,c,d,e", help="comma-separated sections to run (default: all)"
+    )
     args = parser.parse_args()
+    only = set(args.only.split(","))
+    if "e" in only:
+        rows = bench_warm_load(args.load_mib, args.repeats)
+        print(
+            table(rows, (f"(e) warm local load, {args.load_mib} MiB", "median s", "MiB/s", "ratio"))
+        )
+        print()
+    if "d" in only:
+        with servers.s3_server() as s3:
+            rows = bench_object(s3, args.object_mib, args.repeats)
+        print(
+            table(
+                rows,
+                (
+                    "(d) one object on moto",
+                    "median s",
+                    "client CPU-s/GiB",
+                    "time ratio vs s3fs",
+                    "CPU ratio vs s3fs",
+                ),
+            )
+        )
+        print()
+    if not only & {"a", "b", "c"}:
+        return
 
     rows = bench_local(args.local_mib, args.repeats)
     print(
