@@ -4,7 +4,7 @@ lists, with every whole-file read checked against the manifest's size and CRC32C
 from __future__ import annotations
 
 import os
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from zephon.storage.backend import get_file, open_read, read_file, read_range
 from zephon.storage.checksum import Crc32c
@@ -121,6 +121,17 @@ class CheckpointReader:
         location = self._location
         try:
             return read_range(location, target, start, end)
+        except FileNotFoundError:
+            raise self._missing(name) from None
+
+    def read_range_into(self, name: str, start: int, buffer: Any) -> int:
+        """Bytes of one file from ``start`` straight into ``buffer`` (any writable
+        C-contiguous buffer, e.g. a tensor's bytes), as many as it holds, in one ranged
+        request; returns how many arrived (fewer means the file is shorter). No bytes object
+        is made on the way where the backend can avoid it (local disk, the native client)."""
+        target = self._target(name)
+        try:
+            return self._location.backend.read_range_into(target, start, buffer)
         except FileNotFoundError:
             raise self._missing(name) from None
 

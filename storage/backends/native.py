@@ -165,6 +165,9 @@ class NativeClient:
         self.parts = parts
         #: requests sent, by kind: tests check that the native path is taken
         self.calls: dict[str, int] = {}
+        #: called with (key, start, end) before every ranged GET: what tests observe (as they
+        #: hook botocore's events on the fsspec path)
+        self.observers: list[Callable[[str, int, int], None]] = []
 
     def __repr__(self) -> str:  # never the stores: their configuration holds credentials
         return f"NativeClient({self.protocol!r}, {self.bucket!r})"
@@ -186,20 +189,24 @@ class NativeClient:
 
     # -- reads: one request each, tried again by the backend's policy ------------------------
 
-    def read_file(self, path: str) -> Any:
-        """The whole object (a buffer owned by obstore)."""
+    def read_file(self, path: str) -> bytes:
+        """The whole object."""
         import obstore
 
         key = self.key(path)
-        return self._run("get", lambda: obstore.get(self.once, key).bytes())
+        return self._run("get", lambda: obstore.get(self.once, key).bytes().to_bytes())
 
-    def read_range(self, path: str, start: int, end: int) -> Any:
-        """Bytes ``[start, end)`` (fewer at the end of the object), as obstore's buffer."""
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` (fewer at the end of the object)."""
+        return self._range(path, start, end).to_bytes() if end > start else b""
+
+    def _range(self, path: str, start: int, end: int) -> Any:
+        """Bytes ``[start, end)`` as obstore's buffer (Rust-owned memory, no bytes object)."""
         import obstore
 
-        if end <= start:
-            return b""
         key = self.key(path)
+        for observe in self.observers:
+            observe(key, start, end)
         return self._run(
             "get_range", lambda: obstore.get_range(self.once, key, start=start, end=end)
         )
@@ -207,7 +214,9 @@ class NativeClient:
     def read_range_into(self, path: str, start: int, buffer: memoryview) -> int:
         """Bytes from ``start`` into ``buffer`` (as many as it holds, fewer at the end of the
         object); returns how many. obstore owns the reply's buffer: one copy into ``buffer``."""
-        data = self.read_range(path, start, start + buffer.nbytes)
+        if not buffer.nbytes:
+            return 0
+        data = self._range(path, start, start + buffer.nbytes)
         count = memoryview(data).nbytes
         buffer[:count] = data
         return count

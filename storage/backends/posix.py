@@ -6,7 +6,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import Iterable, Iterator
-from typing import IO, ClassVar
+from typing import IO, Any, ClassVar
 
 from fsspec.spec import AbstractFileSystem
 
@@ -98,6 +98,22 @@ class PosixBackend(Backend):
         with open(path, "rb") as handle:
             while piece := handle.read(chunk):
                 yield piece
+
+    def _read_range_into(self, path: str, start: int, buffer: Any) -> int:
+        # One preadv straight into the caller's memory (no bytes object), looping only where
+        # the kernel returns less than asked before the end of the file.
+        view = memoryview(buffer).cast("B")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            got = 0
+            while got < view.nbytes:
+                count = os.preadv(fd, [view[got:]], start + got)
+                if not count:
+                    break
+                got += count
+            return got
+        finally:
+            os.close(fd)
 
     def open_in_place(self, path: str) -> IO[bytes]:
         """The file unbuffered, for reads straight into the caller's memory (``readinto``);

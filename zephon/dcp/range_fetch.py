@@ -1,8 +1,9 @@
 """Performs the read groups of a DCP load and hands their bytes to the planner.
 
 On local disk each range is read with ``readinto`` straight into the destination tensor when
-dtype and layout allow; on object stores each group is one ranged GET, and a slice longer than
-a request arrives in several, each copied into the destination as it comes. A checked slice
+dtype and layout allow; on object stores a group of one slice arrives by ranged GETs straight
+into the destination (``read_range_into``: several when the slice is longer than a request),
+and a group of neighbouring small items is one GET, each item copied from the reply. A checked slice
 (one with a recorded CRC32C) is checksummed while its bytes arrive, so no byte reaches the
 model unchecked and nothing is read twice. Groups run in parallel threads; the CRC releases
 the GIL.
@@ -111,25 +112,28 @@ class RangeFetcher:
         self._check(r, crc)
 
     def _read_remote(self, group: ReadGroup, planner: LoadPlanner) -> None:
-        if group.end - group.start > self.max_request_bytes:
-            # Only a single read longer than a request makes such a group (see group_reads).
-            self._stream_remote(group.reads[0], planner)
+        if len(group.reads) == 1:
+            # One slice (however long): its ranged GETs land straight in the destination.
+            self._read_one_remote(group.reads[0], planner)
             return
+        # Neighbouring small items share one GET; each is cut from the reply (a buffer of
+        # the native client's, or bytes) and copied into its destination.
         data = self.reader.read_range(group.file, group.start, group.end)
-        if len(data) != group.end - group.start:
-            raise self._short(group.file, group.end, group.start + len(data))
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
+        if view.nbytes != group.end - group.start:
+            raise self._short(group.file, group.end, group.start + view.nbytes)
         for r in group.reads:
             piece = view[r.start - group.start : r.start - group.start + r.length]
             if r.crc is not None:
                 self._check(r, crc32c_extend(0, piece))
             self._deliver(r, planner, piece, self._target(r, planner))
 
-    def _stream_remote(self, r: SliceRead, planner: LoadPlanner) -> None:
-        """Read one slice longer than ``max_request_bytes`` in ranged GETs of at most that
-        many bytes, each copied into the destination (or, if the bytes cannot land there as
-        they are, into one buffer of the slice) and fed to the running CRC as it arrives: the
-        response buffers in flight stay bounded however large the slice, as on local disk."""
+    def _read_one_remote(self, r: SliceRead, planner: LoadPlanner) -> None:
+        """Read one slice in ranged GETs of at most ``max_request_bytes``, each landing straight
+        in the destination tensor's memory (``read_range_into``; or, if the bytes cannot land
+        there as they are, in one buffer of the slice) and fed to the running CRC there, once:
+        no bytes object per request, and the replies in flight stay bounded however large the
+        slice, as on local disk."""
         target = self._target(r, planner)
         direct = target is not None and self._direct(r, target)
         buffer = None if direct else bytearray(r.length)
@@ -137,11 +141,9 @@ class RangeFetcher:
         crc = 0
         for begin in range(0, r.length, self.max_request_bytes):
             end = min(begin + self.max_request_bytes, r.length)
-            data = self.reader.read_range(r.file, r.start + begin, r.start + end)
-            if len(data) != end - begin:
-                raise self._short(r.file, r.start + end, r.start + begin + len(data))
-            view[begin:end] = data
-            del data  # before the next request: one response buffer per thread at a time
+            got = self.reader.read_range_into(r.file, r.start + begin, view[begin:end])
+            if got != end - begin:
+                raise self._short(r.file, r.start + end, r.start + begin + got)
             if r.crc is not None:
                 crc = crc32c_extend(crc, view[begin:end])
         self._check(r, crc)
