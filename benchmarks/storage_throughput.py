@@ -235,8 +235,8 @@ def bench_object(s3: servers.S3Server, mib: int, repeats: int) -> list[tuple]:
 
         def crt_put() -> None:
             stream = crt.put_object(bucket, "crt/obj")
-            for start in range(0, data.nbytes, part):
-                stream.write(data[start : start + part])
+            for start in range(0, data.nbytes, part):  # its binding takes bytes only
+                stream.write(data[start : start + part].tobytes())
             stream.close()
 
         def crt_get() -> None:
