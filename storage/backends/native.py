@@ -86,6 +86,9 @@ _FSSPEC_ONLY = frozenset(
     }
 )
 _OFF_WORDS = frozenset({"0", "false", "off", "no"})
+#: the S3 connection pool Zephon asks s3fs for (``object_store.DEFAULT_POOL_CONNECTIONS``),
+#: which the native client's concurrency matches; a pool size the user set keeps fsspec
+POOL_CONNECTIONS = 32
 
 
 class Unmappable(Exception):
@@ -399,6 +402,11 @@ def _s3_config(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     )
     config_kwargs = dict(options.get("config_kwargs") or {})
     _refuse_unknown(config_kwargs, _BOTOCORE_KEYS, "config_kwargs.")
+    pool = config_kwargs.get("max_pool_connections")
+    if pool is not None and pool != POOL_CONNECTIONS:
+        raise Unmappable(
+            f"config_kwargs.max_pool_connections={pool}: obstore cannot bound its connections"
+        )
     extra = dict(options.get("s3_additional_kwargs") or {})
     _refuse_unknown(extra, {"ServerSideEncryption", "SSEKMSKeyId"}, "s3_additional_kwargs.")
 

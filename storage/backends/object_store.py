@@ -14,7 +14,13 @@ import fsspec.config
 from fsspec.spec import AbstractFileSystem
 
 from zephon.storage.backends.base import Backend, ListedFile, _listed
-from zephon.storage.backends.native import OPTION, NativeClient, NativeWriter, native_client
+from zephon.storage.backends.native import (
+    OPTION,
+    POOL_CONNECTIONS,
+    NativeClient,
+    NativeWriter,
+    native_client,
+)
 
 __all__ = ["DEFAULT_POOL_CONNECTIONS", "GCSBackend", "ObjectStoreBackend", "S3Backend"]
 
@@ -22,7 +28,7 @@ __all__ = ["DEFAULT_POOL_CONNECTIONS", "GCSBackend", "ObjectStoreBackend", "S3Ba
 #: (aiobotocore's default is 10): a commit uploads up to 32 files at once, and each waiting
 #: upload holds a connection, so a pool of 10 makes 32 files take four waves of round trips.
 #: gcsfs needs nothing: its aiohttp connector allows 100 connections.
-DEFAULT_POOL_CONNECTIONS = 32
+DEFAULT_POOL_CONNECTIONS = POOL_CONNECTIONS
 #: botocore's own retries, unless the user configures them: none, since Zephon's policy
 #: (``storage.retry``) tries every request again and botocore's would multiply with it
 BOTOCORE_RETRIES = {"total_max_attempts": 1}

@@ -223,16 +223,18 @@ def native_error(exc: BaseException) -> BaseException:
     ``FileExistsError``, ``PermissionError``, a reply error carrying its status, or a
     connection error; ``exc`` itself if it is none of obstore's."""
     names = {klass.__name__ for klass in type(exc).__mro__}
+    text = str(exc)
+    first = text.split("\n", 1)[0]  # obstore appends a multi-line debug dump
+    if "NotFoundError" in names or isinstance(exc, FileNotFoundError):
+        return FileNotFoundError(first)
+    if names & {"AlreadyExistsError", "PreconditionError"} or isinstance(exc, FileExistsError):
+        return FileExistsError(first)
+    if names & {"PermissionDeniedError", "UnauthenticatedError"} or isinstance(
+        exc, PermissionError
+    ):
+        return PermissionError(first)
     if not type(exc).__module__.startswith("obstore"):
         return exc
-    text = str(exc)
-    first = text.split("\n", 1)[0]
-    if "NotFoundError" in names:
-        return FileNotFoundError(first)
-    if names & {"AlreadyExistsError", "PreconditionError"}:
-        return FileExistsError(first)
-    if names & {"PermissionDeniedError", "UnauthenticatedError"}:
-        return PermissionError(first)
     status = _STATUS.search(text)
     if status is not None:
         code = _S3_CODE.search(text)

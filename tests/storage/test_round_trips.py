@@ -176,6 +176,9 @@ def test_a_botocore_config_object_is_left_alone():
     assert with_defaults("s3a", {})["config_kwargs"] == {
         "max_pool_connections": 32,
         "retries": {"total_max_attempts": 1},  # Zephon's policy retries, not botocore
+        # Zephon's CRC32C covers the bytes: no CRC32 of botocore's own
+        "request_checksum_calculation": "when_required",
+        "response_checksum_validation": "when_required",
     }
 
 
