@@ -100,6 +100,11 @@ def native_wanted(protocol: str, options: Mapping[str, Any]) -> str | None:
     reason it is not."""
     if os.environ.get(ENVIRONMENT, "").strip().lower() in _OFF_WORDS:
         return f"{ENVIRONMENT}={os.environ[ENVIRONMENT]}"
+    if _FORKED_AFTER_USE:
+        return (
+            "this process was forked after its parent used obstore, whose runtime does not "
+            "survive a fork"
+        )
     choice = options.get(OPTION)
     if choice is False:
         return f"storage_options {OPTION}=False"
@@ -141,7 +146,20 @@ def native_client(
 
 _CLIENTS: dict[tuple[Any, ...], NativeClient] = {}
 _LOCK = threading.Lock()
-os.register_at_fork(after_in_child=_CLIENTS.clear)  # a client's runtime does not survive fork
+#: whether this process is a child forked after its parent made a client: obstore's runtime
+#: (its threads) does not survive a fork, and a new client in the child hangs on its first
+#: request (seen with obstore 0.12.1), so a forked child keeps the fsspec path
+_FORKED_AFTER_USE = False
+
+
+def _after_fork_in_child() -> None:
+    global _FORKED_AFTER_USE, _LOCK
+    _FORKED_AFTER_USE = _FORKED_AFTER_USE or bool(_CLIENTS)
+    _CLIENTS.clear()
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _retry_config(policy: RetryPolicy) -> dict[str, Any]:
@@ -166,6 +184,8 @@ class NativeClient:
         self.bucket = bucket
         self.once = once
         self.parts = parts
+        #: the process that made it: a forked child makes its own
+        self.pid = os.getpid()
         #: requests sent, by kind: tests check that the native path is taken
         self.calls: dict[str, int] = {}
         #: called with (key, start, end) before every ranged GET: what tests observe (as they

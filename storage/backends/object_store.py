@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, ClassVar
@@ -61,18 +62,25 @@ class ObjectStoreBackend(Backend):
         super().__init__(fs, protocol, **where)
         #: the native data path for payload bytes (``storage.backends.native``), or None where
         #: they go through the fsspec filesystem
-        self.native: NativeClient | None = native_client(
-            protocol,
-            {**(getattr(fs, "storage_options", None) or {}), **_native_choice(self.options)},
+        self.native: NativeClient | None = self._native_client()
+
+    def _native_client(self) -> NativeClient | None:
+        return native_client(
+            self.protocol,
+            {**(getattr(self.fs, "storage_options", None) or {}), **_native_choice(self.options)},
             self.root.lstrip("/").split("/", 1)[0],
             self.retry,
         )
 
     def _native(self, path: str) -> NativeClient | None:
-        """The native client if it serves ``path`` (a path in the location's bucket)."""
+        """The native client if it serves ``path`` (a path in the location's bucket); in a
+        child forked since it was made, none: the child keeps the fsspec path
+        (``storage.backends.native``)."""
         native = self.native
         if native is None or path.lstrip("/").split("/", 1)[0] != native.bucket:
             return None
+        if native.pid != os.getpid():
+            native = self.native = self._native_client()
         return native
 
     # -- the payload: through the native client where there is one ----------------------------

@@ -268,3 +268,27 @@ def test_a_large_slice_lands_in_the_tensor_in_bounded_ranges_and_neighbours_shar
     big = [r for r in shard if r[1] - r[0] == mib]
     assert len(big) == 4  # the 4 MiB tensor, in four GETs of one MiB
     assert len(shard) == 5  # and the eight small ones in one
+
+
+def test_a_forked_child_reads_through_fsspec(s3_backend):
+    import multiprocessing
+
+    with s3_backend.open_store() as store:
+        save_files(store, 1, {"a.bin": b"from the parent"}, b"")
+        parent = store.location.backend.native
+        context = multiprocessing.get_context("fork")
+        receive, send = context.Pipe(duplex=False)
+
+        def child() -> None:  # forked: nothing is pickled
+            # a store of its own, as with fsspec, whose filesystems are not fork-safe either
+            with s3_backend.open_store() as own:
+                data = own.run("r").reader(1).read_bytes("a.bin")
+                send.send((data, own.location.backend.native))
+
+        process = context.Process(target=child)
+        process.start()
+        assert receive.poll(60)
+        got = receive.recv()
+        process.join(30)
+        assert got == (b"from the parent", None)
+        assert store.location.backend.native is parent
