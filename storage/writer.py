@@ -28,7 +28,6 @@ from zephon.storage.backend import (
     make_dirs,
     open_read,
     outcome_unknown,
-    put_bytes,
     remove_dir,
     remove_empty_dirs,
     remove_files,
@@ -140,8 +139,9 @@ class CheckpointWriter:
                 return self._record(name, out.crc)
             crc = Crc32c()
             crc.update(data)
-            payload = data if isinstance(data, bytes) else bytes(data)
-            put_bytes(location, target, payload, self._part_size)
+            # the caller's buffer as it is (no copy where the backend reads it in place), and
+            # the CRC32C for the store to check where it can
+            location.backend.put_buffer(target, data, self._part_size, crc.encoded())
             return self._record(name, crc)
 
     def write_stream(self, name: str, stream: BinaryIO) -> FileEntry:

@@ -240,7 +240,9 @@ class S3Backend(ObjectStoreBackend):
             return
         # One PUT carrying the CRC32C Zephon computed anyway: S3 checks it against the bytes
         # it received and refuses the object if they differ (botocore computes no CRC32).
-        self.fs.pipe_file(path, view.tobytes(), ChecksumCRC32C=crc32c)
+        self.fs.pipe_file(
+            path, view.tobytes(), ChecksumCRC32C=crc32c, **self.multipart_options(part_size)
+        )
 
     def _put_bytes(self, path: str, data: bytes, part_size: int) -> None:
         if self._put_native(path, data, part_size):

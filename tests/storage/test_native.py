@@ -292,3 +292,32 @@ def test_a_forked_child_reads_through_fsspec(s3_backend):
         process.join(30)
         assert got == (b"from the parent", None)
         assert store.location.backend.native is parent
+
+
+class Headers(S3Calls):
+    """The checksum headers of every PutObject and UploadPart s3fs sends."""
+
+    def __init__(self, fs) -> None:
+        super().__init__(fs)
+        self.sent: list[tuple[str, set[str]]] = []
+
+    def on_call(self, model, params) -> None:
+        if model.name in {"PutObject", "UploadPart"}:
+            names = {k.lower() for k in params.get("headers", {}) if "checksum" in k.lower()}
+            self.sent.append((model.name, names))
+
+
+def test_on_s3fs_our_crc32c_goes_with_a_put_and_botocore_adds_none_of_its_own(s3_backend):
+    options = {**s3_backend.storage_options, "native": False}
+    data = random_payload(3 * PART)
+    with CheckpointStore(s3_backend.url, options, part_size=PART) as store:
+        with Headers(store.location.fs) as seen, store.run("r").begin(1) as writer:
+            writer.write_bytes("small.bin", memoryview(b"abc"))
+            writer.write_bytes("parts.bin", data)
+            writer.commit()
+        reader = store.run("r").reader(1)
+        assert reader.read_bytes("small.bin") == b"abc" and reader.read_bytes("parts.bin") == data
+    puts = [names for op, names in seen.sent if op == "PutObject"]
+    parts = [names for op, names in seen.sent if op == "UploadPart"]
+    assert {"x-amz-checksum-crc32c"} in puts  # small.bin, which S3 checks
+    assert len(parts) == 3 and all(names == set() for names in parts)  # no CRC32 of botocore's
