@@ -35,54 +35,15 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-
-class CheckpointState(StrEnum):
-    """States of a checkpoint row; transitions are in ``docs/catalog.md``.
-
-    ``CORRUPT``: verification of the stored checkpoint failed. Never latest, never counted by
-    retention, kept for inspection until gc deletes it with ``corrupt=True``.
-    ``STALE``: the row belongs to a history that a newer attempt abandoned (a step above the
-    point that attempt resumed from). Never latest; gc deletes it once the grace has passed.
-    """
-
-    PENDING = "pending"
-    COMMITTED = "committed"
-    DELETING = "deleting"
-    DELETED = "deleted"
-    FAILED = "failed"
-    CORRUPT = "corrupt"
-    STALE = "stale"
-
-
-class ReplicaState(StrEnum):
-    """States of a replica row (one copy of a checkpoint on one tier): ``pending`` while it is
-    written or uploaded, then ``committed`` or ``failed``; ``committed -> deleted`` when it is
-    removed; ``pending``, ``failed`` and ``deleted`` rows, and committed rows of an older
-    save, are re-armed ``pending`` by a new save of the step."""
-
-    PENDING = "pending"
-    COMMITTED = "committed"
-    FAILED = "failed"
-    DELETED = "deleted"
-
-
-class ReplicaTier(StrEnum):
-    """Where a replica lives: ``local`` (a node-local disk, one row per host) or ``save_dir``
-    (the job's shared storage, host ``""``)."""
-
-    LOCAL = "local"
-    SAVE_DIR = "save_dir"
-
-
-class RunKind(StrEnum):
-    TRAIN = "train"
-    INFERENCE = "inference"
-
-
-class RunStatus(StrEnum):
-    ACTIVE = "active"
-    FINISHED = "finished"
-    FAILED = "failed"
+# The enums live in catalog.states (no SQLAlchemy there); imported here for the constraints,
+# and still importable from this module.
+from zephon.catalog.states import (
+    CheckpointState,
+    ReplicaState,
+    ReplicaTier,
+    RunKind,
+    RunStatus,
+)
 
 
 def _in(column: str, enum: type[StrEnum]) -> str:
