@@ -187,7 +187,9 @@ class RunLocation:
         return (self.name, self.storage_run, id(self._open or self._store))
 
     def __repr__(self) -> str:
-        return f"RunLocation(name={self.name!r}, storage_run={self.storage_run!r})"
+        # the store's repr masks credentials; a deferred store is not opened to show it
+        store = "(opened on first use)" if self._store is None else repr(self._store)
+        return f"RunLocation(name={self.name!r}, store={store}, storage_run={self.storage_run!r})"
 
     @property
     def store(self) -> CheckpointStore:
