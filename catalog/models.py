@@ -31,7 +31,6 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
 )
-from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -78,9 +77,26 @@ class UtcDateTime(TypeDecorator[datetime]):
         return value.astimezone(UTC)
 
 
-# JSONB on PostgreSQL (indexable, compact); JSON text elsewhere. ``none_as_null`` stores Python
-# None as SQL NULL rather than the JSON literal 'null', so "no metadata" is one thing.
-JsonDocument = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
+class JsonDocumentType(TypeDecorator[Any]):
+    """JSONB on PostgreSQL (indexable, compact); JSON text elsewhere. ``none_as_null`` stores
+    Python None as SQL NULL rather than the JSON literal 'null', so "no metadata" is one thing.
+
+    The PostgreSQL type is chosen per dialect (``load_dialect_impl``), not named in the model:
+    SQLAlchemy's PostgreSQL dialect is then imported only by a process that connects to
+    PostgreSQL, not by every ``zephon latest`` on a SQLite catalog."""
+
+    impl = JSON(none_as_null=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> Any:
+        if dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import JSONB
+
+            return dialect.type_descriptor(JSONB(none_as_null=True))
+        return dialect.type_descriptor(JSON(none_as_null=True))
+
+
+JsonDocument = JsonDocumentType()
 
 # Named constraints make Alembic revisions deterministic and let SQLite batch migrations
 # find the constraints they must recreate.
