@@ -132,9 +132,8 @@ def test_the_head_revision_constant_is_the_head_of_the_migrations():
     """Opening a catalog compares the stored revision with ``HEAD_REVISION`` without Alembic:
     a new migration must move it."""
     head = schema.scripts_head()
-    assert schema.HEAD_REVISION == head, (
-        f"migrations/versions has a new head {head!r}: set HEAD_REVISION in catalog/schema.py "
-        "to it"
+    assert head == schema.HEAD_REVISION, (
+        f"migrations/versions has a new head {head!r}: set HEAD_REVISION in catalog/schema.py to it"
     )
     assert catalog_layer.head_revision() == head
 
