@@ -13,10 +13,11 @@ Format 2 (this version) records the fencing token of the attempt that wrote the 
 files live at ``save-<step>/<payload>/<name>``. Format 1 (before fencing) is read as epoch 0
 with its files directly in ``save-<step>/``.
 
-A marker may also carry copies of a few small files it lists (``inline``, at most
-``MAX_INLINE_BYTES`` in all): whoever reads the marker then has those files' bytes in the same
-request, e.g. a DCP load its metadata. A copy is used only if its size and CRC32C match the
-file's entry (``inline_bytes``); the file itself is always written too.
+A marker may also carry copies of a few files it lists (``inline``: zlib-compressed, then
+base64, at most ``MAX_INLINE_BYTES`` compressed in all): whoever reads the marker then has
+those files' bytes in the same request, e.g. a DCP load its metadata. A copy is used only if
+its size and CRC32C match the file's entry (``inline_bytes``); the file itself is always
+written too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import base64
 import binascii
 import json
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +38,11 @@ from zephon.storage.layout import MAX_STEP, validate_file_name
 __all__ = [
     "FORMAT_VERSION",
     "MAX_INLINE_BYTES",
+    "MAX_INLINE_FILE",
     "FileEntry",
     "Manifest",
     "SAVE_ID",
+    "inline_copy",
     "validate_save_id",
 ]
 
@@ -49,9 +53,16 @@ SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_FILE_SIZE = 1 << 50
 #: no checkpoint lists more files than this; anything above is damage or hostility
 MAX_FILES = 1_000_000
-#: the most bytes of file copies one marker carries (``Manifest.inline``): a marker is read
-#: by every scan and load, so it stays small
+#: the most compressed bytes of file copies one marker carries (``Manifest.inline``): a marker
+#: is read by every scan and load, so it stays small (DCP metadata compresses about 16-fold)
 MAX_INLINE_BYTES = 256 << 10
+#: no file larger than this is copied into a marker (nor expanded from one)
+MAX_INLINE_FILE = 64 << 20
+
+
+def inline_copy(data: bytes | bytearray | memoryview) -> str:
+    """A file's copy as a marker carries it (``Manifest.inline``): zlib, then base64."""
+    return base64.b64encode(zlib.compress(data)).decode("ascii")
 
 
 def validate_save_id(save_id: str) -> str:
@@ -118,11 +129,14 @@ class Manifest:
         """The copy of file ``name`` this marker carries, if it has one whose size and CRC32C
         match the file's entry; else None (read the file)."""
         copy, entry = self.inline.get(name), self.file(name)
-        if copy is None or entry is None:
+        if copy is None or entry is None or entry.size > MAX_INLINE_FILE:
             return None
         try:
-            data = base64.b64decode(copy, validate=True)
-        except (binascii.Error, ValueError):
+            # never expanded beyond the entry's size (plus one byte, to see a longer copy)
+            data = zlib.decompressobj().decompress(
+                base64.b64decode(copy, validate=True), entry.size + 1
+            )
+        except (binascii.Error, ValueError, zlib.error):
             return None
         if len(data) != entry.size or crc32c_of(data) != entry.crc32c:
             return None

@@ -11,7 +11,6 @@ store's thread pool (as a factory), never the store itself.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
 import functools
@@ -41,7 +40,13 @@ from zephon.storage.existing import check_fence, supersede
 from zephon.storage.layout import MARKER_NAME, RunLayout, validate_file_name
 from zephon.storage.lineage import Fence
 from zephon.storage.location import Location
-from zephon.storage.manifest import MAX_INLINE_BYTES, FileEntry, Manifest
+from zephon.storage.manifest import (
+    MAX_INLINE_BYTES,
+    MAX_INLINE_FILE,
+    FileEntry,
+    Manifest,
+    inline_copy,
+)
 from zephon.storage.markers import describe_commit
 from zephon.storage.parallel import concurrently
 from zephon.storage.payload_writer import Payload, PayloadWriter
@@ -147,9 +152,9 @@ class CheckpointWriter(PayloadWriter):
         uploads, the fence re-check and the payload listing go out as one wave. A file of
         ``files`` is checked by its upload's own acknowledgement (the listing, sent beside it,
         cannot see it yet); every earlier file, this writer's or another's (``add_entries``),
-        by the listing. ``inline`` names files of ``files`` (bytes only) whose copy the marker
-        carries too, while they total at most ``MAX_INLINE_BYTES``: a reader of the marker then
-        has them without another request (``Manifest.inline_bytes``).
+        by the listing. ``inline`` names files of ``files`` (bytes only) whose compressed copy
+        the marker carries too, while the copies total at most ``MAX_INLINE_BYTES``: a reader
+        of the marker then has them without another request (``Manifest.inline_bytes``).
 
         Idempotent against lost replies: a marker request applied whose answer never came
         back is settled by reading the marker back, and this save's own marker (the very
@@ -349,16 +354,19 @@ class CheckpointWriter(PayloadWriter):
 
 
 def _copies(files: Mapping[str, Payload], names: set[str]) -> dict[str, str]:
-    """Base64 copies of the files ``names`` of ``files`` (bytes only), in name order while
+    """Compressed copies of the files ``names`` of ``files`` (bytes only), in name order while
     they total at most ``MAX_INLINE_BYTES``; a file that would pass the limit is left out."""
     copies, total = {}, 0
     for name in sorted(names):
         data = files.get(name)
-        if (
-            not isinstance(data, bytes | bytearray | memoryview)
-            or total + len(data) > MAX_INLINE_BYTES
-        ):
+        if not isinstance(data, bytes | bytearray | memoryview):
             continue
-        total += len(data)
-        copies[name] = base64.b64encode(data).decode("ascii")
+        if memoryview(data).nbytes > MAX_INLINE_FILE:
+            continue
+        copy = inline_copy(data)
+        size = len(copy) * 3 // 4  # the compressed bytes
+        if total + size > MAX_INLINE_BYTES:
+            continue
+        total += size
+        copies[name] = copy
     return copies

@@ -350,7 +350,7 @@ def test_a_last_file_that_fails_leaves_no_marker(store):
 def test_the_marker_carries_the_copies_asked_for_within_the_limit(store):
     from zephon.storage.manifest import MAX_INLINE_BYTES
 
-    big = b"b" * (MAX_INLINE_BYTES + 1)
+    big = os.urandom(MAX_INLINE_BYTES + 1)  # does not compress
     with store.run("r").begin(2, fence=start(store, "r")) as writer:
         writer.commit(
             files={"meta.json": b'{"a": 1}', "big.bin": big, "other": b"o"},
@@ -364,21 +364,22 @@ def test_the_marker_carries_the_copies_asked_for_within_the_limit(store):
 
 
 def test_a_copy_that_does_not_match_its_entry_is_not_used_and_a_stray_one_is_corrupt():
-    import base64
     import json
 
     from zephon.storage import CorruptCheckpointError
     from zephon.storage.checksum import crc32c_of
-    from zephon.storage.manifest import FileEntry, Manifest
+    from zephon.storage.manifest import FileEntry, Manifest, inline_copy
 
     entry = FileEntry("m.json", 4, crc32c_of(b"good"))
     made = Manifest(run="r", step=1, save_id="s", files=(entry,), payload="s")
     for copy in (b"evil", b"good!", b"good"):
         body = json.loads(made.to_json())
-        body["inline"] = {"m.json": base64.b64encode(copy).decode()}
+        body["inline"] = {"m.json": inline_copy(copy)}
         parsed = Manifest.from_json(json.dumps(body).encode(), where="m")
         assert parsed.inline_bytes("m.json") == (copy if copy == b"good" else None)
     assert "inline" not in json.loads(made.to_json())  # markers without copies are unchanged
-    body["inline"] = {"other.json": "AAAA"}
+    body["inline"] = {"m.json": "not base64!"}
+    assert Manifest.from_json(json.dumps(body).encode(), where="m").inline_bytes("m.json") is None
+    body["inline"] = {"other.json": inline_copy(b"good")}
     with pytest.raises(CorruptCheckpointError, match="does not list"):
         Manifest.from_json(json.dumps(body).encode(), where="m")
