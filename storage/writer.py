@@ -33,6 +33,7 @@ from zephon.storage.backend import (
 from zephon.storage.errors import (
     BackendUnavailableError,
     CommitConflictError,
+    InvalidArgumentError,
     InvalidNameError,
     WriteAbortedError,
 )
@@ -245,6 +246,12 @@ class CheckpointWriter(PayloadWriter):
                 "this writer's entries to it with add_entries()",
                 run=self.run,
                 step=self.step,
+            )
+        strays = sorted(inline - set(files))
+        if strays:
+            raise InvalidArgumentError(
+                f"inline names {', '.join(map(repr, strays[:5]))}, not among the files passed "
+                f"to commit {self.url}: name only files of commit(files=...)"
             )
         location = self._location
         earlier = self.entries

@@ -383,3 +383,14 @@ def test_a_copy_that_does_not_match_its_entry_is_not_used_and_a_stray_one_is_cor
     body["inline"] = {"other.json": inline_copy(b"good")}
     with pytest.raises(CorruptCheckpointError, match="does not list"):
         Manifest.from_json(json.dumps(body).encode(), where="m")
+
+
+def test_inline_naming_a_file_not_passed_is_refused_before_anything_goes_out(store):
+    from zephon.storage import InvalidArgumentError
+
+    writer = store.run("r").begin(3, fence=start(store, "r"))
+    with pytest.raises(InvalidArgumentError, match=r"inline names 'meta.json', not among"):
+        writer.commit(files={"a.bin": b"a"}, inline=["meta.json"])
+    assert writer.entries == []
+    writer.commit(files={"a.bin": b"a"})  # still open
+    assert store.run("r").is_committed(3)
