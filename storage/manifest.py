@@ -143,6 +143,10 @@ class Manifest:
         return data
 
     def to_json(self) -> bytes:
+        """The marker's bytes."""
+        return self._serialise(with_copies=True)
+
+    def _serialise(self, *, with_copies: bool) -> bytes:
         body: dict[str, Any] = {
             "format_version": self.format_version,
             "run": self.run,
@@ -159,7 +163,7 @@ class Manifest:
             "created_at": self.created_at,
             "committed_at": self.committed_at,
         }
-        if self.inline:  # absent otherwise: markers without copies stay as they were
+        if self.inline and with_copies:  # absent otherwise: markers as they were before
             body["inline"] = self.inline
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
@@ -243,8 +247,10 @@ class Manifest:
         )
 
     def checksum(self) -> str:
-        """CRC32C of the serialised manifest: identifies this exact commit in the catalog."""
-        return crc32c_of(self.to_json())
+        """CRC32C of the serialised manifest: identifies this exact commit in the catalog.
+        The file copies are left out: they only repeat files the manifest lists (and are
+        checked against them), and a version that does not know them computes the same."""
+        return crc32c_of(self._serialise(with_copies=False))
 
 
 def _count(value: Any, what: str) -> int:

@@ -378,6 +378,7 @@ def test_a_copy_that_does_not_match_its_entry_is_not_used_and_a_stray_one_is_cor
         parsed = Manifest.from_json(json.dumps(body).encode(), where="m")
         assert parsed.inline_bytes("m.json") == (copy if copy == b"good" else None)
     assert "inline" not in json.loads(made.to_json())  # markers without copies are unchanged
+    assert parsed.checksum() == made.checksum()  # as a version without copies computes it
     body["inline"] = {"m.json": "not base64!"}
     assert Manifest.from_json(json.dumps(body).encode(), where="m").inline_bytes("m.json") is None
     body["inline"] = {"other.json": inline_copy(b"good")}
