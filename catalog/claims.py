@@ -51,8 +51,10 @@ DELETED = CheckpointState.DELETED
 STALE = CheckpointState.STALE
 CORRUPT = CheckpointState.CORRUPT
 
-# The states retention plans over; the others are transient (deleting) or final.
-PLANNED = [COMMITTED, CheckpointState.PENDING, STALE, CORRUPT]
+# The states retention plans over, and ``deleting`` (claimed by a gc), which a plan does not
+# decide but notes in ``RetentionPlan.held``: the same read tells gc whether any claim is held;
+# the others are final.
+PLANNED = [COMMITTED, CheckpointState.PENDING, STALE, CORRUPT, DELETING]
 
 # "<user>@<host>:<pid>/<12 hex>": a claim token made with the default actor (catalog.audit)
 _DEFAULT_TOKEN = re.compile(r"[^@/]*@(?P<host>[^:/@]+):(?P<pid>[0-9]{1,10})/[0-9a-f]{12}")

@@ -25,7 +25,9 @@ Rules:
   which the directory is an uncommitted orphan that gc removes. ``pending_grace`` is separate
   from ``grace`` on purpose: a gc told ``grace=0`` to clear abandoned rows at once must not
   expire a checkpoint that is still being written.
-- Rows in any other state (``deleting``, ``deleted``, ``failed``) are not part of a plan.
+- Rows in any other state (``deleting``, ``deleted``, ``failed``) are not part of a plan;
+  ``deleting`` rows (claimed by a gc) are listed in ``RetentionPlan.held``, so gc learns from
+  the plan's read whether any claim needs judging.
 """
 
 from __future__ import annotations
@@ -101,9 +103,11 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class RetentionPlan:
-    """Decisions for the planned rows of one run, in ascending step order."""
+    """Decisions for the planned rows of one run, in ascending step order, and the steps
+    being deleted (``deleting``: claimed by a gc) when it was made."""
 
     decisions: tuple[Decision, ...]
+    held: tuple[int, ...] = ()
 
     @property
     def to_delete(self) -> list[int]:
@@ -195,7 +199,8 @@ def plan_retention(
             continue
         decisions.append(Decision(row.step, row.state, action, tuple(reasons), row.save_id))
     decisions.sort(key=lambda d: d.step)
-    return RetentionPlan(tuple(decisions))
+    held = sorted(row.step for row in rows if row.state == CheckpointState.DELETING)
+    return RetentionPlan(tuple(decisions), tuple(held))
 
 
 def _pending(age: timedelta, pending_grace: timedelta) -> tuple[Action, list[str]]:

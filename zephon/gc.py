@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zephon.attempts import fenced, mirror_lineage
+from zephon.attempts import UNREAD, fenced, mirror_lineage
 from zephon.catalog import (
     DEFAULT_GRACE,
     DEFAULT_LEASE,
+    AttemptRecord,
     Catalog,
     CatalogError,
     CatalogUnavailableError,
@@ -176,22 +177,23 @@ def gc_run(
     """
     report = report or GcReport(dry_run=dry_run)
     name, store, storage_run = location.name, location.store, location.storage_run
+    current = UNREAD
     if epoch is not None:
-        _check_current(catalog, name, epoch)  # also when there is nothing to claim
+        current = _check_current(catalog, name, epoch)  # also when there is nothing to claim
     lineage = lineage if lineage is not None else store.run(storage_run).lineage()
     if not dry_run and orphans:
         # Markers the catalog never heard of get rows (an abandoned one a stale row, deleted
         # below once past the grace); rows whose marker is gone are marked deleted.
         reconcile_run(catalog, location, SyncReport(location.store.url), pending=False)
     elif not dry_run:
-        mirror_lineage(catalog, location, lineage)
+        mirror_lineage(catalog, location, lineage, current=current)
     plan = catalog.retention_plan(
         name, grace=policy.grace, pending_grace=policy.pending_grace, corrupt=policy.corrupt
     )
     for decision in plan.to_expire:
         _settle_expired(catalog, location, lineage, decision, dry_run, report)
 
-    held = held_claims(catalog, name, policy.lease, dry_run)
+    held = held_claims(catalog, name, policy.lease, dry_run, held=plan.held)
     candidates = sorted(set(plan.to_delete) | held.takeable)
     if dry_run:
         for step in candidates:
@@ -254,7 +256,8 @@ def _delete_claimed(
         raise
 
 
-def _check_current(catalog: Catalog, name: str, epoch: int) -> None:
+def _check_current(catalog: Catalog, name: str, epoch: int) -> AttemptRecord | None:
+    """The run's current attempt, which must be ``epoch``'s."""
     current = catalog.current_attempt(name)
     if current is not None and current.epoch != epoch:
         raise StaleAttemptError(
@@ -262,6 +265,7 @@ def _check_current(catalog: Catalog, name: str, epoch: int) -> None:
             "took over; this process is a stale attempt: its retention does not run",
             current=current,
         )
+    return current
 
 
 def _settle_expired(catalog, location: RunLocation, lineage, decision, dry_run, report) -> None:
