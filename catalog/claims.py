@@ -32,6 +32,7 @@ host and pid a default claim token names.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -41,6 +42,7 @@ from sqlalchemy.orm import Session
 
 from zephon.catalog import attempts, guarded, queries, replicas
 from zephon.catalog.models import Checkpoint, CheckpointState, Run
+from zephon.catalog.records import AttemptRecord
 from zephon.catalog.retention import DEFAULT_GRACE, RetentionPlan, plan_retention
 
 DEFAULT_LEASE = timedelta(hours=1)
@@ -92,7 +94,8 @@ def current_plan(
     ``claim`` re-makes it inside the claim's transaction.
     """
     rows = session.execute(queries.retention_view(run.id, PLANNED)).all()
-    return plan_retention(
+    attempt = attempts.current(session, run)
+    plan = plan_retention(
         rows,
         run.num_to_keep,
         run.keep_every_steps,
@@ -100,8 +103,10 @@ def current_plan(
         grace,
         pending_grace=pending_grace,
         corrupt=corrupt,
-        resume_point=attempts.resume_point(session, run),
+        resume_point=attempts.resume_point(session, run, attempt),
     )
+    record = None if attempt is None else AttemptRecord.of(attempt, run.name)
+    return dataclasses.replace(plan, current=record)
 
 
 def claim(

@@ -36,10 +36,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from zephon.catalog import validate
 from zephon.catalog.models import CheckpointState
+
+if TYPE_CHECKING:
+    from zephon.catalog.records import AttemptRecord
 
 
 class Action(StrEnum):
@@ -103,11 +106,14 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class RetentionPlan:
-    """Decisions for the planned rows of one run, in ascending step order, and the steps
-    being deleted (``deleting``: claimed by a gc) when it was made."""
+    """Decisions for the planned rows of one run, in ascending step order; the steps being
+    deleted (``deleting``: claimed by a gc) and the run's current attempt (None: unfenced)
+    when it was made, both read in the plan's transaction (``Catalog.retention_plan``), so a
+    saving job's retention checks its fence and judges held claims without another read."""
 
     decisions: tuple[Decision, ...]
     held: tuple[int, ...] = ()
+    current: AttemptRecord | None = None
 
     @property
     def to_delete(self) -> list[int]:

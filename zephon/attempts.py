@@ -267,13 +267,14 @@ def register_writer(
 
 def mirror_lineage(
     catalog: Catalog, location: RunLocation, lineage: Lineage, *, current: Any = UNREAD
-) -> None:
+) -> bool:
     """Register in the catalog the attempts storage knows and it does not (attempts that ran
     without this catalog, or a decision it missed), oldest first, so its rows are abandoned as
-    storage's lineage says. Costs one read when the catalog is up to date (the usual case),
-    none when the caller passes the run's ``current`` attempt record (or None) it just read."""
+    storage's lineage says; True if there were any. Costs one read when the catalog is up to
+    date (the usual case), none when the caller passes the run's ``current`` attempt record (or
+    None) it just read."""
     if not lineage:
-        return
+        return False
     if current is UNREAD:
         current = catalog.current_attempt(location.name)
     known = current.epoch if current is not None else 0
@@ -284,7 +285,7 @@ def mirror_lineage(
         and not current.decided
     )
     if lineage.epoch <= known and not missed_decision:
-        return
+        return False
     for record in location.runstore.attempts():
         with contextlib.suppress(catalog_layer.FencedOutError):
             if record.epoch > known:
@@ -293,3 +294,4 @@ def mirror_lineage(
                 catalog.decide_resume(
                     location.name, epoch=record.epoch, resumed_from=record.resumed_from
                 )
+    return True

@@ -1,6 +1,7 @@
 """The catalog work of a small save (issue 22: the fixed cost of a small save): a save with a
-catalog opens four transactions, arming its row, committing it and retention's two reads, and
-the retention that shares a read with the plan still takes over a dead gc's claims.
+catalog opens three transactions, arming its row, committing it and retention's one read (the
+plan, which also carries the current attempt and the held claims), and that retention still
+refuses a stale attempt and takes over a dead gc's claims.
 
 Times belong to ``benchmarks/small_saves.py``; these tests count work, which does not depend
 on the machine."""
@@ -54,16 +55,16 @@ def config(tmp_path) -> CheckpointingConfig:
     )
 
 
-def test_a_save_with_a_catalog_opens_four_transactions(config):
-    """begin_checkpoint, mark_committed, then retention: the current attempt (the fence
-    check, reused by the lineage mirror) and the plan (which also lists held claims)."""
+def test_a_save_with_a_catalog_opens_three_transactions(config):
+    """begin_checkpoint, mark_committed, then retention's plan: its read also gives the
+    current attempt (the fence check, and the lineage mirror's) and the held claims."""
     job = state()
     with CheckpointManager(config, run_name="r", total_steps=10) as manager:
         manager.load_latest(job)
         manager.save(1, job)  # the first save also registers the job's attempt
         with catalog_transactions() as seen:
             manager.save(2, job)
-        assert len(seen) == 4, seen
+        assert len(seen) == 3, seen
         assert manager.catalog.get_checkpoint("r", 2).state == "committed"
 
 
