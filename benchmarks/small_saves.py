@@ -22,7 +22,7 @@ durable: each file written and fsynced, then each directory fsynced. For hf and 
 the plain write is the framework's own save followed by that copy of its folder; for manager
 and dropin torch's own ``dcp.save`` to a ``FileSystemWriter`` is shown beside it.
 
-    fixed cost = median(Zephon's save) - median(plain write)
+    fixed cost = median over the repeats of (Zephon's save - the plain write)
 
 Times are medians over ``--repeats`` saves, the sides interleaved (each repeat runs every side
 once, back to back), which keeps the load of a shared machine out of the comparison; CPU
@@ -233,6 +233,12 @@ def run_dcp_case(name: str, repeats: int, kib: int, root: str) -> list[tuple]:
     return [result_row(name, size, len(files), zephon_side, plain_side, dcp_side)]
 
 
+def paired_ms(a: list[float], b: list[float]) -> float:
+    """The median of the per-repeat differences ``a - b``, in ms (each pair measured back to
+    back, so a load change between repeats cancels out)."""
+    return statistics.median(x - y for x, y in zip(a, b, strict=True)) * 1000
+
+
 def result_row(name, size, count, zephon_side: Side, plain: Side, own: Side) -> tuple:
     return (
         name,
@@ -240,8 +246,8 @@ def result_row(name, size, count, zephon_side: Side, plain: Side, own: Side) -> 
         f"{zephon_side.ms:.1f}",
         f"{plain.ms:.1f}",
         f"{own.ms:.1f}",
-        f"{zephon_side.ms - plain.ms:.1f}",
-        f"{zephon_side.cpu_ms - plain.cpu_ms:.1f}",
+        f"{paired_ms(zephon_side.wall, plain.wall):.1f}",
+        f"{paired_ms(zephon_side.cpu, plain.cpu):.1f}",
         f"{zephon_side.ms / plain.ms:.2f}",
         f"{zephon_side.ms / own.ms:.2f}",
     )
