@@ -237,9 +237,10 @@ def _s3t_config():
 
 
 class Sides:
-    """One rank's two sides of a save/restore comparison on one storage root: torch DCP's own
+    """One rank's sides of a save/restore comparison on one storage root: torch DCP's own
     writer and reader (``FileSystemWriter``/``Reader`` on local disk, ``FsspecWriter``/``Reader``
-    elsewhere), each checkpoint in ``<url>/dcp-<name>``, and Zephon's ``ZephonStorageWriter``
+    elsewhere), each checkpoint in ``<url>/dcp-<name>``; on S3, AWS's s3torchconnector's
+    ``S3StorageWriter``/``Reader`` in ``<url>/s3t-<name>``; and Zephon's ``ZephonStorageWriter``
     over ``store`` (rank 0 begins the save, every rank attaches). Call only in a rank process:
     it uses the default process group."""
 

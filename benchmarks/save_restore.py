@@ -2,6 +2,7 @@
 
     python benchmarks/save_restore.py [--mib 1024] [--ranks 2] [--repeats 2] [--backends local,s3]
     python benchmarks/save_restore.py --big [--big-gib 2]   # peak memory instead (see (g))
+    python benchmarks/save_restore.py --speed [--mib 256,1024] [--repeats 3]   # (h) instead
 
 Model + Adam state (fp32 Linear layers; parameters, exp_avg and exp_avg_sq) of ``--mib`` MiB in
 total, split over ``--ranks`` gloo processes on the CPU, each holding its own rank-unique keys
@@ -33,6 +34,12 @@ total, split over ``--ranks`` gloo processes on the CPU, each holding its own ra
     save and a load of ``--big-gib`` GiB per rank, divided by the state's bytes, for Zephon and
     the same baseline as (a) and (b) (``benchmarks/save_restore_memory.py``). Goal: <= 1.25
     for Zephon's sync save and load.
+
+(h) ``--speed`` (instead of (a)-(f)): the speed goals, per size of ``--mib`` (256 and 1024 MiB
+    by default): on S3, save and load against torch DCP and AWS's s3torchconnector
+    (``pip install -r benchmarks/requirements.txt``), with the client CPU seconds per GiB of
+    each side; locally, the warm load against a plain ``readinto`` of the same shard files
+    (``benchmarks/save_restore_speed.py``).
 
 Ratios are baseline time / Zephon time (in (d): unverified / verified): above 1 means the
 second is faster. Times are medians over ``--repeats``; a ratio is the median of the per-repeat
