@@ -552,7 +552,7 @@ def show(name: str, url: str, options: dict, args, mib: int) -> None:
     if args.big:
         section = big.report(name, result, args)
     elif args.speed:
-        section = speed.report(name, result, args, mib, loads)
+        section = speed.report(name, result, args, loads)
     else:
         section = report(name, result, args)
     print("\n".join(section), flush=True)

@@ -215,7 +215,7 @@ def _goal(ratio: float, text: str, met: bool) -> str:
     return f"{ratio:.2f} ({text} {'ok' if met else 'MISSED'})"
 
 
-def report(name: str, result: dict, args, mib: int, loads: tuple[float, float]) -> list[str]:
+def report(name: str, result: dict, args, loads: tuple[float, float]) -> list[str]:
     records = result["records"]
     gib = result["bytes_per_rank"] * args.ranks / GIB
     title = (
