@@ -318,7 +318,8 @@ def run_backend(name: str, url: str, options: dict, args, mib: int) -> dict:
         "section": "big" if args.big else "speed" if args.speed else "all",
         "gib": args.big_gib,
     }
-    return run_ranks(__file__, args.ranks, config, f"{name} {mib} MiB")
+    what = f"{name} --big {args.big_gib} GiB per rank" if args.big else f"{name} {mib} MiB"
+    return run_ranks(__file__, args.ranks, config, what)
 
 
 def any_worker(rank: int, world: int, port: int, config: dict) -> None:
