@@ -37,6 +37,12 @@ __all__ = [
     "parse_or_serve",
     "join_group",
     "Sides",
+    "build_state",
+    "empty_like_state",
+    "tensors_of",
+    "evict",
+    "s3torch_environment",
+    "s3torch_missing",
 ]
 
 
@@ -138,10 +144,103 @@ def parse_or_serve(
     return None
 
 
+def build_state(rank: int, per_rank_mib: float):
+    """A model + Adam state (fp32 Linear layers: parameters, exp_avg, exp_avg_sq) of about
+    ``per_rank_mib`` MiB under this rank's own key, as sharded training holds it."""
+    import torch
+    import torch.nn as nn
+
+    width = 1024 if per_rank_mib >= 48 else 256
+    layer_mib = (width * width + width) * 4 / (1 << 20)
+    layers = max(1, round(per_rank_mib / 3 / layer_mib))
+    torch.manual_seed(rank)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return {f"rank{rank}": {"model": model.state_dict(), "optim": optim.state_dict()}}
+
+
+def empty_like_state(state):
+    """A state of the same structure whose tensors are zeros: the destination of a load."""
+    import torch
+
+    if isinstance(state, dict):
+        return {k: empty_like_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [empty_like_state(v) for v in state]
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)  # zeros, so its pages exist before anything is timed
+    return state
+
+
+def tensors_of(state, out=None):
+    """Every tensor of a nested state, in order."""
+    import torch
+
+    out = [] if out is None else out
+    if isinstance(state, dict):
+        for v in state.values():
+            tensors_of(v, out)
+    elif isinstance(state, list):
+        for v in state:
+            tensors_of(v, out)
+    elif isinstance(state, torch.Tensor):
+        out.append(state)
+    return out
+
+
+def evict(directory: str) -> None:
+    """Drop a directory's (clean, fsynced) pages from the page cache: the next read is cold."""
+    for dirpath, _dirs, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+#: s3torchconnector's client needs a region; moto's server takes any
+S3T_REGION = "us-east-1"
+
+
+def s3torch_environment(options: dict) -> None:
+    """Point s3torchconnector at the S3 server of s3fs ``options`` (moto's): its DCP classes take
+    no endpoint, but its native client reads ``AWS_ENDPOINT_URL`` and the usual credential
+    variables when it is built. Call in a rank process before its first request."""
+    os.environ["AWS_ENDPOINT_URL"] = options["client_kwargs"]["endpoint_url"]
+    os.environ["AWS_ACCESS_KEY_ID"] = options["key"]
+    os.environ["AWS_SECRET_ACCESS_KEY"] = options["secret"]
+    os.environ.setdefault("AWS_REGION", S3T_REGION)
+
+
+def s3torch_missing() -> str | None:
+    """Why s3torchconnector's DCP classes cannot be imported here, or None if they can."""
+    try:
+        import s3torchconnector.dcp  # noqa: F401
+    except ImportError as e:
+        return (
+            f"s3torchconnector's DCP classes do not import ({e}): "
+            "pip install -r benchmarks/requirements.txt"
+        )
+    return None
+
+
+def _s3t_config():
+    """Path-style requests (moto's server has no per-bucket host names)."""
+    from s3torchconnector import S3ClientConfig
+
+    return S3ClientConfig(force_path_style=True)
+
+
 class Sides:
-    """One rank's two sides of a save/restore comparison on one storage root: torch DCP's own
+    """One rank's sides of a save/restore comparison on one storage root: torch DCP's own
     writer and reader (``FileSystemWriter``/``Reader`` on local disk, ``FsspecWriter``/``Reader``
-    elsewhere), each checkpoint in ``<url>/dcp-<name>``, and Zephon's ``ZephonStorageWriter``
+    elsewhere), each checkpoint in ``<url>/dcp-<name>``; on S3, AWS's s3torchconnector's
+    ``S3StorageWriter``/``Reader`` in ``<url>/s3t-<name>``; and Zephon's ``ZephonStorageWriter``
     over ``store`` (rank 0 begins the save, every rank attaches). Call only in a rank process:
     it uses the default process group."""
 
@@ -150,6 +249,7 @@ class Sides:
         self.url, self.options = config["url"], config["storage_options"]
         self.local = config["local"]
         self.threads, self.dcp_threads = config["threads"], config["dcp_threads"]
+        self.s3t_threads = config.get("s3t_threads") or self.threads
 
     def dcp_dir(self, name: str) -> str:
         return f"{self.url}/dcp-{name}"
@@ -169,6 +269,26 @@ class Sides:
         path = self.dcp_dir(name)
         return FileSystemReader(path) if self.local else FsspecReader(path, **self.options)
 
+    def s3t_dir(self, name: str) -> str:
+        return f"{self.url}/s3t-{name}"
+
+    def s3t_writer(self, name: str):
+        """AWS's s3torchconnector DCP writer (S3 only; ``s3torch_environment`` first)."""
+        from s3torchconnector.dcp import S3StorageWriter
+
+        return S3StorageWriter(
+            S3T_REGION,
+            self.s3t_dir(name),
+            s3client_config=_s3t_config(),
+            thread_count=self.s3t_threads,
+        )
+
+    def s3t_reader(self, name: str):
+        """AWS's s3torchconnector DCP reader, with its default (DCP-optimised) range reads."""
+        from s3torchconnector.dcp import S3StorageReader
+
+        return S3StorageReader(S3T_REGION, self.s3t_dir(name), s3client_config=_s3t_config())
+
     def zephon_writer(self, run: str, step: int, fence=None):
         from zephon import dcp as zd
 
@@ -176,9 +296,12 @@ class Sides:
         writer = zd.attach_ranks(self.store, run, step, primary)
         return zd.ZephonStorageWriter(writer, thread_count=self.threads)
 
-    def remove(self, run: str, steps: list[int], dcp_names: list[str]) -> None:
-        """Delete what a phase wrote (Zephon's ``steps`` of ``run`` and DCP's checkpoints), every
-        rank past it before and after: moto keeps it all in memory, a disk fills up."""
+    def remove(
+        self, run: str, steps: list[int], dcp_names: list[str], s3t_names: list[str] = ()
+    ) -> None:
+        """Delete what a phase wrote (Zephon's ``steps`` of ``run``, DCP's and s3torchconnector's
+        checkpoints), every rank past it before and after: moto keeps it all in memory, a disk
+        fills up."""
         import torch.distributed as dist
 
         dist.barrier()
@@ -190,4 +313,6 @@ class Sides:
                     shutil.rmtree(self.dcp_dir(name), ignore_errors=True)
                 else:
                     self.store.location.fs.rm(self.dcp_dir(name), recursive=True)
+            for name in s3t_names:
+                self.store.location.fs.rm(self.s3t_dir(name), recursive=True)
         dist.barrier()

@@ -2,6 +2,7 @@
 
     python benchmarks/save_restore.py [--mib 1024] [--ranks 2] [--repeats 2] [--backends local,s3]
     python benchmarks/save_restore.py --big [--big-gib 2]   # peak memory instead (see (g))
+    python benchmarks/save_restore.py --speed [--mib 256,1024] [--repeats 3]   # (h) instead
 
 Model + Adam state (fp32 Linear layers; parameters, exp_avg and exp_avg_sq) of ``--mib`` MiB in
 total, split over ``--ranks`` gloo processes on the CPU, each holding its own rank-unique keys
@@ -34,6 +35,12 @@ total, split over ``--ranks`` gloo processes on the CPU, each holding its own ra
     the same baseline as (a) and (b) (``benchmarks/save_restore_memory.py``). Goal: <= 1.25
     for Zephon's sync save and load.
 
+(h) ``--speed`` (instead of (a)-(f)): the speed goals, per size of ``--mib`` (256 and 1024 MiB
+    by default): on S3, save and load against torch DCP and AWS's s3torchconnector
+    (``pip install -r benchmarks/requirements.txt``), with the client CPU seconds per GiB of
+    each side; locally, the warm load against a plain ``readinto`` of the same shard files
+    (``benchmarks/save_restore_speed.py``).
+
 Ratios are baseline time / Zephon time (in (d): unverified / verified): above 1 means the
 second is faster. Times are medians over ``--repeats``; a ratio is the median of the per-repeat
 ratios, each from the two sides measured back to back (their order alternates per repeat),
@@ -53,7 +60,20 @@ import time
 import uuid
 
 import save_restore_memory as big
-from _common import Sides, join_group, parse_or_serve, run_ranks, servers, table
+import save_restore_speed as speed
+from _common import (
+    Sides,
+    build_state,
+    empty_like_state,
+    evict,
+    join_group,
+    parse_or_serve,
+    run_ranks,
+    s3torch_missing,
+    servers,
+    table,
+    tensors_of,
+)
 
 RUN = "bench"
 FENCED_RUN = "bench-fenced"
@@ -61,61 +81,6 @@ DROPIN_RUN = "bench-dropin"
 
 
 # -- worker (one rank) ---------------------------------------------------------------------------
-
-
-def build_state(rank: int, per_rank_mib: float):
-    import torch
-    import torch.nn as nn
-
-    width = 1024 if per_rank_mib >= 48 else 256
-    layer_mib = (width * width + width) * 4 / (1 << 20)
-    layers = max(1, round(per_rank_mib / 3 / layer_mib))
-    torch.manual_seed(rank)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return {f"rank{rank}": {"model": model.state_dict(), "optim": optim.state_dict()}}
-
-
-def empty_like_state(state):
-    import torch
-
-    if isinstance(state, dict):
-        return {k: empty_like_state(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [empty_like_state(v) for v in state]
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)  # zeros, so its pages exist before anything is timed
-    return state
-
-
-def tensors_of(state, out=None):
-    import torch
-
-    out = [] if out is None else out
-    if isinstance(state, dict):
-        for v in state.values():
-            tensors_of(v, out)
-    elif isinstance(state, list):
-        for v in state:
-            tensors_of(v, out)
-    elif isinstance(state, torch.Tensor):
-        out.append(state)
-    return out
-
-
-def evict(directory: str) -> None:
-    """Drop a directory's (clean, fsynced) pages from the page cache: the next read is cold."""
-    for dirpath, _dirs, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def worker(rank: int, world: int, port: int, config: dict) -> None:
@@ -340,24 +305,28 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
 # -- driver ---------------------------------------------------------------------------------------
 
 
-def run_backend(name: str, url: str, options: dict, args) -> dict:
+def run_backend(name: str, url: str, options: dict, args, mib: int) -> dict:
     config = {
         "url": url,
         "storage_options": options,
         "local": name == "local",
-        "mib": args.mib,
+        "mib": mib,
         "repeats": args.repeats,
         "threads": args.threads,
         "dcp_threads": args.dcp_threads,
-        "big": args.big,
+        "s3t_threads": args.s3t_threads,
+        "section": "big" if args.big else "speed" if args.speed else "all",
         "gib": args.big_gib,
     }
-    return run_ranks(__file__, args.ranks, config, name)
+    what = f"{name} --big {args.big_gib} GiB per rank" if args.big else f"{name} {mib} MiB"
+    return run_ranks(__file__, args.ranks, config, what)
 
 
 def any_worker(rank: int, world: int, port: int, config: dict) -> None:
-    """A rank of the time comparison, or with ``--big`` of the memory one."""
-    (big.worker if config["big"] else worker)(rank, world, port, config)
+    """A rank of the time comparison, with ``--speed`` of the speed goals, with ``--big`` of the
+    memory one."""
+    workers = {"all": worker, "speed": speed.worker, "big": big.worker}
+    workers[config["section"]](rank, world, port, config)
 
 
 def median(records: list[dict], key: str) -> float:
@@ -412,7 +381,7 @@ def report(name: str, result: dict, args) -> list[str]:
     headers = ("operation", "DCP s", "MiB/s", "Zephon s", "MiB/s", "ratio", "goal")
     title = (
         f"{name}: {total_mib:.0f} MiB model+Adam state, {args.ranks} ranks, median of "
-        f"{args.repeats}; baseline torch {baseline} (thread_count={args.dcp_threads}), "
+        f"{len(records)}; baseline torch {baseline} (thread_count={args.dcp_threads}), "
         f"Zephon thread_count={args.threads}"
     )
     checks = []
@@ -490,16 +459,45 @@ def report(name: str, result: dict, args) -> list[str]:
     ]
 
 
+def sizes(text: str) -> list[int]:
+    """``--mib``: comma-separated sizes in MiB."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of MiB: use e.g. 256,1024")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=1024, help="total state size over all ranks")
+    parser.add_argument(
+        "--mib",
+        type=sizes,
+        default=None,
+        help="total state size over all ranks; a comma-separated list runs each "
+        "(default 1024, with --speed 256,1024)",
+    )
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=None, help="default 2, with --speed 3")
     parser.add_argument("--backends", default="local,s3")
     parser.add_argument("--threads", type=int, default=4, help="Zephon writer files per rank")
     parser.add_argument("--dcp-threads", type=int, default=1, help="DCP writer thread_count")
+    parser.add_argument(
+        "--s3t-threads",
+        type=int,
+        default=None,
+        help="--speed: s3torchconnector writer thread_count (default: --threads)",
+    )
     parser.add_argument("--dir", default=None, help="local directory (default: a temp dir)")
     parser.add_argument("--verbose", action="store_true", help="print every repeat's times")
+    parser.add_argument(
+        "--speed",
+        action="store_true",
+        help="the speed goals only (h): S3 vs torch DCP and s3torchconnector with client "
+        "CPU-s/GiB, warm local load vs a plain read",
+    )
     parser.add_argument(
         "--big", action="store_true", help="measure peak memory of a big state instead (g)"
     )
@@ -507,33 +505,58 @@ def main() -> None:
     args = parse_or_serve(parser, any_worker)
     if args is None:
         return
-    if args.big:
+    if args.mib is None:
+        args.mib = [256, 1024] if args.speed else [1024]
+    if args.repeats is None:
+        args.repeats = 3 if args.speed else 2
+    args.s3t_threads = args.s3t_threads or args.threads
+    backends = args.backends.split(",")
+    if args.big:  # --big-gib sets its size
+        args.mib = args.mib[:1]
         big.check_memory(args)
+    if args.speed and "s3" in backends and (missing := s3torch_missing()):
+        raise SystemExit(f"--speed compares with s3torchconnector on S3, but {missing}")
+    print(f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
-    lines = []
-    for name in args.backends.split(","):
+    for name in backends:
         if name == "local":
             base = tempfile.mkdtemp(prefix="zephon-bench-", dir=args.dir)
             try:
-                result = run_backend("local", os.path.join(base, "ckpt"), {}, args)
+                for mib in args.mib:
+                    url = os.path.join(base, f"ckpt-{mib}")
+                    show(name, url, {}, args, mib)
             finally:
                 shutil.rmtree(base, ignore_errors=True)
         elif name == "s3":
             with servers.s3_server() as s3:
-                bucket = f"bench-{uuid.uuid4().hex[:8]}"
-                s3.create_bucket(bucket)
                 options = s3.storage_options()
                 if args.big:  # moto takes minutes to assemble GiB-sized multipart uploads
                     options["config_kwargs"] = {"read_timeout": 1800}
-                result = run_backend("s3", f"s3://{bucket}/ckpt", options, args)
+                for mib in args.mib:
+                    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+                    s3.create_bucket(bucket)
+                    url = f"s3://{bucket}/ckpt"
+                    show(name, url, options, args, mib)
         else:
             raise SystemExit(f"unknown backend {name!r}: use local and/or s3")
-        if args.verbose and not args.big:
-            for record in result["records"]:
-                print(name, json.dumps({k: round(v, 3) for k, v in record.items()}), flush=True)
-        section = (big.report if args.big else report)(name, result, args)
-        lines += section
-        print("\n".join(section), flush=True)
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def show(name: str, url: str, options: dict, args, mib: int) -> None:
+    """Run one backend at one size and print its section."""
+    start = os.getloadavg()[0]
+    result = run_backend(name, url, options, args, mib)
+    loads = (start, os.getloadavg()[0])
+    if args.verbose and not args.big:
+        for record in result["records"]:
+            print(name, json.dumps({k: round(v, 3) for k, v in record.items()}), flush=True)
+    if args.big:
+        section = big.report(name, result, args)
+    elif args.speed:
+        section = speed.report(name, result, args, loads)
+    else:
+        section = report(name, result, args)
+    print("\n".join(section), flush=True)
 
 
 if __name__ == "__main__":

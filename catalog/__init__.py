@@ -10,43 +10,80 @@ Start with ``Catalog`` (docs/catalog.md describes the tables, states and protoco
 
 from __future__ import annotations
 
-from zephon.catalog.catalog import DEFAULT_GRACE, MISSING_MARKER_REASON, Catalog
-from zephon.catalog.claims import DEFAULT_LEASE, claim_holder
-from zephon.catalog.engine import mask_url
-from zephon.catalog.errors import (
-    CatalogDatabaseError,
-    CatalogError,
-    CatalogUnavailableError,
-    CheckpointExistsError,
-    CheckpointRecordNotFoundError,
-    FencedOutError,
-    InvalidTransitionError,
-    InvalidValueError,
-    MigrationsNotFoundError,
-    ReplicaNotFoundError,
-    RunConflictError,
-    RunExistsError,
-    RunNotFoundError,
-    SchemaDriftError,
-    SchemaError,
-    SchemaOutdatedError,
-    SchemaUnversionedError,
-    StateConflictError,
-)
-from zephon.catalog.models import CheckpointState, ReplicaState, ReplicaTier, RunKind, RunStatus
-from zephon.catalog.records import (
-    AttemptRecord,
-    AttemptRegistration,
-    CheckpointRecord,
-    EventRecord,
-    ReplicaRecord,
-    RunRecord,
-    RunSummary,
-)
-from zephon.catalog.repairs import SyncOutcome
-from zephon.catalog.retention import Action, Decision, ResumePoint, RetentionPlan, plan_retention
-from zephon.catalog.runs import UNSET
-from zephon.catalog.validate import TIMING_PHASES
+import importlib
+from typing import Any
+
+# public name -> module that defines it. Resolved on first use, so that ``import
+# zephon.catalog`` and its errors and states load no SQLAlchemy (and never Alembic, which only
+# creating and upgrading a schema needs): a command that fails before it opens the catalog, or
+# never opens it, does not pay for them.
+_LAZY = {
+    "Catalog": "zephon.catalog.catalog",
+    "DEFAULT_GRACE": "zephon.catalog.retention",
+    "MISSING_MARKER_REASON": "zephon.catalog.roles.sync",
+    "DEFAULT_LEASE": "zephon.catalog.claims",
+    "claim_holder": "zephon.catalog.claims",
+    "mask_url": "zephon.catalog.engine",
+    **{
+        name: "zephon.catalog.errors"
+        for name in (
+            "CatalogDatabaseError",
+            "CatalogError",
+            "CatalogUnavailableError",
+            "CheckpointExistsError",
+            "CheckpointRecordNotFoundError",
+            "FencedOutError",
+            "InvalidTransitionError",
+            "InvalidValueError",
+            "MigrationsNotFoundError",
+            "ReplicaNotFoundError",
+            "RunConflictError",
+            "RunExistsError",
+            "RunNotFoundError",
+            "SchemaDriftError",
+            "SchemaError",
+            "SchemaOutdatedError",
+            "SchemaUnversionedError",
+            "StateConflictError",
+        )
+    },
+    **{
+        name: "zephon.catalog.states"
+        for name in ("CheckpointState", "ReplicaState", "ReplicaTier", "RunKind", "RunStatus")
+    },
+    **{
+        name: "zephon.catalog.records"
+        for name in (
+            "AttemptRecord",
+            "AttemptRegistration",
+            "CheckpointRecord",
+            "EventRecord",
+            "ReplicaRecord",
+            "RunRecord",
+            "RunSummary",
+        )
+    },
+    "SyncOutcome": "zephon.catalog.repairs",
+    **{
+        name: "zephon.catalog.retention"
+        for name in ("Action", "Decision", "ResumePoint", "RetentionPlan", "plan_retention")
+    },
+    "UNSET": "zephon.catalog.runs",
+    "TIMING_PHASES": "zephon.catalog.validate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zephon.catalog' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 def upgrade(url: str) -> tuple[str | None, str]:
@@ -54,6 +91,8 @@ def upgrade(url: str) -> tuple[str | None, str]:
 
     Returns ``(revision before, revision after)``; an empty database is created.
     """
+    from zephon.catalog.catalog import Catalog
+
     with Catalog(url, check_schema=False) as catalog:
         return catalog.upgrade()
 
@@ -67,13 +106,17 @@ def current_revision(url: str) -> str | None:
     ``SchemaUnversionedError``, ``SchemaOutdatedError(known=False)``. A returned revision
     other than ``head_revision()`` is therefore one that ``upgrade`` migrates.
     """
+    from zephon.catalog.catalog import Catalog
+
     with Catalog(url, check_schema=False) as catalog:
         return catalog.current_revision()
 
 
 def head_revision() -> str:
     """The schema revision this version of the code needs."""
-    return Catalog.head_revision()
+    from zephon.catalog.schema import head_revision
+
+    return head_revision()
 
 
 __all__ = [

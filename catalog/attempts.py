@@ -45,6 +45,10 @@ from zephon.catalog.retention import ResumePoint
 ABANDONABLE = (CheckpointState.PENDING, CheckpointState.COMMITTED, CheckpointState.FAILED)
 
 
+#: ``resume_point``'s ``attempt`` when the caller has not loaded it
+_LOAD = object()
+
+
 def load(session: Session, run_id: int, epoch: int) -> Attempt | None:
     statement = select(Attempt).where(Attempt.run_id == run_id, Attempt.epoch == epoch)
     return session.scalars(statement).one_or_none()
@@ -181,11 +185,15 @@ def abandoning(session: Session, run_id: int, epoch: int, step: int) -> Attempt 
     return session.scalars(statement).first()
 
 
-def resume_point(session: Session, run: Run) -> ResumePoint | None:
+def resume_point(
+    session: Session, run: Run, attempt: Attempt | None | object = _LOAD
+) -> ResumePoint | None:
     """The step the current attempt resumed from, which retention must keep while it is the
     attempt's only footing: until the attempt commits a checkpoint of its own above it (from
-    then on the lineage continues from that one, and the policy decides as usual)."""
-    attempt = current(session, run)
+    then on the lineage continues from that one, and the policy decides as usual).
+    ``attempt``: the current attempt's row when the caller loaded it already."""
+    if attempt is _LOAD:
+        attempt = current(session, run)
     if attempt is None or attempt.resumed_from is None or attempt.decided_at is None:
         return None
     own_newer = session.scalars(

@@ -32,6 +32,7 @@ host and pid a default claim token names.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -41,6 +42,7 @@ from sqlalchemy.orm import Session
 
 from zephon.catalog import attempts, guarded, queries, replicas
 from zephon.catalog.models import Checkpoint, CheckpointState, Run
+from zephon.catalog.records import AttemptRecord
 from zephon.catalog.retention import DEFAULT_GRACE, RetentionPlan, plan_retention
 
 DEFAULT_LEASE = timedelta(hours=1)
@@ -51,8 +53,10 @@ DELETED = CheckpointState.DELETED
 STALE = CheckpointState.STALE
 CORRUPT = CheckpointState.CORRUPT
 
-# The states retention plans over; the others are transient (deleting) or final.
-PLANNED = [COMMITTED, CheckpointState.PENDING, STALE, CORRUPT]
+# The states retention plans over, and ``deleting`` (claimed by a gc), which a plan does not
+# decide but notes in ``RetentionPlan.held``: the same read tells gc whether any claim is held;
+# the others are final.
+PLANNED = [COMMITTED, CheckpointState.PENDING, STALE, CORRUPT, DELETING]
 
 # "<user>@<host>:<pid>/<12 hex>": a claim token made with the default actor (catalog.audit)
 _DEFAULT_TOKEN = re.compile(r"[^@/]*@(?P<host>[^:/@]+):(?P<pid>[0-9]{1,10})/[0-9a-f]{12}")
@@ -90,7 +94,8 @@ def current_plan(
     ``claim`` re-makes it inside the claim's transaction.
     """
     rows = session.execute(queries.retention_view(run.id, PLANNED)).all()
-    return plan_retention(
+    attempt = attempts.current(session, run)
+    plan = plan_retention(
         rows,
         run.num_to_keep,
         run.keep_every_steps,
@@ -98,8 +103,10 @@ def current_plan(
         grace,
         pending_grace=pending_grace,
         corrupt=corrupt,
-        resume_point=attempts.resume_point(session, run),
+        resume_point=attempts.resume_point(session, run, attempt),
     )
+    record = None if attempt is None else AttemptRecord.of(attempt, run.name)
+    return dataclasses.replace(plan, current=record)
 
 
 def claim(

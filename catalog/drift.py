@@ -25,8 +25,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from alembic.autogenerate import compare_metadata
-from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Index, bindparam, text
 from sqlalchemy.schema import CreateIndex
 
@@ -191,7 +189,11 @@ def _only_catalog_tables(name: str | None, type_: str, _parents: Mapping[str, An
 def model_differences(connection: Connection) -> list[str]:
     """Alembic's ``compare_metadata`` of the live catalog tables against the ORM models, as
     phrases. Server defaults are not compared (their rendering differs between server
-    versions, and the code always sends the values itself); extra indexes are ignored."""
+    versions, and the code always sends the values itself); extra indexes are ignored.
+    Alembic is imported here, not with the module: opening a catalog never needs it."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
     context = MigrationContext.configure(
         connection,
         opts={

@@ -31,58 +31,18 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
 )
-from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-
-class CheckpointState(StrEnum):
-    """States of a checkpoint row; transitions are in ``docs/catalog.md``.
-
-    ``CORRUPT``: verification of the stored checkpoint failed. Never latest, never counted by
-    retention, kept for inspection until gc deletes it with ``corrupt=True``.
-    ``STALE``: the row belongs to a history that a newer attempt abandoned (a step above the
-    point that attempt resumed from). Never latest; gc deletes it once the grace has passed.
-    """
-
-    PENDING = "pending"
-    COMMITTED = "committed"
-    DELETING = "deleting"
-    DELETED = "deleted"
-    FAILED = "failed"
-    CORRUPT = "corrupt"
-    STALE = "stale"
-
-
-class ReplicaState(StrEnum):
-    """States of a replica row (one copy of a checkpoint on one tier): ``pending`` while it is
-    written or uploaded, then ``committed`` or ``failed``; ``committed -> deleted`` when it is
-    removed; ``pending``, ``failed`` and ``deleted`` rows, and committed rows of an older
-    save, are re-armed ``pending`` by a new save of the step."""
-
-    PENDING = "pending"
-    COMMITTED = "committed"
-    FAILED = "failed"
-    DELETED = "deleted"
-
-
-class ReplicaTier(StrEnum):
-    """Where a replica lives: ``local`` (a node-local disk, one row per host) or ``save_dir``
-    (the job's shared storage, host ``""``)."""
-
-    LOCAL = "local"
-    SAVE_DIR = "save_dir"
-
-
-class RunKind(StrEnum):
-    TRAIN = "train"
-    INFERENCE = "inference"
-
-
-class RunStatus(StrEnum):
-    ACTIVE = "active"
-    FINISHED = "finished"
-    FAILED = "failed"
+# The enums live in catalog.states (no SQLAlchemy there); imported here for the constraints,
+# and still importable from this module.
+from zephon.catalog.states import (
+    CheckpointState,
+    ReplicaState,
+    ReplicaTier,
+    RunKind,
+    RunStatus,
+)
 
 
 def _in(column: str, enum: type[StrEnum]) -> str:
@@ -117,9 +77,26 @@ class UtcDateTime(TypeDecorator[datetime]):
         return value.astimezone(UTC)
 
 
-# JSONB on PostgreSQL (indexable, compact); JSON text elsewhere. ``none_as_null`` stores Python
-# None as SQL NULL rather than the JSON literal 'null', so "no metadata" is one thing.
-JsonDocument = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
+class JsonDocumentType(TypeDecorator[Any]):
+    """JSONB on PostgreSQL (indexable, compact); JSON text elsewhere. ``none_as_null`` stores
+    Python None as SQL NULL rather than the JSON literal 'null', so "no metadata" is one thing.
+
+    The PostgreSQL type is chosen per dialect (``load_dialect_impl``), not named in the model:
+    SQLAlchemy's PostgreSQL dialect is then imported only by a process that connects to
+    PostgreSQL, not by every ``zephon latest`` on a SQLite catalog."""
+
+    impl = JSON(none_as_null=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> Any:
+        if dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import JSONB
+
+            return dialect.type_descriptor(JSONB(none_as_null=True))
+        return dialect.type_descriptor(JSON(none_as_null=True))
+
+
+JsonDocument = JsonDocumentType()
 
 # Named constraints make Alembic revisions deterministic and let SQLite batch migrations
 # find the constraints they must recreate.

@@ -32,7 +32,6 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, Select, cast, func, literal, select, type_coerce
-from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
 from zephon.catalog import guarded
@@ -119,6 +118,8 @@ def merged_timings(session: Session, timings: dict[str, float]) -> ColumnElement
     never lose a phase, with no read and no lock of their own."""
     document = json.dumps(timings)
     if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import JSONB  # loaded with the dialect, not before
+
         empty = cast(literal("{}"), JSONB)
         merged = func.coalesce(Checkpoint.timings, empty).op("||")(cast(literal(document), JSONB))
         return type_coerce(merged, JsonDocument)

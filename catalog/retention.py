@@ -25,7 +25,9 @@ Rules:
   which the directory is an uncommitted orphan that gc removes. ``pending_grace`` is separate
   from ``grace`` on purpose: a gc told ``grace=0`` to clear abandoned rows at once must not
   expire a checkpoint that is still being written.
-- Rows in any other state (``deleting``, ``deleted``, ``failed``) are not part of a plan.
+- Rows in any other state (``deleting``, ``deleted``, ``failed``) are not part of a plan;
+  ``deleting`` rows (claimed by a gc) are listed in ``RetentionPlan.held``, so gc learns from
+  the plan's read whether any claim needs judging.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from zephon.catalog import validate
 from zephon.catalog.models import CheckpointState
+
+if TYPE_CHECKING:
+    from zephon.catalog.records import AttemptRecord
 
 
 class Action(StrEnum):
@@ -101,9 +106,14 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class RetentionPlan:
-    """Decisions for the planned rows of one run, in ascending step order."""
+    """Decisions for the planned rows of one run, in ascending step order; the steps being
+    deleted (``deleting``: claimed by a gc) and the run's current attempt (None: unfenced)
+    when it was made, both read in the plan's transaction (``Catalog.retention_plan``), so a
+    saving job's retention checks its fence and judges held claims without another read."""
 
     decisions: tuple[Decision, ...]
+    held: tuple[int, ...] = ()
+    current: AttemptRecord | None = None
 
     @property
     def to_delete(self) -> list[int]:
@@ -195,7 +205,8 @@ def plan_retention(
             continue
         decisions.append(Decision(row.step, row.state, action, tuple(reasons), row.save_id))
     decisions.sort(key=lambda d: d.step)
-    return RetentionPlan(tuple(decisions))
+    held = sorted(row.step for row in rows if row.state == CheckpointState.DELETING)
+    return RetentionPlan(tuple(decisions), tuple(held))
 
 
 def _pending(age: timedelta, pending_grace: timedelta) -> tuple[Action, list[str]]:

@@ -23,6 +23,12 @@ Policy (also in ``docs/catalog.md``):
     records the revision they match exactly, if one does;
   - a revision this code does not know: ``SchemaOutdatedError(known=False)``.
 
+Opening a catalog at head never imports Alembic: ``HEAD_REVISION`` names the head revision
+(``tests/test_import_cost.py`` fails when a migration is added and the constant is
+not moved to it), the revision is read with a plain query (``catalog.drift``), and the tables are
+compared with the models' fingerprint. Alembic is imported when the scripts themselves are
+needed: creating or upgrading a schema, or explaining one that is not at head.
+
 To tell what an older revision's tables look like, ``revision_fingerprints`` migrates a scratch
 in-memory SQLite database through every revision once per process; that costs tens of
 milliseconds and happens only for a database that is not at head.
@@ -38,12 +44,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
-from alembic.script import ScriptDirectory
-from alembic.script.revision import ResolutionError
-from alembic.util import CommandError
 from sqlalchemy import Connection, create_engine, text
 
 from zephon import migrations
@@ -59,6 +61,16 @@ from zephon.catalog.errors import (
     SchemaUnversionedError,
 )
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+#: The newest revision in ``migrations/versions``: the schema this code's models describe. Kept
+#: here so that opening a catalog compares the stored revision with it without importing Alembic;
+#: a new migration moves it (``tests/test_import_cost.py`` checks it against the
+#: scripts).
+HEAD_REVISION = "c7d2e5a94b10"
+
 # Any constant works, as long as every Zephon version uses the same one: it is the key of the
 # PostgreSQL advisory lock that serialises schema creation and upgrades in one database.
 _SCHEMA_LOCK_KEY = 0x7A65_7068_6F6E_0001  # "zephon" + 1
@@ -69,6 +81,8 @@ def alembic_config(script_location: str | None = None) -> Config:
 
     ``script_location`` exists for tests that add revisions in a copy of the package.
     """
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", script_location or migrations.LOCATION)
     return config
@@ -76,12 +90,23 @@ def alembic_config(script_location: str | None = None) -> Config:
 
 @functools.lru_cache(maxsize=8)
 def _script(script_location: str | None) -> ScriptDirectory:
-    # Parsing the revision files costs milliseconds; every Catalog(url) needs the head.
+    # Parsing the revision files costs milliseconds (importing Alembic, a hundred more).
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(alembic_config(script_location))
 
 
 def head_revision(script_location: str | None = None) -> str:
-    """The revision this code's models correspond to."""
+    """The revision this code's models correspond to: ``HEAD_REVISION`` for the installed
+    migrations, else the head of the scripts at ``script_location`` (``scripts_head``)."""
+    if script_location is None:
+        return HEAD_REVISION
+    return scripts_head(script_location)
+
+
+def scripts_head(script_location: str | None = None) -> str:
+    """The head revision of the migration scripts, read with Alembic;
+    ``MigrationsNotFoundError`` when there are none (a broken install)."""
     script = _script(script_location)
     head = script.get_current_head()
     if head is None:  # a broken install, or a directory without migrations
@@ -120,8 +145,11 @@ def read_state(connection: Connection) -> SchemaState:
 
 
 def _is_known(revision: str | None, script_location: str | None) -> bool:
-    if revision is None:
+    if revision is None or (script_location is None and revision == HEAD_REVISION):
         return True
+    from alembic.script.revision import ResolutionError
+    from alembic.util import CommandError
+
     script = _script(script_location)
     try:
         return all(script.get_revision(part) is not None for part in revision.split(","))
@@ -136,6 +164,8 @@ def revision_fingerprints(script_location: str | None = None) -> dict[str, Finge
     Read from a scratch in-memory SQLite database migrated through the revisions one by one;
     fingerprints hold names only, which are the same on every backend.
     """
+    from alembic import command
+
     script = _script(script_location)
     order = [revision.revision for revision in script.walk_revisions()][::-1]
     engine = create_engine("sqlite://")
@@ -242,6 +272,9 @@ def _lock(connection: Connection) -> None:
 
 
 def _migrate(connection: Connection, target: str, script_location: str | None) -> None:
+    from alembic import command
+
+    scripts_head(script_location)  # MigrationsNotFoundError for a broken install
     config = alembic_config(script_location)
     config.attributes["connection"] = connection
     command.upgrade(config, target)

@@ -110,12 +110,14 @@ def begin(
     """
     for _ in range(_BEGIN_RETRIES):
         save = save_id or new_save_id()
+        # A new step is the usual case: insert at once (a savepoint), and read the row only
+        # when one is there already (an earlier save of the step, or a concurrent begin).
+        fresh = insert(session, run, step, PENDING, now, path=path, save_id=save, epoch=epoch)
+        if fresh is not None:
+            return fresh, "begun", None
         row = load(session, run.id, step)
         if row is None:
-            fresh = insert(session, run, step, PENDING, now, path=path, save_id=save, epoch=epoch)
-            if fresh is not None:
-                return fresh, "begun", None
-            continue  # a concurrent begin inserted the row: decide again on what it holds
+            continue  # the row went away in between (deleted with its run): try again
         if row.state == COMMITTED:
             raise CheckpointExistsError(url, run.name, step, row.path)
         if row.state == DELETING:

@@ -16,25 +16,12 @@ manifest). Every backend primitive tries transient failures again under the loca
 ``RetryPolicy`` (``storage.retry``). Other layers import only these names.
 """
 
-from zephon.storage.backend import (
-    CreateOutcome,
-    ListedFile,
-    create_exclusive,
-    create_settled,
-    file_exists,
-    forget_cached,
-    is_dir,
-    list_files,
-    make_dirs,
-    open_read,
-    put_small,
-    read_file,
-    read_small,
-    remove_empty_dirs,
-    remove_files,
-)
-from zephon.storage.backends import Backend
-from zephon.storage.checksum import Crc32c, crc32c_extend, crc32c_of, decode_crc32c, encode_crc32c
+import importlib
+from typing import Any
+
+# Light modules (no fsspec, no backend): imported with the package. ``storage.redact`` must be
+# among them: its module name is also the name of its function, so importing the module later
+# would make ``zephon.storage.redact`` the module.
 from zephon.storage.errors import (
     BackendUnavailableError,
     CheckpointNotFoundError,
@@ -57,18 +44,72 @@ from zephon.storage.layout import (
     validate_run,
     validate_step,
 )
-from zephon.storage.lineage import AttemptRecord, Fence, Lineage, newer_epochs
-from zephon.storage.location import Location, mask_url, open_location
-from zephon.storage.manifest import FileEntry, Manifest, validate_save_id
 from zephon.storage.parallel import concurrently
-from zephon.storage.reader import CheckpointReader
-from zephon.storage.redact import redact, redact_options, secrets_in
+from zephon.storage.redact import mask_url, redact, redact_options, secrets_in
 from zephon.storage.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
-from zephon.storage.run_store import RunStore, new_save_id
-from zephon.storage.scan import StepListing
-from zephon.storage.store import CheckpointStore, Orphan
-from zephon.storage.verify import FileProblem, VerifyReport, verify_checkpoint
-from zephon.storage.writer import CheckpointWriter
+
+# public name -> module that defines it, for the names whose modules load fsspec and the
+# backends (or CRC32C's library): resolved on first use, so that a command that never touches
+# storage (``zephon latest`` answered by the catalog, ``zephon --help``) does not pay for them.
+_LAZY = {
+    **{
+        name: "zephon.storage.backend"
+        for name in (
+            "CreateOutcome",
+            "ListedFile",
+            "create_exclusive",
+            "create_settled",
+            "file_exists",
+            "forget_cached",
+            "is_dir",
+            "list_files",
+            "make_dirs",
+            "open_read",
+            "put_small",
+            "read_file",
+            "read_small",
+            "remove_empty_dirs",
+            "remove_files",
+        )
+    },
+    "Backend": "zephon.storage.backends",
+    **{
+        name: "zephon.storage.checksum"
+        for name in ("Crc32c", "crc32c_extend", "crc32c_of", "decode_crc32c", "encode_crc32c")
+    },
+    **{
+        name: "zephon.storage.lineage"
+        for name in ("AttemptRecord", "Fence", "Lineage", "newer_epochs")
+    },
+    "Location": "zephon.storage.location",
+    "open_location": "zephon.storage.location",
+    **{name: "zephon.storage.manifest" for name in ("FileEntry", "Manifest", "validate_save_id")},
+    "CheckpointReader": "zephon.storage.reader",
+    "RunStore": "zephon.storage.run_store",
+    "new_save_id": "zephon.storage.run_store",
+    "StepListing": "zephon.storage.scan",
+    "CheckpointStore": "zephon.storage.store",
+    "Orphan": "zephon.storage.store",
+    **{
+        name: "zephon.storage.verify"
+        for name in ("FileProblem", "VerifyReport", "verify_checkpoint")
+    },
+    "CheckpointWriter": "zephon.storage.writer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zephon.storage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "MARKER_NAME",

@@ -12,6 +12,12 @@ Format 2 (this version) records the fencing token of the attempt that wrote the 
 (``epoch``, ``attempt_id``) and the per-save payload directory (``payload``, the ``save_id``):
 files live at ``save-<step>/<payload>/<name>``. Format 1 (before fencing) is read as epoch 0
 with its files directly in ``save-<step>/``.
+
+A marker may also carry copies of a few files it lists (``inline``: zlib-compressed, then
+base64, at most ``MAX_INLINE_BYTES`` compressed in all): whoever reads the marker then has
+those files' bytes in the same request, e.g. a DCP load its metadata. A copy is used only if
+its size and CRC32C match the file's entry (``inline_bytes``); the file itself is always
+written too.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import base64
 import binascii
 import json
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +35,16 @@ from zephon.storage.errors import CorruptCheckpointError, InvalidNameError
 from zephon.storage.jsondoc import parse_json
 from zephon.storage.layout import MAX_STEP, validate_file_name
 
-__all__ = ["FORMAT_VERSION", "FileEntry", "Manifest", "SAVE_ID", "validate_save_id"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MAX_INLINE_BYTES",
+    "MAX_INLINE_FILE",
+    "FileEntry",
+    "Manifest",
+    "SAVE_ID",
+    "inline_copy",
+    "validate_save_id",
+]
 
 FORMAT_VERSION = 2
 #: a save id (and payload directory name): what one ``begin`` of a step is called
@@ -37,6 +53,16 @@ SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_FILE_SIZE = 1 << 50
 #: no checkpoint lists more files than this; anything above is damage or hostility
 MAX_FILES = 1_000_000
+#: the most compressed bytes of file copies one marker carries (``Manifest.inline``): a marker
+#: is read by every scan and load, so it stays small (DCP metadata compresses about 16-fold)
+MAX_INLINE_BYTES = 256 << 10
+#: no file larger than this is copied into a marker (nor expanded from one)
+MAX_INLINE_FILE = 64 << 20
+
+
+def inline_copy(data: bytes | bytearray | memoryview) -> str:
+    """A file's copy as a marker carries it (``Manifest.inline``): zlib, then base64."""
+    return base64.b64encode(zlib.compress(data)).decode("ascii")
 
 
 def validate_save_id(save_id: str) -> str:
@@ -67,7 +93,8 @@ class Manifest:
 
     ``save_id`` names this one save of the step (its payload directory, ``payload``);
     ``epoch`` and ``attempt_id`` name the attempt (job start) that wrote it: the fencing token
-    readers compare with the run's lineage and the catalog's row.
+    readers compare with the run's lineage and the catalog's row. ``inline`` maps a few
+    listed files' names to a base64 copy of their bytes (``inline_bytes``).
     """
 
     run: str | None
@@ -82,6 +109,7 @@ class Manifest:
     created_at: str = ""
     committed_at: str = ""
     format_version: int = FORMAT_VERSION
+    inline: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -97,8 +125,29 @@ class Manifest:
                 return entry
         return None
 
+    def inline_bytes(self, name: str) -> bytes | None:
+        """The copy of file ``name`` this marker carries, if it has one whose size and CRC32C
+        match the file's entry; else None (read the file)."""
+        copy, entry = self.inline.get(name), self.file(name)
+        if copy is None or entry is None or entry.size > MAX_INLINE_FILE:
+            return None
+        try:
+            # never expanded beyond the entry's size (plus one byte, to see a longer copy)
+            data = zlib.decompressobj().decompress(
+                base64.b64decode(copy, validate=True), entry.size + 1
+            )
+        except (binascii.Error, ValueError, zlib.error):
+            return None
+        if len(data) != entry.size or crc32c_of(data) != entry.crc32c:
+            return None
+        return data
+
     def to_json(self) -> bytes:
-        body = {
+        """The marker's bytes."""
+        return self._serialise(with_copies=True)
+
+    def _serialise(self, *, with_copies: bool) -> bytes:
+        body: dict[str, Any] = {
             "format_version": self.format_version,
             "run": self.run,
             "step": self.step,
@@ -114,6 +163,8 @@ class Manifest:
             "created_at": self.created_at,
             "committed_at": self.committed_at,
         }
+        if self.inline and with_copies:  # absent otherwise: markers as they were before
+            body["inline"] = self.inline
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
     @classmethod
@@ -192,11 +243,14 @@ class Manifest:
             created_at=str(body.get("created_at", "")),
             committed_at=str(body.get("committed_at", "")),
             format_version=version,
+            inline=_inline(body.get("inline"), set(names)),
         )
 
     def checksum(self) -> str:
-        """CRC32C of the serialised manifest: identifies this exact commit in the catalog."""
-        return crc32c_of(self.to_json())
+        """CRC32C of the serialised manifest: identifies this exact commit in the catalog.
+        The file copies are left out: they only repeat files the manifest lists (and are
+        checked against them), and a version that does not know them computes the same."""
+        return crc32c_of(self._serialise(with_copies=False))
 
 
 def _count(value: Any, what: str) -> int:
@@ -211,6 +265,21 @@ def _mapping(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{what} is not a JSON object")
     return dict(value)
+
+
+def _inline(value: Any, listed: set[str]) -> dict[str, str]:
+    """The marker's file copies: names it lists, mapped to base64 text of bounded size."""
+    copies = _mapping(value, "inline")
+    total = 0
+    for name, copy in copies.items():
+        if name not in listed:
+            raise ValueError(f"inline copy of {name[:80]!r}, a file the marker does not list")
+        if not isinstance(copy, str):
+            raise ValueError(f"inline copy of {name[:80]!r} is not base64 text")
+        total += len(copy)
+    if total > MAX_INLINE_BYTES * 4 // 3 + 4 * len(copies):
+        raise ValueError(f"inline copies of {total} base64 characters, beyond the marker's limit")
+    return copies
 
 
 def _entry(raw: Any) -> FileEntry:

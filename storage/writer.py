@@ -1,11 +1,12 @@
-"""Writing one checkpoint's payload and committing it with the marker.
+"""One checkpoint written and committed with the marker.
 
 A ``CheckpointWriter`` is made by ``RunStore.begin`` (the primary writer, the only one
 that may commit) or ``RunStore.attach`` (a secondary writer, e.g. another rank writing
 its own shards into the same checkpoint; its entries reach the primary through
-``add_entries``). Size and CRC32C of every file are recorded while the bytes go out, never by
-reading them back. It holds the location, the run's layout, its fence and the store's thread
-pool (as a factory), never the store itself.
+``add_entries``). Writing files is ``storage.payload_writer``'s half (size and CRC32C recorded
+while the bytes go out, never by reading them back); this module adds the entries of other
+writers, the commit and ``abort``. It holds the location, the run's layout, its fence and the
+store's thread pool (as a factory), never the store itself.
 """
 
 from __future__ import annotations
@@ -15,29 +16,24 @@ import datetime as dt
 import functools
 import os
 import socket
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
-from typing import Any, BinaryIO
+from typing import Any
 
 from zephon.storage.backend import (
-    copy_file,
     create_settled,
     file_exists,
     list_files,
-    make_dirs,
-    open_read,
     outcome_unknown,
     remove_dir,
     remove_empty_dirs,
     remove_files,
-    same_store,
     sync_dirs,
 )
-from zephon.storage.checksum import Crc32c
 from zephon.storage.errors import (
     BackendUnavailableError,
     CommitConflictError,
+    InvalidArgumentError,
     InvalidNameError,
     WriteAbortedError,
 )
@@ -45,17 +41,19 @@ from zephon.storage.existing import check_fence, supersede
 from zephon.storage.layout import MARKER_NAME, RunLayout, validate_file_name
 from zephon.storage.lineage import Fence
 from zephon.storage.location import Location
-from zephon.storage.manifest import FileEntry, Manifest, validate_save_id
+from zephon.storage.manifest import (
+    MAX_INLINE_BYTES,
+    MAX_INLINE_FILE,
+    FileEntry,
+    Manifest,
+    inline_copy,
+)
 from zephon.storage.markers import describe_commit
 from zephon.storage.parallel import concurrently
-from zephon.storage.recording import ChecksummedReader, RecordingFile
+from zephon.storage.payload_writer import Payload, PayloadWriter
 
 __all__ = ["CheckpointWriter", "Payload"]
 
-#: What ``write_many`` accepts per file: bytes-like data, a local file path, or a readable stream.
-Payload = bytes | bytearray | memoryview | str | os.PathLike | BinaryIO
-
-_CHUNK = 8 << 20
 #: how often a commit supersedes a stale marker that appeared at its step before giving up
 _COMMIT_TRIES = 5
 
@@ -64,13 +62,13 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
 
 
-class CheckpointWriter:
+class CheckpointWriter(PayloadWriter):
     """Writes one save of ``<root>/<run>/save-<step>/`` and commits it.
 
     Files go to the save's own payload directory, ``save-<step>/<save_id>/``: no other save
     (another attempt's, or an earlier try of this step) ever writes a file this save's manifest
     lists, so a late write by a stale attempt is garbage at worst, never corruption. A fenced
-    writer carries its attempt's ``Fence``; the commit re-checks it just before the marker.
+    writer carries its attempt's ``Fence``; the commit re-checks it before the marker.
 
     Thread-safe: files may be written from many threads at once. Not process-safe by itself:
     other processes write through their own ``attach``-ed writer and hand over their entries.
@@ -91,26 +89,10 @@ class CheckpointWriter:
     ) -> None:
         """``part_size``: bytes per multipart part; ``executor``: the store's thread pool,
         made on first use (``write_many``)."""
-        self._location = location
-        self._layout = layout
-        self._part_size = part_size
-        self._executor = executor
-        self.run = layout.run
-        self.step = step
-        self.save_id = validate_save_id(save_id)
+        super().__init__(location, layout, step, save_id, part_size=part_size, executor=executor)
         self.primary = primary
         self.fence = fence
-        #: the step directory (``save-<step>``) and its URL, as messages and DCP name it
-        self.path = layout.checkpoint_path(step)
-        self.url = location.display(self.path)
-        #: where this save's files go
-        self.payload_path = layout.payload_path(step, self.save_id)
         self._metadata = dict(metadata or {})
-        self._entries: dict[str, FileEntry] = {}
-        self._own: set[str] = set()  # names this writer wrote itself (not add_entries)
-        self._lock = threading.Lock()
-        self._dirs: set[str] = {self.payload_path, self.path}
-        self._state = "open"
         #: a marker request of this save went out and may have been applied (or may still be)
         self._marker_may_exist = False
         self._sent: Manifest | None = None  # the manifest the marker requests carry
@@ -119,108 +101,7 @@ class CheckpointWriter:
         #: the committed manifest, once ``commit`` succeeded
         self.manifest: Manifest | None = None
 
-    # -- writing -------------------------------------------------------------------------------
-
-    @property
-    def entries(self) -> list[FileEntry]:
-        """Every file this writer knows about, its own and those added from other writers."""
-        with self._lock:
-            return sorted(self._entries.values(), key=lambda e: e.name)
-
-    def write_bytes(self, name: str, data: bytes | bytearray | memoryview) -> FileEntry:
-        """Write one file from memory."""
-        target = self._claim(name)
-        location = self._location
-        with self._guard(name):
-            if location.backend.posix_paths:
-                # An OS file: written and checksummed in writeback pieces, while they are hot.
-                with self._open_file(target) as out:
-                    out.write(data)
-                return self._record(name, out.crc)
-            crc = Crc32c()
-            crc.update(data)
-            # the caller's buffer as it is (no copy where the backend reads it in place), and
-            # the CRC32C for the store to check where it can
-            location.backend.put_buffer(target, data, self._part_size, crc.encoded())
-            return self._record(name, crc)
-
-    def write_stream(self, name: str, stream: BinaryIO) -> FileEntry:
-        """Write one file from a readable binary stream, in bounded-memory chunks."""
-        with self.open(name) as out:
-            while chunk := stream.read(_CHUNK):
-                out.write(chunk)
-        return self._entries[name]
-
-    def put_file(self, name: str, local_path: str | os.PathLike) -> FileEntry:
-        """Copy one local file into the checkpoint."""
-        with open(local_path, "rb") as stream:
-            return self.write_stream(name, stream)
-
-    @contextlib.contextmanager
-    def open(self, name: str) -> Iterator[RecordingFile]:
-        """A file to ``write()`` into; recorded in the manifest when the block exits cleanly.
-
-        Large files on object stores go out as multipart uploads as the buffer fills.
-        """
-        target = self._claim(name)
-        with self._guard(name):
-            with self._open_file(target) as out:
-                yield out
-            self._record(name, out.crc)
-
-    def can_copy_from(self, source: Location) -> bool:
-        """Whether ``copy_from`` can copy files of ``source`` into this save on the server."""
-        return same_store(self._location, source)
-
-    def copy_from(
-        self,
-        source: Location,
-        path: str,
-        name: str,
-        size: int,
-        read: Callable[[BinaryIO], None] | None = None,
-    ) -> FileEntry:
-        """Copy the file ``path`` of ``source`` (``size`` bytes) into this save as ``name`` on
-        the server (only where ``can_copy_from``), then read the copy back once for its size
-        and CRC32C: what the manifest records are the copy's own bytes. ``read``, if given,
-        gets that stream first, from its start (e.g. to parse the file on the way).
-        ``WriteAbortedError`` if the copy does not hold ``size`` bytes."""
-        target = self._claim(name)
-        location = self._location
-        with self._guard(name):
-            copy_file(location, path, target)
-            with open_read(location, target, size) as handle:
-                stream = ChecksummedReader(handle)
-                if read is not None:
-                    read(stream)
-                while stream.read(_CHUNK):
-                    pass
-            if stream.crc.size != size:
-                raise WriteAbortedError(
-                    f"copy of {source.display(path)} into {self.url} holds {stream.crc.size} "
-                    f"bytes, not {size}: the source changed while it was copied; copy again",
-                    run=self.run,
-                    step=self.step,
-                )
-            return self._record(name, stream.crc)
-
-    def write_many(self, files: Mapping[str, Payload]) -> list[FileEntry]:
-        """Write several files in parallel on the store's thread pool; returns their entries.
-
-        On the first failure the remaining writes still finish or fail, then the first error
-        is raised; the checkpoint stays uncommitted either way.
-        """
-        pool = self._executor()
-        futures = [pool.submit(self._write_any, name, payload) for name, payload in files.items()]
-        results, first_error = [], None
-        for future in futures:
-            try:
-                results.append(future.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below after all finish
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-        return results
+    # -- other writers' files ------------------------------------------------------------------
 
     def keep_present_only(self) -> None:
         """From now on ``add_entries`` keeps only the entries whose file is in this save's
@@ -256,27 +137,43 @@ class CheckpointWriter:
 
     # -- commit / abort ------------------------------------------------------------------------
 
-    def commit(self, metadata: Mapping[str, Any] | None = None) -> Manifest:
-        """Make the checkpoint complete: check the payload with one listing and re-check the
-        fence (one listing of the attempt records) at the same time, then, once both passed,
-        create the marker exclusively. Only the primary writer may call this, once.
+    def commit(
+        self,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        files: Mapping[str, Payload] | None = None,
+        inline: Iterable[str] = (),
+    ) -> Manifest:
+        """Make the checkpoint complete: write ``files`` (the save's last files, if any), and
+        at the same time re-check the fence (one listing of the attempt records) and list the
+        payload for the files written before them; then, once all of it succeeded, create the
+        marker exclusively. Only the primary writer may call this, once.
+
+        Passing the last files here instead of to ``write_many`` saves a round trip: their
+        uploads, the fence re-check and the payload listing go out as one wave. A file of
+        ``files`` is checked by its upload's own acknowledgement (the listing, sent beside it,
+        cannot see it yet); every earlier file, this writer's or another's (``add_entries``),
+        by the listing. ``inline`` names files of ``files`` (bytes only) whose compressed copy
+        the marker carries too, while the copies total at most ``MAX_INLINE_BYTES``: a reader
+        of the marker then has them without another request (``Manifest.inline_bytes``).
 
         Idempotent against lost replies: a marker request applied whose answer never came
         back is settled by reading the marker back, and this save's own marker (the very
         bytes this commit sent) means the commit succeeded.
 
         Raises ``CommitConflictError`` if the step is already committed (by anyone else),
-        ``WriteAbortedError`` if a file this writer recorded is missing from storage (it wins
-        over the other refusals) and ``FencedOutError`` if a newer attempt registered.
+        ``WriteAbortedError`` if a file written before this call is missing from storage (it
+        wins over the other refusals), ``FencedOutError`` if a newer attempt registered, and a
+        failed write's own error; nothing is committed then (``abort`` removes the payload).
         ``BackendUnavailableError`` after the marker was sent means its outcome is unknown:
         the payload is kept (``abort`` removes nothing) and the marker decides; calling
         ``commit`` again settles it, sending (or finding) the very same marker (``metadata``
-        is then that of the first call).
+        and ``files`` are then those of the first call).
         """
         if self._state == "unknown" and self._sent is not None:
             manifest = self._sent  # settle the earlier call: the very same marker, found or sent
         else:
-            manifest = self._prepare(metadata)
+            manifest = self._prepare(metadata, dict(files or {}), set(inline))
         self._sent = manifest
         data = manifest.to_json()
         for _ in range(_COMMIT_TRIES):
@@ -337,9 +234,11 @@ class CheckpointWriter:
             remove_files(location, own)
         self._state = "aborted"
 
-    def _prepare(self, metadata: Mapping[str, Any] | None) -> Manifest:
-        """The checks before a marker (payload listing and fence re-check, sent together) and
-        the manifest the marker will hold."""
+    def _prepare(
+        self, metadata: Mapping[str, Any] | None, files: dict[str, Payload], inline: set[str]
+    ) -> Manifest:
+        """The last files and the checks before a marker (payload listing and fence re-check),
+        all sent together, and the manifest the marker will hold."""
         self._check_open()
         if not self.primary:
             raise WriteAbortedError(
@@ -348,17 +247,30 @@ class CheckpointWriter:
                 run=self.run,
                 step=self.step,
             )
+        strays = sorted(inline - set(files))
+        if strays:
+            raise InvalidArgumentError(
+                f"inline names {', '.join(map(repr, strays[:5]))}, not among the files passed "
+                f"to commit {self.url}: name only files of commit(files=...)"
+            )
         location = self._location
-        entries = self.entries
-        sync_dirs(location, sorted(self._dirs, key=len, reverse=True))  # local disk: fsync
-        # The payload listing and the fence re-check are independent: they go out together
-        # and the marker goes out only once both passed (a missing file is reported first).
-        # The re-check narrows the window in which a stale attempt can still publish a
-        # marker; readers ignore one that slips through (its epoch is not in the lineage).
-        checks = [functools.partial(self._check_payload_present, entries)]
+        earlier = self.entries
+        # The listing, the fence re-check and the last uploads are independent: they go out
+        # together and the marker goes out only once all passed (a missing file is reported
+        # first, then a newer attempt). The listing checks the files written before this
+        # call; the last files are acknowledged by the store as their uploads complete. The
+        # re-check narrows the window in which a stale attempt can still publish a marker;
+        # readers ignore one that slips through (its epoch is not in the lineage).
+        steps: list[Callable[[], object]] = []
+        if earlier:
+            steps.append(functools.partial(self._check_payload_present, earlier))
         if self.fence is not None:
-            checks.append(functools.partial(check_fence, self._location, self._layout, self.fence))
-        concurrently(*checks)
+            steps.append(functools.partial(check_fence, self._location, self._layout, self.fence))
+        if files:
+            steps.append(functools.partial(self.write_many, files))
+        concurrently(*steps)
+        sync_dirs(location, sorted(self._dirs, key=len, reverse=True))  # local disk: fsync
+        entries = self.entries
         return Manifest(
             run=self.run,
             step=self.step,
@@ -371,6 +283,7 @@ class CheckpointWriter:
             metadata={**self._metadata, **dict(metadata or {})},
             created_at=self._created_at,
             committed_at=_now(),
+            inline=_copies(files, inline),
         )
 
     def _create_marker(self, data: bytes) -> bytes | None:
@@ -425,77 +338,6 @@ class CheckpointWriter:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _write_any(self, name: str, payload: Payload) -> FileEntry:
-        if isinstance(payload, bytes | bytearray | memoryview):
-            return self.write_bytes(name, payload)
-        if isinstance(payload, str | os.PathLike):
-            return self.put_file(name, payload)
-        return self.write_stream(name, payload)
-
-    def _check_open(self) -> None:
-        if self._state != "open":
-            raise WriteAbortedError(
-                f"writer for {self.url} is {self._state}; begin a new checkpoint to write again",
-                run=self.run,
-                step=self.step,
-            )
-
-    def _claim(self, name: str) -> str:
-        self._check_open()
-        validate_file_name(name)
-        with self._lock:
-            if name in self._own or name in self._entries:
-                raise InvalidNameError(
-                    f"file {name!r} was already written to {self.url}; each name is written once",
-                    run=self.run,
-                    step=self.step,
-                    path=name,
-                )
-            self._own.add(name)
-        target = f"{self.payload_path}/{name}"
-        location = self._location
-        if location.backend.has_directories:
-            parent = target.rsplit("/", 1)[0]
-            make_dirs(location, parent)
-            with self._lock:  # the directories whose entries the commit makes durable
-                while parent.startswith(self.payload_path) and parent not in self._dirs:
-                    self._dirs.add(parent)
-                    parent = parent.rsplit("/", 1)[0]
-        return target
-
-    @contextlib.contextmanager
-    def _guard(self, name: str) -> Iterator[None]:
-        """On failure, forget the claimed name so the caller may retry it (the backend
-        translated the failure)."""
-        try:
-            yield
-        except BaseException:
-            with self._lock:
-                self._own.discard(name)
-                self._entries.pop(name, None)
-            raise
-
-    def _record(self, name: str, crc: Crc32c) -> FileEntry:
-        entry = FileEntry(name=name, size=crc.size, crc32c=crc.encoded())
-        with self._lock:
-            self._entries[name] = entry
-        return entry
-
-    @contextlib.contextmanager
-    def _open_file(self, target: str) -> Iterator[RecordingFile]:
-        """The payload file ``target`` open for writing through the backend: completed (local
-        disk: fsynced; object stores: the upload finished) when the block exits cleanly,
-        abandoned without publishing anything otherwise."""
-        backend = self._location.backend
-        part_size = self._part_size
-        out = RecordingFile(backend.open_write(target, part_size), backend, part_size)
-        try:
-            yield out
-        except BaseException:
-            out.discard()
-            raise
-        out.finish()
-
     def _check_payload_present(self, entries: list[FileEntry]) -> None:
         location = self._location
         listed = {f.path: f.size for f in list_files(location, self.payload_path)}
@@ -516,3 +358,22 @@ class CheckpointWriter:
                 run=self.run,
                 step=self.step,
             )
+
+
+def _copies(files: Mapping[str, Payload], names: set[str]) -> dict[str, str]:
+    """Compressed copies of the files ``names`` of ``files`` (bytes only), in name order while
+    they total at most ``MAX_INLINE_BYTES``; a file that would pass the limit is left out."""
+    copies, total = {}, 0
+    for name in sorted(names):
+        data = files.get(name)
+        if not isinstance(data, bytes | bytearray | memoryview):
+            continue
+        if memoryview(data).nbytes > MAX_INLINE_FILE:
+            continue
+        copy = inline_copy(data)
+        size = len(copy) * 3 // 4  # the compressed bytes
+        if total + size > MAX_INLINE_BYTES:
+            continue
+        total += size
+        copies[name] = copy
+    return copies

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from zephon import catalog as catalog_layer
 from zephon import storage
@@ -41,6 +41,7 @@ from zephon.outage import DebtBeingPaid, guard, record_missed
 from zephon.storage import AttemptRecord, Fence, Lineage
 
 __all__ = [
+    "UNREAD",
     "Attempt",
     "as_zephon_error",
     "claim",
@@ -53,6 +54,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: ``mirror_lineage``'s ``current`` when the caller has not read the current attempt
+UNREAD = object()
 
 log = logging.getLogger("zephon")
 
@@ -261,13 +265,18 @@ def register_writer(
     return attempt if resume_step is not None else dataclasses.replace(attempt, implicit=True)
 
 
-def mirror_lineage(catalog: Catalog, location: RunLocation, lineage: Lineage) -> None:
+def mirror_lineage(
+    catalog: Catalog, location: RunLocation, lineage: Lineage, *, current: Any = UNREAD
+) -> bool:
     """Register in the catalog the attempts storage knows and it does not (attempts that ran
     without this catalog, or a decision it missed), oldest first, so its rows are abandoned as
-    storage's lineage says. Costs nothing when the catalog is up to date (the usual case)."""
+    storage's lineage says; True if there were any. Costs one read when the catalog is up to
+    date (the usual case), none when the caller passes the run's ``current`` attempt record (or
+    None) it just read."""
     if not lineage:
-        return
-    current = catalog.current_attempt(location.name)
+        return False
+    if current is UNREAD:
+        current = catalog.current_attempt(location.name)
     known = current.epoch if current is not None else 0
     missed_decision = (
         current is not None
@@ -276,7 +285,7 @@ def mirror_lineage(catalog: Catalog, location: RunLocation, lineage: Lineage) ->
         and not current.decided
     )
     if lineage.epoch <= known and not missed_decision:
-        return
+        return False
     for record in location.runstore.attempts():
         with contextlib.suppress(catalog_layer.FencedOutError):
             if record.epoch > known:
@@ -285,3 +294,4 @@ def mirror_lineage(catalog: Catalog, location: RunLocation, lineage: Lineage) ->
                 catalog.decide_resume(
                     location.name, epoch=record.epoch, resumed_from=record.resumed_from
                 )
+    return True

@@ -24,12 +24,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from zephon.destinations.local.config import TierConfig
 from zephon.errors import ConfigError, invalid_option
 from zephon.retention import Retention
 from zephon.storage import DEFAULT_RETRY, MAX_STEP, InvalidArgumentError, RetryPolicy
+
+if TYPE_CHECKING:
+    from zephon.destinations.local.config import TierConfig
 
 __all__ = [
     "CheckpointingConfig",
@@ -93,6 +95,14 @@ def retry_policy_from(value: Any, key: str) -> RetryPolicy:
         return RetryPolicy(**dict(value))
     except InvalidArgumentError as exc:
         raise ConfigError(f"{key} is invalid: {exc}") from None
+
+
+def _tier_config(**options: Any) -> TierConfig:
+    """The local tier's ``TierConfig``; imported here, not with this module, since importing
+    ``zephon.destinations`` loads the storage layer (``zephon --help`` need not)."""
+    from zephon.destinations.local.config import TierConfig
+
+    return TierConfig(**options)
 
 
 @dataclass(kw_only=True, slots=True, repr=False)
@@ -183,7 +193,7 @@ class CheckpointingConfig:
     def _check_local_tier(self) -> None:
         """``local_dir``, ``local_num_to_keep`` and ``max_pending_uploads``: the local tier's
         own config (``TierConfig``) checks them, named under this config's prefix."""
-        tier = TierConfig(
+        tier = _tier_config(
             local_dir=self.local_dir,
             local_num_to_keep=self.local_num_to_keep,
             max_pending_uploads=self.max_pending_uploads,
@@ -197,7 +207,7 @@ class CheckpointingConfig:
         """The local tier's config, or None without ``local_dir``."""
         if self.local_dir is None:
             return None
-        return TierConfig(
+        return _tier_config(
             local_dir=self.local_dir,
             local_num_to_keep=self.local_num_to_keep,
             max_pending_uploads=self.max_pending_uploads,

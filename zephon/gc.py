@@ -16,15 +16,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zephon.attempts import fenced, mirror_lineage
+from zephon.attempts import UNREAD, fenced, mirror_lineage
 from zephon.catalog import (
     DEFAULT_GRACE,
     DEFAULT_LEASE,
+    AttemptRecord,
     Catalog,
     CatalogError,
     CatalogUnavailableError,
     CheckpointRecord,
     ResumePoint,
+    RetentionPlan,
     StateConflictError,
     plan_retention,
 )
@@ -176,22 +178,37 @@ def gc_run(
     """
     report = report or GcReport(dry_run=dry_run)
     name, store, storage_run = location.name, location.store, location.storage_run
+
+    def make_plan() -> RetentionPlan:
+        return catalog.retention_plan(
+            name, grace=policy.grace, pending_grace=policy.pending_grace, corrupt=policy.corrupt
+        )
+
+    plan: RetentionPlan | None = None
     if epoch is not None:
-        _check_current(catalog, name, epoch)  # also when there is nothing to claim
+        # The fence, also when there is nothing to claim. A saving job's pass (no orphans)
+        # checks it on the plan's own read, which carries the current attempt; the plan is
+        # made again only if the lineage mirror below changed the run's attempts.
+        if orphans or dry_run:
+            _check_current(epoch, name, catalog.current_attempt(name))
+        else:
+            plan = make_plan()
+            _check_current(epoch, name, plan.current)
     lineage = lineage if lineage is not None else store.run(storage_run).lineage()
     if not dry_run and orphans:
         # Markers the catalog never heard of get rows (an abandoned one a stale row, deleted
         # below once past the grace); rows whose marker is gone are marked deleted.
         reconcile_run(catalog, location, SyncReport(location.store.url), pending=False)
     elif not dry_run:
-        mirror_lineage(catalog, location, lineage)
-    plan = catalog.retention_plan(
-        name, grace=policy.grace, pending_grace=policy.pending_grace, corrupt=policy.corrupt
-    )
+        current = plan.current if plan is not None else UNREAD
+        if mirror_lineage(catalog, location, lineage, current=current):
+            plan = None  # attempts registered: their abandoned rows change the plan
+    if plan is None:
+        plan = make_plan()
     for decision in plan.to_expire:
         _settle_expired(catalog, location, lineage, decision, dry_run, report)
 
-    held = held_claims(catalog, name, policy.lease, dry_run)
+    held = held_claims(catalog, name, policy.lease, dry_run, held=plan.held)
     candidates = sorted(set(plan.to_delete) | held.takeable)
     if dry_run:
         for step in candidates:
@@ -254,8 +271,9 @@ def _delete_claimed(
         raise
 
 
-def _check_current(catalog: Catalog, name: str, epoch: int) -> None:
-    current = catalog.current_attempt(name)
+def _check_current(epoch: int, name: str, current: AttemptRecord | None) -> None:
+    """Raise ``StaleAttemptError`` unless ``current``, the run's current attempt as just
+    read, is ``epoch``'s."""
     if current is not None and current.epoch != epoch:
         raise StaleAttemptError(
             f"run {name!r}: attempt epoch {epoch} is no longer current: {current.describe()} "

@@ -17,6 +17,7 @@ import datetime as dt
 import enum
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,10 +89,22 @@ class HeldClaims:
     unknown: list[CheckpointRecord]
 
 
-def held_claims(catalog: Catalog, name: str, lease: dt.timedelta, dry_run: bool) -> HeldClaims:
+def held_claims(
+    catalog: Catalog,
+    name: str,
+    lease: dt.timedelta,
+    dry_run: bool,
+    held: Sequence[int] | None = None,
+) -> HeldClaims:
     """Sort the run's claims: the ones a pass may take over now (the claims of a holder proved
     dead are released first, so that the claim re-takes them whatever its lease), the ones a
-    live process of this host is finishing, and the ones only their lease can end."""
+    live process of this host is finishing, and the ones only their lease can end.
+
+    ``held``: the run's ``deleting`` steps as a read just made found them (the retention
+    plan's ``held``); empty, there is nothing to sort and the catalog is not asked again (a
+    claim made since belongs to a gc running now, whose lease is fresh)."""
+    if held is not None and not held:
+        return HeldClaims(set(), [])
     now = dt.datetime.now(dt.UTC)
     takeable: set[int] = set()
     gone: dict[str, list[int]] = {}

@@ -13,6 +13,11 @@ save's ``_CORRUPT`` record and, unless the caller read the lineage, a listing of
 attempts (storage may know an attempt the catalog missed). A row that fails it is reconciled
 (marked deleted, corrupt or stale) and never answered again, so no restart loop can follow.
 
+Storage is touched only where the answer needs it: an answer the catalog gives alone opens no
+store (its URL is the row's ``path``), and the modules that judge markers (``zephon.reconcile``,
+the storage layer's lineage and backends) are imported when a marker is first read, so
+``zephon latest`` on a catalog loads no filesystem package.
+
 A catalog that cannot be reached is no reason to stop: the lookup falls back to the storage
 scan, the source of truth, and logs one warning (``zephon.outage`` counts the outage).
 """
@@ -23,23 +28,17 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from zephon.attempts import mirror_lineage
-from zephon.catalog import Catalog, CatalogUnavailableError, CheckpointRecord, RunNotFoundError
+from zephon.catalog import CatalogUnavailableError, RunNotFoundError
 from zephon.errors import ZephonError
-from zephon.locations import RunLocation
-from zephon.outage import guard
-from zephon.reconcile import (
-    Examined,
-    Judgement,
-    Verdict,
-    judge,
-    probe,
-    quarantine,
-    record_history,
-    repair,
-)
-from zephon.storage import CheckpointNotFoundError, Lineage, Manifest, newer_epochs
+from zephon.storage import CheckpointNotFoundError
+
+if TYPE_CHECKING:
+    from zephon.catalog import Catalog, CheckpointRecord
+    from zephon.locations import RunLocation
+    from zephon.reconcile import Examined
+    from zephon.storage import Lineage, Manifest
 
 __all__ = ["LatestCheckpoint", "find_latest"]
 
@@ -120,8 +119,9 @@ def find_latest(
     ``on_corrupt(step, why)`` is told of every checkpoint found damaged on the way, before it
     is quarantined (it may raise to stop there).
     """
-    store, storage_run = location.store, location.storage_run
     if catalog is not None:
+        from zephon.outage import guard
+
         try:
             confirming = lineage is not None if confirm is None else confirm
             return guard(catalog).call(
@@ -136,7 +136,7 @@ def find_latest(
                 location.name,
                 exc,
             )
-    manifest = store.run(storage_run).latest(lineage=lineage, on_corrupt=on_corrupt)
+    manifest = location.runstore.latest(lineage=lineage, on_corrupt=on_corrupt)
     if manifest is None:
         return None
     return LatestCheckpoint(
@@ -173,6 +173,8 @@ class _Rule:
         #: why the last row ``settle`` looked at was not borne out
         self.why = ""
         if lineage is not None:
+            from zephon.attempts import mirror_lineage
+
             mirror_lineage(catalog, location, lineage)  # costs nothing when up to date
             self.known_epoch = lineage.epoch
         else:
@@ -184,14 +186,20 @@ class _Rule:
     def lineage(self) -> Lineage:
         """Storage's lineage (the caller's if given), mirrored into the catalog."""
         if self._lineage is None:
+            from zephon.attempts import mirror_lineage
+
             self._lineage = self.location.runstore.lineage()
             mirror_lineage(self.catalog, self.location, self._lineage)
         return self._lineage
 
-    def found(self, step: int, save_id: str, manifest: Manifest | None) -> LatestCheckpoint:
+    def found(
+        self, step: int, save_id: str, manifest: Manifest | None, url: str | None = None
+    ) -> LatestCheckpoint:
+        """The answer; ``url``: the row's, when the answer was taken from the catalog alone
+        (so the store is not opened for it)."""
         return LatestCheckpoint(
             step,
-            self.location.checkpoint_url(step),
+            url or self.location.checkpoint_url(step),
             "catalog",
             tuple(self.promoted),
             tuple(self.missing),
@@ -213,7 +221,7 @@ class _Rule:
             if newest is None:
                 return None
             if not confirm:
-                answer = self.found(newest.step, newest.save_id, None)
+                answer = self.found(newest.step, newest.save_id, None, url=newest.path)
                 check = functools.partial(self.resolve, newest)
                 object.__setattr__(answer, "_check", check)
                 return answer
@@ -229,6 +237,16 @@ class _Rule:
     def probe_above(self, row: CheckpointRecord) -> Manifest | None:
         """A pending, failed or deleted row above the newest committed one: its complete marker
         of the current history is promoted (repaired first if the row disagrees)."""
+        from zephon.reconcile import (
+            Examined,
+            Verdict,
+            judge,
+            probe,
+            quarantine,
+            record_history,
+            repair,
+        )
+
         lineage = self.lineage()
         seen, _ = probe(self.location, row.step, save_id=row.save_id)
         judgement = judge(
@@ -257,6 +275,8 @@ class _Rule:
         """Check a committed row against storage (one round trip): its manifest if storage
         bears it out (or it was repaired); else the row is reconciled, ``self.why`` says why,
         and None is returned."""
+        from zephon.reconcile import Verdict, quarantine, repair
+
         examined = self.examine(row)
         verdict, reason = examined.judgement.verdict, examined.judgement.reason
         self.why = reason
@@ -286,6 +306,9 @@ class _Rule:
     def examine(self, row: CheckpointRecord) -> Examined:
         """The verdict for a committed row: its marker, its save's condemnation and (when the
         lineage is the catalog's) whether storage knows a newer attempt, all at once."""
+        from zephon.reconcile import Examined, Judgement, Verdict, judge, probe
+        from zephon.storage import newer_epochs
+
         location = self.location
         store, storage_run = location.store, location.storage_run
         also = []

@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from zephon.catalog import RunRecord
-from zephon.config import retry_policy_from
 from zephon.errors import ConfigError
-from zephon.storage import (
-    DEFAULT_RETRY,
-    CheckpointStore,
-    RetryPolicy,
-    RunStore,
-    mask_url,
-    secrets_in,
-    validate_run,
-)
+from zephon.storage import DEFAULT_RETRY, RetryPolicy, mask_url, secrets_in, validate_run
+
+if TYPE_CHECKING:
+    from zephon.catalog import RunRecord
+    from zephon.storage import CheckpointStore, RunStore
 
 __all__ = [
     "CATALOG_URL_ENV",
@@ -90,6 +84,8 @@ def retry_from_env() -> RetryPolicy:
     text = os.environ.get(RETRY_ENV)
     if not text:
         return DEFAULT_RETRY
+    from zephon.config import retry_policy_from
+
     value = _json_value(text, f"${RETRY_ENV}", '{"max_attempts": 10, "deadline_s": 60}')
     return retry_policy_from(value, f"${RETRY_ENV}")
 
@@ -134,13 +130,78 @@ def inference_run_name(save_dir: str) -> str:
     return name
 
 
-@dataclass(frozen=True, slots=True)
 class RunLocation:
-    """A catalog run and where its checkpoints are: ``storage_run`` is None for inference."""
+    """A catalog run and where its checkpoints are: ``storage_run`` is None for inference.
+
+    ``RunLocation(name, store, storage_run)`` holds an open store. One made by
+    ``run_location(..., deferred=True)`` opens its store when ``store`` is first read: an
+    answer the catalog gives alone (``zephon latest``) then never opens the storage backend,
+    nor imports its filesystem package. Immutable; may be shared by threads.
+    """
+
+    __slots__ = ("name", "storage_run", "_store", "_open", "_lock")
 
     name: str
-    store: CheckpointStore
     storage_run: str | None
+
+    def __init__(self, name: str, store: CheckpointStore, storage_run: str | None) -> None:
+        self._init(name, storage_run, store, None)
+
+    @classmethod
+    def deferred(
+        cls, name: str, open_store: Callable[[], CheckpointStore], storage_run: str | None
+    ) -> RunLocation:
+        """A location whose store ``open_store()`` opens on first use (its errors then)."""
+        location = cls.__new__(cls)
+        location._init(name, storage_run, None, open_store)
+        return location
+
+    def _init(
+        self,
+        name: str,
+        storage_run: str | None,
+        store: CheckpointStore | None,
+        open_store: Callable[[], CheckpointStore] | None,
+    ) -> None:
+        for attribute, value in (
+            ("name", name),
+            ("storage_run", storage_run),
+            ("_store", store),
+            ("_open", open_store),
+            ("_lock", threading.Lock() if store is None else None),
+        ):
+            object.__setattr__(self, attribute, value)
+
+    def __setattr__(self, attribute: str, value: object) -> None:
+        raise AttributeError(f"RunLocation is immutable: cannot set {attribute!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RunLocation):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def _identity(self) -> tuple[object, ...]:
+        return (self.name, self.storage_run, id(self._open or self._store))
+
+    def __repr__(self) -> str:
+        # the store's repr masks credentials; a deferred store is not opened to show it
+        store = "(opened on first use)" if self._store is None else repr(self._store)
+        return f"RunLocation(name={self.name!r}, store={store}, storage_run={self.storage_run!r})"
+
+    @property
+    def store(self) -> CheckpointStore:
+        """The run's ``CheckpointStore`` (opened now if the location was made deferred)."""
+        store = self._store
+        if store is None:
+            assert self._open is not None and self._lock is not None
+            with self._lock:
+                if self._store is None:
+                    object.__setattr__(self, "_store", self._open())
+                store = self._store
+        return store
 
     @property
     def runstore(self) -> RunStore:
@@ -156,11 +217,22 @@ def run_location(
     record: RunRecord,
     storage_options: Mapping[str, Any] | None,
     retry: RetryPolicy | None = None,
+    *,
+    deferred: bool = False,
 ) -> RunLocation:
-    """Open the store of a catalog run."""
-    store = CheckpointStore(record.storage_url, storage_options, retry=retry)
+    """Open the store of a catalog run; with ``deferred``, when the location's ``store`` is
+    first read (``RunLocation.deferred``)."""
     storage_run = record.name if record.kind == "train" else None
-    return RunLocation(record.name, store, storage_run)
+    url = record.storage_url
+
+    def open_store() -> CheckpointStore:
+        from zephon.storage import CheckpointStore  # loads fsspec and the backends
+
+        return CheckpointStore(url, storage_options, retry=retry)
+
+    if deferred:
+        return RunLocation.deferred(record.name, open_store, storage_run)
+    return RunLocation(record.name, open_store(), storage_run)
 
 
 def stock_dcp_url(

@@ -87,8 +87,10 @@ _FSSPEC_ONLY = frozenset(
 )
 _OFF_WORDS = frozenset({"0", "false", "off", "no"})
 #: the S3 connection pool Zephon asks s3fs for (``object_store.DEFAULT_POOL_CONNECTIONS``),
-#: which the native client's concurrency matches; a pool size the user set keeps fsspec
-POOL_CONNECTIONS = 32
+#: which the native client's concurrency matches; a pool size the user set keeps fsspec.
+#: 32 uploads at once (``object_store.UPLOAD_WORKERS``) and 8 for the requests a commit sends
+#: beside a full wave of them (its fence re-check and payload listing)
+POOL_CONNECTIONS = 40
 
 
 class Unmappable(Exception):

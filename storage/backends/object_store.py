@@ -25,9 +25,13 @@ from zephon.storage.backends.native import (
 
 __all__ = ["DEFAULT_POOL_CONNECTIONS", "GCSBackend", "ObjectStoreBackend", "S3Backend"]
 
+#: files an object store's writer uploads (or a reader fetches) at once by default
+UPLOAD_WORKERS = 32
 #: connections s3fs may keep open to S3 at once unless the user sets ``max_pool_connections``
 #: (aiobotocore's default is 10): a commit uploads up to 32 files at once, and each waiting
 #: upload holds a connection, so a pool of 10 makes 32 files take four waves of round trips.
+#: The 8 beyond the uploads are for the requests a commit sends beside a full wave of them
+#: (its fence re-check and payload listing), which would otherwise wait for a free one.
 #: gcsfs needs nothing: its aiohttp connector allows 100 connections.
 DEFAULT_POOL_CONNECTIONS = POOL_CONNECTIONS
 #: botocore's own retries, unless the user configures them: none, since Zephon's policy
@@ -56,7 +60,7 @@ class ObjectStoreBackend(Backend):
     server_side_prefix = True
     multipart_uploads = True
     server_side_copy = True
-    default_workers: ClassVar[int] = DEFAULT_POOL_CONNECTIONS
+    default_workers: ClassVar[int] = UPLOAD_WORKERS
 
     def __init__(self, fs: AbstractFileSystem, protocol: str, **where: Any) -> None:
         super().__init__(fs, protocol, **where)

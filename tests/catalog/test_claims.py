@@ -275,3 +275,15 @@ def test_a_requested_claim_takes_what_the_policy_keeps_but_pins_and_the_resume_p
         catalog.claim_for_deletion("k", [1], epoch=0, requested=True)
     commit_step(catalog, "k", 8, epoch=1)  # the attempt stands on a checkpoint of its own
     assert [c.step for c in catalog.claim_for_deletion("k", [5], requested=True)] == [5]
+
+
+def test_a_plan_lists_the_steps_being_deleted_and_decides_nothing_about_them(catalog, kept2):
+    assert catalog.retention_plan(kept2).held == ()
+    won = catalog.claim_for_deletion(kept2, [1, 3])
+    assert [c.step for c in won] == [1, 3]
+    plan = catalog.retention_plan(kept2)
+    assert plan.held == (1, 3)  # gc judges their holders from this same read
+    assert plan.to_delete == [2, 4]
+    assert 1 not in {d.step for d in plan.decisions} and 3 not in {d.step for d in plan.decisions}
+    catalog.mark_deleted(kept2, 1, won[0].claimed_by)
+    assert catalog.retention_plan(kept2).held == (3,)

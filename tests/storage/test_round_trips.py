@@ -1,6 +1,7 @@
 """Fewer sequential round trips, same rules: ``begin`` probes the fence and the marker at once,
-``commit`` lists the payload and re-checks the fence at once and writes the marker only after
-both passed, uploads share a pool of 32 connections, and a user's pool size is kept.
+``commit`` lists the payload and re-checks the fence at once, with its last files' uploads
+(``commit(files=...)``), and writes the marker only after all of it passed; uploads run 32 at
+once on a pool with room for the checks beside them, and a user's pool size is kept.
 
 The request-level tests run on moto's S3 server behind ``benchmarks/latency_proxy.py``, which
 counts the requests and how many were under way at once; they assert counts and order, never
@@ -20,6 +21,7 @@ from zephon.storage import (
     WriteAbortedError,
     new_save_id,
 )
+from zephon.storage.backends.object_store import UPLOAD_WORKERS
 from zephon.storage.location import DEFAULT_POOL_CONNECTIONS, with_defaults
 from zephon.storage.store import LOCAL_WORKERS, REMOTE_WORKERS
 
@@ -117,9 +119,55 @@ def test_commit_lists_payload_and_fence_together_then_puts_the_marker_last(proxi
     assert proxy.peak_in_flight == 2
 
 
+def test_the_last_files_go_out_with_the_fence_check_and_only_the_marker_follows(proxied):
+    store, proxy = proxied
+    fence = start(store, "r")
+    writer = store.run("r").begin(7, fence=fence)
+    files = {f"f{i:02d}": b"x" * i for i in range(32)}
+    measure(proxy)
+    writer.commit(files=files)
+    sent = kinds(proxy)
+    assert len(sent) == 34, sent  # no payload listing: nothing was written before
+    assert sorted(sent[:33]) == sorted(
+        ["LIST ckpt/r/_attempts/", *(f"PUT ckpt/r/save-7/{writer.save_id}/{n}" for n in files)]
+    )
+    assert sent[33] == "PUT ckpt/r/save-7/_COMMIT"
+    assert proxy.peak_in_flight == 33  # the fence check did not wait for a free connection
+    assert proxy.longest_chain == 2
+
+
+def test_a_commit_of_32_files_is_three_round_trips(proxied):
+    """``begin`` (fence + marker probe), the uploads with the fence re-check, the marker."""
+    store, proxy = proxied
+    fence = start(store, "r")
+    measure(proxy)
+    with store.run("r").begin(3, fence=fence) as writer:
+        writer.commit(files={f"f{i:02d}": b"y" * 64 for i in range(32)})
+    assert proxy.requests == 2 + 32 + 1 + 1
+    assert proxy.longest_chain <= 3
+    assert store.run("r").verify(3, deep=True).ok
+
+
+def test_files_written_before_the_last_ones_are_listed_beside_them(proxied):
+    store, proxy = proxied
+    fence = start(store, "r")
+    writer = store.run("r").begin(7, fence=fence)
+    writer.write_bytes("early.bin", b"early")
+    measure(proxy)
+    manifest = writer.commit(files={"late.bin": b"late"})
+    sent = kinds(proxy)
+    payload = f"ckpt/r/save-7/{writer.save_id}/"
+    assert sorted(sent[:3]) == sorted(
+        [f"LIST {payload}", "LIST ckpt/r/_attempts/", f"PUT {payload}late.bin"]
+    )
+    assert sent[3:] == ["PUT ckpt/r/save-7/_COMMIT"]
+    assert proxy.peak_in_flight == 3
+    assert [f.name for f in manifest.files] == ["early.bin", "late.bin"]
+
+
 def test_thirty_two_files_upload_at_once_on_the_default_pool(proxied):
     store, proxy = proxied
-    assert store.max_workers == REMOTE_WORKERS >= 32
+    assert store.max_workers == REMOTE_WORKERS == UPLOAD_WORKERS == 32
     fence = start(store, "r")
     writer = store.run("r").begin(1, fence=fence)
     measure(proxy)
@@ -151,10 +199,10 @@ def _pool_of(store: CheckpointStore) -> int:
     return fs.s3.meta.config.max_pool_connections
 
 
-def test_s3_gets_a_pool_of_32_and_other_config_is_kept(s3):
+def test_s3_gets_a_pool_with_room_beside_a_wave_and_other_config_is_kept(s3):
     options = {**s3.storage_options(), "config_kwargs": {"connect_timeout": 7}}
     with CheckpointStore("s3://zt-pool/a", options) as store:
-        assert _pool_of(store) == DEFAULT_POOL_CONNECTIONS == 32
+        assert _pool_of(store) == DEFAULT_POOL_CONNECTIONS == UPLOAD_WORKERS + 8 == 40
         assert store.location.fs.s3.meta.config.connect_timeout == 7
     assert options["config_kwargs"] == {"connect_timeout": 7}  # the caller's dict untouched
 
@@ -174,7 +222,7 @@ def test_a_botocore_config_object_is_left_alone():
     assert with_defaults("s3", options) == options
     assert with_defaults("file", {}) == {}
     assert with_defaults("s3a", {})["config_kwargs"] == {
-        "max_pool_connections": 32,
+        "max_pool_connections": 40,
         "retries": {"total_max_attempts": 1},  # Zephon's policy retries, not botocore
         # Zephon's CRC32C covers the bytes: no CRC32 of botocore's own
         "request_checksum_calculation": "when_required",
@@ -266,3 +314,87 @@ def test_an_uncommitted_save_under_an_id_is_gcs_to_remove(store):
         manifest = writer.commit()
     assert [o.save_id for o in store.orphans(0, runs=["r"])] == [crashed.save_id]
     assert manifest.save_id != crashed.save_id
+
+
+def test_a_commit_fenced_out_while_its_last_files_upload_writes_no_marker(store):
+    old = start(store, "r")
+    writer = store.run("r").begin(5, fence=old)
+    start(store, "r")
+    with pytest.raises(FencedOutError):
+        writer.commit(files={"last.bin": b"l"})
+    assert store.run("r").marker_bytes(5) is None
+    writer.abort()
+    assert store.orphans(0, runs=["r"]) == []
+
+
+def test_a_commit_with_last_files_still_refuses_a_missing_earlier_file(store):
+    writer = store.run("r").begin(4, fence=start(store, "r"))
+    writer.write_many({"kept": b"k", "gone": b"g"})
+    store.location.fs.rm_file(f"{writer.payload_path}/gone")
+    with pytest.raises(WriteAbortedError, match="gone: missing"):
+        writer.commit(files={"last.bin": b"l"})
+    assert not store.run("r").is_committed(4)
+
+
+class _Broken:
+    def read(self, size: int = -1) -> bytes:
+        raise OSError("the source disk went away")
+
+
+def test_a_last_file_that_fails_leaves_no_marker(store):
+    writer = store.run("r").begin(6, fence=start(store, "r"))
+    with pytest.raises(OSError, match="went away"):
+        writer.commit(files={"ok.bin": b"ok", "bad.bin": _Broken()})
+    assert store.run("r").marker_bytes(6) is None
+    writer.abort()
+    assert not store.run("r").is_committed(6)
+
+
+def test_the_marker_carries_the_copies_asked_for_within_the_limit(store):
+    from zephon.storage.manifest import MAX_INLINE_BYTES
+
+    big = os.urandom(MAX_INLINE_BYTES + 1)  # does not compress
+    with store.run("r").begin(2, fence=start(store, "r")) as writer:
+        writer.commit(
+            files={"meta.json": b'{"a": 1}', "big.bin": big, "other": b"o"},
+            inline=["meta.json", "big.bin"],
+        )
+    manifest = store.run("r").read_manifest(2)
+    assert set(manifest.inline) == {"meta.json"}  # big.bin passes the limit: not copied
+    assert manifest.inline_bytes("meta.json") == b'{"a": 1}'
+    assert manifest.inline_bytes("other") is None and manifest.inline_bytes("big.bin") is None
+    assert store.run("r").verify(2, deep=True).ok
+
+
+def test_a_copy_that_does_not_match_its_entry_is_not_used_and_a_stray_one_is_corrupt():
+    import json
+
+    from zephon.storage import CorruptCheckpointError
+    from zephon.storage.checksum import crc32c_of
+    from zephon.storage.manifest import FileEntry, Manifest, inline_copy
+
+    entry = FileEntry("m.json", 4, crc32c_of(b"good"))
+    made = Manifest(run="r", step=1, save_id="s", files=(entry,), payload="s")
+    for copy in (b"evil", b"good!", b"good"):
+        body = json.loads(made.to_json())
+        body["inline"] = {"m.json": inline_copy(copy)}
+        parsed = Manifest.from_json(json.dumps(body).encode(), where="m")
+        assert parsed.inline_bytes("m.json") == (copy if copy == b"good" else None)
+    assert "inline" not in json.loads(made.to_json())  # markers without copies are unchanged
+    assert parsed.checksum() == made.checksum()  # as a version without copies computes it
+    body["inline"] = {"m.json": "not base64!"}
+    assert Manifest.from_json(json.dumps(body).encode(), where="m").inline_bytes("m.json") is None
+    body["inline"] = {"other.json": inline_copy(b"good")}
+    with pytest.raises(CorruptCheckpointError, match="does not list"):
+        Manifest.from_json(json.dumps(body).encode(), where="m")
+
+
+def test_inline_naming_a_file_not_passed_is_refused_before_anything_goes_out(store):
+    from zephon.storage import InvalidArgumentError
+
+    writer = store.run("r").begin(3, fence=start(store, "r"))
+    with pytest.raises(InvalidArgumentError, match=r"inline names 'meta.json', not among"):
+        writer.commit(files={"a.bin": b"a"}, inline=["meta.json"])
+    assert writer.entries == []
+    writer.commit(files={"a.bin": b"a"})  # still open
+    assert store.run("r").is_committed(3)

@@ -48,6 +48,16 @@ def test_latest_prints_the_url_and_repairs_a_crash(cli, catalog, populated):
     assert json.loads(out)["step"] == 40
 
 
+def test_latest_answers_from_the_catalog_and_check_reads_the_marker(cli, catalog, populated):
+    os.remove(populated.runstore.marker_path(30))  # gone behind the catalog's back
+    code, out, _ = cli("latest", "r")  # the catalog's answer: no storage request
+    assert code == 0 and out.strip() == populated.checkpoint_url(30)
+    code, out, _ = cli("latest", "r", "--check")  # reads the marker: 30 is set aside
+    assert code == 0 and out.strip() == populated.checkpoint_url(20)
+    assert catalog.get_checkpoint("r", 30).state == "deleted"
+    assert cli("latest", "r")[1].strip() == populated.checkpoint_url(20)
+
+
 def test_latest_exits_1_when_there_is_none(cli, catalog, local_backend):
     make_run(catalog, local_backend, name="empty")
     code, out, _ = cli("latest", "empty")

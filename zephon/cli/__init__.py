@@ -216,9 +216,22 @@ def _add_wide(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The handler ``zephon.cli.commands.<name>``, imported when the command runs: building the
+    parser (``zephon --help``, a usage error) loads nothing the commands use (the catalog,
+    storage backends, rich)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from zephon.cli import commands
+
+        return getattr(commands, name)(args)
+
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     from zephon.catalog import CheckpointState
-    from zephon.cli import commands as c
     from zephon.cli.boundary import at_boundary
 
     common = _common(top=False)
@@ -230,15 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(name: str, handler, help_text: str) -> argparse.ArgumentParser:
+        """A subcommand; ``handler``: a function, or the name of one in ``zephon.cli.commands``
+        (imported when the command runs)."""
+        if isinstance(handler, str):
+            handler = _command(handler)
         p = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
         # What the layers below raise on purpose prints as one line (zephon.cli.boundary).
         p.set_defaults(handler=at_boundary(handler))
         return p
 
-    p = add("runs", c.cmd_runs, "list runs with their checkpoint counts and sizes")
+    p = add("runs", "cmd_runs", "list runs with their checkpoint counts and sizes")
     _add_wide(p)
 
-    p = add("checkpoints", c.cmd_checkpoints, "list the checkpoints of a run")
+    p = add("checkpoints", "cmd_checkpoints", "list the checkpoints of a run")
     p.add_argument("run", type=parse_run)
     which = p.add_mutually_exclusive_group()
     which.add_argument(
@@ -251,8 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wide(p)
 
     for name, handler, text in (
-        ("latest", c.cmd_latest, "print the URL of a run's latest complete checkpoint"),
-        ("verify", c.cmd_verify, "check a checkpoint's files against its manifest"),
+        ("latest", "cmd_latest", "print the URL of a run's latest complete checkpoint"),
+        ("verify", "cmd_verify", "check a checkpoint's files against its manifest"),
     ):
         p = add(name, handler, text)
         p.add_argument(
@@ -261,12 +278,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--save-dir", metavar="URL", help="scan this storage URL instead of the catalog"
         )
+        if name == "latest":
+            p.add_argument(
+                "--check",
+                action="store_true",
+                help="read and check its commit marker before answering (--json does too); "
+                "without it the catalog answers alone",
+            )
         if name == "verify":
             p.add_argument("--step", type=parse_step, help="step to verify (default: the latest)")
             p.add_argument("--deep", action="store_true", help="also check every CRC32C")
             _add_wide(p)
 
-    p = add("gc", c.cmd_gc, "apply retention, finish interrupted deletes, remove orphans")
+    p = add("gc", "cmd_gc", "apply retention, finish interrupted deletes, remove orphans")
     p.add_argument("--run", action="append", type=parse_run, help="only this run (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="report, change nothing")
     p.add_argument(
@@ -303,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         "than 0); those of a gc that failed, or exited on this host, are taken over at once",
     )
 
-    p = add("sync", c.cmd_sync, "index a storage URL's runs and checkpoints into the catalog")
+    p = add("sync", "cmd_sync", "index a storage URL's runs and checkpoints into the catalog")
     p.add_argument("url")
     p.add_argument(
         "--inference-name", type=parse_run, help="catalog name for an inference layout at URL"
@@ -311,13 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, pin in (("pin", True), ("unpin", False)):
         p = add(
-            name, c.cmd_pin, f"{name} a checkpoint so retention {'keeps' if pin else 'decides'} it"
+            name, "cmd_pin", f"{name} a checkpoint so retention {'keeps' if pin else 'decides'} it"
         )
         p.add_argument("run", type=parse_run)
         p.add_argument("step", type=parse_step)
         p.set_defaults(pin=pin)
 
-    p = add("db", c.cmd_db, "manage the catalog schema")
+    p = add("db", "cmd_db", "manage the catalog schema")
     p.add_argument("db_command", choices=["upgrade", "current"])
 
     _add_torch_commands(add)

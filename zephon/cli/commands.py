@@ -1,6 +1,10 @@
 """The catalog, gc, verify and sync subcommands of ``zephon``: each takes the parsed arguments
 and returns the process exit code. None of them imports torch. Every subcommand runs inside
 ``zephon.cli.boundary.at_boundary``.
+
+What only some commands need is imported inside them (gc and sync, the storage backends, rich's
+progress display), so that a quick command (``zephon latest`` answered by the catalog) loads
+the catalog and nothing else: ``tests/test_import_cost.py`` checks it.
 """
 
 from __future__ import annotations
@@ -10,9 +14,7 @@ import contextlib
 import datetime as dt
 import os
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
-
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from zephon import catalog as catalog_pkg
 from zephon.catalog import (
@@ -25,7 +27,6 @@ from zephon.catalog import (
 from zephon.cli import render, storage_options_object, timing
 from zephon.cli.render import Column, human_bytes, print_json, print_table, say
 from zephon.errors import ConfigError
-from zephon.gc import GcPolicy, collect_garbage
 from zephon.latest import find_latest
 from zephon.locations import (
     STORAGE_OPTIONS_ENV,
@@ -38,12 +39,14 @@ from zephon.locations import (
 from zephon.storage import (
     MARKER_NAME,
     CheckpointNotFoundError,
-    CheckpointStore,
     CorruptCheckpointError,
     StorageError,
-    is_dir,
 )
-from zephon.sync import sync_storage
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from zephon.storage import CheckpointStore
 
 T = TypeVar("T")
 
@@ -73,6 +76,8 @@ def open_catalog(args: argparse.Namespace, *, check_schema: bool = True) -> Cata
 
 
 def _progress() -> Progress:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     return Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -219,13 +224,17 @@ def located(args: argparse.Namespace) -> Iterator[tuple[RunLocation, Any]]:
     when the catalog has never seen the run."""
     options = storage_options(args)
     if args.save_dir:
+        from zephon.storage import CheckpointStore
+
         store = CheckpointStore(args.save_dir, options, retry=retry_from_env())
         yield RunLocation(args.run or "inference", store, args.run), None
         return
     if not args.run:
         raise ConfigError("name a RUN (from `zephon runs`), or give --save-dir to scan storage")
     with open_catalog(args) as cat:
-        yield run_location(cat.get_run(args.run), options, retry_from_env()), cat
+        # deferred: an answer the catalog gives alone (``zephon latest``) opens no store
+        record = cat.get_run(args.run)
+        yield run_location(record, options, retry_from_env(), deferred=True), cat
 
 
 def _nothing_found(args: argparse.Namespace, message: str) -> int:
@@ -273,9 +282,12 @@ def with_progress(label: str, work: Callable[[Callable[[str], None]], T]) -> T:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
+    """The catalog's answer, read from the catalog alone (no storage request when the catalog
+    knows the run's current attempt); ``--check`` and ``--json`` (which reports the marker's
+    bytes) read and check the marker first, setting aside a row storage does not bear out."""
     try:
         with located(args) as (location, cat):
-            latest = find_latest(location, catalog=cat, confirm=True)
+            latest = find_latest(location, catalog=cat, confirm=args.check or args.json)
     except RunNotFoundError as exc:
         return _unknown_run(args, exc)
     if latest is None:
@@ -344,6 +356,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    from zephon.gc import GcPolicy, collect_garbage
+
     options = storage_options(args)
     with open_catalog(args) as cat:
         report = with_progress(
@@ -397,6 +411,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def _require_directory(url: str, options: dict[str, Any]) -> None:
     """Refuse a storage URL with nothing there: syncing it would report "0 runs", true of
     any typo."""
+    from zephon.storage import CheckpointStore, is_dir
+
     location = CheckpointStore(url, options, retry=retry_from_env()).location
     found = is_dir(location, location.root)
     if not found:
@@ -408,6 +424,8 @@ def _require_directory(url: str, options: dict[str, Any]) -> None:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
+    from zephon.sync import sync_storage
+
     options = storage_options(args)
     _require_directory(args.url, options)
     with open_catalog(args) as cat:

@@ -8,6 +8,9 @@ shortened in the middle, where a path says least (``s3://bucket/…/run``); colu
 as they need. Text from
 storage or the catalog is printed literally: no rich markup or emoji codes are interpreted, and
 control characters are escaped so that nothing can break a line or move the cursor.
+
+rich is imported when a table is printed, not with this module: a plain line (``say``, what
+``zephon latest`` prints) is written as is, so the quick commands do not load it.
 """
 
 from __future__ import annotations
@@ -16,15 +19,14 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.cells import cell_len
-from rich.console import Console
-from rich.text import Text
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = [
     "Column",
-    "console",
+    "console",  # noqa: F822 - made on first use (__getattr__)
     "human_bytes",
     "human_rate",
     "human_seconds",
@@ -34,8 +36,32 @@ __all__ = [
     "shorten",
 ]
 
-# Module attributes read at each call, so a test can swap in a Console of a chosen width.
-console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+# ``console``: a module attribute read at each call, so a test can swap in a Console of a chosen
+# width. Made on first use (``__getattr__``, and ``_console()`` inside this module).
+
+
+def _console() -> Console:
+    console = globals().get("console")
+    if console is None:
+        from rich.console import Console
+
+        console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+        globals()["console"] = console
+    return console
+
+
+def __getattr__(name: str) -> Any:
+    if name == "console":
+        return _console()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def cell_len(text: str) -> int:
+    """The terminal cells ``text`` takes (wide characters take two): rich's measure."""
+    from rich.cells import cell_len as cells
+
+    return cells(text)
+
 
 ELLIPSIS = "…"
 #: a shortened value keeps at least this many cells (or its header's width, if wider)
@@ -108,8 +134,14 @@ def printable(value: object) -> str:
 
 
 def say(message: object, *, bold: bool = False) -> None:
-    """Print one line to stdout as is (never wrapped, never interpreted)."""
-    console.print(Text(printable(message), style="bold" if bold else ""), soft_wrap=True)
+    """Print one line to stdout as is (never wrapped, never interpreted); a bold one through
+    the console (bold on a terminal, plain elsewhere)."""
+    if not bold:
+        sys.stdout.write(printable(message) + "\n")
+        return
+    from rich.text import Text
+
+    _console().print(Text(printable(message), style="bold"), soft_wrap=True)
 
 
 def shorten(text: str, width: int) -> str:
@@ -173,7 +205,7 @@ def print_table(
     """A title line, a bold header line and one line per row (``None`` cells print ``-``)."""
     cols = [c if isinstance(c, Column) else Column(c) for c in columns]
     cells = [["-" if v is None else printable(v) for v in row] for row in rows]
-    width = console.width
+    width = _console().width
     if not wide:
         cols, cells = _drop_details(cols, cells, width)
     natural = [

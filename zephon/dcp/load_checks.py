@@ -22,12 +22,16 @@ __all__ = ["check_slices", "crc_mismatch_error", "read_checked_file", "short_rea
 
 
 def read_checked_file(reader: CheckpointReader, name: str) -> bytes:
-    """One whole file, checked against the manifest's size and CRC32C, in one request: a
-    ranged read of the size the manifest records (plus one byte, so a longer file is caught),
-    where a plain whole-file read costs object stores a HEAD first."""
+    """One whole file, checked against the manifest's size and CRC32C: the copy the marker
+    carries (no request), else one ranged read of the size the manifest records (plus one
+    byte, so a longer file is caught), where a plain whole-file read costs object stores a
+    HEAD first."""
     entry = reader.manifest.file(name)
     if entry is None:
         return reader.read_bytes(name)  # raises, naming the files the checkpoint has
+    copy = reader.manifest.inline_bytes(name)  # checked against the entry's size and CRC32C
+    if copy is not None:
+        return copy
     data = reader.read_range(name, 0, entry.size + 1)
     reader.check(name, data)
     return data

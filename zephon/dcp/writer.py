@@ -7,9 +7,10 @@ once: the CRC32C goes into its slice (for the reader to check on load) and is co
 file's CRC for the manifest, so the file is never read twice. Each tensor is written as a
 ``torch.save`` blob (``zephon.dcp.stock_format``): its slice names the raw elements inside it, so
 Zephon's reader reads them directly, while torch's stock readers load the whole blob. The
-coordinator's ``finish`` adds all ranks' entries to its primary writer, writes the JSON metadata
-and torch's pickled ``.metadata`` together, then commits: the marker appears last, listing every
-rank's files, or not at all.
+coordinator's ``finish`` adds all ranks' entries to its primary writer and commits with the JSON
+metadata and torch's pickled ``.metadata`` as the save's last files (written beside the
+commit's checks): the marker appears last, listing every rank's files and carrying a copy of
+the JSON metadata, or not at all.
 """
 
 from __future__ import annotations
@@ -380,8 +381,9 @@ class ZephonStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only, after every rank wrote: record every rank's files in the primary
-        writer, write the JSON metadata and torch's own ``.metadata`` (for stock readers),
-        then commit the marker (written last)."""
+        writer, then commit: the JSON metadata and torch's own ``.metadata`` (for stock
+        readers) are written with the commit's checks, and the marker, written last, carries
+        a copy of the JSON metadata."""
         slices = {}
         stock = {}
         entries: dict[str, FileEntry] = {}
@@ -400,13 +402,6 @@ class ZephonStorageWriter(StorageWriter):
         metadata.storage_data = slices
         metadata.storage_meta = self.storage_meta()
         self.writer.add_entries(entries.values())
-        # both at once: the stock file costs the save no extra round trip
-        self.writer.write_many(
-            {
-                self.metadata_name: encode_metadata(metadata),
-                f"{self.prefix}{STOCK_METADATA_FILE}": stock_metadata(metadata, stock),
-            }
-        )
         extra = self._commit_metadata
         extra = dict(extra(metadata) if callable(extra) else extra or {})
         extra["dcp"] = {
@@ -416,6 +411,16 @@ class ZephonStorageWriter(StorageWriter):
             "ranks": len(results),
             "shard_files": len(entries),
         }
-        self.manifest = self.writer.commit(extra)
+        # The metadata files go out with the commit's fence re-check and payload listing, in
+        # one wave, and the marker carries a copy of the JSON metadata (when it is small), so
+        # a load reads both with one request. The stock file costs no extra round trip.
+        self.manifest = self.writer.commit(
+            extra,
+            files={
+                self.metadata_name: encode_metadata(metadata),
+                f"{self.prefix}{STOCK_METADATA_FILE}": stock_metadata(metadata, stock),
+            },
+            inline=[self.metadata_name],
+        )
         if self._on_commit is not None:
             self._on_commit(self.manifest)

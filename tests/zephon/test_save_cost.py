@@ -1,0 +1,96 @@
+"""The catalog work of a small save (issue 22: the fixed cost of a small save): a save with a
+catalog opens three transactions, arming its row, committing it and retention's one read (the
+plan, which also carries the current attempt and the held claims), and that retention still
+refuses a stale attempt and takes over a dead gc's claims.
+
+Times belong to ``benchmarks/small_saves.py``; these tests count work, which does not depend
+on the machine."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from torch import nn
+
+from zephon import CheckpointingConfig, CheckpointManager
+from zephon.catalog import Catalog
+
+
+@contextlib.contextmanager
+def catalog_transactions() -> Iterator[list[str]]:
+    """The transactions committed on any SQLAlchemy engine while the block runs."""
+    seen: list[str] = []
+
+    def on_commit(connection) -> None:
+        seen.append(str(connection.engine.url))
+
+    event.listen(Engine, "commit", on_commit)
+    try:
+        yield seen
+    finally:
+        event.remove(Engine, "commit", on_commit)
+
+
+def state() -> dict:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+@pytest.fixture
+def config(tmp_path) -> CheckpointingConfig:
+    return CheckpointingConfig(
+        save_dir=str(tmp_path / "ckpt"),
+        period_steps=1,
+        num_to_keep=None,
+        catalog_url=f"sqlite:///{tmp_path / 'catalog.db'}",
+    )
+
+
+def test_a_save_with_a_catalog_opens_three_transactions(config):
+    """begin_checkpoint, mark_committed, then retention's plan: its read also gives the
+    current attempt (the fence check, and the lineage mirror's) and the held claims."""
+    job = state()
+    with CheckpointManager(config, run_name="r", total_steps=10) as manager:
+        manager.load_latest(job)
+        manager.save(1, job)  # the first save also registers the job's attempt
+        with catalog_transactions() as seen:
+            manager.save(2, job)
+        assert len(seen) == 3, seen
+        assert manager.catalog.get_checkpoint("r", 2).state == "committed"
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and was reaped)."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(done.stdout)
+
+
+def test_a_saves_retention_takes_over_the_claim_of_a_gc_that_died(config):
+    job = state()
+    with CheckpointManager(config, run_name="r", total_steps=10) as manager:
+        manager.load_latest(job)
+        for step in (1, 2, 3):
+            manager.save(step, job)
+        user = manager.catalog.events(run="r")[0].actor.split("@")[0]
+        actor = f"{user}@{socket.gethostname()}:{dead_pid()}"
+        with Catalog(config.catalog_url, actor=actor) as dead_gc:
+            claimed = dead_gc.claim_for_deletion("r", [1], requested=True)
+        assert [row.step for row in claimed] == [1]
+        assert manager.catalog.retention_plan("r").held == (1,)
+        manager.save(4, job)  # its retention judges the holder gone and finishes the delete
+        assert manager.catalog.get_checkpoint("r", 1).state == "deleted"
+        assert manager.store.run("r").committed_steps() == [2, 3, 4]
