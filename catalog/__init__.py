@@ -69,6 +69,9 @@ _LAZY = {
         for name in ("Action", "Decision", "ResumePoint", "RetentionPlan", "plan_retention")
     },
     "UNSET": "zephon.catalog.runs",
+    **{
+        name: "zephon.catalog.lookup" for name in ("PROBED_STATES", "CatalogLatest", "latest_alone")
+    },
     "TIMING_PHASES": "zephon.catalog.validate",
 }
 
@@ -123,6 +126,7 @@ __all__ = [
     "DEFAULT_GRACE",
     "DEFAULT_LEASE",
     "MISSING_MARKER_REASON",
+    "PROBED_STATES",
     "TIMING_PHASES",
     "UNSET",
     "Action",
@@ -131,6 +135,7 @@ __all__ = [
     "Catalog",
     "CatalogDatabaseError",
     "CatalogError",
+    "CatalogLatest",
     "CatalogUnavailableError",
     "CheckpointExistsError",
     "CheckpointRecordNotFoundError",
@@ -164,6 +169,7 @@ __all__ = [
     "claim_holder",
     "current_revision",
     "head_revision",
+    "latest_alone",
     "mask_url",
     "plan_retention",
     "upgrade",

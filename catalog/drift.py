@@ -29,8 +29,7 @@ from sqlalchemy import Connection, Index, bindparam, text
 from sqlalchemy.schema import CreateIndex
 
 from zephon.catalog.models import CATALOG_TABLES, Base
-
-VERSION_TABLE = "alembic_version"
+from zephon.catalog.revision import VERSION_TABLE
 
 
 @dataclass(frozen=True, slots=True)

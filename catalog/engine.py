@@ -23,7 +23,7 @@ import re
 import sqlite3
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
@@ -34,11 +34,13 @@ from sqlalchemy.exc import (
     NoSuchModuleError,
     OperationalError,
 )
-from sqlalchemy.orm import Session, sessionmaker
 
 from zephon.catalog.errors import CatalogDatabaseError, CatalogUnavailableError, InvalidValueError
+from zephon.catalog.lookup import SQLITE_BUSY_TIMEOUT_S
 
-SQLITE_BUSY_TIMEOUT_S = 30
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
 POSTGRES_CONNECT_TIMEOUT_S = 10
 _IMMEDIATE = "zephon_sqlite_immediate"
 
@@ -317,6 +319,10 @@ class Database:
     """One engine plus the session factories the catalog uses; see the module docstring."""
 
     def __init__(self, url: str | URL) -> None:
+        # here, not at the top: make_engine and translate_errors serve Core readers too
+        # (catalog.lookup), which must not load the ORM
+        from sqlalchemy.orm import sessionmaker
+
         self.engine = make_engine(url)
         self.url = mask_url(self.engine.url)
         self._secrets = url_secrets(self.engine.url)

@@ -23,10 +23,11 @@ Policy (also in ``docs/catalog.md``):
     records the revision they match exactly, if one does;
   - a revision this code does not know: ``SchemaOutdatedError(known=False)``.
 
-Opening a catalog at head never imports Alembic: ``HEAD_REVISION`` names the head revision
-(``tests/test_import_cost.py`` fails when a migration is added and the constant is
-not moved to it), the revision is read with a plain query (``catalog.drift``), and the tables are
-compared with the models' fingerprint. Alembic is imported when the scripts themselves are
+Opening a catalog at head never imports Alembic: ``HEAD_REVISION`` (defined in
+``catalog.revision``, which loads no SQLAlchemy) names the head revision
+(``tests/test_import_cost.py`` fails when a migration is added and the constant is not moved to
+it), the revision is read with a plain query (``catalog.drift``), and the tables are compared
+with the models' fingerprint. Alembic is imported when the scripts themselves are
 needed: creating or upgrading a schema, or explaining one that is not at head.
 
 To tell what an older revision's tables look like, ``revision_fingerprints`` migrates a scratch
@@ -60,16 +61,12 @@ from zephon.catalog.errors import (
     SchemaOutdatedError,
     SchemaUnversionedError,
 )
+from zephon.catalog.revision import HEAD_REVISION
 
 if TYPE_CHECKING:
     from alembic.config import Config
     from alembic.script import ScriptDirectory
 
-#: The newest revision in ``migrations/versions``: the schema this code's models describe. Kept
-#: here so that opening a catalog compares the stored revision with it without importing Alembic;
-#: a new migration moves it (``tests/test_import_cost.py`` checks it against the
-#: scripts).
-HEAD_REVISION = "c7d2e5a94b10"
 
 # Any constant works, as long as every Zephon version uses the same one: it is the key of the
 # PostgreSQL advisory lock that serialises schema creation and upgrades in one database.

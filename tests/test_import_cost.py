@@ -1,6 +1,7 @@
 """What a quick command imports: ``import zephon``, its layers and the ``zephon`` parser load
-none of the heavy packages, and ``zephon latest`` on a SQLite catalog loads SQLAlchemy alone
-(never Alembic, torch, rich, fsspec or a storage backend's package). Each case runs in a fresh
+none of the heavy packages, ``zephon latest`` on a SQLite catalog loads none either (the
+catalog's answer is read through the stdlib ``sqlite3``: ``catalog.lookup``), and on
+PostgreSQL SQLAlchemy's Core without its ORM or Zephon's models. Each case runs in a fresh
 process and reads ``sys.modules``: no timing here (benchmarks/cli_startup.py measures).
 
 Also: ``HEAD_REVISION``, which lets opening a catalog skip Alembic, is the migrations' head.
@@ -43,13 +44,21 @@ HEAVY = (
 
 _REPORT = (
     "import atexit, json, sys\n"
-    "atexit.register(lambda: print('\\nLOADED', json.dumps(sorted({m.split('.')[0] for m in "
-    "sys.modules}))))\n"
+    "atexit.register(lambda: print('\\nLOADED', json.dumps(sorted(sys.modules))))\n"
 )
+
+
+#: modules that only the full catalog (``Catalog``: the ORM and the models) needs
+ORM = ("sqlalchemy.orm", "zephon.catalog.models", "zephon.catalog.catalog")
 
 
 def loaded_by(code: str, env: dict[str, str] | None = None) -> set[str]:
     """The heavy packages in ``sys.modules`` when a fresh interpreter has run ``code``."""
+    return {module.split(".")[0] for module in modules_of(code, env)} & set(HEAVY)
+
+
+def modules_of(code: str, env: dict[str, str] | None = None) -> set[str]:
+    """Every module in ``sys.modules`` when a fresh interpreter has run ``code``."""
     done = subprocess.run(
         [sys.executable, "-c", _REPORT + code],
         env={**os.environ, **(env or {})},
@@ -59,7 +68,7 @@ def loaded_by(code: str, env: dict[str, str] | None = None) -> set[str]:
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("LOADED ")]
     assert lines, f"the probe failed ({done.returncode}): {done.stderr}"
-    return set(json.loads(lines[-1][len("LOADED ") :])) & set(HEAVY)
+    return set(json.loads(lines[-1][len("LOADED ") :]))
 
 
 @pytest.mark.parametrize(
@@ -70,6 +79,7 @@ def loaded_by(code: str, env: dict[str, str] | None = None) -> set[str]:
         "import zephon.catalog",
         "from zephon.storage import StorageError, CheckpointNotFoundError, validate_run, redact",
         "from zephon.catalog import CatalogError, RunNotFoundError, CheckpointState",
+        "from zephon.catalog import latest_alone, PROBED_STATES",
         "from zephon import ZephonError, CatalogError, StorageError, CheckpointNotFoundError",
         "from zephon.cli import build_parser; build_parser().parse_args(['latest', 'r'])",
     ],
@@ -107,11 +117,23 @@ def _saved_run(catalog: Catalog, backend, name: str) -> None:
         save_step(attempt, step, catalog)
 
 
-def test_latest_on_a_sqlite_catalog_loads_sqlalchemy_alone(tmp_path, local_backend):
+def test_latest_on_a_sqlite_catalog_loads_nothing_heavy(tmp_path, local_backend):
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     with Catalog(url) as catalog:
         _saved_run(catalog, local_backend, "r")
-    assert loaded_by(_latest("r"), {"ZEPHON_CATALOG_URL": url}) == {"sqlalchemy"}
+    assert loaded_by(_latest("r"), {"ZEPHON_CATALOG_URL": url}) == set()
+
+
+def test_latest_on_postgresql_loads_sqlalchemy_core_without_the_orm(postgres_url, local_backend):
+    from tests.servers import postgres_database
+
+    with postgres_database(postgres_url) as url:
+        with Catalog(url) as catalog:
+            _saved_run(catalog, local_backend, "r")
+        loaded = modules_of(_latest("r"), {"ZEPHON_CATALOG_URL": url})
+    assert {"sqlalchemy", "zephon.catalog.lookup"} <= loaded
+    assert loaded & set(ORM) == set()
+    assert {m.split(".")[0] for m in loaded} & set(HEAVY) == {"sqlalchemy"}
 
 
 def test_latest_of_an_s3_run_imports_no_storage_backend(tmp_path, s3_backend):
@@ -122,10 +144,10 @@ def test_latest_of_an_s3_run_imports_no_storage_backend(tmp_path, s3_backend):
         "ZEPHON_CATALOG_URL": url,
         "ZEPHON_STORAGE_OPTIONS": json.dumps(s3_backend.storage_options),
     }
-    assert loaded_by(_latest("r"), env) == {"sqlalchemy"}
-    # --check reads the marker: then the backend is loaded, and the answer is the same
-    checked = loaded_by(_latest("r").replace("'latest', ", "'latest', '--check', "), env)
-    assert {"fsspec", "s3fs"} <= checked
+    assert loaded_by(_latest("r"), env) == set()
+    # --check reads the marker: then the backend and the full catalog are loaded
+    checked = modules_of(_latest("r").replace("'latest', ", "'latest', '--check', "), env)
+    assert {"fsspec", "s3fs", *ORM} <= checked
 
 
 def test_the_head_revision_constant_is_the_head_of_the_migrations():
@@ -133,7 +155,8 @@ def test_the_head_revision_constant_is_the_head_of_the_migrations():
     a new migration must move it."""
     head = schema.scripts_head()
     assert head == schema.HEAD_REVISION, (
-        f"migrations/versions has a new head {head!r}: set HEAD_REVISION in catalog/schema.py to it"
+        f"migrations/versions has a new head {head!r}: "
+        "set HEAD_REVISION in catalog/revision.py to it"
     )
     assert catalog_layer.head_revision() == head
 

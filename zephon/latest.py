@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from zephon.catalog import CatalogUnavailableError, RunNotFoundError
+from zephon.catalog import PROBED_STATES, CatalogUnavailableError, RunNotFoundError
 from zephon.errors import ZephonError
 from zephon.storage import CheckpointNotFoundError
 
@@ -44,8 +44,6 @@ __all__ = ["LatestCheckpoint", "find_latest"]
 
 log = logging.getLogger("zephon")
 
-#: rows whose marker the probe above the newest committed one looks at
-_PROBED_STATES = ("pending", "failed", "deleted")
 #: committed rows find_latest may set aside (missing, corrupt, stale) before it gives up
 _MAX_SET_ASIDE = 1000
 
@@ -213,7 +211,7 @@ class _Rule:
         while len(self.missing) + len(self.set_aside) <= _MAX_SET_ASIDE:
             newest = catalog.latest_committed(name)
             above = newest.step if newest is not None else None
-            for row in catalog.rows_after(name, above, states=_PROBED_STATES):
+            for row in catalog.rows_after(name, above, states=PROBED_STATES):
                 manifest = self.probe_above(row)
                 if manifest is not None:
                     self.promoted.append(row.step)

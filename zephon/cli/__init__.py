@@ -36,11 +36,13 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from zephon.catalog import CatalogError
-from zephon.errors import ZephonError
+from zephon.errors import ConfigError, ZephonError
 from zephon.storage import MAX_STEP, StorageError, parse_number, validate_run
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "storage_options"]
 
+EXIT_OK = 0
+EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
 EXIT_STORAGE = 4
 EXIT_CATALOG = 5
@@ -147,6 +149,18 @@ def parse_storage_options(text: str) -> dict:
     return storage_options_object(text, "the value", argparse.ArgumentTypeError)
 
 
+def storage_options(args: argparse.Namespace) -> dict:
+    """``--storage-options`` (parsed by the parser), else ``$ZEPHON_STORAGE_OPTIONS``."""
+    from zephon.locations import STORAGE_OPTIONS_ENV
+
+    if args.storage_options is not None:
+        return dict(args.storage_options)
+    text = os.environ.get(STORAGE_OPTIONS_ENV)
+    if not text:
+        return {}
+    return storage_options_object(text, f"${STORAGE_OPTIONS_ENV}", ConfigError)
+
+
 def storage_options_object(text: str, source: str, error: Callable[[str], Exception]) -> dict:
     """The JSON object in ``text`` (from ``source``), or ``error(message)`` naming the fix."""
     try:
@@ -216,15 +230,15 @@ def _add_wide(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _command(name: str) -> Callable[[argparse.Namespace], int]:
-    """The handler ``zephon.cli.commands.<name>``, imported when the command runs: building the
-    parser (``zephon --help``, a usage error) loads nothing the commands use (the catalog,
-    storage backends, rich)."""
+def _command(name: str, module: str = "zephon.cli.commands") -> Callable[[argparse.Namespace], int]:
+    """The handler ``<module>.<name>``, imported when the command runs: building the parser
+    (``zephon --help``, a usage error) loads nothing the commands use (the catalog, storage
+    backends, rich)."""
 
     def run(args: argparse.Namespace) -> int:
-        from zephon.cli import commands
+        import importlib
 
-        return getattr(commands, name)(args)
+        return getattr(importlib.import_module(module), name)(args)
 
     run.__name__ = run.__qualname__ = name
     return run
@@ -268,7 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wide(p)
 
     for name, handler, text in (
-        ("latest", "cmd_latest", "print the URL of a run's latest complete checkpoint"),
+        (
+            "latest",
+            # first the catalog's answer without the ORM (zephon.cli.latest), else the full one
+            _command("cmd_latest", "zephon.cli.latest"),
+            "print the URL of a run's latest complete checkpoint",
+        ),
         ("verify", "cmd_verify", "check a checkpoint's files against its manifest"),
     ):
         p = add(name, handler, text)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,12 +23,11 @@ from zephon.catalog import (
     ReplicaRecord,
     RunNotFoundError,
 )
-from zephon.cli import render, storage_options_object, timing
+from zephon.cli import EXIT_NOT_FOUND, EXIT_OK, render, storage_options, timing
 from zephon.cli.render import Column, human_bytes, print_json, print_table, say
 from zephon.errors import ConfigError
 from zephon.latest import find_latest
 from zephon.locations import (
-    STORAGE_OPTIONS_ENV,
     RunLocation,
     resolve_catalog_url,
     retry_from_env,
@@ -50,8 +48,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-EXIT_OK = 0
-EXIT_NOT_FOUND = 1
 EXIT_PROBLEMS = 3
 #: work remains that a later run finishes by itself (sysexits' EX_TEMPFAIL): gc deletions held
 #: by a claim whose holder this host cannot judge and whose lease has not expired
@@ -59,16 +55,6 @@ EXIT_REMAINING = 75
 
 #: what ``zephon checkpoints`` lists without ``--state`` or ``--all``: every row but deleted
 LIVE_STATES = [s.value for s in CheckpointState if s is not CheckpointState.DELETED]
-
-
-def storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--storage-options`` (parsed by the parser), else ``$ZEPHON_STORAGE_OPTIONS``."""
-    if args.storage_options is not None:
-        return dict(args.storage_options)
-    text = os.environ.get(STORAGE_OPTIONS_ENV)
-    if not text:
-        return {}
-    return storage_options_object(text, f"${STORAGE_OPTIONS_ENV}", ConfigError)
 
 
 def open_catalog(args: argparse.Namespace, *, check_schema: bool = True) -> Catalog:
