@@ -293,3 +293,34 @@ def test_sqlite_urls_are_read_as_sqlalchemy_reads_them(tmp_path, monkeypatch):
 def _save(url: str, step: int) -> str:
     with Catalog(url) as catalog:
         return catalog.get_checkpoint("r", step).save_id
+
+
+def test_the_lookup_reads_the_index_backwards_and_scans_no_table(catalog_url):
+    """The newest committed row is a backward scan of ``(run_id, state, step)`` stopping at its
+    first entry, as ``Catalog.latest_committed`` reads it, and the rows above it are an index
+    range: no full scan of ``checkpoints``, no sort, on either backend."""
+    from sqlalchemy import create_engine, text
+
+    from tests.catalog.test_schema import _populate
+    from zephon.catalog.lookup import _LATEST
+
+    Catalog(catalog_url).close()
+    _populate(catalog_url, runs=20, per_run=500)
+    engine = create_engine(catalog_url)
+    try:
+        with engine.connect() as connection:
+            if engine.dialect.name == "postgresql":
+                connection.execute(text("ANALYZE"))
+                explain = f"EXPLAIN {_LATEST}"
+            else:
+                explain = f"EXPLAIN QUERY PLAN {_LATEST}"
+            rows = connection.execute(text(explain), {"run": "run-7"}).all()
+            plan = "\n".join(str(row[-1]) for row in rows)
+    finally:
+        engine.dispose()
+    assert "ix_checkpoints_run_id_state_step" in plan, plan
+    if engine.dialect.name == "postgresql":
+        assert "Index Scan Backward using ix_checkpoints_run_id_state_step" in plan, plan
+        assert "Sort" not in plan and "Seq Scan on checkpoints" not in plan, plan
+    else:
+        assert "TEMP B-TREE" not in plan and "SCAN p" not in plan and "SCAN n" not in plan, plan
