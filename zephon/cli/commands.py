@@ -3,8 +3,9 @@ and returns the process exit code. None of them imports torch. Every subcommand 
 ``zephon.cli.boundary.at_boundary``.
 
 What only some commands need is imported inside them (gc and sync, the storage backends, rich's
-progress display), so that a quick command (``zephon latest`` answered by the catalog) loads
-the catalog and nothing else: ``tests/test_import_cost.py`` checks it.
+progress display), so that a command the catalog answers loads the catalog and nothing else
+(``zephon latest`` starts in ``zephon.cli.latest``, which answers without this module when the
+catalog can answer alone): ``tests/test_import_cost.py`` checks it.
 """
 
 from __future__ import annotations
@@ -268,9 +269,10 @@ def with_progress(label: str, work: Callable[[Callable[[str], None]], T]) -> T:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
-    """The catalog's answer, read from the catalog alone (no storage request when the catalog
-    knows the run's current attempt); ``--check`` and ``--json`` (which reports the marker's
-    bytes) read and check the marker first, setting aside a row storage does not bear out."""
+    """The full lookup of ``zephon latest`` (``zephon.cli.latest`` tries the catalog's one
+    statement first): the catalog's answer, from the catalog alone when it knows the run's
+    current attempt; ``--check`` and ``--json`` (which reports the marker's bytes) read and
+    check the marker first, setting aside a row storage does not bear out."""
     try:
         with located(args) as (location, cat):
             latest = find_latest(location, catalog=cat, confirm=args.check or args.json)
