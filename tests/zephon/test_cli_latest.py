@@ -2,7 +2,10 @@
 answers exactly when the full lookup (``zephon.latest.find_latest``) answers without storage,
 with the same checkpoint, on SQLite and PostgreSQL, after real saves on storage: crashes around
 the marker, attempts that resumed earlier or have not decided, a run with no checkpoint, one
-the catalog never saw. And a schema not at head still gives the catalog's one-line error."""
+the catalog never saw. And a schema not at head still gives the catalog's one-line error.
+
+On SQLite only, the command's own catalog: tests/catalog/test_lookup.py compares both backends'
+answers with the ORM's across every row state."""
 
 from __future__ import annotations
 
@@ -80,6 +83,10 @@ def _tracked(catalog: Catalog, backend, opened: list[str]) -> RunLocation:
     return RunLocation.deferred("r", open_store, "r")
 
 
+SQLITE = pytest.mark.parametrize("catalog_url", ["sqlite"], indirect=True)
+
+
+@SQLITE
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_latest_without_the_orm_answers_as_the_full_lookup_does_without_storage(
     cli, catalog, catalog_url, local_backend, scenario
@@ -107,6 +114,7 @@ def test_latest_without_the_orm_answers_as_the_full_lookup_does_without_storage(
         assert (code, out) == (0, full.url + "\n")
 
 
+@SQLITE
 @pytest.mark.parametrize("revision", ["0123456789ab", None])
 def test_a_schema_not_at_head_gives_the_catalogs_one_line_error(
     cli, catalog, catalog_url, local_backend, revision
