@@ -9,10 +9,12 @@ storage behind it."""
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Iterator
 
 import pytest
 
 from tests.catalog.conftest import STARTED, commit_step, execute_sql, register
+from tests.conftest import database_url
 from zephon.catalog import (
     PROBED_STATES,
     Catalog,
@@ -60,134 +62,134 @@ def begin(catalog: Catalog, run: str, step: int, epoch: int) -> str:
     ).save_id
 
 
-def fresh(catalog: Catalog) -> None:
-    """Run ``r``: attempt 1 decided (a fresh start), committed steps 10 and 20."""
-    catalog.ensure_run("r", "memory://ckpt")
-    register(catalog, "r", 1)
-    commit_step(catalog, "r", 10, epoch=1)
-    commit_step(catalog, "r", 20, epoch=1)
+def fresh(catalog: Catalog, run: str) -> None:
+    """Run ``run``: attempt 1 decided (a fresh start), committed steps 10 and 20."""
+    catalog.ensure_run(run, "memory://ckpt")
+    register(catalog, run, 1)
+    commit_step(catalog, run, 10, epoch=1)
+    commit_step(catalog, run, 20, epoch=1)
 
 
-def _unfenced(catalog):
-    catalog.ensure_run("r", "memory://ckpt")
-    commit_step(catalog, "r", 10)  # epoch 0: no attempt ever registered
+def _unfenced(catalog, run):
+    catalog.ensure_run(run, "memory://ckpt")
+    commit_step(catalog, run, 10)  # epoch 0: no attempt ever registered
 
 
-def _undecided(catalog):
-    fresh(catalog)
+def _undecided(catalog, run):
+    fresh(catalog, run)
     catalog.register_attempt(
-        "r", epoch=2, attempt_id="2" * 32, host="h2", pid=2, started_at=STARTED
+        run, epoch=2, attempt_id="2" * 32, host="h2", pid=2, started_at=STARTED
     )  # fenced, resume point not chosen yet
 
 
-def _decided_later(catalog):
-    _undecided(catalog)
-    catalog.decide_resume("r", epoch=2, resumed_from=20)
+def _decided_later(catalog, run):
+    _undecided(catalog, run)
+    catalog.decide_resume(run, epoch=2, resumed_from=20)
 
 
-def _no_checkpoint(catalog):
-    catalog.ensure_run("r", "memory://ckpt")
-    register(catalog, "r", 1)
+def _no_checkpoint(catalog, run):
+    catalog.ensure_run(run, "memory://ckpt")
+    register(catalog, run, 1)
 
 
-def _pending_above(catalog):
-    fresh(catalog)
-    begin(catalog, "r", 30, 1)
+def _pending_above(catalog, run):
+    fresh(catalog, run)
+    begin(catalog, run, 30, 1)
 
 
-def _pending_at_step_0(catalog):
-    _no_checkpoint(catalog)
-    begin(catalog, "r", 0, 1)
+def _pending_at_step_0(catalog, run):
+    _no_checkpoint(catalog, run)
+    begin(catalog, run, 0, 1)
 
 
-def _out_of_step_order(catalog):
-    _no_checkpoint(catalog)
+def _out_of_step_order(catalog, run):
+    _no_checkpoint(catalog, run)
     for step in (30, 10, 20):  # the newest row is not the last one inserted
-        commit_step(catalog, "r", step, epoch=1)
+        commit_step(catalog, run, step, epoch=1)
 
 
-def _pending_below(catalog):
-    fresh(catalog)
-    begin(catalog, "r", 15, 1)
+def _pending_below(catalog, run):
+    fresh(catalog, run)
+    begin(catalog, run, 15, 1)
 
 
-def _only_pending(catalog):
-    _no_checkpoint(catalog)
-    begin(catalog, "r", 10, 1)
+def _only_pending(catalog, run):
+    _no_checkpoint(catalog, run)
+    begin(catalog, run, 10, 1)
 
 
-def _failed_above(catalog):
-    fresh(catalog)
-    catalog.mark_failed("r", 30, begin(catalog, "r", 30, 1), "disk full")
+def _failed_above(catalog, run):
+    fresh(catalog, run)
+    catalog.mark_failed(run, 30, begin(catalog, run, 30, 1), "disk full")
 
 
-def _deleted_above(catalog):
-    fresh(catalog)
-    commit_step(catalog, "r", 30, epoch=1)
-    catalog.mark_missing("r", 30)  # committed -> deleted: its marker went missing
+def _deleted_above(catalog, run):
+    fresh(catalog, run)
+    commit_step(catalog, run, 30, epoch=1)
+    catalog.mark_missing(run, 30)  # committed -> deleted: its marker went missing
 
 
-def _deleted_below(catalog):
-    fresh(catalog)
-    catalog.mark_missing("r", 10)
+def _deleted_below(catalog, run):
+    fresh(catalog, run)
+    catalog.mark_missing(run, 10)
 
 
-def _newest_deleted_to_nothing(catalog):
-    _no_checkpoint(catalog)
-    commit_step(catalog, "r", 10, epoch=1)
-    catalog.mark_missing("r", 10)
+def _newest_deleted_to_nothing(catalog, run):
+    _no_checkpoint(catalog, run)
+    commit_step(catalog, run, 10, epoch=1)
+    catalog.mark_missing(run, 10)
 
 
-def _corrupt_above(catalog):
-    fresh(catalog)
-    commit_step(catalog, "r", 30, epoch=1)
-    catalog.mark_corrupt("r", 30, catalog.get_checkpoint("r", 30).save_id, "crc mismatch")
+def _corrupt_above(catalog, run):
+    fresh(catalog, run)
+    commit_step(catalog, run, 30, epoch=1)
+    catalog.mark_corrupt(run, 30, catalog.get_checkpoint(run, 30).save_id, "crc mismatch")
 
 
-def _stale_above(catalog):
-    fresh(catalog)
-    commit_step(catalog, "r", 30, epoch=1)
-    catalog.mark_stale("r", 30, catalog.get_checkpoint("r", 30).save_id, "abandoned")
+def _stale_above(catalog, run):
+    fresh(catalog, run)
+    commit_step(catalog, run, 30, epoch=1)
+    catalog.mark_stale(run, 30, catalog.get_checkpoint(run, 30).save_id, "abandoned")
 
 
-def _deleting_above(catalog):
-    fresh(catalog)
-    commit_step(catalog, "r", 30, epoch=1)
-    set_state(catalog, "r", 30, "deleting")
+def _deleting_above(catalog, run):
+    fresh(catalog, run)
+    commit_step(catalog, run, 30, epoch=1)
+    set_state(catalog, run, 30, "deleting")
 
 
-def _resumed_earlier(catalog):
-    fresh(catalog)
-    commit_step(catalog, "r", 30, epoch=1)
-    register(catalog, "r", 2, resumed_from=10)  # 20 and 30 are abandoned (stale)
+def _resumed_earlier(catalog, run):
+    fresh(catalog, run)
+    commit_step(catalog, run, 30, epoch=1)
+    register(catalog, run, 2, resumed_from=10)  # 20 and 30 are abandoned (stale)
 
 
-def _resumed_then_saved(catalog):
-    _resumed_earlier(catalog)
-    commit_step(catalog, "r", 40, epoch=2)
+def _resumed_then_saved(catalog, run):
+    _resumed_earlier(catalog, run)
+    commit_step(catalog, run, 40, epoch=2)
 
 
-def _third_attempt_fresh(catalog):
-    _resumed_then_saved(catalog)
-    register(catalog, "r", 3)  # a fresh start abandons every older row
+def _third_attempt_fresh(catalog, run):
+    _resumed_then_saved(catalog, run)
+    register(catalog, run, 3)  # a fresh start abandons every older row
 
 
-def _other_runs(catalog):
-    fresh(catalog)
-    catalog.ensure_run("r2", "memory://ckpt")
-    register(catalog, "r2", 1)
-    commit_step(catalog, "r2", 99, epoch=1)
-    begin(catalog, "r2", 100, 1)
-    catalog.ensure_run("r-", "memory://ckpt")  # a name that shares a prefix
+def _other_runs(catalog, run):
+    fresh(catalog, run)
+    catalog.ensure_run(run + "2", "memory://ckpt")
+    register(catalog, run + "2", 1)
+    commit_step(catalog, run + "2", 99, epoch=1)
+    begin(catalog, run + "2", 100, 1)
+    catalog.ensure_run(run + "-", "memory://ckpt")  # a name that shares a prefix
 
 
-def _epoch_without_its_attempt(catalog):
-    fresh(catalog)
-    execute_sql(_url(catalog), "UPDATE runs SET epoch = 7 WHERE name = 'r'")
+def _epoch_without_its_attempt(catalog, run):
+    fresh(catalog, run)
+    execute_sql(_url(catalog), f"UPDATE runs SET epoch = 7 WHERE name = '{run}'")
 
 
 SCENARIOS = {
-    "no run": lambda catalog: None,
+    "no run": lambda catalog, run: None,
     "never fenced": _unfenced,
     "attempt undecided": _undecided,
     "attempt decided after registering": _decided_later,
@@ -230,22 +232,33 @@ ANSWERED = {
 }
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def shared(request, tmp_path_factory) -> Iterator[tuple[str, Catalog]]:
+    """One catalog per backend for the scenarios, each on a run of its own (a database per
+    scenario would cost more than the lookups)."""
+    directory = tmp_path_factory.mktemp("lookup")
+    with database_url(request.param, request, directory) as url, Catalog(url) as catalog:
+        yield url, catalog
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_the_lookup_without_the_orm_gives_the_orms_answer(catalog, catalog_url, scenario):
-    SCENARIOS[scenario](catalog)
-    answer = latest_alone(catalog_url, "r")
-    assert answer == orm_answer(catalog, "r")
+def test_the_lookup_without_the_orm_gives_the_orms_answer(shared, scenario):
+    url, catalog = shared
+    run = f"s{list(SCENARIOS).index(scenario)}"
+    SCENARIOS[scenario](catalog, run)
+    answer = latest_alone(url, run)
+    assert answer == orm_answer(catalog, run)
     # and the cases are what they claim to be (an answer, or left to the full lookup)
     expected = ANSWERED.get(scenario)
     assert (answer and answer.step) == (expected and expected.step)
     if answer is not None and answer.step is not None:
-        row = catalog.get_checkpoint("r", answer.step)
+        row = catalog.get_checkpoint(run, answer.step)
         assert (answer.path, answer.save_id, row.state) == (row.path, row.save_id, "committed")
 
 
 @pytest.mark.parametrize("revision", ["0123456789ab", "a0b1c2d3e4f5", None])
 def test_a_schema_not_at_head_is_left_to_the_catalog_to_refuse(catalog, catalog_url, revision):
-    fresh(catalog)
+    fresh(catalog, "r")
     assert latest_alone(catalog_url, "r").step == 20
     change = (
         f"UPDATE alembic_version SET version_num = '{revision}'"
@@ -279,7 +292,7 @@ def test_sqlite_urls_are_read_as_sqlalchemy_reads_them(tmp_path, monkeypatch):
     directory.mkdir()
     url = f"sqlite:///{urllib.parse.quote(str(directory / 'c.db'))}"
     with Catalog(url) as catalog:  # SQLAlchemy unquotes the path: the file is "a dir%/c.db"
-        fresh(catalog)
+        fresh(catalog, "r")
     assert (directory / "c.db").exists()
     assert latest_alone(url, "r") == CatalogLatest(20, "memory://ckpt/r/save-20", _save(url, 20))
     monkeypatch.chdir(directory)
