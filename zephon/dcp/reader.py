@@ -40,12 +40,16 @@ from zephon.storage import CheckpointReader, CheckpointStore, CorruptCheckpointE
 
 __all__ = ["MAX_REQUEST_BYTES", "THREAD_COUNT", "ZephonStorageReader"]
 
-#: default largest ranged GET on object stores: what each reader thread holds at most (plus the
-#: transport's transient copy while a response is joined), however large a slice is
-MAX_REQUEST_BYTES = 16 << 20
-#: default reader threads, local and remote: with ``MAX_REQUEST_BYTES`` they bound the response
-#: buffers of a load on an object store to about 4 x 2 x 16 MiB
+#: default largest ranged GET on object stores (and largest read group on local disk): a run of
+#: neighbouring slices up to this size is one request, its reply streamed into the destination
+#: tensors in chunks (``storage.backends.native.STREAM_CHUNK``), so what a reader thread holds
+#: does not grow with it; a store that reads a whole object per ranged GET then reads it once
+MAX_REQUEST_BYTES = 256 << 20
+#: default reader threads, local and remote
 THREAD_COUNT = 4
+#: on local disk, the largest gap between two slices that one ``preadv`` reads through (into a
+#: scratch buffer) rather than starting a new group: the framing between a file's tensors
+LOCAL_GAP_BYTES = 64 << 10
 
 
 class ZephonStorageReader(StorageReader):
@@ -100,8 +104,8 @@ class ZephonStorageReader(StorageReader):
         local = store.location.backend.posix_paths
         self.thread_count = thread_count or THREAD_COUNT
         self.max_request_bytes = max_request_bytes
-        # Local reads land straight in the destination tensors, so gaps are never worth reading.
-        self.max_gap_bytes = 0 if local else max_gap_bytes
+        # Local reads land straight in the destination tensors: only a small gap is read through.
+        self.max_gap_bytes = min(max_gap_bytes, LOCAL_GAP_BYTES) if local else max_gap_bytes
         # (step None: ``zephon.dcp.Reader`` finds the step when it first opens the checkpoint)
         self.url = (
             store.run(run).checkpoint_url(step)
@@ -237,7 +241,10 @@ class ZephonStorageReader(StorageReader):
             max_request_bytes=self.max_request_bytes,
             lock=self._lock,
         )
-        fetcher.fetch(group_reads(reads, self.max_request_bytes, self.max_gap_bytes), planner)
+        groups = group_reads(
+            reads, self.max_request_bytes, self.max_gap_bytes, min_groups=self.thread_count
+        )
+        fetcher.fetch(groups, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
