@@ -93,7 +93,7 @@ _OFF_WORDS = frozenset({"0", "false", "off", "no"})
 POOL_CONNECTIONS = 40
 #: the smallest chunk a streamed ranged GET hands over (``range_chunks``): what a reading
 #: thread holds at a time, however long the range
-STREAM_CHUNK = 4 << 20
+STREAM_CHUNK = 1 << 20
 
 
 class Unmappable(Exception):

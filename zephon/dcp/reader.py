@@ -3,9 +3,10 @@
 Opens the checkpoint through ``CheckpointStore.reader`` (an uncommitted one is refused), checks
 that every slice the JSON metadata names lies inside a file the marker lists
 (``zephon.dcp.load_checks``), then reads only the byte ranges the load plan needs
-(``zephon.dcp.read_plan``): on local disk straight into the destination tensors, on object
-stores as ranged GETs that cover runs of neighbouring items of one file
-(``zephon.dcp.range_fetch``). This module is the StorageReader protocol that ties them together.
+(``zephon.dcp.read_plan``), each run of neighbouring items of one file as one stream straight
+into the destination tensors: ``preadv`` on local disk, one streamed ranged GET on object
+stores (``zephon.dcp.range_fetch``). This module is the StorageReader protocol that ties them
+together.
 
 With ``verify`` (the default) every slice's bytes are checked against the CRC32C the writer
 recorded for it, as they arrive, so no byte reaches the model unchecked and nothing is read
@@ -60,12 +61,11 @@ class ZephonStorageReader(StorageReader):
     ``CorruptCheckpointError`` naming the file, whatever ``verify`` says.
 
     ``verify=True`` (the default) also checks every slice this rank reads against the CRC32C
-    recorded for it at save time, while its bytes arrive: on local disk each 1 MiB chunk is
-    checksummed right after ``readinto`` put it into the destination (still in the CPU
-    cache), on object stores the slice is checksummed in the response buffer before it is
-    delivered (a slice longer than ``max_request_bytes`` arrives in several ranged GETs, each
-    copied into the destination and checksummed on the way, so a reader thread holds one
-    request at a time); the checksum runs in the reader threads without the GIL. A mismatch raises
+    recorded for it at save time, while its bytes arrive: neighbouring slices of a file are one
+    run, read as one stream straight into their destinations (``zephon.dcp.landing``), and each
+    1 MiB that lands (a ``preadv`` window on local disk, a chunk of the streamed ranged GET on
+    object stores) is fed to its slices' running CRCs while still in the CPU cache; the checksum
+    runs in the reader threads without the GIL. A mismatch raises
     ``CorruptCheckpointError`` naming the file and the item. To make that possible a read that
     needs only some rows of a saved slice (a resharded load) fetches the whole slice and cuts
     it in memory. Checkpoints of metadata format version 1 have no per-slice CRC: they are
