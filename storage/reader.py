@@ -4,6 +4,7 @@ lists, with every whole-file read checked against the manifest's size and CRC32C
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, BinaryIO, Protocol
 
 from zephon.storage.backend import get_file, open_read, read_file, read_range
@@ -132,6 +133,19 @@ class CheckpointReader:
         target = self._target(name)
         try:
             return self._location.backend.read_range_into(target, start, buffer)
+        except FileNotFoundError:
+            raise self._missing(name) from None
+
+    def read_range_stream(
+        self, name: str, start: int, end: int, sink: Callable[[memoryview], None]
+    ) -> int:
+        """Bytes ``[start, end)`` of one file handed to ``sink`` in order, chunk by chunk, as
+        they arrive from one ranged request (on object stores with the native client; the
+        fsspec path reads bounded ranges); returns how many arrived (fewer means the file is
+        shorter). The chunks are valid only during the call to ``sink``."""
+        target = self._target(name)
+        try:
+            return self._location.backend.read_range_stream(target, start, end, sink)
         except FileNotFoundError:
             raise self._missing(name) from None
 

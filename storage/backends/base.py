@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import io
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
@@ -36,6 +36,7 @@ from zephon.storage.retry import DEFAULT_RETRY, RetryPolicy
 __all__ = [
     "OPEN_READ_BLOCK",
     "RETRIED_PRIMITIVES",
+    "STREAM_REQUEST_BYTES",
     "TRANSLATED_OPERATIONS",
     "TranslatedReader",
     "Backend",
@@ -43,6 +44,9 @@ __all__ = [
     "mtime_of",
 ]
 
+#: the largest request of ``read_range_stream`` on the fsspec path, which joins a whole reply
+#: into one bytes object: what one reading thread holds at most there
+STREAM_REQUEST_BYTES = 16 << 20
 #: the primitives every call of which goes through the backend's retry policy: a subclass
 #: implements ``_<name>``, never ``<name>`` itself
 RETRIED_PRIMITIVES = (
@@ -53,6 +57,7 @@ RETRIED_PRIMITIVES = (
     "read_file",
     "read_range",
     "read_range_into",
+    "read_range_stream",
     "get_file",
     "put_bytes",
     "put_buffer",
@@ -295,6 +300,27 @@ class Backend:
         with self._doing("reading", path):
             return self.retry.call(self._read_range_into, path, start, buffer)
 
+    def read_range_stream(
+        self, path: str, start: int, end: int, sink: Callable[[memoryview], None]
+    ) -> int:
+        """Bytes ``[start, end)`` of a file handed to ``sink`` in order, chunk by chunk, as they
+        arrive (``_range_chunks``: one streamed ranged request where the backend can, so a
+        store that reads a whole object per request reads it once); returns how many arrived
+        (fewer at the file's end). A failure part-way is tried again by the retry policy from
+        the first byte not yet handed over, so ``sink`` sees every byte once, in order. A chunk
+        is valid only during its call to ``sink``."""
+        delivered = 0
+
+        def rest() -> int:
+            nonlocal delivered
+            for chunk in self._range_chunks(path, start + delivered, end):
+                sink(chunk)
+                delivered += chunk.nbytes
+            return delivered
+
+        with self._doing("reading", path):
+            return self.retry.call(rest)
+
     def get_file(self, path: str, local_path: str) -> None:
         """Download a file to a local path."""
         with self._doing("downloading", path):
@@ -425,6 +451,17 @@ class Backend:
         count = len(data)
         view[:count] = data
         return count
+
+    def _range_chunks(self, path: str, start: int, end: int) -> Iterator[memoryview]:
+        # fsspec joins a whole reply into one bytes object: ranges of STREAM_REQUEST_BYTES
+        # bound what a reading thread holds.
+        for begin in range(start, end, STREAM_REQUEST_BYTES):
+            stop = min(begin + STREAM_REQUEST_BYTES, end)
+            data = self._read_range(path, begin, stop)
+            if data:
+                yield memoryview(data)
+            if len(data) < stop - begin:
+                return
 
     def _get_file(self, path: str, local_path: str) -> None:
         self.fs.get_file(path, local_path)

@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any, TypeVar
 from urllib.parse import urlparse
 
@@ -91,6 +91,9 @@ _OFF_WORDS = frozenset({"0", "false", "off", "no"})
 #: 32 uploads at once (``object_store.UPLOAD_WORKERS``) and 8 for the requests a commit sends
 #: beside a full wave of them (its fence re-check and payload listing)
 POOL_CONNECTIONS = 40
+#: the smallest chunk a streamed ranged GET hands over (``range_chunks``): what a reading
+#: thread holds at a time, however long the range
+STREAM_CHUNK = 1 << 20
 
 
 class Unmappable(Exception):
@@ -245,6 +248,29 @@ class NativeClient:
         count = memoryview(data).nbytes
         buffer[:count] = data
         return count
+
+    def range_chunks(self, path: str, start: int, end: int) -> Iterator[memoryview]:
+        """Bytes ``[start, end)`` (fewer at the end of the object) from one ranged GET, as the
+        chunks of its reply (obstore's buffers of at least ``STREAM_CHUNK`` bytes but the last;
+        no bytes object): a store that reads a whole object per request reads it once, and
+        the caller holds one chunk at a time however long the range."""
+        import obstore
+
+        if end <= start:
+            return
+        key = self.key(path)
+        for observe in self.observers:
+            observe(key, start, end)
+        reply = self._run(
+            "get_range", lambda: obstore.get(self.once, key, options={"range": (start, end)})
+        )
+        chunks = reply.stream(min_chunk_size=STREAM_CHUNK)
+        while True:
+            with native_errors():
+                chunk = next(chunks, None)
+            if chunk is None:
+                return
+            yield memoryview(chunk)
 
     def get_file(self, path: str, local_path: str) -> None:
         """Download the object to ``local_path`` in the reply's chunks."""

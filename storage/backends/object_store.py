@@ -7,7 +7,7 @@ import contextlib
 import functools
 import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, ClassVar
 
@@ -106,6 +106,12 @@ class ObjectStoreBackend(Backend):
         if native is not None:
             return native.read_range_into(path, start, memoryview(buffer).cast("B"))
         return super()._read_range_into(path, start, buffer)
+
+    def _range_chunks(self, path: str, start: int, end: int) -> Iterator[memoryview]:
+        native = self._native(path)
+        if native is not None:
+            return native.range_chunks(path, start, end)
+        return super()._range_chunks(path, start, end)
 
     def _get_file(self, path: str, local_path: str) -> None:
         native = self._native(path)

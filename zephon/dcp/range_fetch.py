@@ -1,19 +1,21 @@
 """Performs the read groups of a DCP load and hands their bytes to the planner.
 
-On local disk each range is read with ``readinto`` straight into the destination tensor when
-dtype and layout allow; on object stores a group of one slice arrives by ranged GETs straight
-into the destination (``read_range_into``: several when the slice is longer than a request),
-and a group of neighbouring small items is one GET, each item copied from the reply. A checked slice
-(one with a recorded CRC32C) is checksummed while its bytes arrive, so no byte reaches the
-model unchecked and nothing is read twice. Groups run in parallel threads; the CRC releases
-the GIL.
+Each group (neighbouring slices of one file, ``zephon.dcp.read_plan``) is one stream of bytes
+that lands straight in the destination tensors where dtype and layout allow (else in one buffer
+per slice, converted or cut on delivery), through a ``zephon.dcp.landing.Landing``: on local
+disk ``os.preadv`` calls of about 1 MiB, each filling the pieces of several tensors at once; on
+object stores one ranged GET per group (several when one slice is longer than
+``max_request_bytes``) whose reply is streamed and each chunk copied once into place. A checked
+slice (one with a recorded CRC32C) is checksummed while its bytes are hot, so no byte reaches the
+model unchecked and nothing is read twice. Groups run in parallel threads; the reads and the CRC
+release the GIL. Each local file is opened once per load, whatever its number of groups.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -22,16 +24,19 @@ import torch
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from zephon.dcp.errors import StateDictMismatchError
+from zephon.dcp.landing import Landing
 from zephon.dcp.load_checks import crc_mismatch_error, short_read_error
 from zephon.dcp.read_plan import ReadGroup, SliceRead
 from zephon.dcp.untrusted import deliver_bytes
-from zephon.storage import CheckpointReader, CorruptCheckpointError, crc32c_extend
+from zephon.storage import CheckpointReader, CorruptCheckpointError
 
 __all__ = ["RangeFetcher"]
 
 #: bytes read into the destination at a time while verifying: small enough that the CRC reads
 #: them from the CPU cache the kernel's copy just filled, large enough that syscalls are few
 _VERIFY_CHUNK = 1 << 20
+#: bytes per ``preadv`` when nothing is checked
+_PLAIN_CHUNK = 64 << 20
 
 
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:
@@ -56,24 +61,31 @@ class RangeFetcher:
     def fetch(self, groups: list[ReadGroup], planner: LoadPlanner) -> None:
         """Read every group, in up to ``thread_count`` threads, and deliver each read to
         ``planner``; the first failure is raised once every started group has finished."""
-        run_group: Callable[[ReadGroup, LoadPlanner], None] = (
-            self._read_local if self.local else self._read_remote
-        )
-        if len(groups) <= 1 or self.thread_count == 1:
-            for g in groups:
-                run_group(g, planner)
-            return
-        workers = min(self.thread_count, len(groups))
-        with ThreadPoolExecutor(workers, thread_name_prefix="zephon-dcp-read") as pool:
-            futures = [pool.submit(run_group, g, planner) for g in groups]
-            first_error: BaseException | None = None
-            for f in futures:
-                try:
-                    f.result()
-                except BaseException as exc:  # noqa: BLE001 - re-raised once all finished
-                    first_error = first_error or exc
-            if first_error is not None:
-                raise first_error
+        handles: dict[str, BinaryIO] = {}
+        try:
+            if self.local:  # each file once, shared by the threads (preadv has no position)
+                for name in dict.fromkeys(g.file for g in groups):
+                    handles[name] = self.reader.open_in_place(name)
+            if len(groups) <= 1 or self.thread_count == 1:
+                for g in groups:
+                    self._read_group(g, planner, handles.get(g.file))
+                return
+            workers = min(self.thread_count, len(groups))
+            with ThreadPoolExecutor(workers, thread_name_prefix="zephon-dcp-read") as pool:
+                futures = [
+                    pool.submit(self._read_group, g, planner, handles.get(g.file)) for g in groups
+                ]
+                first_error: BaseException | None = None
+                for f in futures:
+                    try:
+                        f.result()
+                    except BaseException as exc:  # noqa: BLE001 - re-raised once all finished
+                        first_error = first_error or exc
+                if first_error is not None:
+                    raise first_error
+        finally:
+            for handle in handles.values():
+                handle.close()
 
     def _check(self, r: SliceRead, crc: int) -> None:
         if r.crc is not None and crc != r.crc:
@@ -82,88 +94,72 @@ class RangeFetcher:
     def _short(self, name: str, wanted: int, got: int) -> CorruptCheckpointError:
         return short_read_error(name, wanted, got, url=self.url, run=self.run, step=self.step)
 
-    def _read_local(self, group: ReadGroup, planner: LoadPlanner) -> None:
-        with self.reader.open_in_place(group.file) as handle:
-            for r in group.reads:
-                target = self._target(r, planner)
-                if target is not None and self._direct(r, target):
-                    if r.length:
-                        self._fill(handle, r, _writable_bytes(target))
-                    self._commit(r, planner, target)
-                    continue
+    def _read_group(self, group: ReadGroup, planner: LoadPlanner, handle: BinaryIO | None) -> None:
+        """Land ``group``'s bytes in their destinations and deliver each read once its bytes
+        are all there and checked."""
+        targets = self._targets(group.reads, planner)
+        buffers: list[bytearray | None] = []
+        views: list[memoryview] = []
+        for r, target in zip(group.reads, targets, strict=True):
+            if target is not None and self._direct(r, target):
+                buffers.append(None)
+                views.append(_writable_bytes(target))
+            else:
                 buffer = bytearray(r.length)
-                self._fill(handle, r, memoryview(buffer))
+                buffers.append(buffer)
+                views.append(memoryview(buffer))
+
+        def finish(i: int, crc: int) -> None:
+            r = group.reads[i]
+            self._check(r, crc)
+            buffer, target = buffers[i], targets[i]
+            if buffer is None:
+                assert target is not None
+                self._commit(r, planner, target)
+            else:
                 self._deliver(r, planner, buffer, target)
 
-    def _fill(self, handle: BinaryIO, r: SliceRead, view: memoryview) -> None:
-        """Read ``r``'s bytes into ``view``; when ``r`` is checked, in chunks, each one
-        checksummed while the kernel's copy has left it in the CPU cache."""
-        handle.seek(r.start)
-        got = 0
-        chunk = _VERIFY_CHUNK if r.crc is not None else len(view)
-        crc = 0
-        while got < len(view):
-            n = handle.readinto(view[got : got + chunk])
-            if not n:
-                raise self._short(r.file, r.start + r.length, r.start + got)
-            if r.crc is not None:
-                crc = crc32c_extend(crc, view[got : got + n])
-            got += n
-        self._check(r, crc)
-
-    def _read_remote(self, group: ReadGroup, planner: LoadPlanner) -> None:
-        if len(group.reads) == 1:
-            # One slice (however long): its ranged GETs land straight in the destination.
-            self._read_one_remote(group.reads[0], planner)
+        landing = Landing(group, views, finish)
+        if handle is not None:
+            self._pread(handle.fileno(), group, landing)
             return
-        # Neighbouring small items share one GET; each is cut from the reply (a buffer of
-        # the native client's, or bytes) and copied into its destination.
-        data = self.reader.read_range(group.file, group.start, group.end)
-        view = memoryview(data).cast("B")
-        if view.nbytes != group.end - group.start:
-            raise self._short(group.file, group.end, group.start + view.nbytes)
-        for r in group.reads:
-            piece = view[r.start - group.start : r.start - group.start + r.length]
-            if r.crc is not None:
-                self._check(r, crc32c_extend(0, piece))
-            self._deliver(r, planner, piece, self._target(r, planner))
+        for start, end in group.requests(self.max_request_bytes):
+            got = self.reader.read_range_stream(group.file, start, end, landing.feed)
+            if got != end - start:
+                raise self._short(group.file, end, start + got)
 
-    def _read_one_remote(self, r: SliceRead, planner: LoadPlanner) -> None:
-        """Read one slice in ranged GETs of at most ``max_request_bytes``, each landing straight
-        in the destination tensor's memory (``read_range_into``; or, if the bytes cannot land
-        there as they are, in one buffer of the slice) and fed to the running CRC there, once:
-        no bytes object per request, and the replies in flight stay bounded however large the
-        slice, as on local disk."""
-        target = self._target(r, planner)
-        direct = target is not None and self._direct(r, target)
-        buffer = None if direct else bytearray(r.length)
-        view = _writable_bytes(target) if direct else memoryview(buffer)
-        crc = 0
-        for begin in range(0, r.length, self.max_request_bytes):
-            end = min(begin + self.max_request_bytes, r.length)
-            got = self.reader.read_range_into(r.file, r.start + begin, view[begin:end])
-            if got != end - begin:
-                raise self._short(r.file, r.start + end, r.start + begin + got)
-            if r.crc is not None:
-                crc = crc32c_extend(crc, view[begin:end])
-        self._check(r, crc)
-        if direct:
-            self._commit(r, planner, target)
-        else:
-            self._deliver(r, planner, buffer, target)
+    def _pread(self, fd: int, group: ReadGroup, landing: Landing) -> None:
+        """``group`` from local disk: ``preadv`` straight into the destinations, about 1 MiB
+        at a time when a read is checked (the CRC then reads bytes still in the CPU cache)."""
+        checked = any(r.crc is not None for r in group.reads)
+        window = _VERIFY_CHUNK if checked else _PLAIN_CHUNK
+        reads = group.reads
+        gaps = [b.start - a.start - a.length for a, b in zip(reads, reads[1:], strict=False)]
+        scratch = memoryview(bytearray(max(gaps, default=0)))  # the bytes between reads
+        while not landing.done:
+            pieces, _reached = landing.segments(min(landing.pos + window, group.end))
+            iov = [view if view is not None else scratch[:n] for view, n in pieces]
+            count = os.preadv(fd, iov, landing.pos)
+            if not count:
+                raise self._short(group.file, group.end, landing.pos)
+            landing.landed(count)
 
-    def _target(self, r: SliceRead, planner: LoadPlanner) -> torch.Tensor | None:
-        if r.dtype is None:
-            return None
+    def _targets(self, reads: list[SliceRead], planner: LoadPlanner) -> list[torch.Tensor | None]:
+        """The destination tensor of each read (None for a bytes item), resolved under one
+        hold of the planner's lock."""
         with self.lock:
-            target = planner.resolve_tensor(r.req).detach()
-        if tuple(target.shape) != tuple(r.req.lengths):
-            raise StateDictMismatchError(
-                f"cannot load {r.req.dest_index.fqn!r}: the destination slice has shape "
-                f"{list(target.shape)}, the checkpoint provides {list(r.req.lengths)}: load into "
-                "a state shaped as the one saved"
-            )
-        return target
+            targets = [
+                planner.resolve_tensor(r.req).detach() if r.dtype is not None else None
+                for r in reads
+            ]
+        for r, target in zip(reads, targets, strict=True):
+            if target is not None and tuple(target.shape) != tuple(r.req.lengths):
+                raise StateDictMismatchError(
+                    f"cannot load {r.req.dest_index.fqn!r}: the destination slice has shape "
+                    f"{list(target.shape)}, the checkpoint provides {list(r.req.lengths)}: load "
+                    "into a state shaped as the one saved"
+                )
+        return targets
 
     @staticmethod
     def _direct(r: SliceRead, target: torch.Tensor) -> bool:

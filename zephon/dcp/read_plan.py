@@ -19,7 +19,10 @@ from zephon.dcp.errors import StateDictMismatchError
 from zephon.dcp.metadata_codec import ShardSlice, dtype_from_name
 from zephon.storage import decode_crc32c
 
-__all__ = ["ReadGroup", "SliceRead", "group_reads", "plan_read"]
+__all__ = ["MIN_SPLIT_BYTES", "ReadGroup", "SliceRead", "group_reads", "plan_read"]
+
+#: the smallest part of a group that ``group_reads`` splits off to give an idle thread work
+MIN_SPLIT_BYTES = 8 << 20
 
 
 @dataclass(slots=True)
@@ -40,12 +43,21 @@ class SliceRead:
 
 @dataclass(slots=True)
 class ReadGroup:
-    """Neighbouring reads of one file served by one request."""
+    """Neighbouring reads of one file fetched as one stream of bytes ``[start, end)``: on local
+    disk ``preadv`` calls straight into their destinations, on object stores one ranged GET
+    (several when one slice is longer than a request, see ``requests``). The reads are sorted
+    and never overlap; the bytes between them are read and dropped."""
 
     file: str
     start: int
     end: int
     reads: list[SliceRead] = field(default_factory=list)
+
+    def requests(self, max_bytes: int) -> list[tuple[int, int]]:
+        """The ``(start, end)`` ranges of the requests that fetch this group, in order: one,
+        or consecutive pieces of ``max_bytes`` when the group (then a single slice) is
+        longer."""
+        return [(s, min(s + max_bytes, self.end)) for s in range(self.start, self.end, max_bytes)]
 
 
 def plan_read(req: ReadItem, where: ShardSlice, *, check: bool) -> SliceRead:
@@ -95,10 +107,16 @@ def plan_read(req: ReadItem, where: ShardSlice, *, check: bool) -> SliceRead:
     )
 
 
-def group_reads(reads: list[SliceRead], max_bytes: int, max_gap: int) -> list[ReadGroup]:
-    """``reads`` batched per file: neighbours at most ``max_gap`` bytes apart share a request of
+def group_reads(
+    reads: list[SliceRead], max_bytes: int, max_gap: int, *, min_groups: int = 1
+) -> list[ReadGroup]:
+    """``reads`` batched per file: neighbours at most ``max_gap`` bytes apart share a group of
     at most ``max_bytes`` (a single read longer than that is a group of its own), largest
-    group first."""
+    group first. A read that overlaps the group before it (two items cut from one saved slice)
+    starts a group of its own, so each byte of a group lands in one place. While there are
+    fewer than ``min_groups`` groups (the reader threads), the largest one of several reads and
+    at least ``2 * MIN_SPLIT_BYTES`` is split between two of them, so every thread has a share
+    of the bytes (a small group is not worth a second request)."""
     by_file: dict[str, list[SliceRead]] = {}
     for r in reads:
         by_file.setdefault(r.file, []).append(r)
@@ -110,14 +128,35 @@ def group_reads(reads: list[SliceRead], max_bytes: int, max_gap: int) -> list[Re
             end = r.start + r.length
             if (
                 current is not None
-                and r.start <= current.end + max_gap
-                and max(end, current.end) - current.start <= max_bytes
+                and current.end <= r.start <= current.end + max_gap
+                and end - current.start <= max_bytes
             ):
-                current.end = max(current.end, end)
+                current.end = end
                 current.reads.append(r)
                 continue
             current = ReadGroup(name, r.start, end, [r])
             groups.append(current)
+    while len(groups) < min_groups:
+        splittable = [
+            g for g in groups if len(g.reads) > 1 and g.end - g.start >= 2 * MIN_SPLIT_BYTES
+        ]
+        if not splittable:
+            break
+        largest = max(splittable, key=lambda g: g.end - g.start)
+        groups.remove(largest)
+        groups.extend(_halves(largest))
     # Largest first, so the slowest requests start early.
     groups.sort(key=lambda g: g.end - g.start, reverse=True)
     return groups
+
+
+def _halves(group: ReadGroup) -> tuple[ReadGroup, ReadGroup]:
+    """``group`` (of at least two reads) cut at the read boundary nearest its middle."""
+    middle = (group.start + group.end) / 2
+    cut = min(range(1, len(group.reads)), key=lambda i: abs(group.reads[i].start - middle))
+    first, second = group.reads[:cut], group.reads[cut:]
+    last = first[-1]
+    return (
+        ReadGroup(group.file, group.start, last.start + last.length, first),
+        ReadGroup(group.file, second[0].start, group.end, second),
+    )

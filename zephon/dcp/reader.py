@@ -3,9 +3,10 @@
 Opens the checkpoint through ``CheckpointStore.reader`` (an uncommitted one is refused), checks
 that every slice the JSON metadata names lies inside a file the marker lists
 (``zephon.dcp.load_checks``), then reads only the byte ranges the load plan needs
-(``zephon.dcp.read_plan``): on local disk straight into the destination tensors, on object
-stores as ranged GETs that cover runs of neighbouring items of one file
-(``zephon.dcp.range_fetch``). This module is the StorageReader protocol that ties them together.
+(``zephon.dcp.read_plan``), each run of neighbouring items of one file as one stream straight
+into the destination tensors: ``preadv`` on local disk, one streamed ranged GET on object
+stores (``zephon.dcp.range_fetch``). This module is the StorageReader protocol that ties them
+together.
 
 With ``verify`` (the default) every slice's bytes are checked against the CRC32C the writer
 recorded for it, as they arrive, so no byte reaches the model unchecked and nothing is read
@@ -40,12 +41,16 @@ from zephon.storage import CheckpointReader, CheckpointStore, CorruptCheckpointE
 
 __all__ = ["MAX_REQUEST_BYTES", "THREAD_COUNT", "ZephonStorageReader"]
 
-#: default largest ranged GET on object stores: what each reader thread holds at most (plus the
-#: transport's transient copy while a response is joined), however large a slice is
-MAX_REQUEST_BYTES = 16 << 20
-#: default reader threads, local and remote: with ``MAX_REQUEST_BYTES`` they bound the response
-#: buffers of a load on an object store to about 4 x 2 x 16 MiB
+#: default largest ranged GET on object stores (and largest read group on local disk): a run of
+#: neighbouring slices up to this size is one request, its reply streamed into the destination
+#: tensors in chunks (``storage.backends.native.STREAM_CHUNK``), so what a reader thread holds
+#: does not grow with it; a store that reads a whole object per ranged GET then reads it once
+MAX_REQUEST_BYTES = 256 << 20
+#: default reader threads, local and remote
 THREAD_COUNT = 4
+#: on local disk, the largest gap between two slices that one ``preadv`` reads through (into a
+#: scratch buffer) rather than starting a new group: the framing between a file's tensors
+LOCAL_GAP_BYTES = 64 << 10
 
 
 class ZephonStorageReader(StorageReader):
@@ -56,12 +61,11 @@ class ZephonStorageReader(StorageReader):
     ``CorruptCheckpointError`` naming the file, whatever ``verify`` says.
 
     ``verify=True`` (the default) also checks every slice this rank reads against the CRC32C
-    recorded for it at save time, while its bytes arrive: on local disk each 1 MiB chunk is
-    checksummed right after ``readinto`` put it into the destination (still in the CPU
-    cache), on object stores the slice is checksummed in the response buffer before it is
-    delivered (a slice longer than ``max_request_bytes`` arrives in several ranged GETs, each
-    copied into the destination and checksummed on the way, so a reader thread holds one
-    request at a time); the checksum runs in the reader threads without the GIL. A mismatch raises
+    recorded for it at save time, while its bytes arrive: neighbouring slices of a file are one
+    run, read as one stream straight into their destinations (``zephon.dcp.landing``), and each
+    1 MiB that lands (a ``preadv`` window on local disk, a chunk of the streamed ranged GET on
+    object stores) is fed to its slices' running CRCs while still in the CPU cache; the checksum
+    runs in the reader threads without the GIL. A mismatch raises
     ``CorruptCheckpointError`` naming the file and the item. To make that possible a read that
     needs only some rows of a saved slice (a resharded load) fetches the whole slice and cuts
     it in memory. Checkpoints of metadata format version 1 have no per-slice CRC: they are
@@ -100,8 +104,8 @@ class ZephonStorageReader(StorageReader):
         local = store.location.backend.posix_paths
         self.thread_count = thread_count or THREAD_COUNT
         self.max_request_bytes = max_request_bytes
-        # Local reads land straight in the destination tensors, so gaps are never worth reading.
-        self.max_gap_bytes = 0 if local else max_gap_bytes
+        # Local reads land straight in the destination tensors: only a small gap is read through.
+        self.max_gap_bytes = min(max_gap_bytes, LOCAL_GAP_BYTES) if local else max_gap_bytes
         # (step None: ``zephon.dcp.Reader`` finds the step when it first opens the checkpoint)
         self.url = (
             store.run(run).checkpoint_url(step)
@@ -237,7 +241,10 @@ class ZephonStorageReader(StorageReader):
             max_request_bytes=self.max_request_bytes,
             lock=self._lock,
         )
-        fetcher.fetch(group_reads(reads, self.max_request_bytes, self.max_gap_bytes), planner)
+        groups = group_reads(
+            reads, self.max_request_bytes, self.max_gap_bytes, min_groups=self.thread_count
+        )
+        fetcher.fetch(groups, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
