@@ -43,9 +43,12 @@ def test_bytes_written_in_place_are_held_not_copied_until_the_file_is_finished(o
                 # others were copied, so their buffer is the caller's again
                 assert held(kept) and not held(copied)
             assert not held(kept)  # sent (one PUT below two parts) and let go
+            with writer.open("empty.bin"):
+                pass
             writer.commit()
-        assert native.calls["open_write"] == 1 and "stream_multipart" not in native.calls
+        assert native.calls["open_write"] == 2 and "stream_multipart" not in native.calls
         assert store.run("r").reader(1).read_bytes("small.bin") == expected
+        assert store.run("r").reader(1).read_bytes("empty.bin") == b""
 
 
 def test_a_file_of_several_parts_streams_as_one_multipart_upload_from_the_buffers(object_store):
