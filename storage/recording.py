@@ -32,7 +32,13 @@ class RecordingFile:
         self._written = 0
         self._flushed_to = 0
 
-    def write(self, data: bytes | bytearray | memoryview, crc: int | None = None) -> int:
+    def write(
+        self,
+        data: bytes | bytearray | memoryview,
+        crc: int | None = None,
+        *,
+        in_place: bool = False,
+    ) -> int:
         """Write ``data`` (any C-contiguous buffer, e.g. a whole tensor's byte view, in one
         call) and add it to the file's size and CRC32C; returns its length in bytes.
 
@@ -48,6 +54,11 @@ class RecordingFile:
         On object stores the upload buffer is filled only up to one part at a time
         (``_write_parts``), so a file being written holds at most about two parts in memory
         (the buffer and the part's request body), however large ``data`` is.
+
+        ``in_place=True`` promises that ``data`` stays alive and unchanged until the file is
+        finished or discarded (a tensor's memory during a save): a backend that can send it
+        from where it lies (the native data path, ``write_in_place``) does, never copying it;
+        the others write it as usual.
         """
         view = memoryview(data)
         if view.ndim != 1 or view.itemsize != 1:
@@ -58,7 +69,11 @@ class RecordingFile:
                 self.crc.update(view)
             else:
                 self.crc.extend(crc, size)
-            self._write_parts(view)
+            in_place_write = getattr(self._handle, "write_in_place", None) if in_place else None
+            if in_place_write is not None:
+                in_place_write(view)
+            else:
+                self._write_parts(view)
             return size
         for start in range(0, size, WRITEBACK_EVERY):
             piece = view[start : start + WRITEBACK_EVERY]

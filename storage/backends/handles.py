@@ -37,6 +37,18 @@ class WriteHandle:
         with self._backend._doing("writing", self.path, creating=True):
             self.raw_handle.flush()
 
+    @property
+    def write_in_place(self) -> Any:
+        """The handle's ``write_in_place`` (data sent from where it lies, never copied), its
+        errors translated; ``AttributeError`` where the handle has none."""
+        write = self.raw_handle.write_in_place  # type: ignore[attr-defined]
+
+        def translated(data: Any) -> int:
+            with self._backend._doing("writing", self.path, creating=True):
+                return write(data)
+
+        return translated
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.raw_handle, name)
 

@@ -28,6 +28,7 @@ every location opened with them: one connection pool. fsspec already keeps one f
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import json
 import logging
@@ -315,44 +316,154 @@ class NativeClient:
         self._run("put_multipart", upload, given_up=True)
 
     def open_write(self, path: str, part_size: int, concurrency: int) -> IO[bytes]:
-        """A file that uploads a part whenever ``part_size`` bytes are buffered (a multipart
-        upload, each part tried again alone), or one PUT on close for a smaller file."""
-        import obstore
-
-        key = self.key(path)
+        """A file streamed into the object: one PUT on close for a file below two parts, else a
+        multipart upload of ``part_size`` parts sent ``concurrency`` at a time (each tried
+        again alone) that starts once two parts are written (``NativeWriter``)."""
         self._count("open_write")
-        with native_errors(given_up=True):
-            handle = obstore.open_writer(
-                self.parts, key, buffer_size=part_size, max_concurrency=concurrency
-            )
-        return NativeWriter(handle)  # type: ignore[return-value]
+        return NativeWriter(self, self.key(path), part_size, concurrency)  # type: ignore[return-value]
+
+
+class _Stop(Exception):
+    """Raised into obstore's upload by ``NativeWriter.discard``: it aborts the upload."""
 
 
 class NativeWriter:
-    """obstore's writable file, its errors translated; ``discard`` drops it unfinished (a
-    multipart upload never completed publishes nothing)."""
+    """A file streamed into one object through obstore, without copying what it is given
+    in place.
 
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
+    Written buffers are queued as they are, a list of views, never joined: obstore cuts them
+    into parts and sends each part as the list of pieces it spans, so bytes written with
+    ``write_in_place`` (a tensor's memory during a save) go from their own memory into the
+    request. ``write`` copies its data once (the caller may reuse its buffer when it returns),
+    as a buffered file would.
+
+    Below two parts nothing is sent until ``close``, which sends one PUT (a file smaller than
+    a part cannot be a multipart upload). Past two parts the multipart upload starts on a
+    thread of its own, pulling the queued pieces; the writer waits while more than two parts
+    are queued but not yet taken, so a file holds at most about ``concurrency + 2`` parts of
+    memory beyond what lies in place (the parts in flight, held by obstore, and the queue).
+    An upload error reaches the next ``write`` or ``close``; ``discard`` aborts the upload,
+    which publishes nothing.
+    """
+
+    def __init__(self, client: NativeClient, key: str, part_size: int, concurrency: int) -> None:
+        self._client = client
+        self._key = key
+        self._part_size = max(part_size, 1)
+        self._concurrency = concurrency
+        self._queue: collections.deque[memoryview] = collections.deque()
+        self._queued = 0  # bytes queued, not yet taken by the upload
+        self._done = False  # no more writes: the upload ends after the queue
+        self._stop = False  # discard: the upload aborts
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Condition()
         self.closed = False
 
     def write(self, data: Any) -> int:
-        with native_errors(given_up=True):
-            return self._handle.write(data)
+        """Queue a copy of ``data``; returns its length."""
+        return self.write_in_place(memoryview(bytes(memoryview(data).cast("B"))))
+
+    def write_in_place(self, data: Any) -> int:
+        """Queue ``data`` itself, never copied: the caller keeps it alive and unchanged until
+        the file is closed or discarded. Returns its length."""
+        view = memoryview(data)
+        if view.ndim != 1 or view.format not in ("B", "b", "c"):
+            view = view.cast("B")
+        size = view.nbytes
+        if not size:
+            return 0
+        limit = 2 * self._part_size
+        with self._ready:
+            while self._thread is not None and self._queued >= limit and self._error is None:
+                self._ready.wait()
+            self._raise_error()
+            self._queue.append(view)
+            self._queued += size
+            self._ready.notify_all()
+            start = self._thread is None and self._queued >= limit
+        if start:
+            self._client._count("stream_multipart")
+            self._thread = threading.Thread(
+                target=self._upload, name="zephon-native-upload", daemon=True
+            )
+            self._thread.start()
+        return size
 
     def flush(self) -> None:
         """Parts go out as they fill: nothing to do before ``close``."""
 
     def close(self) -> None:
+        """Send what is left and complete the object; it is visible when this returns."""
         if self.closed:
             return
-        with native_errors(given_up=True):
-            self._handle.close()
+        if self._thread is None:
+            import obstore
+
+            pieces, self._queue = list(self._queue), collections.deque()
+            self._client._run(
+                "put",
+                lambda: obstore.put(self._client.parts, self._key, pieces, use_multipart=False),
+                given_up=True,
+            )
+        else:
+            with self._ready:
+                self._done = True
+                self._ready.notify_all()
+            self._thread.join()
+            with self._ready:
+                self._raise_error()
         self.closed = True
 
     def discard(self) -> None:
-        self._handle = None
+        """Abandon the file: an upload under way is aborted, nothing is published."""
+        with self._ready:
+            self._stop = True
+            self._queue.clear()
+            self._queued = 0
+            self._ready.notify_all()
+        if self._thread is not None:
+            self._thread.join()
         self.closed = True
+
+    # -- the upload thread ---------------------------------------------------------------------
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            with native_errors(given_up=True):
+                raise self._error
+
+    def _pieces(self) -> Iterator[memoryview]:
+        """The queued pieces, in order, as obstore asks for them (on the upload thread)."""
+        while True:
+            with self._ready:
+                while not self._queue and not self._done and not self._stop:
+                    self._ready.wait()
+                if self._stop:
+                    raise _Stop
+                if not self._queue:
+                    return
+                piece = self._queue.popleft()
+                self._queued -= piece.nbytes
+                self._ready.notify_all()
+            yield piece
+
+    def _upload(self) -> None:
+        import obstore
+
+        try:
+            obstore.put(
+                self._client.parts,
+                self._key,
+                self._pieces(),
+                use_multipart=True,
+                chunk_size=self._part_size,
+                max_concurrency=self._concurrency,
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to the writing thread
+            with self._ready:
+                self._error = None if self._stop else exc
+                self._ready.notify_all()
 
 
 # -- mapping storage_options --------------------------------------------------------------------

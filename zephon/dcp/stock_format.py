@@ -225,13 +225,16 @@ def _save_without_crc32(tensor: torch.Tensor, out: Any, alignment: int) -> None:
 
 
 class ShardStream:
-    """One shard file's items, written in order through ``emit(view) -> CRC32C of view``
-    (which must write the view before it returns: it is not valid afterwards).
+    """One shard file's items, written in order through ``emit(view) -> CRC32C of view``.
 
-    Small writes (a blob's zip headers, small tensors, small bytes items) are gathered into
-    one ``emit`` of up to ``_GATHER_BYTES``, so a file of many small items costs few writes;
-    a large one (a tensor's bytes) goes out as it is, a view of the tensor, never copied.
-    ``close()`` writes what is still gathered.
+    Every view emitted stays alive and unchanged for as long as the caller holds it, so the
+    caller may send it from where it lies after ``emit`` returns (the native data path queues
+    it, ``RecordingFile.write(in_place=True)``): a tensor's bytes go out as a view of the
+    tensor's own memory (which the view keeps alive), never copied; small writes (a blob's
+    zip headers, small tensors, small bytes items) are gathered into a fresh buffer of up to
+    ``_GATHER_BYTES`` per ``emit``, never reused, so a file of many small items costs few
+    writes. A large bytes item is copied once (its ``BytesIO`` is the planner's). ``close()``
+    writes what is still gathered.
     """
 
     def __init__(self, emit: Callable[[memoryview], int]) -> None:
@@ -243,13 +246,16 @@ class ShardStream:
         self._blob_start = 0
         self._runs: list[tuple[int, bytearray]] = []
         self._direct: list[tuple[int, int, int]] = []
+        # the tensor being saved: its bytes as a view that keeps it alive, and their address
+        self._tensor_bytes: memoryview | None = None
+        self._tensor_address = 0
 
     def add_bytes(self, data: memoryview) -> tuple[int, int]:
         """Write a bytes item; returns its offset in the file and its CRC32C."""
         start = self.position
         if data.nbytes >= _DIRECT_BYTES:
             self._drain()
-            crc = self._emit(data)
+            crc = self._emit(memoryview(bytes(data)))
         else:
             crc = crc32c_extend(0, data)
             self._gather(data)
@@ -270,7 +276,12 @@ class ShardStream:
         if template is not None:
             return self._from_template(tensor, *template)
         self._blob_start, self._runs, self._direct = self.position, [], []
-        _save_without_crc32(tensor, self, alignment)
+        self._tensor_bytes = _bytes_of(tensor)
+        self._tensor_address = tensor.data_ptr()
+        try:
+            _save_without_crc32(tensor, self, alignment)
+        finally:
+            self._tensor_bytes = None
         length = self.position - self._blob_start
         offset, raw_length = locate_storage(self._read, length)
         if raw_length != tensor.numel() * tensor.element_size():
@@ -291,7 +302,7 @@ class ShardStream:
         (all that its headers, pickle and central directory depend on: the tensor is dense,
         contiguous, detached and owns its storage): ``torch.save`` costs ~100 us a tensor,
         which a state of many small tensors would pay on every save."""
-        raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        raw = _bytes_of(tensor)
         start = self.position
         crc = crc32c_extend(0, raw)
         for piece in (memoryview(head), raw, memoryview(tail)):
@@ -312,7 +323,7 @@ class ShardStream:
         at = self.position - self._blob_start
         if size >= _DIRECT_BYTES:
             self._drain()
-            self._direct.append((at, size, self._emit(view)))
+            self._direct.append((at, size, self._emit(self._lasting(view))))
         else:
             self._gather(view)
             if self._runs and self._runs[-1][0] + len(self._runs[-1][1]) == at:
@@ -326,6 +337,17 @@ class ShardStream:
         """Called by ``torch.save`` at the end of a blob: gathered bytes wait for more."""
 
     # -- internals ------------------------------------------------------------------------
+
+    def _lasting(self, view: memoryview) -> memoryview:
+        """``view`` (which ``torch.save`` lends only for the call) as a view that stays valid:
+        the same bytes of the tensor being saved, where they lie in it (no copy); a copy of
+        anything else."""
+        whole = self._tensor_bytes
+        if whole is not None:
+            offset = _address(view) - self._tensor_address
+            if offset >= 0 and offset + view.nbytes <= whole.nbytes:
+                return whole[offset : offset + view.nbytes]
+        return memoryview(bytes(view))
 
     def _gather(self, view: memoryview) -> None:
         self._pending += view
@@ -352,7 +374,19 @@ class ShardStream:
             if start <= offset and offset + length <= start + len(kept):
                 return crc32c_extend(0, memoryview(kept)[offset - start : offset - start + length])
         # torch.save split the storage into several writes: checksum the tensor's bytes again
-        return crc32c_extend(0, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        return crc32c_extend(0, _bytes_of(tensor))
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A dense CPU tensor's bytes as a flat view that keeps the tensor's memory alive."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _address(view: memoryview) -> int:
+    """The address of a buffer's first byte."""
+    import numpy
+
+    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
 
 def own_storage(tensor: torch.Tensor) -> torch.Tensor:

@@ -324,8 +324,10 @@ class ZephonStorageWriter(StorageWriter):
             def emit(view: memoryview) -> int:
                 # One native pass (GIL released) for the piece's CRC; the storage writer
                 # combines it into the file's CRC instead of checksumming the bytes again.
+                # The stream's views stay valid (a tensor's own memory, or a buffer never
+                # reused), so an object store's upload sends them where they lie.
                 crc = crc32c_extend(0, view)
-                out.write(view, crc=crc)
+                out.write(view, crc=crc, in_place=True)
                 return crc
 
             stream = ShardStream(emit)

@@ -219,6 +219,29 @@ def test_a_shard_stream_of_small_tensors_of_one_shape_gives_loadable_blobs():
         assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor)
 
 
+def test_a_shard_stream_emits_a_large_tensor_as_a_lasting_view_of_its_own_memory():
+    # the views it emits may be sent after emit returns (the native upload queues them): a
+    # tensor's bytes must be a view that keeps the tensor alive, not torch.save's borrowed one
+    emitted: list[memoryview] = []
+
+    def emit(view: memoryview) -> int:
+        emitted.append(view)
+        return 0
+
+    stream = ShardStream(emit)
+    tensor = torch.randn(70_000)
+    blob = stream.add_tensor(tensor)
+    stream.close()
+    large = [v for v in emitted if v.nbytes >= 64 * 1024]
+    assert [v.nbytes for v in large] == [blob.raw_length]
+    assert large[0].obj is not None  # it owns a reference to the memory it shows
+    address = torch.frombuffer(large[0], dtype=torch.uint8).data_ptr()
+    assert address == tensor.data_ptr()  # the tensor's own memory, not a copy
+    expected = tensor.clone()
+    del tensor  # the view alone keeps the bytes alive
+    assert torch.equal(torch.frombuffer(large[0], dtype=torch.float32), expected)
+
+
 def test_a_torch_without_the_internal_writer_gets_blobs_through_the_public_torch_save(
     monkeypatch,
 ):
