@@ -283,12 +283,13 @@ def _adopt_step(
         )
         encoded = encode_metadata(metadata)
         decode_metadata(encoded, where=f"{writer.url}/{METADATA_FILE}")  # loadable, or refused
-        writer.write_bytes(METADATA_FILE, encoded)
         stock_storage = {
             item.index: _StorageInfo(item.file, item.offset, item.length) for item in stock.items
         }
-        writer.write_bytes(STOCK_METADATA_FILE, stock_metadata(metadata, stock_storage))
         ranks = {name.split("_")[2] for name in by_file if name.count("_") >= 3}
+        # The two metadata files go out with the commit's payload listing and fence re-check,
+        # then the marker, which carries a copy of the DCP metadata as a DCP save's does
+        # (docs/fencing.md, the commit rule): two round trips fewer than writing them first.
         save.commit(
             {
                 "dcp": {
@@ -299,7 +300,12 @@ def _adopt_step(
                     "shard_files": len(by_file),
                 },
                 "adopted_from": where,
-            }
+            },
+            files={
+                METADATA_FILE: encoded,
+                STOCK_METADATA_FILE: stock_metadata(metadata, stock_storage),
+            },
+            inline=[METADATA_FILE],
         )
     except BaseException as exc:
         destination.failed(save, exc)

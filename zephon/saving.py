@@ -32,7 +32,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from zephon.attempts import Attempt, fenced
@@ -142,11 +142,18 @@ class Save:
                 raise
         return cls(attempt, step, writer, catalog, began=began, armed=armed)
 
-    def commit(self, metadata: Mapping[str, Any] | None = None) -> Manifest:
-        """``writer.commit()`` (the fence re-check, then the marker), a stale attempt's refusal
-        raised as ``zephon.StaleAttemptError``. Then call ``committed()``."""
+    def commit(
+        self,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        files: Mapping[str, Any] | None = None,
+        inline: Iterable[str] = (),
+    ) -> Manifest:
+        """``writer.commit(metadata, files=..., inline=...)`` (the last files with the fence
+        re-check, then the marker), a stale attempt's refusal raised as
+        ``zephon.StaleAttemptError``. Then call ``committed()``."""
         with fenced():
-            return self.writer.commit(metadata)
+            return self.writer.commit(metadata, files=files, inline=inline)
 
     def committed(self, timings: Mapping[str, float] | None = None) -> Manifest:
         """Record the commit in the catalog, after ``writer.commit()`` created the marker,

@@ -321,3 +321,12 @@ def test_on_s3fs_our_crc32c_goes_with_a_put_and_botocore_adds_none_of_its_own(s3
     parts = [names for op, names in seen.sent if op == "UploadPart"]
     assert {"x-amz-checksum-crc32c"} in puts  # small.bin, which S3 checks
     assert len(parts) == 3 and all(names == set() for names in parts)  # no CRC32 of botocore's
+
+
+def test_anonymous_gcs_stays_on_fsspec_even_when_asked(caplog):
+    """obstore 0.12's GCS client asks the metadata server for a token before every upload,
+    even with skip_signature: an anonymous store would fail its writes on the native path."""
+    caplog.set_level(logging.DEBUG, logger="zephon.storage.native")
+    options = {"token": "anon", "native": True, "endpoint_url": "http://127.0.0.1:1"}
+    assert native_client("gs", options, "bucket", QUICK) is None
+    assert any("token='anon'" in r.getMessage() for r in caplog.records)

@@ -168,8 +168,9 @@ class ZephonCheckpointIO(CheckpointIO, RetentionOptions, SessionParts):
             with Save.begin(
                 attempt, step, catalog=self.catalog, metadata={"lightning_path": name}
             ) as writer:
-                writer.write_many({JSON_FILE: document, TENSOR_FILE: blob})
-                writer.commit()
+                # both files go out with the fence re-check, then the marker: one round trip
+                # fewer than writing them first (docs/fencing.md, the commit rule)
+                writer.commit(files={JSON_FILE: document, TENSOR_FILE: blob})
         except BaseException as exc:
             with self._lock:
                 self._saving.pop(name, None)

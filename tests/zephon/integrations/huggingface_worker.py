@@ -68,17 +68,18 @@ def main(spec: dict) -> None:
 
         Trainer._save_rng_state = dying
     elif spec["kill"] == "zephon_commit":
-        # SIGKILL inside Zephon's save: every file uploaded, the marker not yet written.
+        # SIGKILL inside Zephon's save: every file uploaded (the last ones with the commit's
+        # fence re-check), the marker not yet written.
         from zephon.storage.writer import CheckpointWriter
 
-        original_commit = CheckpointWriter.commit
+        original_marker = CheckpointWriter._create_marker
 
-        def dying_commit(self, metadata=None):
+        def dying_marker(self, data):
             if self.step == kill_step:
                 kill_self()
-            return original_commit(self, metadata)
+            return original_marker(self, data)
 
-        CheckpointWriter.commit = dying_commit
+        CheckpointWriter._create_marker = dying_marker
 
     modes = spec["resume"] if isinstance(spec["resume"], list) else [spec["resume"]]
     for mode in modes:

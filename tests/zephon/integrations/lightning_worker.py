@@ -57,17 +57,18 @@ def main() -> None:
     p.add_argument("--keep", type=int)
     a = p.parse_args()
     if a.kill_in_save_of is not None:
-        # Fault injection: SIGKILL between the files and the marker of one save.
+        # Fault injection: SIGKILL between the files (sent with the commit's fence re-check)
+        # and the marker of one save.
         from zephon import storage
 
-        real_commit = storage.CheckpointWriter.commit
+        real_marker = storage.CheckpointWriter._create_marker
 
-        def commit(self, *args, **kwargs):
+        def create_marker(self, data):
             if self.step == a.kill_in_save_of:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real_commit(self, *args, **kwargs)
+            return real_marker(self, data)
 
-        storage.CheckpointWriter.commit = commit
+        storage.CheckpointWriter._create_marker = create_marker
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g))

@@ -461,3 +461,40 @@ def test_a_full_local_dir_names_local_dir_and_the_fix(tmp_path, mounts):
     assert "\n" not in message and "save_dir" not in message
     assert f"the disk holding local_dir {disk}/local is full" in message
     assert "set local_dir to a directory on a larger disk" in message
+
+
+@pytest.mark.slow  # an outage and a retry
+def test_a_local_file_damaged_before_a_one_rank_upload_is_never_published(s3, s3_backend, tmp_path):
+    """One rank sends its files with the commit (``commit(files=...)``): a file whose bytes
+    no longer match the local manifest fails its own upload before the object completes, the
+    commit sends no marker, and the local step is condemned, not retried."""
+    local = CheckpointStore(str(tmp_path / "local"))
+    remote = s3_backend.open_store()
+    with FaultProxy(s3.endpoint_url, seed=3) as proxy:
+        cfg = config(through(s3_backend, proxy), tmp_path / "local", None, retry=NO_RETRY)
+        manager = CheckpointManager(cfg, run_name=RUN, total_steps=10)
+        manager.tier.uploader.retry_base_s = manager.tier.uploader.retry_max_s = 0.3
+        manager.save(1, state_at(1))
+        manager.wait()
+        proxy.outage(True)
+        manager.save(2, state_at(2))  # its upload fails and waits for a retry
+        with pytest.raises(UploadsFailedError):
+            manager.wait()
+        manifest = local.run(RUN).read_manifest(2)
+        shard = max((f for f in manifest.files if f.name.endswith(".distcp")), key=lambda f: f.size)
+        path = Path(local.run(RUN).checkpoint_path(2)) / manifest.payload / shard.name
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        proxy.outage(False)
+        with pytest.raises(UploadsFailedError) as caught:
+            manager.wait()
+        assert caught.value.steps == [2] and "damaged and is not uploaded" in str(caught.value), (
+            caught.value
+        )
+        manager.close()
+    assert remote.run(RUN).committed_steps() == [1]
+    assert [step for step, _ in local.run(RUN).condemned()] == [2]
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_backend.storage_options)
+    step_two = [key for key in fs.find(s3_backend.bucket) if "/save-2/" in key]
+    assert not any(key.endswith(f"/{shard.name}") for key in step_two), step_two

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import IO
 
-from zephon.storage import CheckpointWriter, CorruptCheckpointError, FileEntry
+from zephon.storage import CheckpointWriter, CorruptCheckpointError, Crc32c, FileEntry
 
-__all__ = ["UPLOAD_THREADS", "copy_verified"]
+__all__ = ["UPLOAD_THREADS", "VerifiedSource", "copy_verified", "verified_sources"]
 
 _CHUNK = 8 << 20
 
@@ -47,10 +48,45 @@ def copy_verified(
         future.result()
 
 
-def _copy_one(entry: FileEntry, local_payload: str, writer: CheckpointWriter) -> None:
-    path = f"{local_payload}/{entry.name}"
+def verified_sources(
+    files: list[FileEntry], local_payload: str, writer: CheckpointWriter
+) -> dict[str, VerifiedSource]:
+    """The local files of ``local_payload`` as streams for ``writer.commit(files=...)``: each
+    refuses, at its end, bytes that are not its entry's, so the upload is abandoned before
+    it completes, as ``copy_verified`` does (it checks the writer's own CRC32C; these compute
+    one more, in the reading thread)."""
+    return {e.name: VerifiedSource(f"{local_payload}/{e.name}", e, writer) for e in files}
+
+
+class VerifiedSource:
+    """A local file read once, front to back, whose last read (the empty one) raises
+    ``CorruptCheckpointError`` if the bytes read were not ``entry``'s size and CRC32C. Opened
+    at the first read, so a missing file fails its own upload."""
+
+    def __init__(self, path: str, entry: FileEntry, writer: CheckpointWriter) -> None:
+        self.path, self.entry, self._writer = path, entry, writer
+        self._file: IO[bytes] | None = None
+        self._crc = Crc32c()
+
+    def read(self, size: int = -1) -> bytes:
+        if self._file is None:
+            self._file = _open_local(self.path, self.entry, self._writer)
+        data = self._file.read(size)
+        if data:
+            self._crc.update(data)
+        else:
+            self.close()
+            _check(self.path, self.entry, self._writer, self._crc)
+        return data
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _open_local(path: str, entry: FileEntry, writer: CheckpointWriter) -> IO[bytes]:
     try:
-        source = open(path, "rb")  # noqa: SIM115 - closed below
+        return open(path, "rb")  # noqa: SIM115 - the caller closes it
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"local file {path} of step {writer.step} is missing; it cannot be uploaded",
@@ -58,15 +94,23 @@ def _copy_one(entry: FileEntry, local_payload: str, writer: CheckpointWriter) ->
             step=writer.step,
             problems=[f"{entry.name}: missing"],
         ) from None
-    with source, writer.open(entry.name) as out:
+
+
+def _check(path: str, entry: FileEntry, writer: CheckpointWriter, crc: Crc32c) -> None:
+    if crc.size != entry.size or crc.encoded() != entry.crc32c:
+        raise CorruptCheckpointError(
+            f"local file {path} of step {writer.step} has {crc.size} bytes with "
+            f"CRC32C {crc.encoded()}, its manifest says {entry.size} bytes "
+            f"{entry.crc32c}: the local copy is damaged and is not uploaded",
+            run=writer.run,
+            step=writer.step,
+            problems=[f"{entry.name}: checksum mismatch"],
+        )
+
+
+def _copy_one(entry: FileEntry, local_payload: str, writer: CheckpointWriter) -> None:
+    path = f"{local_payload}/{entry.name}"
+    with _open_local(path, entry, writer) as source, writer.open(entry.name) as out:
         while chunk := source.read(_CHUNK):
             out.write(chunk)
-        if out.crc.size != entry.size or out.crc.encoded() != entry.crc32c:
-            raise CorruptCheckpointError(
-                f"local file {path} of step {writer.step} has {out.crc.size} bytes with "
-                f"CRC32C {out.crc.encoded()}, its manifest says {entry.size} bytes "
-                f"{entry.crc32c}: the local copy is damaged and is not uploaded",
-                run=writer.run,
-                step=writer.step,
-                problems=[f"{entry.name}: checksum mismatch"],
-            )
+        _check(path, entry, writer, out.crc)

@@ -19,7 +19,7 @@ from zephon.attempts import Attempt
 from zephon.destinations.local.exchange import Exchange
 from zephon.destinations.local.tier import LocalTier
 from zephon.destinations.local.tracking import LOCAL, SAVE_DIR, Tracker
-from zephon.destinations.local.transfer import copy_verified
+from zephon.destinations.local.transfer import copy_verified, verified_sources
 from zephon.errors import StaleAttemptError, ZephonError, as_zephon_error
 from zephon.locations import RunLocation
 from zephon.saving import Save
@@ -128,12 +128,20 @@ class UploadProtocol:
 
         status: str | None = None
         damaged = False
+        last: list[FileEntry] = []  # rank 0's files the commit sends
         try:
             if self.is_main:
                 assert save is not None and manifest is not None
                 others = {e["name"] for entries in everything[1:] for e in entries}
                 own = [e for e in manifest.files if e.name not in others]
-                copy_verified(own, self.tier.payload_path(manifest), save.writer)
+                if len(everything) == 1:
+                    # the only rank: its files go out with the commit's fence re-check, one
+                    # round trip fewer (docs/fencing.md, the commit rule); with other ranks,
+                    # the commit must list theirs once they are done, so rank 0 uploads its
+                    # own beside them
+                    last = own
+                else:
+                    copy_verified(own, self.tier.payload_path(manifest), save.writer)
             else:
                 writer = self.remote.runstore.attach(
                     step, save_id=head["save_id"], fence=head["fence"]
@@ -149,7 +157,9 @@ class UploadProtocol:
         if self.is_main:
             assert save is not None and manifest is not None and statuses is not None
             elsewhere = [FileEntry(**e) for entries in everything[1:] for e in entries]
-            outcome, error = self._finish(job, save, manifest, elsewhere, statuses, error, began)
+            outcome, error = self._finish(
+                job, save, manifest, elsewhere, last, statuses, error, began
+            )
         outcome = self.exchange.broadcast(outcome)
         self.tier.delete(outcome.doomed, self.tracker)
         if not outcome.ok:
@@ -220,25 +230,30 @@ class UploadProtocol:
         save: Save,
         manifest: Manifest,
         elsewhere: list[FileEntry],
+        last: list[FileEntry],
         statuses: list[tuple[str | None, bool]],
         error: BaseException | None,
         began: float,
     ) -> tuple[_Outcome, BaseException | None]:
-        """Rank 0: commit the save_dir save if every rank uploaded its files, else fail it."""
+        """Rank 0: commit the save_dir save if every rank uploaded its files, else fail it.
+        ``last``: rank 0's files not uploaded yet, sent with the commit."""
         attempt = self._attempt()
         failed = [(rank, text) for rank, (text, _) in enumerate(statuses) if text is not None]
         damaged = any(flag for _, flag in statuses)
         if not failed:
             try:
-                save.writer.add_entries(manifest.files)
+                held = {e.name for e in last}
+                save.writer.add_entries(e for e in manifest.files if e.name not in held)
                 save.writer.add_entries(elsewhere)  # files of local directories not rank 0's
-                save.commit()
+                payload = self.tier.payload_path(manifest)
+                save.commit(files=verified_sources(last, payload, save.writer))
                 timings = dict(job.timings)
                 now = time.monotonic()
                 timings["upload_s"] = now - began
                 timings["total_s"] = now - job.started
                 committed = save.committed(timings=timings)
             except Exception as exc:
+                damaged = isinstance(exc, CorruptCheckpointError)  # a file sent with it
                 error = as_zephon_error(exc)
                 failed = [(0, failure_reason(error))]
             else:
