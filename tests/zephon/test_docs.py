@@ -3,8 +3,10 @@
 Blocks are found on every page (a glob, so a new page is covered at once) and dispatched by
 kind:
 
-- ``python``: run as printed in a fresh interpreter in a temporary directory (PYTHONPATH = the
-  repository); a block followed by "prints" and an output block must print exactly that. A
+- ``python``: run as printed in a process of its own (forked from an interpreter that has
+  imported torch and nothing else: tests/zephon/preloaded.py) in a temporary directory
+  (PYTHONPATH = the repository); a block followed by "prints" and an output block must print
+  exactly that. A
   block naming ``s3://`` runs against the moto server (endpoint and keys from the environment,
   as s3fs reads them) with the buckets it names created; one naming ``az://`` against Azurite
   (the connection string in ``AZURE_STORAGE_CONNECTION_STRING``), its containers created.

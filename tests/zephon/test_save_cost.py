@@ -1,7 +1,8 @@
 """The catalog work of a small save (issue 22: the fixed cost of a small save): a save with a
 catalog opens three transactions, arming its row, committing it and retention's one read (the
-plan, which also carries the current attempt and the held claims), and that retention still
-refuses a stale attempt and takes over a dead gc's claims.
+plan, which also carries the current attempt and the held claims), that retention still
+refuses a stale attempt and takes over a dead gc's claims, and that a small state is written
+into one shard file without starting a pool of writer threads.
 
 Times belong to ``benchmarks/small_saves.py``; these tests count work, which does not depend
 on the machine."""
@@ -12,7 +13,9 @@ import contextlib
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from torch import nn
 
 from zephon import CheckpointingConfig, CheckpointManager
 from zephon.catalog import Catalog
+from zephon.checkpointing.saver import SHARD_THREADS
 
 
 @contextlib.contextmanager
@@ -66,6 +70,60 @@ def test_a_save_with_a_catalog_opens_three_transactions(config):
             manager.save(2, job)
         assert len(seen) == 3, seen
         assert manager.catalog.get_checkpoint("r", 2).state == "committed"
+
+
+@contextlib.contextmanager
+def threads_started() -> Iterator[list[str]]:
+    """The names of the threads started while the block runs."""
+    started: list[str] = []
+    original = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        original(thread)
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+    try:
+        yield started
+    finally:
+        threading.Thread.start = original  # type: ignore[method-assign]
+
+
+def distcp_files(manager: CheckpointManager, step: int) -> list[str]:
+    """The DCP shard files of checkpoint ``step`` (in its save's payload directory)."""
+    folder = Path(manager.store.run("r").checkpoint_url(step))
+    return sorted(path.name for path in folder.glob("*/dcp/*.distcp"))
+
+
+def test_a_small_save_writes_one_shard_file_without_a_thread_pool(config):
+    """Below ``SMALL_STATE_BYTES`` a rank's tensors go into one shard file written by the saving
+    thread (no pool of writer threads to start per save), and load back as they were."""
+    job = state()
+    with CheckpointManager(config, run_name="r", total_steps=10) as manager:
+        manager.load_latest(job)
+        with threads_started() as started:
+            manager.save(1, job)
+        assert distcp_files(manager, 1) == ["__0_0.distcp"]
+        assert not [name for name in started if name.startswith("zephon-dcp-write")], started
+    saved = job["model"].state_dict()
+    torch.manual_seed(1)
+    fresh = nn.Linear(4, 3)
+    with CheckpointManager(config, run_name="r", total_steps=10) as manager:
+        resume = manager.load_latest(
+            {"model": fresh, "optimizer": torch.optim.SGD(fresh.parameters(), lr=0.1)}
+        )
+    assert resume.next_step == 2
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+
+
+def test_a_larger_save_still_writes_its_shards_in_parallel(config):
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # 2 MiB: above the bound
+    job = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with CheckpointManager(config, run_name="r", total_steps=10) as manager:
+        manager.load_latest(job)
+        manager.save(1, job)
+        assert len(distcp_files(manager, 1)) == SHARD_THREADS
 
 
 def dead_pid() -> int:

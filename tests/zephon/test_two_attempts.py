@@ -36,7 +36,7 @@ from tests.zephon.saves import largest_tensor_slice
 from tests.zephon.test_composition import make_run
 from zephon.attempts import register_resuming
 from zephon.catalog import Catalog
-from zephon.checkpointing import CheckpointManager
+from zephon.checkpointing import CheckpointManager, saver
 from zephon.checkpointing.files import decode_json, rank_file
 from zephon.config import CheckpointingConfig
 from zephon.latest import find_latest
@@ -758,8 +758,12 @@ def delete_the_shards(store: CheckpointStore, step: int) -> None:
     [flip_a_byte, truncate_a_file, swap_two_shards],
     ids=["flipped_byte", "truncated_file", "swapped_shards"],
 )
-def test_a_damaged_newest_checkpoint_is_quarantined_resumed_past_and_collected(cataloged, damage):
+def test_a_damaged_newest_checkpoint_is_quarantined_resumed_past_and_collected(
+    cataloged, damage, monkeypatch
+):
     world, store = cataloged, cataloged.store
+    if damage is swap_two_shards:  # shards to swap: as a state above the small-save bound
+        monkeypatch.setattr(saver, "SMALL_STATE_BYTES", 0)
     run_job(world, "job1", [1, 2])
     bad = store.run("r").read_manifest(2).save_id
     damage(store, 2)

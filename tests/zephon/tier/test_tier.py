@@ -18,6 +18,7 @@ from torch import nn
 
 from tests.conftest import Backend
 from tests.faults import FaultProxy
+from tests.zephon.saves import largest_tensor_slice
 from zephon import StaleAttemptError
 from zephon.attempts import register
 from zephon.catalog import Catalog
@@ -266,11 +267,13 @@ def test_resume_from_save_dir_when_the_local_copy_is_missing_or_damaged(
     if damage == "missing":
         shutil.rmtree(tmp_path / "local")
     else:
-        manifest = local.run(RUN).read_manifest(2)
-        shard = max((f for f in manifest.files if f.name.endswith(".distcp")), key=lambda f: f.size)
-        path = Path(local.run(RUN).checkpoint_path(2)) / manifest.payload / shard.name
+        # a byte in the middle of the largest tensor's elements (a small state is one shard
+        # file, whose middle byte may fall between tensors)
+        reader = local.run(RUN).reader(2)
+        where = largest_tensor_slice(reader.read_bytes("dcp/dcp_metadata.json"), reader.url)
+        path = Path(reader.path) / where.file
         data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0x01
+        data[where.offset + where.length // 2] ^= 0x01
         path.write_bytes(bytes(data))
     with (
         caplog.at_level(logging.WARNING, logger="zephon"),
