@@ -25,7 +25,6 @@ from torch import nn
 
 from zephon import CheckpointingConfig, CheckpointManager
 from zephon.catalog import Catalog
-from zephon.checkpointing.saver import SHARD_THREADS
 
 
 @contextlib.contextmanager
@@ -96,7 +95,7 @@ def distcp_files(manager: CheckpointManager, step: int) -> list[str]:
 
 
 def test_a_small_save_writes_one_shard_file_without_a_thread_pool(config):
-    """Below ``SMALL_STATE_BYTES`` a rank's tensors go into one shard file written by the saving
+    """Below ``SMALL_PLAN_BYTES`` a rank's tensors go into one shard file written by the saving
     thread (no pool of writer threads to start per save), and load back as they were."""
     job = state()
     with CheckpointManager(config, run_name="r", total_steps=10) as manager:
@@ -123,7 +122,7 @@ def test_a_larger_save_still_writes_its_shards_in_parallel(config):
     with CheckpointManager(config, run_name="r", total_steps=10) as manager:
         manager.load_latest(job)
         manager.save(1, job)
-        assert len(distcp_files(manager, 1)) == SHARD_THREADS
+        assert len(distcp_files(manager, 1)) == 4  # ZephonStorageWriter's thread_count
 
 
 def dead_pid() -> int:
@@ -152,3 +151,31 @@ def test_a_saves_retention_takes_over_the_claim_of_a_gc_that_died(config):
         manager.save(4, job)  # its retention judges the holder gone and finishes the delete
         assert manager.catalog.get_checkpoint("r", 1).state == "deleted"
         assert manager.store.run("r").committed_steps() == [2, 3, 4]
+
+
+@pytest.mark.parametrize("mib", [0, 2], ids=["small", "2MiB"])
+def test_the_dropin_writer_writes_a_small_plan_into_one_file_and_a_larger_one_in_parallel(
+    tmp_path, mib
+):
+    """The small-plan rule lives in ZephonStorageWriter, so torch's own ``dcp.save`` through
+    the drop-in Writer gets it too: one file and no writer threads below 1 MiB, four files
+    written in parallel above it."""
+    import torch.distributed.checkpoint as dcp
+
+    from zephon import dcp as zd
+
+    run_url = f"{tmp_path}/ckpt/r"
+    elements = max(mib << 18, 16)  # float32: 2 MiB, or 64 bytes
+    state = {f"w{i}": torch.full((elements // 4,), float(i)) for i in range(4)}
+    with zd.Writer(run_url, step=1) as writer, threads_started() as started:
+        dcp.save(state, storage_writer=writer, checkpoint_id=f"{run_url}/save-1")
+    shards = sorted(p.name for p in Path(run_url).glob("save-1/**/*.distcp"))
+    writers = [name for name in started if name.startswith("zephon-dcp-write")]
+    if mib:
+        assert len(shards) == 4 and writers, (shards, started)
+    else:
+        assert shards == ["__0_0.distcp"] and not writers, (shards, started)
+    loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+    dcp.load(loaded, storage_reader=zd.Reader(run_url))
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key

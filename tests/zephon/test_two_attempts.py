@@ -36,9 +36,10 @@ from tests.zephon.saves import largest_tensor_slice
 from tests.zephon.test_composition import make_run
 from zephon.attempts import register_resuming
 from zephon.catalog import Catalog
-from zephon.checkpointing import CheckpointManager, saver
+from zephon.checkpointing import CheckpointManager
 from zephon.checkpointing.files import decode_json, rank_file
 from zephon.config import CheckpointingConfig
+from zephon.dcp import writer as dcp_writer
 from zephon.latest import find_latest
 from zephon.locations import RunLocation
 from zephon.storage import CheckpointStore
@@ -763,7 +764,7 @@ def test_a_damaged_newest_checkpoint_is_quarantined_resumed_past_and_collected(
 ):
     world, store = cataloged, cataloged.store
     if damage is swap_two_shards:  # shards to swap: as a state above the small-save bound
-        monkeypatch.setattr(saver, "SMALL_STATE_BYTES", 0)
+        monkeypatch.setattr(dcp_writer, "SMALL_PLAN_BYTES", 0)
     run_job(world, "job1", [1, 2])
     bad = store.run("r").read_manifest(2).save_id
     damage(store, 2)

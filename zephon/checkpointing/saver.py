@@ -36,12 +36,6 @@ from zephon.storage import CheckpointWriter, FileEntry
 
 __all__ = ["PreparedState", "Saver"]
 
-#: a rank's tensors below this size go into one shard file, written by the saving thread: for
-#: a small save, the threads, files and fsyncs of a parallel write cost more than they gain
-SMALL_STATE_BYTES = 1 << 20
-#: the shard files (and writing threads) of a larger state, per rank
-SHARD_THREADS = 4
-
 
 @dataclass(frozen=True, slots=True)
 class PreparedState:
@@ -55,17 +49,6 @@ class PreparedState:
     shared: Any
     #: this rank's own document (``ranks/<rank>.json``): its state, RNG and ``rank_state``
     own: dict[str, Any]
-
-
-def shard_threads(tensors: Mapping[str, Any]) -> int:
-    """How many shard files (each written by a thread of its own) this rank's ``tensors`` go
-    into: one below ``SMALL_STATE_BYTES``, else ``SHARD_THREADS``."""
-    size = 0
-    for tensor in tensors.values():
-        size += tensor.numel() * tensor.element_size()
-        if size >= SMALL_STATE_BYTES:
-            return SHARD_THREADS
-    return 1
 
 
 class Saver:
@@ -112,7 +95,6 @@ class Saver:
             storage_writer = zdcp.ZephonStorageWriter(
                 writer,
                 subdir=DCP_SUBDIR,
-                thread_count=shard_threads(prepared.tensors),
                 commit_metadata={"step": step, "kind": job.kind},
             )
             if job.config.async_save:

@@ -114,9 +114,17 @@ def _item_bytes(item: WriteItem) -> int:
     return 0
 
 
+#: a rank's items below this many bytes go into one shard file written by the calling thread:
+#: for a small save, the threads, files and fsyncs of a parallel write cost more than they gain
+SMALL_PLAN_BYTES = 1 << 20
+
+
 def _balance(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Split items into at most ``bins`` groups of similar byte size (largest first onto the
-    lightest group), each kept in plan order so a loader reads neighbours together."""
+    lightest group), each kept in plan order so a loader reads neighbours together; items
+    below ``SMALL_PLAN_BYTES`` in all stay one group."""
+    if sum(_item_bytes(item) for item in items) < SMALL_PLAN_BYTES:
+        bins = 1
     bins = max(1, min(bins, len(items)))
     heap = [(0, i) for i in range(bins)]
     groups: list[list[tuple[int, WriteItem]]] = [[] for _ in range(bins)]
@@ -280,7 +288,8 @@ class ZephonStorageWriter(StorageWriter):
     # -- writing -------------------------------------------------------------------------------
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """All ranks: write this rank's items into ``thread_count`` shard files in parallel.
+        """All ranks: write this rank's items into ``thread_count`` shard files in parallel
+        (one file, written by this thread, when they come to less than ``SMALL_PLAN_BYTES``).
 
         Returns once every file is written (the future is already complete); on failure the
         first error is raised after the other files finished or failed.
