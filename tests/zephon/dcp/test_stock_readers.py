@@ -79,7 +79,9 @@ def store(local_backend):
 
 
 @pytest.mark.parametrize("subdir, threads", [("", 1), ("model/dcp", 3)])
-def test_a_training_save_loads_with_torchs_filesystem_reader(store, subdir, threads):
+def test_a_training_save_loads_with_torchs_filesystem_reader(
+    store, subdir, threads, parallel_shards
+):
     state = training_state()
     payload = save(store, state, subdir=subdir, thread_count=threads)
     target = blank(state)

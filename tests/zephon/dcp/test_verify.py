@@ -138,7 +138,7 @@ def test_a_truncated_shard_is_refused_naming_the_file(store):
     assert info.value.problems == [f"{name}: truncated"]
 
 
-def test_two_shard_files_of_the_same_size_swapped_are_refused_naming_a_file(store):
+def test_two_shard_files_of_the_same_size_swapped_are_refused_naming_a_file(store, parallel_shards):
     state = two_tensors()
     save(store, state)
     first, second = slices(store)["a"].file, slices(store)["b"].file
@@ -167,7 +167,7 @@ def test_without_verification_a_flipped_byte_loads_silently(store):
     assert differs == [100]
 
 
-def test_verifying_reads_each_slice_once_and_nothing_else(s3_backend):
+def test_verifying_reads_each_slice_once_and_nothing_else(s3_backend, parallel_shards):
     # No second pass: the checked bytes are the bytes delivered, one ranged GET per shard here.
     s3_backend.storage_options["native"] = False  # observes s3fs's own requests
     with s3_backend.open_store() as store:
