@@ -140,12 +140,21 @@ def test_a_commit_of_32_files_is_three_round_trips(proxied):
     """``begin`` (fence + marker probe), the uploads with the fence re-check, the marker."""
     store, proxy = proxied
     fence = start(store, "r")
-    measure(proxy)
-    with store.run("r").begin(3, fence=fence) as writer:
-        writer.commit(files={f"f{i:02d}": b"y" * 64 for i in range(32)})
-    assert proxy.requests == 2 + 32 + 1 + 1
-    assert proxy.longest_chain <= 3
-    assert store.run("r").verify(3, deep=True).ok
+    chains = []
+    # The chain is the code's; a loaded machine can only lengthen it (a wave of 33 requests
+    # that takes the client over HOLD_MS to send). The shortest of two saves is the code's:
+    # the old commit (uploads, then listing and fence check, then marker) is 4 every time.
+    for step in (3, 4):
+        measure(proxy)
+        with store.run("r").begin(step, fence=fence) as writer:
+            writer.commit(files={f"f{i:02d}": b"y" * 64 for i in range(32)})
+        assert proxy.requests == 2 + 32 + 1 + 1
+        chains.append(proxy.longest_chain)
+        proxy.delay_ms = 0
+        assert store.run("r").verify(step, deep=True).ok
+        if chains[-1] <= 3:
+            break
+    assert min(chains) <= 3, chains
 
 
 def test_files_written_before_the_last_ones_are_listed_beside_them(proxied):
