@@ -102,7 +102,7 @@ class FailingOpen:
                 handle = real.__enter__()
                 real_write = handle.write
 
-                def write(data, crc=None):
+                def write(data, crc=None, *, in_place=False):
                     real_write(bytes(memoryview(data).cast("B")[:10]))
                     # the disk fills beneath the backend, which translates what it raises
                     target = handle._handle  # the backend's write handle (Backend.open_write)
