@@ -65,7 +65,10 @@ _RETRIES = 5
 #: the states ``replica_failed`` moves from, per tier (default: pending only). A committed
 #: local copy is failed when it can never be uploaded (its attempt went stale): the copy is
 #: still on the disk, but it is only a removable leftover now, and the row says why.
-_FAILABLE: dict[str, tuple[ReplicaState, ...]] = {"local": (PENDING, COMMITTED)}
+_FAILABLE: dict[str, tuple[ReplicaState, ...]] = {
+    "local": (PENDING, COMMITTED),
+    "memory": (PENDING, COMMITTED),
+}
 
 # What one save's copy recorded; re-arming clears it so nothing of the previous save survives.
 _CLEARED_ON_REARM: dict[str, Any] = {

@@ -40,9 +40,11 @@ class ReplicaState(StrEnum):
 
 
 class ReplicaTier(StrEnum):
-    """Where a replica lives: ``local`` (a node-local disk, one row per host) or ``save_dir``
-    (the job's shared storage, host ``""``)."""
+    """Where a replica lives: ``memory`` (a node's host memory, one row per node), ``local``
+    (a node-local disk, one row per host) or ``save_dir`` (the job's shared storage, host
+    ``""``)."""
 
+    MEMORY = "memory"
     LOCAL = "local"
     SAVE_DIR = "save_dir"
 
