@@ -10,6 +10,7 @@
         period_steps: 100            # int >= 1 | "last_step" | "disable"
         num_to_keep: 2               # int >= 1 | null
         local_dir: /local_nvme/ckpt  # optional fast local tier, uploaded in the background
+        memory_tier: false           # or true: host memory first, a peer copy, then save_dir
         retry: {max_attempts: 30, deadline_s: 120}  # transient storage failures (optional)
         catalog_outage_s: 300        # the job fails once the catalog is unreachable this long
     model_stage_factory:
@@ -131,6 +132,16 @@ class CheckpointingConfig:
     local_num_to_keep: int = 1
     #: save() waits while this many uploads to save_dir are pending (backpressure)
     max_pending_uploads: int = 2
+    #: save() commits into host memory (``memory_dir``, a RAM disk on every node), each node's
+    #: part is copied to ``memory_replicas`` peer nodes, and uploaded to save_dir in the
+    #: background; a restart resumes from the fastest verified copy (docs/tiers.md)
+    memory_tier: bool = False
+    #: the memory tier's directory on every node (default /dev/shm/zephon)
+    memory_dir: str | None = None
+    #: memory checkpoints kept per node beyond those still waiting for their upload
+    memory_num_to_keep: int = 1
+    #: peer nodes holding a copy of each node's memory checkpoint
+    memory_replicas: int = 1
     #: how transient storage failures (5xx, throttling, timeouts, broken connections) are
     #: tried again, for every store the job opens; YAML: a mapping of ``RetryPolicy`` fields
     retry: RetryPolicy = DEFAULT_RETRY
@@ -193,27 +204,28 @@ class CheckpointingConfig:
     def _check_local_tier(self) -> None:
         """``local_dir``, ``local_num_to_keep`` and ``max_pending_uploads``: the local tier's
         own config (``TierConfig``) checks them, named under this config's prefix."""
-        tier = _tier_config(
-            local_dir=self.local_dir,
-            local_num_to_keep=self.local_num_to_keep,
-            max_pending_uploads=self.max_pending_uploads,
-            save_dir=self.save_dir,
-            prefix=self.prefix,
-        )
-        self.local_dir = tier.local_dir
+        tier = self._tier_options()
+        self.local_dir, self.memory_dir = tier.local_dir, tier.memory_dir
 
-    @property
-    def tier(self) -> TierConfig | None:
-        """The local tier's config, or None without ``local_dir``."""
-        if self.local_dir is None:
-            return None
+    def _tier_options(self) -> TierConfig:
         return _tier_config(
             local_dir=self.local_dir,
             local_num_to_keep=self.local_num_to_keep,
             max_pending_uploads=self.max_pending_uploads,
             save_dir=self.save_dir,
             prefix=self.prefix,
+            memory_tier=self.memory_tier,
+            memory_dir=self.memory_dir,
+            memory_num_to_keep=self.memory_num_to_keep,
+            memory_replicas=self.memory_replicas,
         )
+
+    @property
+    def tier(self) -> TierConfig | None:
+        """The tiers' config, or None without ``local_dir`` or ``memory_tier``."""
+        if self.local_dir is None and not self.memory_tier:
+            return None
+        return self._tier_options()
 
     @property
     def retention(self) -> Retention:
@@ -234,7 +246,7 @@ class CheckpointingConfig:
         return is_last or step % int(self.period_steps) == 0
 
     def __repr__(self) -> str:
-        return _masked_repr(self, ("save_dir", "catalog_url", "local_dir"))
+        return _masked_repr(self, ("save_dir", "catalog_url", "local_dir", "memory_dir"))
 
 
 @dataclass(kw_only=True, slots=True, repr=False)
@@ -299,6 +311,10 @@ _CHECKPOINTING_KEYS = {
     "local_dir",
     "local_num_to_keep",
     "max_pending_uploads",
+    "memory_tier",
+    "memory_dir",
+    "memory_num_to_keep",
+    "memory_replicas",
     "retry",
     "catalog_outage_s",
 }

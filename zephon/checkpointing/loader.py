@@ -132,7 +132,7 @@ class Loader:
             # Before the damage check: a source that fails is never this checkpoint's damage.
             self._load_source(point, state)
             problem: Exception | None = None
-            store = destination.store if point.local else job.store
+            store = destination.resume_store if point.local else job.store
             try:
                 values, rank_state = self._load(point, state, allow_partial_load, store)
             except Exception as exc:
@@ -217,7 +217,7 @@ class Loader:
                 )
             if use_local and local is not None:
                 try:
-                    meta = self._read_meta(local, destination.store)
+                    meta = self._read_meta(local, destination.resume_store)
                 except DAMAGE as exc:
                     destination.damaged(local, str(exc))
                     local = None

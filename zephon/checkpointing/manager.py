@@ -102,8 +102,8 @@ class CheckpointManager:
 
     @property
     def tier(self) -> Destination | None:
-        """The local tier (``local_dir``) and its uploads, if configured."""
-        return self._job.destination if self.config.local_dir is not None else None
+        """The tier (``local_dir`` or ``memory_tier``) and its uploads, if configured."""
+        return self._job.destination if self.config.tier is not None else None
 
     @property
     def attempt(self) -> Attempt | None:
@@ -181,7 +181,9 @@ class CheckpointManager:
         checkpoint is not there; ``zephon.CatalogError`` when the catalog fails.
         """
         self.wait()
-        return self._loader.load_latest(state, allow_partial_load)
+        resume = self._loader.load_latest(state, allow_partial_load)
+        self._job.destination.resumed(resume.step)
+        return resume
 
     # -- end ------------------------------------------------------------------------------------
 

@@ -4,7 +4,10 @@ the checkpoint manager and ``zephon.dcp.Writer`` save and resume through (docs/t
 - ``direct.DirectDestination``: a save commits straight into ``save_dir``; rank 0 then
   records the catalog row and applies retention;
 - ``local.destination.TieredDestination`` (``local_dir``): a save commits into a node-local
-  directory and returns; every rank's uploader copies it to ``save_dir`` in the background.
+  directory and returns; every rank's uploader copies it to ``save_dir`` in the background;
+- ``memory.destination.MemoryDestination`` (``memory_tier``): a save commits into host memory
+  on every node and returns; in the background each rank copies its part to peer nodes, then
+  uploads it to ``save_dir``; a resume assembles the fastest verified copies.
 
 This package sits below both ``zephon.checkpointing`` and ``zephon.dcp`` and imports neither
 (tests/test_layers.py). Importing it imports only the contract and ``TierConfig`` (the job
@@ -35,17 +38,21 @@ __all__ = [
 def choose_destination(
     session: RunSession, tier: TierConfig | None = None, coll: Collectives | None = None
 ) -> Destination:
-    """The destination of ``session``'s saves: tiered when ``tier`` names a ``local_dir``
-    (collective: construct on every rank at the same point, ``coll`` the job's process group),
-    else direct."""
-    if tier is None or tier.local_dir is None:
+    """The destination of ``session``'s saves: the memory tier with ``tier.memory_tier``, the
+    local tier when ``tier`` names a ``local_dir`` (both collective: construct on every rank
+    at the same point, ``coll`` the job's process group), else direct."""
+    if tier is None or not tier.enabled:
         from zephon.destinations.direct import DirectDestination
 
         return DirectDestination(session)
-    from zephon.destinations.local.destination import TieredDestination
-
     if coll is None:
         raise ValueError("a tiered destination needs the job's process group (coll)")
+    if tier.memory_tier:
+        from zephon.destinations.memory.destination import MemoryDestination
+
+        return MemoryDestination(session, tier, coll)
+    from zephon.destinations.local.destination import TieredDestination
+
     return TieredDestination(session, tier, coll)
 
 

@@ -105,6 +105,16 @@ class Destination:
         """The URL of this destination's copy of ``step``."""
         raise NotImplementedError
 
+    @property
+    def resume_store(self) -> CheckpointStore:
+        """The store a resume from this destination's candidate reads (by default the one
+        saves go to; the memory tier's is the save it assembled)."""
+        return self.store
+
+    def resumed(self, step: int | None) -> None:
+        """Every rank, once the job resumed from ``step`` (None: a fresh start), wherever it
+        was loaded from. Nothing to do by default."""
+
     def damaged(self, step: int, why: str) -> None:
         """Rank 0: this destination's copy of ``step`` failed verification."""
 

@@ -1,6 +1,8 @@
-"""The local tier's own config: ``local_dir``, ``local_num_to_keep`` and
-``max_pending_uploads``, checked in one place whichever entry point takes them (the manager's
-``trainer.checkpointing`` keys, ``zephon.dcp.Writer``'s and ``Reader``'s arguments).
+"""The tiers' own config: the local tier's ``local_dir``, ``local_num_to_keep`` and
+``max_pending_uploads``, and the memory tier's ``memory_tier``, ``memory_dir``,
+``memory_num_to_keep`` and ``memory_replicas``, checked in one place whichever entry point
+takes them (the manager's ``trainer.checkpointing`` keys, ``zephon.dcp.Writer``'s and
+``Reader``'s arguments).
 
 Imports neither torch nor anything above ``zephon.config``: the job config composes it.
 """
@@ -14,7 +16,14 @@ from typing import Any
 from zephon.errors import invalid_option
 from zephon.retention import MAX_KEEP
 
-__all__ = ["TierConfig"]
+__all__ = ["DEFAULT_MEMORY_DIR", "MAX_MEMORY_REPLICAS", "TierConfig"]
+
+#: where the memory tier keeps its checkpoints by default: a RAM disk that outlives the
+#: training processes (it lasts until the node reboots)
+DEFAULT_MEMORY_DIR = "/dev/shm/zephon"
+
+#: peer copies of each node's memory checkpoint at most (each on another node)
+MAX_MEMORY_REPLICAS = 8
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,6 +37,11 @@ class TierConfig:
     (a local path or a URL) is what ``local_dir`` must differ from (None: not compared).
     ``prefix`` names the options in messages: a config prefix (``trainer.checkpointing``,
     keys ``trainer.checkpointing.local_dir``) or an owner (``Writer``, ``Writer.local_dir``).
+
+    ``memory_tier``: saves commit into host memory first (``memory_dir``, a RAM disk on each
+    node), are copied to ``memory_replicas`` peer nodes and uploaded to save_dir in the
+    background (docs/tiers.md, "The memory tier"); ``memory_num_to_keep`` memory checkpoints
+    are kept beyond those still waiting for their upload.
     """
 
     local_dir: str | None = None
@@ -35,6 +49,10 @@ class TierConfig:
     max_pending_uploads: int = 2
     save_dir: str | None = None
     prefix: str = "trainer.checkpointing"
+    memory_tier: bool = False
+    memory_dir: str | None = None
+    memory_num_to_keep: int = 1
+    memory_replicas: int = 1
 
     def __post_init__(self) -> None:
         local = self.local_dir
@@ -49,21 +67,62 @@ class TierConfig:
                 )
             if local.startswith("file://"):
                 self.local_dir = local[len("file://") :]
-            self._check_its_own_directory(self.local_dir)
-        for key in ("local_num_to_keep", "max_pending_uploads"):
+            self._check_its_own_directory(self.local_dir, "local_dir")
+        for key in ("local_num_to_keep", "max_pending_uploads", "memory_num_to_keep"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_KEEP:
                 raise self._fail(key, f"use an integer from 1 to {MAX_KEEP}")
+        self._check_memory_tier()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a save goes to a tier first (memory or a local directory)."""
+        return self.memory_tier or self.local_dir is not None
+
+    def _check_memory_tier(self) -> None:
+        """``memory_tier`` a bool; ``memory_dir`` a local path of its own (default
+        ``DEFAULT_MEMORY_DIR``); ``memory_replicas`` from 1 to ``MAX_MEMORY_REPLICAS``."""
+        if not isinstance(self.memory_tier, bool):
+            raise self._fail("memory_tier", "use true or false")
+        replicas = self.memory_replicas
+        if (
+            isinstance(replicas, bool)
+            or not isinstance(replicas, int)
+            or not 1 <= replicas <= MAX_MEMORY_REPLICAS
+        ):
+            raise self._fail("memory_replicas", f"use an integer from 1 to {MAX_MEMORY_REPLICAS}")
+        if self.memory_tier and self.local_dir is not None:
+            raise self._fail(
+                "local_dir",
+                "a job with memory_tier keeps save_dir as its durable tier; unset local_dir "
+                "(or memory_tier)",
+            )
+        memory = self.memory_dir
+        if memory is None:
+            if self.memory_tier:
+                self.memory_dir = DEFAULT_MEMORY_DIR
+            return
+        if not isinstance(memory, str) or not memory.strip():
+            raise self._fail("memory_dir", "use a directory in host memory, e.g. /dev/shm/zephon")
+        if "://" in memory and not memory.startswith("file://"):
+            raise self._fail(
+                "memory_dir",
+                "use a plain path on a RAM disk (e.g. /dev/shm/zephon); remote storage belongs "
+                "in save_dir",
+            )
+        if memory.startswith("file://"):
+            self.memory_dir = memory[len("file://") :]
+        self._check_its_own_directory(self.memory_dir, "memory_dir")
 
     def _fail(self, key: str, allowed: str) -> Exception:
         return invalid_option(f"{self.prefix}.{key}", getattr(self, key), allowed)
 
-    def _check_its_own_directory(self, local: Any) -> None:
-        """``local_dir`` must be a directory of its own: the local tier keeps only its newest
-        ``local_num_to_keep`` checkpoints, so if it were ``save_dir`` (directly or through a
-        symlink) its pruning would delete save_dir's checkpoints; a file there cannot hold any."""
+    def _check_its_own_directory(self, local: Any, key: str) -> None:
+        """``local_dir`` (``memory_dir``) must be a directory of its own: the tier keeps only
+        its newest checkpoints, so if it were ``save_dir`` (directly or through a symlink) its
+        pruning would delete save_dir's checkpoints; a file there cannot hold any."""
         if os.path.exists(local) and not os.path.isdir(local):
-            raise self._fail("local_dir", "it names a file; use a directory on a node-local disk")
+            raise self._fail(key, "it names a file; use a directory on a node-local disk")
         save_dir = self.save_dir
         if save_dir is None:
             return
@@ -73,7 +132,7 @@ class TierConfig:
             return  # remote save_dir: a local path is never the same place
         if os.path.realpath(local) == os.path.realpath(save_dir):
             raise self._fail(
-                "local_dir",
+                key,
                 f"it is save_dir ({os.path.realpath(save_dir)}); use a separate directory on a "
                 "node-local disk, uploaded to save_dir in the background",
             )

@@ -32,7 +32,6 @@ class TieredDestination(Destination):
     """
 
     def __init__(self, session: RunSession, config: TierConfig, coll: Collectives) -> None:
-        assert config.local_dir is not None
         remote = session.location
 
         def open_catalog_on_main() -> None:
@@ -42,11 +41,9 @@ class TieredDestination(Destination):
         self.coll = coll
         self.max_pending = config.max_pending_uploads
         self.tracker = Tracker(session.catalog if coll.is_main else None, remote.name)
-        self.tier = LocalTier(
-            config.local_dir, remote.name, remote.storage_run, coll, config.local_num_to_keep
-        )
+        self.tier = self._open_tier(config, remote.name, remote.storage_run, coll)
         self.store = self.tier.store
-        self.uploader = Uploader(
+        self.uploader = self.uploader_class(
             coll,
             self.tier,
             remote,
@@ -56,6 +53,16 @@ class TieredDestination(Destination):
             num_to_keep=session.retention.num_to_keep,
             keep_every_steps=session.retention.keep_every_steps,
         )
+
+    #: the uploader of this tier's checkpoints to save_dir
+    uploader_class: type[Uploader] = Uploader
+
+    def _open_tier(
+        self, config: TierConfig, name: str, run: str | None, coll: Collectives
+    ) -> LocalTier:
+        """The tier's store (collective): ``local_dir`` of this node."""
+        assert config.local_dir is not None
+        return LocalTier(config.local_dir, name, run, coll, config.local_num_to_keep)
 
     def checkpoint_url(self, step: int) -> str:
         return self.tier.checkpoint_url(step)

@@ -17,11 +17,13 @@ from typing import Any
 from zephon.catalog import Catalog, InvalidTransitionError
 from zephon.storage import Manifest, redact
 
-__all__ = ["LOCAL", "SAVE_DIR", "Tracker"]
+__all__ = ["LOCAL", "MEMORY", "SAVE_DIR", "Tracker"]
 
 log = logging.getLogger("zephon")
 
-#: replica tiers: a node's local disk (host = its hostname) and the job's save_dir (host "")
+#: replica tiers: a node's host memory (host = the node's name), a node's local disk (host =
+#: its hostname) and the job's save_dir (host "")
+MEMORY = "memory"
 LOCAL = "local"
 SAVE_DIR = "save_dir"
 
@@ -55,15 +57,21 @@ class Tracker:
             )
             return None
 
-    def host_of(self, tier: str) -> str:
+    def host_of(self, tier: str, host: str | None = None) -> str:
+        """The row's host: ``host`` if given (a memory copy names its node), this host for a
+        local copy, "" for save_dir."""
+        if host is not None:
+            return host
         return self.host if tier == LOCAL else ""
 
-    def started(self, step: int, tier: str, location: str, save_id: str) -> None:
+    def started(
+        self, step: int, tier: str, location: str, save_id: str, *, host: str | None = None
+    ) -> None:
         self._call(
             "replica_started",
             step,
             tier=tier,
-            host=self.host_of(tier),
+            host=self.host_of(tier, host),
             location=location,
             save_id=save_id,
         )
@@ -74,29 +82,34 @@ class Tracker:
         tier: str,
         manifest: Manifest,
         timings: Mapping[str, float] | None = None,
+        *,
+        host: str | None = None,
+        size: int | None = None,
     ) -> None:
         self._call(
             "replica_committed",
             step,
             tier=tier,
-            host=self.host_of(tier),
+            host=self.host_of(tier, host),
             save_id=manifest.save_id,
-            bytes=manifest.total_bytes,
+            bytes=manifest.total_bytes if size is None else size,
             timings=dict(timings) if timings else None,
         )
 
-    def failed(self, step: int, tier: str, save_id: str, reason: str) -> None:
+    def failed(
+        self, step: int, tier: str, save_id: str, reason: str, *, host: str | None = None
+    ) -> None:
         self._call(
             "replica_failed",
             step,
             tier=tier,
-            host=self.host_of(tier),
+            host=self.host_of(tier, host),
             save_id=save_id,
             reason=redact(reason)[:2000],
         )
 
-    def deleted(self, step: int, tier: str) -> None:
-        self._call("replica_deleted", step, tier=tier, host=self.host_of(tier))
+    def deleted(self, step: int, tier: str, *, host: str | None = None) -> None:
+        self._call("replica_deleted", step, tier=tier, host=self.host_of(tier, host))
 
     def superseded(self, step: int, by: list[int], reason: str) -> None:
         """A failed upload of ``step`` given up for the newer steps ``by`` (retention would drop

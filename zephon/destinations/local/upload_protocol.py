@@ -114,6 +114,7 @@ class UploadProtocol:
         head = everything[0]
         if head.get("void"):
             return _Outcome(ok=True), None
+        self._replicate(job, everything)  # whatever save_dir answered: the peer copies first
         self.tier.delete(head["doomed"], self.tracker)
         if not head["ok"]:
             outcome = _Outcome(
@@ -170,6 +171,11 @@ class UploadProtocol:
                     f"{outcome.error}"
                 )
         return outcome, error
+
+    def _replicate(self, job: UploadJob, everything: list[Any]) -> None:
+        """Every rank, before the upload: copies of the checkpoint to other nodes, if the tier
+        makes any (the memory tier's peers). ``everything``: rank 0's answer and every other
+        rank's file entries. None here."""
 
     def _begin(
         self, job: UploadJob
