@@ -50,6 +50,8 @@ TIMING_PHASES = (
     "total_s",
     "local_s",
     "upload_s",
+    "memory_s",
+    "replicate_s",
 )
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")

@@ -37,7 +37,7 @@ def assemble(tier: MemoryTier, coll: Collectives) -> int | None:
     assembled store (``tier.resumed``), or None (save_dir, or the next tier, is loaded)."""
     began = time.monotonic()
     nodes = tier.nodes
-    run_path = tier.store.run(tier.run).run_path
+    run_path = tier.store.run(tier.run).run_path()
     listing = [h.to_dict() for h in scan(run_path)] if nodes.leader else None
     everything = coll.all_gather(listing)
     held = [[Holding.from_dict(h) for h in everything[leader] or []] for leader in nodes.leaders]
@@ -83,7 +83,7 @@ def _build(tier: MemoryTier, candidate: Candidate) -> int:
     then its marker. Returns the bytes fetched from peers."""
     nodes = tier.nodes
     memory_root = os.path.realpath(tier.memory_dir)
-    run_path = os.path.realpath(tier.store.run(tier.run).run_path)
+    run_path = os.path.realpath(tier.store.run(tier.run).run_path())
     run_relative = os.path.relpath(run_path, memory_root).replace(os.sep, "/")
     save = f"save-{candidate.step}/{candidate.save_id}"
     relative_payload = save if run_relative == "." else posixpath.join(run_relative, save)

@@ -106,7 +106,7 @@ class MemoryTier(LocalTier):
         if not steps:
             return
         if self.nodes.leader:
-            run_path = self.store.run(self.run).run_path
+            run_path = self.store.run(self.run).run_path()
             for step in steps:
                 shutil.rmtree(os.path.join(run_path, f"save-{step}"), ignore_errors=True)
         if tracker is not None:
@@ -120,7 +120,7 @@ class MemoryTier(LocalTier):
         loaded again, and host memory holds only what this job keeps."""
         if not self.nodes.leader:
             return
-        run_path = self.store.run(self.run).run_path
+        run_path = self.store.run(self.run).run_path()
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(run_path):
                 if name.startswith("save-") and name != f"save-{keep}":
