@@ -76,7 +76,8 @@ def _launch(spec: dict, memory_dirs: list[Path], nproc: int, expect: int, timeou
         logs.append(out.decode(errors="replace"))
     codes = [proc.returncode for proc in procs]
     text = "\n".join(
-        f"--- node {i} (exit {c}):\n{log[-4000:]}" for i, (c, log) in enumerate(zip(codes, logs))
+        f"--- node {i} (exit {c}):\n{log[-4000:]}"
+        for i, (c, log) in enumerate(zip(codes, logs, strict=True))
     )
     if expect == 0:
         assert codes == [0] * len(procs), text
