@@ -209,4 +209,5 @@ class MemoryDestination(TieredDestination):
         """Every rank: host memory keeps only the save resumed from, if it came from memory
         (what an earlier job left is never loaded again)."""
         held = self.tier.resumed
-        self.tier.delete_all_but(step if held is not None and held.step == step else None)
+        keep = step if held is not None and held.step == step else None
+        self.tier.delete_all_but(keep, self.tracker)

@@ -114,17 +114,25 @@ class MemoryTier(LocalTier):
                 for label in self.nodes.labels:
                     tracker.deleted(step, MEMORY, host=label)
 
-    def delete_all_but(self, keep: int | None) -> None:
-        """A node leader, once the job resumed: delete every memory step but ``keep`` (the
-        save it resumed from, if it came from memory): what an earlier job left is never
-        loaded again, and host memory holds only what this job keeps."""
+    def delete_all_but(self, keep: int | None, tracker: Tracker | None) -> None:
+        """Every node's leader, once the job resumed: delete every memory step but ``keep``
+        (the save it resumed from, if it came from memory): what an earlier job left is never
+        loaded again, and host memory holds only what this job keeps. Rank 0 records the
+        steps it deleted as deleted on every node."""
         if not self.nodes.leader:
             return
         run_path = self.store.run(self.run).run_path()
+        gone: list[int] = []
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(run_path):
                 if name.startswith("save-") and name != f"save-{keep}":
                     shutil.rmtree(os.path.join(run_path, name), ignore_errors=True)
+                    with contextlib.suppress(ValueError):
+                        gone.append(int(name[len("save-") :]))
+        if tracker is not None:
+            for step in sorted(gone):
+                for label in self.nodes.labels:
+                    tracker.deleted(step, MEMORY, host=label)
 
     # -- the save a resume assembled -----------------------------------------------------------
 
