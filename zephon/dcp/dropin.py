@@ -91,6 +91,10 @@ class Writer(ZephonStorageWriter):
     ``max_pending_uploads`` mean what the manager's config keys do). ``wait_uploads`` waits
     for them and raises every upload failure; ``close`` waits too. With ``local_dir`` the
     Writer is a collective object: construct it on every rank at the same point.
+    ``memory_tier=True`` adds the memory tier instead (docs/tiers.md, "The memory tier"): a
+    save commits into host memory (``memory_dir``, default /dev/shm/zephon) on every node,
+    each node's part is copied to ``memory_replicas`` peer nodes and uploaded to ``url`` in
+    the background; collective too.
 
     Failures: plain ``dcp.save`` raises DCP's ``CheckpointException`` (a BaseException) whose
     ``failures`` hold Zephon's errors; ``zephon.dcp.save``/``async_save`` raise Zephon's error
@@ -118,6 +122,10 @@ class Writer(ZephonStorageWriter):
         local_num_to_keep: int = 1,
         max_pending_uploads: int = 2,
         resume_step: int | None = None,
+        memory_tier: bool = False,
+        memory_dir: str | os.PathLike | None = None,
+        memory_num_to_keep: int = 1,
+        memory_replicas: int = 1,
     ) -> None:
         StorageWriter.__init__(self)  # ZephonStorageWriter's own __init__ needs a bound writer
         self.target = parse_run_url(url, "Writer")
@@ -127,13 +135,19 @@ class Writer(ZephonStorageWriter):
         retention = Retention.checked("Writer", num_to_keep, keep_every_steps)
         catalog = resolve_catalog(catalog, "Writer")
         tier = None
-        if local_dir is not None:
+        if local_dir is not None or memory_tier is not False:
             tier = TierConfig(
                 local_dir=os.fspath(local_dir) if isinstance(local_dir, os.PathLike) else local_dir,
                 local_num_to_keep=local_num_to_keep,
                 max_pending_uploads=max_pending_uploads,
                 save_dir=self.target.root,
                 prefix="Writer",
+                memory_tier=memory_tier,
+                memory_dir=os.fspath(memory_dir)
+                if isinstance(memory_dir, os.PathLike)
+                else memory_dir,
+                memory_num_to_keep=memory_num_to_keep,
+                memory_replicas=memory_replicas,
             )
         try:
             self._configure(subdir, thread_count, commit_metadata, on_commit)

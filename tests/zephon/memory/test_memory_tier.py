@@ -169,3 +169,23 @@ def test_memory_keeps_memory_num_to_keep_and_a_resume_clears_what_an_earlier_job
     with Catalog(config.catalog_url) as catalog:
         rows = [(r.step, r.tier, r.state) for r in catalog.replicas("tiny", tier="memory")]
     assert rows == [(1, "memory", "deleted"), (2, "memory", "deleted"), (3, "memory", "committed")]
+
+
+def test_the_drop_in_writer_saves_into_memory_and_uploads(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    import zephon.dcp as zd
+    from zephon.storage import CheckpointStore
+
+    memory_dir, save_dir = str(tmp_path / "shm"), str(tmp_path / "shared")
+    state = {"w": torch.arange(8.0)}
+    writer = zd.Writer(f"{save_dir}/run", step=5, memory_tier=True, memory_dir=memory_dir)
+    try:
+        dcp.save(state, storage_writer=writer)
+        writer.wait_uploads()
+    finally:
+        writer.close()
+    assert CheckpointStore(memory_dir).run("run").committed_steps() == [5]
+    assert CheckpointStore(save_dir).run("run").committed_steps() == [5]
+    with pytest.raises(ConfigError, match="Writer.memory_replicas"):
+        zd.Writer(f"{save_dir}/run", step=6, memory_tier=True, memory_replicas=9)
