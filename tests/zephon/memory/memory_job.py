@@ -14,9 +14,11 @@ its peers and uploaded (the job dies; its nodes' memory stays).
 from __future__ import annotations
 
 import datetime as dt
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -35,6 +37,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main(spec: dict) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test asks a hung job where it is
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("zephon").setLevel(logging.INFO)
     dist.init_process_group("gloo", timeout=dt.timedelta(seconds=120))

@@ -11,11 +11,14 @@ loses its tensors first (a load from there would fail).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ import pytest
 from tests import servers
 from tests.ranks import ROOT
 from tests.zephon.memory.memory_job import MEMORY_ENV
+from tests.zephon.multinode.nodes import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -70,9 +74,17 @@ def _launch(spec: dict, memory_dirs: list[Path], nproc: int, expect: int, timeou
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
+            hung = [pid for other in procs for pid in descendants(other.pid)]
+            for pid in hung:  # the workers print where they are (faulthandler)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(2)
+            for pid in hung[::-1]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            tails = [other.communicate()[0].decode(errors="replace")[-200000:] for other in procs]
+            message = f"the job did not end in {timeout} s:\n" + "\n".join(tails)
+            raise AssertionError(message) from None
         logs.append(out.decode(errors="replace"))
     codes = [proc.returncode for proc in procs]
     text = "\n".join(
@@ -130,12 +142,18 @@ def reference(tmp_path_factory) -> dict[tuple[int, int], float]:
     return _reference(tmp_path_factory.mktemp("reference"), 2, 1)
 
 
-def _crash_then_resume(tmp_path, reference, memory_dirs, *, lose=(), nproc=1, strip=True, **extra):
+def _crash_then_resume(
+    tmp_path, reference, memory_dirs, *, lose=(), nproc=1, strip=True, unupload=False, **extra
+):
+    """``strip``: save_dir's copy of the crash step loses its tensors; ``unupload``: it is
+    gone altogether (its upload never happened)."""
     first = _spec(tmp_path, "first", crash_after=CRASH, **extra)
     _launch(first, memory_dirs, nproc, expect=17)
     for node in lose:
         shutil.rmtree(memory_dirs[node])
-    if strip:
+    if unupload:
+        shutil.rmtree(tmp_path / "save_dir" / "mem" / f"save-{CRASH}")
+    elif strip:
         _strip_tensors(tmp_path / "save_dir", CRASH)
     second = _spec(tmp_path, "second", **extra)
     log = _launch(second, memory_dirs, nproc, expect=0)
@@ -174,10 +192,19 @@ def test_on_three_nodes_a_lost_node_comes_from_the_next_and_two_adjacent_ones_fr
 ):
     """The ring: node 1's part is copied to node 2 only. Losing node 1 alone, its part comes
     from node 2; losing nodes 1 and 2, nobody holds it and save_dir is loaded."""
+    from zephon.catalog import Catalog
+
     reference = _reference(tmp_path / "ref", 3, 1)
     alone = tmp_path / "alone"
-    start, log = _crash_then_resume(alone, reference, [alone / f"m{i}" for i in range(3)], lose=[1])
+    catalog_url = f"sqlite:///{alone}/catalog.db"
+    start, log = _crash_then_resume(
+        alone, reference, [alone / f"m{i}" for i in range(3)], lose=[1], catalog_url=catalog_url
+    )
     assert start["step"] == CRASH and "/.resume/" in start["url"], log
+    with Catalog(catalog_url) as catalog:  # one row per node; step 2 left memory at step 4
+        rows = catalog.replicas("mem", step=2, tier="memory")
+    assert sorted(row.host.rsplit("/", 1)[-1] for row in rows) == ["m0", "m1", "m2"]
+    assert {row.state for row in rows} == {"deleted"}
     both = tmp_path / "both"
     start, log = _crash_then_resume(
         both, reference, [both / f"m{i}" for i in range(3)], lose=[1, 2], strip=False
@@ -185,24 +212,22 @@ def test_on_three_nodes_a_lost_node_comes_from_the_next_and_two_adjacent_ones_fr
     assert start["step"] == CRASH and start["url"].startswith(str(both / "save_dir")), log
 
 
-def test_two_nodes_of_two_ranks_record_a_memory_row_per_node_and_resume_a_lost_node(tmp_path):
-    from zephon.catalog import Catalog
-
+def test_two_nodes_of_two_ranks_resume_a_lost_node_and_upload_what_save_dir_missed(tmp_path):
     reference = _reference(tmp_path / "ref", 2, 2)
-    catalog_url = f"sqlite:///{tmp_path}/catalog.db"
     start, log = _crash_then_resume(
         tmp_path,
         reference,
         [tmp_path / "m0", tmp_path / "m1"],
         lose=[0],
         nproc=2,
-        catalog_url=catalog_url,
+        unupload=True,
     )
     assert start["step"] == CRASH and "MiB from peers" in log, log
-    with Catalog(catalog_url) as catalog:
-        rows = catalog.replicas("mem", step=2, tier="memory")
-    assert sorted(row.host.rsplit("/", 1)[-1] for row in rows) == ["m0", "m1"]
-    assert {row.state for row in rows} == {"deleted"}  # step 4 replaced it in memory
+    # newer than save_dir's latest: the new attempt uploaded it, from the assembled copy
+    from zephon.storage import CheckpointStore
+
+    run = CheckpointStore(str(tmp_path / "save_dir")).run("mem")
+    assert CRASH in run.committed_steps() and run.verify(CRASH, deep=True).ok
 
 
 def test_a_stale_attempts_memory_copy_is_never_loaded(tmp_path, reference):

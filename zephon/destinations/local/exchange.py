@@ -90,8 +90,13 @@ class Exchange:
         mine = f"{self._prefix}/{self._seq}/{self.rank}"
         self._store.set(mine, b"1")
         self._arrive([f"{self._prefix}/{self._seq}/{r}" for r in range(self.world_size)])
+        # Every rank set its key of this collective, so every rank is past the previous one's
+        # arrival: only now may its key go. (Deleted right after the collective, a fast rank's
+        # key could vanish before a slow one, still polling, had seen it: a receiver of a
+        # broadcast finishes as soon as its data came, and the slow rank waited forever.)
+        if self._seq > 1:
+            self._store.delete_key(f"{self._prefix}/{self._seq - 1}/{self.rank}")
         run()
-        self._store.delete_key(mine)
 
     def _arrive(self, keys: list[str]) -> None:
         """Wait until every rank set its key; raise if an uploader died meanwhile."""
