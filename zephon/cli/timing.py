@@ -76,6 +76,10 @@ def stall(timings: Mapping[str, float] | None) -> str:
     return human_seconds(seconds(timings, "stall_s"))
 
 
+#: the tiers a save commits to before save_dir (the memory tier, the local tier)
+_FIRST_TIERS = ("memory", "local")
+
+
 def tiers(row: CheckpointRecord, replicas: Iterable[ReplicaRecord]) -> str:
     """The tiers the checkpoint is on: ``local, save_dir``, ``save_dir``, ``local (upload
     pending)``, ``local (upload failed)``; ``-`` when it is on none (or not live).
@@ -91,10 +95,10 @@ def tiers(row: CheckpointRecord, replicas: Iterable[ReplicaRecord]) -> str:
     if not copies:
         return "save_dir" if row.state == "committed" else "-"
     committed = {r.tier for r in copies if r.state == "committed"}
-    on = [t for t in ("local", "save_dir") if t in committed]
-    if on == ["local"]:
+    on = [t for t in ("memory", "local", "save_dir") if t in committed]
+    if on and "save_dir" not in on:
         upload = [r.state for r in copies if r.tier == "save_dir"]
-        return "local (upload failed)" if upload == ["failed"] else "local (upload pending)"
+        return f"{', '.join(on)} (upload {'failed' if upload == ['failed'] else 'pending'})"
     return ", ".join(on) or "-"
 
 
@@ -108,7 +112,7 @@ def local_only(
     for step in sorted(copies):
         replicas = list(copies[step])
         if step not in known and any(
-            r.tier == "local" and r.state in ("pending", "committed") for r in replicas
+            r.tier in _FIRST_TIERS and r.state in ("pending", "committed") for r in replicas
         ):
             held[step] = replicas
     return held
@@ -123,17 +127,18 @@ def local_only_row(
     local timings from the newest local replica, the tiers ``local (upload not begun)`` or
     ``local (saving)``, its commit time as ``committed`` shows it, and the local copy's
     location as its path."""
-    local = [r for r in replicas if r.tier == "local" and r.state in ("pending", "committed")]
+    local = [r for r in replicas if r.tier in _FIRST_TIERS and r.state in ("pending", "committed")]
     copy = max(local, key=lambda r: r.updated_at)
+    phase = "memory_s" if copy.tier == "memory" else "local_s"
     return (
         step,
         LOCAL_ONLY,
         None,
         human_bytes(copy.bytes),
         None,
-        human_seconds(seconds(copy.timings, "local_s")),
+        human_seconds(seconds(copy.timings, phase)),
         "-",
-        "local (upload not begun)" if copy.state == "committed" else "local (saving)",
+        f"{copy.tier} (upload not begun)" if copy.state == "committed" else f"{copy.tier} (saving)",
         "",
         committed(copy.committed_at),
         copy.location,

@@ -179,7 +179,10 @@ class MemoryTier(LocalTier):
         )
 
     def close(self) -> None:
+        """Stop serving; the assembled store goes (the node's own memory checkpoints stay)."""
         self.nodes.close()
         if self.resume_store is not None:
             self.resume_store.close()
+        if self.nodes.leader:
+            shutil.rmtree(self.resume_root, ignore_errors=True)
         super().close()
