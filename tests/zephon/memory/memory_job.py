@@ -2,8 +2,10 @@
 (``tests/zephon/memory/test_memory_resume.py``): every node's host memory is the directory
 in ``$ZEPHON_TEST_MEMORY_DIR``.
 
-The model is replicated (every rank holds the same weights, the gradients are averaged), each
-rank trains on data of its own, so a step's losses depend on the exact state restored. Every
+The model is replicated (every rank holds the same weights; the gradients are all-gathered and
+summed in rank order, so the same bits on any layout), each rank trains on data of its own, so a
+step's losses depend on the exact state restored; ``reference_losses`` computes the
+uninterrupted run's in one process. Every
 rank appends ``{"step", "rank", "loss"}`` to ``<out>/losses-<rank>.jsonl``; rank 0 writes
 ``<out>/start.json`` (the step resumed from and the URL it was read from). ``die_at`` ends
 every process once that step ran, before its save. ``crash_after``
@@ -36,15 +38,61 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True) * 0.5
 
 
+def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _losses_and_grads(model: nn.Module, rank: int, step: int) -> tuple[float, list]:
+    x, y = batch(rank, step)
+    model.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+def _apply(model: nn.Module, optimizer, every: list[list[torch.Tensor]]) -> None:
+    """The ranks' gradients summed in rank order (the same bits on any layout), averaged."""
+    for index, parameter in enumerate(model.parameters()):
+        total = every[0][index].clone()
+        for grads in every[1:]:
+            total += grads[index]
+        parameter.grad = total / len(every)
+    optimizer.step()
+
+
+def train_step(model: nn.Module, optimizer, rank: int, world: int, step: int) -> float:
+    """One step on every rank: each rank's gradient all-gathered and summed in rank order."""
+    loss, grads = _losses_and_grads(model, rank, step)
+    every: list = [None] * world
+    dist.all_gather_object(every, grads)
+    _apply(model, optimizer, every)
+    return loss
+
+
+def reference_losses(world: int, steps: int) -> dict[tuple[int, int], float]:
+    """The uninterrupted run's losses, every rank's, computed in one process: the model is
+    replicated, so one copy stands for every rank's."""
+    model, optimizer = build()
+    found = {}
+    for step in range(1, steps + 1):
+        every = []
+        for rank in range(world):
+            loss, grads = _losses_and_grads(model, rank, step)
+            found[(step, rank)] = loss
+            every.append(grads)
+        _apply(model, optimizer, every)
+    return found
+
+
 def main(spec: dict) -> None:
     faulthandler.register(signal.SIGUSR1)  # the test asks a hung job where it is
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("zephon").setLevel(logging.INFO)
     dist.init_process_group("gloo", timeout=dt.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = build()
     config = zephon.CheckpointingConfig(
         save_dir=spec["save_dir"],
         storage_options=spec.get("storage_options", {}),
@@ -61,16 +109,9 @@ def main(spec: dict) -> None:
             with open(os.path.join(out, "start.json"), "w") as handle:
                 json.dump({"step": resume.step, "url": resume.url}, handle)
         for step in range(resume.next_step, spec["steps"] + 1):
-            x, y = batch(rank, step)
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            for parameter in model.parameters():
-                dist.all_reduce(parameter.grad)
-                parameter.grad /= world
-            optimizer.step()
+            loss = train_step(model, optimizer, rank, world, step)
             with open(os.path.join(out, f"losses-{rank}.jsonl"), "a") as handle:
-                handle.write(json.dumps({"step": step, "rank": rank, "loss": loss.item()}) + "\n")
+                handle.write(json.dumps({"step": step, "rank": rank, "loss": loss}) + "\n")
             if step == spec.get("die_at"):  # dies before this step's save
                 dist.barrier()
                 os._exit(18)
