@@ -520,6 +520,23 @@ def test_a_server_killed_during_a_fetch_gives_an_error_not_a_hang(tmp_path, root
     assert os.listdir(dest_dir) == []  # neither the file nor its temporary
 
 
+@pytest.mark.slow
+def test_a_stopped_server_is_reported_within_the_timeout_once(server_process):
+    process, address = server_process
+    client = PeerClient(address, TOKEN, timeout_s=2)
+    client.put_bytes(b"1", "one")  # the connection is open
+    process.send_signal(signal.SIGSTOP)  # a peer frozen or cut off: no reply, no reset
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailableError, match="no answer within 2s"):
+            client.listing("")
+        assert time.monotonic() - started < 3.5  # noticed once: not waited for again anew
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert client.listing("") == [("one", 1)]  # back: a new connection
+    client.close()
+
+
 def test_a_closed_server_is_reported_and_a_restarted_one_is_reconnected(root):
     server = PeerServer(root, TOKEN, host="127.0.0.1")
     client = PeerClient(server.address, TOKEN, timeout_s=5)
@@ -591,6 +608,7 @@ def test_several_clients_are_served_at_once(tmp_path, server, root):
         (b"\x00\x00\x00\x02[]", True),  # JSON, not an object
         (b"\xff\xff\xff\xff", True),  # a 4 GiB frame announced: refused, not awaited
         (b"\x00\x00\x00\x04\xff\xfe\xfd\xfc", True),  # not UTF-8
+        (struct.pack(">I", 60_000) + b"[" * 60_000, True),  # nested past the parser's depth
         (bytes(range(256)) * 16, False),  # the reset for the unread bytes may overtake a reply
         (b"\x00\x00", False),  # cut short
     ],

@@ -120,7 +120,7 @@ def recv_frame(sock: socket.socket, limit: int) -> dict | None:
     body = recv_exact(sock, length)
     try:
         message = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: "[[[[..."
         raise ProtocolError("a frame that is not UTF-8 JSON") from None
     if not isinstance(message, dict):
         raise ProtocolError("a frame that is not a JSON object")
