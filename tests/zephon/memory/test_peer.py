@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import signal
 import socket
 import struct
@@ -421,6 +422,9 @@ def test_a_refused_connection_is_reported_at_once():
     assert time.monotonic() - started < 1.0
     assert caught.value.peer == f"127.0.0.1:{port}"
     assert isinstance(caught.value, PeerError) and isinstance(caught.value, ZephonError)
+    copy = pickle.loads(pickle.dumps(caught.value))  # as sent from one rank to the others
+    assert type(copy) is PeerUnavailableError and copy.peer == caught.value.peer
+    assert str(copy) == str(caught.value)
 
 
 def test_a_peer_that_does_not_answer_is_reported_within_the_timeout():

@@ -67,6 +67,9 @@ class PeerError(ZephonError):
         super().__init__(message)
         self.peer = peer
 
+    def __reduce__(self):  # a rank's error is sent to the others pickled: rebuilt from its data
+        return _rebuild, (type(self), str(self), self.peer)
+
 
 class PeerUnavailableError(PeerError):
     """The peer could not be reached or stopped answering: connection refused, timed out or
@@ -82,6 +85,10 @@ class PeerTransferError(PeerError):
 class ProtocolError(Exception):
     """A frame that breaks the protocol (internal: each end turns it into its own reply or
     error)."""
+
+
+def _rebuild(cls: type[PeerError], message: str, peer: str) -> PeerError:
+    return cls(message, peer=peer)
 
 
 def tune_socket(sock: socket.socket) -> None:
