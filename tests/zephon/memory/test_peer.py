@@ -524,6 +524,12 @@ def test_a_server_killed_during_a_fetch_gives_an_error_not_a_hang(tmp_path, root
     assert os.listdir(dest_dir) == []  # neither the file nor its temporary
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` has stopped (SIGSTOP is delivered asynchronously)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 @pytest.mark.slow
 def test_a_stopped_server_is_reported_within_the_timeout_once(server_process):
     process, address = server_process
@@ -531,6 +537,7 @@ def test_a_stopped_server_is_reported_within_the_timeout_once(server_process):
     client.put_bytes(b"1", "one")  # the connection is open
     process.send_signal(signal.SIGSTOP)  # a peer frozen or cut off: no reply, no reset
     try:
+        eventually(lambda: stopped(process.pid))
         started = time.monotonic()
         with pytest.raises(PeerUnavailableError, match="no answer within 2s"):
             client.listing("")
