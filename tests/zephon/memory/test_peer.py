@@ -8,8 +8,10 @@ server's own checks are exercised, not the client's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import signal
 import socket
 import struct
@@ -59,7 +61,8 @@ def client(server) -> Iterator[PeerClient]:
 def write_file(path: str, size: int, *, seed: int = 0) -> str:
     """A file of ``size`` bytes of varied content, written 1 MiB at a time; its CRC32C."""
     crc = Crc32c()
-    block = bytes((seed + i * 7) % 251 for i in range(1 << 20))
+    cycle = bytes(range(seed % 251, 251)) + bytes(range(seed % 251))
+    block = (cycle * ((1 << 20) // 251 + 1))[: 1 << 20]
     with open(path, "wb") as handle:
         left = size
         while left:
@@ -114,6 +117,11 @@ class RawPeer:
             return None
         body = self._exact(struct.unpack(">I", head)[0])
         return json.loads(body)
+
+    def end(self) -> None:
+        """Send no more (the server may have reset the connection already)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
 
     def closed_by_server(self) -> bool:
         try:
@@ -262,7 +270,7 @@ def test_a_lying_client_that_sends_fewer_bytes_than_declared_leaves_nothing(serv
     assert raw.reply() == {"ok": True}
     raw.sock.sendall(b"x" * 50)
     eventually(lambda: len(part_files(root)) == 1)  # received under a temporary name only
-    raw.sock.shutdown(socket.SHUT_WR)  # the stream ends 50 bytes short
+    raw.end()  # the stream ends 50 bytes short
     assert raw.closed_by_server()
     raw.close()
     eventually(lambda: files_under(root) == [])
@@ -414,6 +422,9 @@ def test_a_refused_connection_is_reported_at_once():
     assert time.monotonic() - started < 1.0
     assert caught.value.peer == f"127.0.0.1:{port}"
     assert isinstance(caught.value, PeerError) and isinstance(caught.value, ZephonError)
+    copy = pickle.loads(pickle.dumps(caught.value))  # as sent from one rank to the others
+    assert type(copy) is PeerUnavailableError and copy.peer == caught.value.peer
+    assert str(copy) == str(caught.value)
 
 
 def test_a_peer_that_does_not_answer_is_reported_within_the_timeout():
@@ -513,12 +524,37 @@ def test_a_server_killed_during_a_fetch_gives_an_error_not_a_hang(tmp_path, root
     assert os.listdir(dest_dir) == []  # neither the file nor its temporary
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` has stopped (SIGSTOP is delivered asynchronously)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.slow
+def test_a_stopped_server_is_reported_within_the_timeout_once(server_process):
+    process, address = server_process
+    client = PeerClient(address, TOKEN, timeout_s=2)
+    client.put_bytes(b"1", "one")  # the connection is open
+    process.send_signal(signal.SIGSTOP)  # a peer frozen or cut off: no reply, no reset
+    try:
+        eventually(lambda: stopped(process.pid))
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailableError, match="no answer within 2s"):
+            client.listing("")
+        assert time.monotonic() - started < 3.5  # noticed once: not waited for again anew
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert client.listing("") == [("one", 1)]  # back: a new connection
+    client.close()
+
+
 def test_a_closed_server_is_reported_and_a_restarted_one_is_reconnected(root):
     server = PeerServer(root, TOKEN, host="127.0.0.1")
     client = PeerClient(server.address, TOKEN, timeout_s=5)
     client.put_bytes(b"1", "one")
     server.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("zephon-peer")]
+    port = server.address[1]
+    assert not [t for t in threading.enumerate() if t.name.endswith(f"-{port}")]
     with pytest.raises(PeerUnavailableError):
         client.put_bytes(b"2", "two")
     restarted = PeerServer(root, TOKEN, host="127.0.0.1", port=server.address[1])
@@ -584,6 +620,7 @@ def test_several_clients_are_served_at_once(tmp_path, server, root):
         (b"\x00\x00\x00\x02[]", True),  # JSON, not an object
         (b"\xff\xff\xff\xff", True),  # a 4 GiB frame announced: refused, not awaited
         (b"\x00\x00\x00\x04\xff\xfe\xfd\xfc", True),  # not UTF-8
+        (struct.pack(">I", 60_000) + b"[" * 60_000, True),  # nested past the parser's depth
         (bytes(range(256)) * 16, False),  # the reset for the unread bytes may overtake a reply
         (b"\x00\x00", False),  # cut short
     ],
@@ -597,7 +634,7 @@ def test_the_server_survives_garbage(server, root, client, garbage, answered):
         if answered:
             reply = raw.reply()
             assert reply is not None and reply["ok"] is False and "protocol" in reply["error"]
-        raw.sock.shutdown(socket.SHUT_WR)
+        raw.end()
         while (reply := raw.reply()) is not None:
             assert reply["ok"] is False
         raw.close()

@@ -213,6 +213,9 @@ class PeerClient:
                     if reused and attempt == 0 and isinstance(lost, ConnectionError):
                         continue  # the peer closed the idle connection: once more, anew
                     raise self._unavailable(what, f"connection lost ({_reason(lost)})") from None
+                except BaseException:  # e.g. KeyboardInterrupt mid-transfer: out of step
+                    self._drop()
+                    raise
         raise AssertionError("unreachable")
 
     def _connect(self, what: str) -> socket.socket:

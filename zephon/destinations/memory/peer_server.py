@@ -114,7 +114,10 @@ class PeerServer:
                     conn.close()
                     continue
                 thread = threading.Thread(
-                    target=self._serve, args=(conn,), name="zephon-peer-conn", daemon=True
+                    target=self._serve,
+                    args=(conn,),
+                    name=f"zephon-peer-conn-{self.address[1]}",
+                    daemon=True,
                 )
                 self._connections[conn] = thread
             thread.start()
