@@ -28,10 +28,12 @@ the configuration part).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -170,6 +172,21 @@ class Trigger:
         return {"trigger": "emergency", "signal": self.signal}
 
 
+def _exit_at_shutdown(code: int) -> None:
+    """End the process with ``code`` as the interpreter shuts down, before the native
+    destructors run: the uploads given up on still run on threads, some blocked in collectives
+    of process groups that are torn down then (torch aborts the process when that happens)."""
+
+    def leave() -> None:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    atexit.register(leave)
+
+
 def _say(text: str) -> None:
     """One line to stderr from a signal handler: ``os.write`` takes no lock the interrupted
     code may hold (``logging`` does)."""
@@ -260,6 +277,8 @@ class EmergencySave:
         if uploads is not None:
             uploaded, problem = self._wait(uploads, deadline)
             self.abandoned = not uploaded and problem is None
+        if self.abandoned:
+            _exit_at_shutdown(128 + signal.Signals[trigger.signal])
         url = where(uploaded)
         line = (
             f"zephon: {trigger.signal}: emergency save of step {step} committed in "
