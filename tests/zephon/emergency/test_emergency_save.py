@@ -72,7 +72,10 @@ def test_preempted_exits_with_the_signals_conventional_code():
     assert zephon.Preempted("SIGINT", 1, "x").code == 130
 
 
-def test_a_signal_saves_the_next_step_marks_it_and_exits(tmp_path, catalog_url, cli, caplog):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_signal_saves_the_next_step_marks_it_and_exits(
+    tmp_path, catalog_url, cli, caplog, async_save
+):
     import torch
     from torch import nn
 
@@ -81,6 +84,7 @@ def test_a_signal_saves_the_next_step_marks_it_and_exits(tmp_path, catalog_url, 
         save_dir=str(tmp_path / "ckpt"),
         period_steps=4,
         catalog_url=catalog_url,
+        async_save=async_save,
         emergency_save={"signals": ["SIGUSR1"], "grace_s": 60},
     )
     model = nn.Linear(2, 1)
