@@ -227,7 +227,7 @@ class EmergencySave:
         if self.extra == 1:
             _say(f"zephon: {name} again: ignored while the emergency save completes")
             return
-        _say(f"zephon: {name} a third time: giving up the emergency save")
+        _say(f"zephon: {name} a third time: passed on to the handler before Zephon's")
         previous = self._previous.get(number, signal.SIG_DFL)
         signal.signal(number, previous if previous is not None else signal.SIG_DFL)
         signal.raise_signal(number)

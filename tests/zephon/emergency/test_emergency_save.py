@@ -122,3 +122,27 @@ def test_a_signal_saves_the_next_step_marks_it_and_exits(
     assert "committed (emergency)" in rows["6"] and "emergency" not in rows["4"]
     code, out, _ = cli("checkpoints", "r", "--json")
     assert [(e["step"], e["trigger"]) for e in json.loads(out)] == [(4, None), (6, "emergency")]
+
+
+def test_a_third_signal_goes_to_the_previous_handler(tmp_path, capfd):
+    """The second signal is ignored, the third restores the handler that was there before and
+    delivers the signal to it (a default handler would end the process); the flag stays set:
+    the next step boundary still saves."""
+    received = []
+    before = signal.signal(signal.SIGUSR2, lambda number, frame: received.append(number))
+    try:
+        config = zephon.CheckpointingConfig(
+            save_dir=str(tmp_path), emergency_save={"signals": ["SIGUSR2"]}
+        )
+        manager = zephon.CheckpointManager(config, run_name="r", total_steps=5)
+        with pytest.raises(zephon.Preempted) as raised, manager:
+            for _ in range(3):
+                os.kill(os.getpid(), signal.SIGUSR2)
+            assert received == [signal.SIGUSR2]
+            manager.maybe_save(1, {"value": 1})
+        assert raised.value.step == 1
+        err = capfd.readouterr().err
+        assert "SIGUSR2 again: ignored while the emergency save completes" in err
+        assert "SIGUSR2 a third time: passed on to the handler before Zephon's" in err
+    finally:
+        signal.signal(signal.SIGUSR2, before)
