@@ -47,6 +47,8 @@ _LAZY = {
     "ModelStageConfig": "zephon.config",
     "JobConfig": "zephon.config",
     "load_job_config": "zephon.config",
+    "EmergencySaveConfig": "zephon.emergency",
+    "Preempted": "zephon.emergency",
     # data pipeline (zephon.pipeline)
     "Dataset": "zephon.pipeline",
     "InMemoryShard": "zephon.pipeline",

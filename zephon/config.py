@@ -13,6 +13,7 @@
         memory_tier: false           # or true: host memory first, a peer copy, then save_dir
         retry: {max_attempts: 30, deadline_s: 120}  # transient storage failures (optional)
         catalog_outage_s: 300        # the job fails once the catalog is unreachable this long
+        emergency_save: {signals: [SIGTERM], grace_s: 30, when: step}  # save on preemption
     model_stage_factory:
       checkpoint_only_trainable_parameters: false
       source_checkpoint: null
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from zephon.emergency import EmergencySaveConfig
 from zephon.errors import ConfigError, invalid_option
 from zephon.retention import Retention
 from zephon.storage import DEFAULT_RETRY, MAX_STEP, InvalidArgumentError, RetryPolicy
@@ -148,6 +150,9 @@ class CheckpointingConfig:
     #: seconds the catalog may stay unreachable: saves go on to storage meanwhile and the
     #: catalog is brought up to date once it answers; past this the job fails
     catalog_outage_s: float = DEFAULT_CATALOG_OUTAGE_S
+    #: save on preemption (``zephon.emergency``): None (off), or the signals that make every
+    #: rank save at the next step boundary and exit; YAML: a mapping of its keys
+    emergency_save: EmergencySaveConfig | None = None
     prefix: str = "trainer.checkpointing"
 
     def __post_init__(self) -> None:
@@ -200,6 +205,7 @@ class CheckpointingConfig:
                 raise _fail(f"{p}.{key}", getattr(self, key), "use true or false")
         self._check_local_tier()
         self.retry = retry_policy_from(self.retry, f"{p}.retry")
+        self.emergency_save = EmergencySaveConfig.of(self.emergency_save, f"{p}.emergency_save")
 
     def _check_local_tier(self) -> None:
         """``local_dir``, ``local_num_to_keep`` and ``max_pending_uploads``: the local tier's
@@ -317,6 +323,7 @@ _CHECKPOINTING_KEYS = {
     "memory_replicas",
     "retry",
     "catalog_outage_s",
+    "emergency_save",
 }
 # model_stage_factory holds the product's other model settings too; only these are ours
 _MODEL_STAGE_KEYS = {"checkpoint_only_trainable_parameters", "source_checkpoint"}

@@ -21,6 +21,7 @@ a ``zephon.CatalogError`` (the catalog unreachable or refusing).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,11 +34,14 @@ from zephon.checkpointing.saver import Saver
 from zephon.collectives import Collectives
 from zephon.config import CheckpointingConfig, ModelStageConfig
 from zephon.destinations import Destination
+from zephon.emergency import EmergencySave
 from zephon.locations import RunLocation
 from zephon.outage import DebtBeingPaid, guard
 from zephon.storage import CheckpointStore
 
 __all__ = ["CheckpointManager", "Resume", "ALREADY_COMPLETE"]
+
+log = logging.getLogger("zephon")
 
 
 class CheckpointManager:
@@ -86,6 +90,10 @@ class CheckpointManager:
         self.location: RunLocation = job.location
         #: the manager's own process group
         self.coll: Collectives = job.coll
+        #: save on preemption: the signal handlers (``zephon.emergency``), when configured
+        self._emergency = (
+            EmergencySave(config.emergency_save) if config.emergency_save is not None else None
+        )
 
     # -- the job's parts that change: read from the job each time -------------------------------
 
@@ -118,11 +126,59 @@ class CheckpointManager:
         return self.config.saves_at(step, self.total_steps)
 
     def maybe_save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> bool:
-        """``save`` if ``should_save(step)``; returns whether it saved."""
+        """``save`` if ``should_save(step)``; returns whether it saved.
+
+        With ``emergency_save`` configured this is a collective at every step (one tiny
+        all-reduce): after a listed signal on any rank, every rank saves ``step`` and raises
+        ``zephon.Preempted`` (docs/manager.md, "Save on preemption")."""
+        if self._emergency is not None:
+            self._save_if_preempted(step, state, kwargs.get("rank_state"))
         if not self.should_save(step):
             return False
         self.save(step, state, **kwargs)
         return True
+
+    def _save_if_preempted(
+        self, step: int, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None
+    ) -> None:
+        """Collective: if any rank saw a listed signal, save ``step`` (marked as an emergency
+        save), wait for its upload for what is left of ``grace_s``, and raise ``Preempted``."""
+        assert self._emergency is not None
+        trigger = self._emergency.due(self.coll.group)
+        if trigger is None:
+            return
+        job = self._job
+
+        def save() -> None:
+            self._saver.save(step, state, rank_state, trigger.metadata)
+            self._background.wait()  # an async save: its commit
+
+        def record(detail: dict[str, Any]) -> None:
+            catalog = self.catalog
+            if catalog is None:
+                return
+            try:
+                catalog.record_event("emergency_save", run=self.name, step=step, detail=detail)
+            except Exception as exc:  # noqa: BLE001 - the checkpoint is committed; say so
+                log.warning(
+                    "zephon: the emergency save's event was not recorded in the catalog: %s: %s",
+                    type(exc).__name__,
+                    exc,
+                )
+
+        tiered = self.config.local_dir is not None
+        raise self._emergency.run(
+            trigger,
+            step,
+            save=save,
+            uploads=job.destination.wait if tiered else None,
+            where=lambda uploaded: (
+                job.location.checkpoint_url(step)
+                if uploaded or not tiered
+                else job.destination.checkpoint_url(step)
+            ),
+            record=record if self.coll.is_main else None,
+        )
 
     # -- save -------------------------------------------------------------------------------
 
@@ -212,7 +268,12 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for background work, then release the stager, the local tier, the catalog, the
-        process group and the store."""
+        process group and the store. After an emergency save whose upload ran out of grace
+        time, nothing is waited for: the process is exiting, the next start uploads it."""
+        if self._emergency is not None:
+            self._emergency.close()
+            if self._emergency.abandoned:
+                return
         try:
             self.wait()
         finally:

@@ -58,8 +58,15 @@ class Saver:
         self.job = job
         self.background = background
 
-    def save(self, step: int, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None):
-        """``CheckpointManager.save`` (see there)."""
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        rank_state: Mapping[str, Any] | None,
+        metadata: Mapping[str, Any] | None = None,
+    ):
+        """``CheckpointManager.save`` (see there); ``metadata``: more for the marker's (and
+        the catalog row's) metadata, e.g. an emergency save's trigger."""
         job, coll = self.job, self.job.coll
         started = time.monotonic()
         self.background.wait()
@@ -95,7 +102,7 @@ class Saver:
             storage_writer = zdcp.ZephonStorageWriter(
                 writer,
                 subdir=DCP_SUBDIR,
-                commit_metadata={"step": step, "kind": job.kind},
+                commit_metadata={**(metadata or {}), "step": step, "kind": job.kind},
             )
             if job.config.async_save:
                 staging = time.monotonic()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from zephon import catalog as catalog_pkg
 from zephon.catalog import (
     Catalog,
+    CheckpointRecord,
     CheckpointRecordNotFoundError,
     CheckpointState,
     ReplicaRecord,
@@ -120,6 +121,19 @@ def _relative(path: str, root: str) -> str:
     return path[len(prefix) :] if path.startswith(prefix) else path
 
 
+def _trigger(record: CheckpointRecord) -> str | None:
+    """What made the save, when not the schedule: ``"emergency"`` for a save on preemption
+    (``zephon.emergency``; the checkpoint's metadata says so), else None."""
+    trigger = (record.metadata or {}).get("trigger")
+    return trigger if isinstance(trigger, str) else None
+
+
+def _state_shown(record: CheckpointRecord) -> str:
+    """The state column: the row's state, marked ``(emergency)`` for a save on preemption."""
+    trigger = _trigger(record)
+    return f"{record.state} ({trigger})" if trigger else record.state
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     states = args.state or (None if args.all else LIVE_STATES)
     with open_catalog(args) as cat:
@@ -140,6 +154,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                 [
                     {
                         **r.to_dict(),
+                        "trigger": _trigger(r),
                         "stock_dcp_url": stock_dcp_url(r.path, r.save_id, r.metadata),
                         "replicas": [c.to_dict() for c in copies.get(r.step, [])],
                     }
@@ -183,7 +198,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             [
                 (
                     r.step,
-                    r.state,
+                    _state_shown(r),
                     r.epoch,
                     human_bytes(r.bytes),
                     r.file_count,
