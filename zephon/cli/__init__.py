@@ -10,7 +10,7 @@ Every error becomes one line on stderr and a documented exit code, never a trace
 3     problems found (verification failed, gc or sync could not finish a run)
 4     storage error (unreachable, permission, rejected storage options, a URL that does not
       exist, a corrupt checkpoint)
-5     catalog error (unreachable database, outdated schema, unknown run for ``checkpoints``
+5     catalog error (unreachable database, outdated schema, unknown run for ``checkpoints``,
       ``pin`` and ``goodput``)
 6     other Zephon error (invalid configuration, torch-side errors)
 70    internal error (a bug; ``ZEPHON_DEBUG=1`` shows the traceback)
