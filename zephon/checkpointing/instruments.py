@@ -62,6 +62,7 @@ class Instruments:
             if self.metrics is not None:
                 self.metrics.period(period)
         if self.metrics is not None:
+            self._goodput = None  # the run has a new record: the next read recomputes
             self.metrics.stalled(stall_s)
 
     def loaded(self, step: int | None, seconds: float) -> None:
@@ -91,7 +92,7 @@ class Instruments:
 
     def goodput(self) -> float | None:
         """Rank 0: the run's goodput ratio from the catalog (None without one, or while it
-        cannot answer), recomputed at most every ``GOODPUT_REFRESH_S``."""
+        cannot answer), recomputed after each save and at most every ``GOODPUT_REFRESH_S``."""
         now = time.monotonic()
         if self._goodput is not None and now - self._goodput[0] < GOODPUT_REFRESH_S:
             return self._goodput[1]
