@@ -118,7 +118,8 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether the job saves after completing ``step``: every ``period_steps`` and at the
-        last step; only at the last step; or never."""
+        last step; only at the last step; never; or, with ``auto``, when the period the job
+        measured is due (docs/goodput.md)."""
         auto = self.instruments.should_save(step, self.total_steps)
         return self.config.saves_at(step, self.total_steps) if auto is None else auto
 
