@@ -111,3 +111,40 @@ def test_goodput_loads_neither_torch_nor_storage(tmp_path, local_backend):
         "assert 'zephon.storage.backends' not in sys.modules\n"
     )
     assert loaded_by(code, {"ZEPHON_CATALOG_URL": url}) <= {"sqlalchemy", "alembic"}
+
+
+@pytest.mark.slow
+def test_a_killed_job_s_silent_end_counts_as_restart_overhead(tmp_path, catalog_url, cli):
+    """A job SIGKILLed while it trains after its last save: nothing records the steps it
+    trained since, so its end is its last record (docs/goodput.md) and the time from there to
+    the restart's first progress is restart overhead."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.ranks import ROOT
+
+    save_dir = str(tmp_path / "ckpt")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.zephon.goodput.killed_job", save_dir, catalog_url],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "saved 2"
+        assert child.stdout.readline().strip() == "saved 4"
+        time.sleep(1.0)  # it trains on, unrecorded
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    config = CheckpointingConfig(save_dir=save_dir, period_steps=2, catalog_url=catalog_url)
+    assert attempt(config, 1, 8, finish=True) == 4
+    code, out, _ = cli("goodput", "r", "--json")
+    report = json.loads(out)
+    assert code == 0 and (report["attempts"], report["restarts"]) == (2, 1)
+    assert report["overhead_s"] >= 1.0
+    assert report["lost_s"] < 1.0  # only what a record shows: step 4's save was kept
+    parts = [report[k] for k in ("productive_s", "lost_s", "overhead_s", "stall_s")]
+    assert math.isclose(sum(parts), report["wall_s"], abs_tol=1e-6)
