@@ -60,16 +60,14 @@ def test_goodput_reports_each_part_of_the_wall_time(run_with_a_rollback, cli):
     parts = [report[k] for k in ("productive_s", "lost_s", "overhead_s", "stall_s")]
     assert math.isclose(sum(parts), report["wall_s"], abs_tol=1e-6)
     assert all(part >= 0 for part in parts)
-    # attempt 1 trained two steps after step 4's save before step 6's: redone by attempt 2
+    # attempt 1 trained two steps after step 4's save before step 6's: redone by attempt 3
     assert report["lost_s"] >= STEP_S
-    assert report["stall_s"] > 0  # four saves were timed
+    assert report["stall_s"] > 0  # the saves were timed
     assert report["productive_s"] >= 6 * STEP_S
     assert report["goodput"] == pytest.approx(report["productive_s"] / report["wall_s"])
     with Catalog(run_with_a_rollback.catalog_url) as catalog:
         assert from_catalog(catalog, "r").to_dict() == report
-
-
-def test_goodput_prints_one_plain_line_per_figure(run_with_a_rollback, cli):
+    # the plain report: one line per figure, no terminal codes
     code, out, err = cli("goodput", "r")
     assert (code, err) == (0, "")
     lines = out.splitlines()
