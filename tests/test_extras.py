@@ -39,6 +39,7 @@ EXTRAS = {
     "postgres": Example("docs/catalog.md", 3, "import os", torch=False, env=("postgres",)),
     "parquet": Example("docs/pipeline.md", 11, "import os", torch=False),
     "azure": Example("docs/storage.md", 9, "from zephon.storage import", torch=False),
+    "prometheus": Example("docs/goodput.md", 8, "import tempfile", torch=True),
 }
 
 

@@ -7,7 +7,9 @@
       total_steps: 1000
       checkpointing:
         save_dir: s3://bucket/checkpoints
-        period_steps: 100            # int >= 1 | "last_step" | "disable"
+        period_steps: 100            # int >= 1 | "last_step" | "disable" | "auto"
+        auto_period: {min_steps: 10, max_steps: 10000, mtbf_s: 86400}  # with "auto"
+        metrics: {prometheus_port: 9400, textfile: /var/lib/node_exporter/zephon.prom}
         num_to_keep: 2               # int >= 1 | null
         local_dir: /local_nvme/ckpt  # optional fast local tier, uploaded in the background
         memory_tier: false           # or true: host memory first, a peer copy, then save_dir
@@ -44,7 +46,7 @@ __all__ = [
     "retry_policy_from",
 ]
 
-PERIOD_WORDS = ("last_step", "disable")
+PERIOD_WORDS = ("last_step", "disable", "auto")
 ON_CORRUPT = ("fallback", "fail")
 
 
@@ -153,6 +155,12 @@ class CheckpointingConfig:
     #: save on preemption (``zephon.emergency``): None (off), or the signals that make every
     #: rank save at the next step boundary and exit; YAML: a mapping of its keys
     emergency_save: EmergencySaveConfig | None = None
+    #: with ``period_steps: auto``: the period's bounds and the prior MTBF (docs/goodput.md);
+    #: YAML: a mapping of ``AutoPeriod`` fields
+    auto_period: Any = None
+    #: metrics for scrapers (docs/goodput.md): a mapping of ``prometheus_port`` and
+    #: ``textfile``; None: none exported
+    metrics: Any = None
     prefix: str = "trainer.checkpointing"
 
     def __post_init__(self) -> None:
@@ -168,7 +176,7 @@ class CheckpointingConfig:
             raise _fail(
                 f"{p}.period_steps",
                 period,
-                f'use an integer from 1 to {MAX_STEP}, "last_step" or "disable"',
+                f'use an integer from 1 to {MAX_STEP}, "last_step", "disable" or "auto"',
             )
         Retention.checked(f"{p}.", self.num_to_keep, self.keep_every_steps)
         if self.catalog_url is not None and (
@@ -206,6 +214,23 @@ class CheckpointingConfig:
         self._check_local_tier()
         self.retry = retry_policy_from(self.retry, f"{p}.retry")
         self.emergency_save = EmergencySaveConfig.of(self.emergency_save, f"{p}.emergency_save")
+        self._check_goodput_options()
+
+    def _check_goodput_options(self) -> None:
+        """``auto_period`` (an ``AutoPeriod``, with ``period_steps: auto`` only) and
+        ``metrics`` (a ``MetricsConfig``), checked by their own modules, named under this
+        config's prefix. Imported only when set: the period policy's package loads torch."""
+        p = self.prefix
+        if self.period_steps == "auto" or self.auto_period is not None:
+            if self.period_steps != "auto":
+                raise _fail(f"{p}.auto_period", self.auto_period, 'set period_steps: "auto" too')
+            from zephon.checkpointing.period import AutoPeriod
+
+            self.auto_period = AutoPeriod.checked(self.auto_period, f"{p}.auto_period")
+        if self.metrics is not None:
+            from zephon.metrics import MetricsConfig
+
+            self.metrics = MetricsConfig.checked(self.metrics, f"{p}.metrics")
 
     def _check_local_tier(self) -> None:
         """``local_dir``, ``local_num_to_keep`` and ``max_pending_uploads``: the local tier's
@@ -247,7 +272,7 @@ class CheckpointingConfig:
         if self.period_steps == "disable":
             return False
         is_last = total_steps is not None and step == total_steps
-        if self.period_steps == "last_step":
+        if self.period_steps in ("last_step", "auto"):  # auto: the manager's PeriodPolicy
             return is_last
         return is_last or step % int(self.period_steps) == 0
 
@@ -324,6 +349,8 @@ _CHECKPOINTING_KEYS = {
     "retry",
     "catalog_outage_s",
     "emergency_save",
+    "auto_period",
+    "metrics",
 }
 # model_stage_factory holds the product's other model settings too; only these are ours
 _MODEL_STAGE_KEYS = {"checkpoint_only_trainable_parameters", "source_checkpoint"}

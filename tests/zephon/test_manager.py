@@ -415,7 +415,7 @@ def test_the_seed_yaml_shape_loads(tmp_path):
         (
             {"period_steps": 0},
             r"trainer\.checkpointing\.period_steps = 0 is invalid: use an "
-            r"integer from 1 to 9223372036854775807, \"last_step\" or \"disable\"",
+            r"integer from 1 to 9223372036854775807, \"last_step\", \"disable\" or \"auto\"",
         ),
         ({"period_steps": "weekly"}, r"period_steps = 'weekly'"),
         (

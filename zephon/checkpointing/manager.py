@@ -22,12 +22,14 @@ a ``zephon.CatalogError`` (the catalog unreachable or refusing).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from zephon.attempts import Attempt, fenced
 from zephon.catalog import Catalog, CatalogUnavailableError
 from zephon.checkpointing.background import Background
+from zephon.checkpointing.instruments import Instruments
 from zephon.checkpointing.job import ALREADY_COMPLETE, Job
 from zephon.checkpointing.loader import Loader, Resume
 from zephon.checkpointing.saver import Saver
@@ -94,6 +96,8 @@ class CheckpointManager:
         self._emergency = (
             EmergencySave(config.emergency_save) if config.emergency_save is not None else None
         )
+        #: ``period_steps: auto`` and rank 0's metrics (docs/goodput.md)
+        self.instruments = Instruments(job, self._saver)
 
     # -- the job's parts that change: read from the job each time -------------------------------
 
@@ -122,8 +126,10 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether the job saves after completing ``step``: every ``period_steps`` and at the
-        last step; only at the last step; or never."""
-        return self.config.saves_at(step, self.total_steps)
+        last step; only at the last step; never; or, with ``auto``, when the period the job
+        measured is due (docs/goodput.md)."""
+        auto = self.instruments.should_save(step, self.total_steps)
+        return self.config.saves_at(step, self.total_steps) if auto is None else auto
 
     def maybe_save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> bool:
         """``save`` if ``should_save(step)``; returns whether it saved.
@@ -198,7 +204,9 @@ class CheckpointManager:
         attempt of the run took over, ``zephon.StorageError`` and ``zephon.CatalogError`` when
         storage or the catalog fails.
         """
+        started = time.monotonic()
         self._saver.save(step, state, rank_state)
+        self.instruments.saved(step, time.monotonic() - started)
 
     def apply_retention(self) -> list[int]:
         """Rank 0: delete the checkpoints ``num_to_keep`` no longer keeps (docs/manager.md: after
@@ -237,8 +245,10 @@ class CheckpointManager:
         checkpoint is not there; ``zephon.CatalogError`` when the catalog fails.
         """
         self.wait()
+        started = time.monotonic()
         resume = self._loader.load_latest(state, allow_partial_load)
         self._job.destination.resumed(resume.step)
+        self.instruments.loaded(resume.step, time.monotonic() - started)
         return resume
 
     # -- end ------------------------------------------------------------------------------------
@@ -279,6 +289,7 @@ class CheckpointManager:
         finally:
             self._background.close()
             self._job.close()
+            self.instruments.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

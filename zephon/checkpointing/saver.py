@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,8 @@ class Saver:
     def __init__(self, job: Job, background: Background) -> None:
         self.job = job
         self.background = background
+        #: rank 0: told of each commit (step, seconds since the save began, bytes): metrics
+        self.on_committed: Callable[[int, float, int | None], None] | None = None
 
     def save(
         self,
@@ -205,6 +207,10 @@ class Saver:
         if self.job.coll.is_main:
             assert save is not None
             destination.committed(save, timings, started)
+            if self.on_committed is not None:
+                manifest = save.writer.manifest
+                size = manifest.total_bytes if manifest is not None else None
+                self.on_committed(step, time.monotonic() - started, size)
         else:
             destination.handed_in(step, writer, timings, started)
 

@@ -10,8 +10,8 @@ Every error becomes one line on stderr and a documented exit code, never a trace
 3     problems found (verification failed, gc or sync could not finish a run)
 4     storage error (unreachable, permission, rejected storage options, a URL that does not
       exist, a corrupt checkpoint)
-5     catalog error (unreachable database, outdated schema, unknown run for ``checkpoints``
-      and ``pin``)
+5     catalog error (unreachable database, outdated schema, unknown run for ``checkpoints``,
+      ``pin`` and ``goodput``)
 6     other Zephon error (invalid configuration, torch-side errors)
 70    internal error (a bug; ``ZEPHON_DEBUG=1`` shows the traceback)
 75    not finished yet (``gc``: deletions another process claimed, which this host cannot
@@ -359,6 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("run", type=parse_run)
         p.add_argument("step", type=parse_step)
         p.set_defaults(pin=pin)
+
+    p = add(
+        "goodput",
+        _command("cmd_goodput", "zephon.cli.goodput"),
+        "report a run's goodput: productive time, time lost to restarts, checkpoint stall",
+    )
+    p.add_argument("run", type=parse_run)
 
     p = add("db", "cmd_db", "manage the catalog schema")
     p.add_argument("db_command", choices=["upgrade", "current"])

@@ -89,6 +89,11 @@ class Destination:
     def close(self) -> None:
         """Every rank: stop background work and release what the destination opened."""
 
+    def backlog(self) -> tuple[int, float]:
+        """This rank's copies still to reach save_dir and the oldest one's age in seconds
+        (metrics: the tier's lag); ``(0, 0.0)`` for a destination that writes save_dir."""
+        return 0, 0.0
+
     # -- resuming ----------------------------------------------------------------------------
 
     def resume_candidate(self) -> int | None:

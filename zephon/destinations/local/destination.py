@@ -128,6 +128,11 @@ class TieredDestination(Destination):
         exception (``uploader.Uploader.wait_all``)."""
         self.uploader.wait_all()
 
+    def backlog(self) -> tuple[int, float]:
+        """Uploads pending on this rank (queued, running, failed to retry) and the age of the
+        oldest (``Uploader.backlog``)."""
+        return self.uploader.backlog()
+
     def close(self) -> None:
         """Stop the uploader (after its queue), release the local store."""
         self.uploader.close()

@@ -188,6 +188,16 @@ class Uploader(UploadProtocol):
         with self._cond:
             return self._pending
 
+    def backlog(self) -> tuple[int, float]:
+        """``(pending uploads, seconds since the oldest of them was saved)``: the tier's lag
+        behind save_dir, for metrics; ``(0, 0.0)`` when every upload is done."""
+        with self._cond:
+            jobs = [*self._incoming, *self._retrying, self._running]
+            starts = [job.started for job in jobs if job is not None and not job.void]
+            pending = self._pending
+        oldest = max(0.0, time.monotonic() - min(starts)) if starts else 0.0
+        return pending, oldest
+
     def wait_below(self, most: int) -> None:
         """Backpressure: wait while ``most`` or more uploads are pending (failed ones waiting
         for a retry count); raise if an uploader died."""
