@@ -172,7 +172,7 @@ class CheckpointManager:
                     exc,
                 )
 
-        tiered = self.config.local_dir is not None
+        tiered = self.config.tier is not None  # the memory tier or the local tier
         raise self._emergency.run(
             trigger,
             step,
