@@ -233,6 +233,9 @@ class Replica(Base):
         CheckConstraint(_in("state", ReplicaState), name="state"),
         CheckConstraint(_in("tier", ReplicaTier), name="tier"),
         CheckConstraint("step >= 0", name="step"),
+        # "a run's live copies on one tier" (a memory tier's nodes, a dashboard) without
+        # reading the rows of every step the run ever had, which stay as ``deleted``
+        Index("ix_checkpoint_replicas_run_id_tier_state", "run_id", "tier", "state"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -168,6 +168,7 @@ def test_every_known_phase_is_accepted(catalog, run):
     assert catalog.get_checkpoint(run, 2).timings == phases
     assert set(TIMING_PHASES) == {
         "stall_s", "stage_s", "write_s", "commit_s", "total_s", "local_s", "upload_s",
+        "memory_s", "replicate_s",
     }  # fmt: skip
 
 

@@ -1,0 +1,184 @@
+"""An emergency save on preemption: how long from SIGTERM to the save committed, its peer copies
+and upload done, and the job gone, against its grace period.
+
+    python benchmarks/emergency_save.py [--mib 1024] [--grace-s 30] [--delay-ms 30]
+                                        [--step-s 0.5] [--memory-root /dev/shm]
+
+Two simulated nodes of one gloo rank each, ``--mib`` MiB of state per rank (fp32 ``Shard(0)``
+DTensors), moto's S3 behind a proxy adding ``--delay-ms`` to every request as save_dir, a SQLite
+catalog, ``emergency_save: {signals: [SIGTERM], grace_s: --grace-s}`` and steps of ``--step-s``
+seconds. Once both ranks trained a step, SIGTERM goes to both (as a scheduler sends it) and the
+clock runs until both processes are gone. In one run:
+
+- with the memory tier: the save commits into host memory, then the job waits, for what is
+  left of the grace, for the peer copies and the upload to S3;
+- straight to S3 (no tier): the save itself goes to S3.
+
+Reported: the time to the commit (the emergency event's ``committed_s``), whether the upload
+finished within the grace, and signal to exit, each against the grace. Goal: the emergency save
+finishes within its grace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+from _common import REPO, join_group, servers, table
+from latency_proxy import LatencyProxy
+from local_tier import build_model, options_for
+
+BUCKET = "emergency"
+
+
+def worker(rank: int, world: int, port: int, config: dict) -> None:
+    import torch
+
+    from zephon import CheckpointingConfig, CheckpointManager, Preempted
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    join_group(rank, world, port, timeout=3600)
+    model = build_model(config["mib"], 50, world)
+    state = {"model": model}
+    extra = (
+        {"memory_tier": True, "memory_dir": os.path.join(config["memory_root"], f"node{rank}")}
+        if config["memory"]
+        else {}
+    )
+    checkpointing = CheckpointingConfig(
+        save_dir=f"s3://{BUCKET}/ckpt",
+        storage_options=options_for(config["endpoint"]),
+        catalog_url=config["catalog_url"],
+        period_steps="disable",
+        emergency_save={"signals": ["SIGTERM"], "grace_s": config["grace_s"]},
+        **extra,
+    )
+    with CheckpointManager(checkpointing, run_name=config["run"], total_steps=10**6) as manager:
+        manager.load_latest(state)
+        step = 0
+        try:
+            while True:
+                step += 1
+                time.sleep(config["step_s"])  # a training step
+                with torch.no_grad():
+                    for p in model.parameters():
+                        (p.to_local() if hasattr(p, "to_local") else p).add_(1.0)
+                manager.maybe_save(step, state)
+                if step == 1 and rank == 0:
+                    print("TRAINING", flush=True)
+        except Preempted as preempted:
+            print(f"PREEMPTED {preempted.step}", flush=True)
+            raise
+
+
+def one_case(config: dict, world: int) -> dict:
+    """Both ranks started; SIGTERM once rank 0 trained a step; until both are gone."""
+    port = servers.free_port()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    argv = [sys.executable, os.path.abspath(__file__), "--worker"]
+    procs = [
+        subprocess.Popen(
+            [*argv, str(rank), str(world), str(port), json.dumps(config)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    for line in procs[0].stdout:  # type: ignore[union-attr]
+        if line.startswith("TRAINING"):
+            break
+    time.sleep(1.0)
+    sent = time.monotonic()
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    outputs = [proc.communicate(timeout=3600)[0] for proc in procs]
+    gone = time.monotonic() - sent
+    codes = [proc.returncode for proc in procs]
+    if codes != [128 + signal.SIGTERM] * world:
+        raise SystemExit(f"exit codes {codes}:\n" + "\n".join(o[-3000:] for o in outputs))
+    from zephon.catalog import Catalog
+
+    with Catalog(config["catalog_url"]) as catalog:
+        [event] = [e for e in catalog.events(run=config["run"]) if e.action == "emergency_save"]
+    return {"gone_s": gone, **event.detail}
+
+
+def worker_entry() -> bool:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        rank, world, port, config = sys.argv[2:6]
+        worker(int(rank), int(world), int(port), json.loads(config))
+        return True
+    return False
+
+
+def main() -> None:
+    if worker_entry():
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=float, default=1024, help="state per rank")
+    parser.add_argument("--grace-s", type=float, default=30.0)
+    parser.add_argument("--delay-ms", type=float, default=30.0, help="added to every S3 request")
+    parser.add_argument("--step-s", type=float, default=0.5, help="one training step")
+    parser.add_argument("--memory-root", default="/dev/shm")
+    args = parser.parse_args()
+    world = 2
+    rows = []
+    loads = [os.getloadavg()[0]]
+    with (
+        servers.s3_server() as s3,
+        LatencyProxy(s3.endpoint_url, args.delay_ms) as proxy,
+        tempfile.TemporaryDirectory() as tmp,
+        tempfile.TemporaryDirectory(dir=args.memory_root, prefix="zephon-bench-") as memory_root,
+    ):
+        s3.create_bucket(BUCKET)
+        for memory in (True, False):
+            config = {
+                "endpoint": proxy.url,
+                "catalog_url": f"sqlite:///{tmp}/catalog.db",
+                "memory_root": memory_root,
+                "memory": memory,
+                "mib": args.mib,
+                "grace_s": args.grace_s,
+                "step_s": args.step_s,
+                "run": "memory" if memory else "s3",
+            }
+            result = one_case(config, world)
+            loads.append(os.getloadavg()[0])
+            label = "memory tier" if memory else "straight to S3"
+            rows.append(
+                (
+                    label,
+                    f"{result['committed_s']:.2f}",
+                    "yes" if result.get("uploaded") else "no",
+                    f"{result['gone_s']:.2f}",
+                    f"{result['gone_s'] / args.grace_s:.2f}",
+                )
+            )
+    print(
+        f"{dt.date.today()}: 2 nodes x 1 rank, {args.mib:g} MiB per rank, moto S3 behind a proxy "
+        f"adding {args.delay_ms:g} ms per request, grace_s {args.grace_s:g}, steps of "
+        f"{args.step_s:g} s; load average {' -> '.join(f'{x:.2f}' for x in loads)} (1 min)"
+    )
+    headers = (
+        "emergency save",
+        "committed (s)",
+        "uploaded within grace",
+        "signal to exit (s)",
+        "of grace",
+    )
+    print(table(rows, headers))
+
+
+if __name__ == "__main__":
+    main()
