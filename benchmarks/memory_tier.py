@@ -12,7 +12,8 @@ parameters (``Shard(0)`` DTensors). In one run:
 
 (a) blocked: ``CheckpointManager.save`` with ``memory_tier`` (returns once the save is
     committed in host memory; the peer copies and the upload go on in the background) vs the
-    same manager straight to S3. The slowest rank's call. Goal: <= 0.05x.
+    same manager straight to S3, each after the job's start (``load_latest``, which registers
+    its attempt), as in a job that saves many times. The slowest rank's call. Goal: <= 0.05x.
 (b) restart to the first step: a new ``CheckpointManager`` and ``load_latest``, then one
     training step, on every rank (the slowest), as a restarted job does once its processes
     are up (starting Python and torch is the same whatever the tier, and left out):
@@ -99,6 +100,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
     for repeat in range(config["repeats"]):
         for variant in ("s3", "memory") if repeat % 2 == 0 else ("memory", "s3"):
             job = manager(variant == "memory")
+            job.load_latest(state)  # a job's start: its attempt registered before it saves
             step += 1
             train_step()
             dist.barrier()
