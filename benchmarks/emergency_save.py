@@ -25,6 +25,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,7 +112,20 @@ def one_case(config: dict, world: int) -> dict:
 
     with Catalog(config["catalog_url"]) as catalog:
         [event] = [e for e in catalog.events(run=config["run"]) if e.action == "emergency_save"]
-    return {"gone_s": gone, **event.detail}
+    line = next((x for x in outputs[0].splitlines() if "emergency save of step" in x), "")
+    uploaded = re.search(r"and uploaded in ([0-9.]+) s", line)
+    return {
+        "gone_s": gone,
+        "uploaded_s": float(uploaded.group(1)) if uploaded else None,
+        **event.detail,
+    }
+
+
+def _uploaded(result: dict) -> str:
+    """When the upload ended after the signal's save began ("-": the save was the upload)."""
+    if not result.get("uploaded"):
+        return "no"
+    return "-" if result["uploaded_s"] is None else f"{result['uploaded_s']:.2f}"
 
 
 def worker_entry() -> bool:
@@ -160,7 +174,7 @@ def main() -> None:
                 (
                     label,
                     f"{result['committed_s']:.2f}",
-                    "yes" if result.get("uploaded") else "no",
+                    _uploaded(result),
                     f"{result['gone_s']:.2f}",
                     f"{result['gone_s'] / args.grace_s:.2f}",
                 )
@@ -173,7 +187,7 @@ def main() -> None:
     headers = (
         "emergency save",
         "committed (s)",
-        "uploaded within grace",
+        "uploaded within grace (s)",
         "signal to exit (s)",
         "of grace",
     )
