@@ -27,6 +27,7 @@ from zephon.destinations.memory.peer_protocol import (
     PeerUnavailableError,
     ProtocolError,
     check_relpath,
+    place,
     recv_frame,
     send_frame,
     tune_socket,
@@ -279,10 +280,8 @@ class PeerClient:
                     "nothing was written"
                 )
             try:
-                os.fsync(fd)
-                os.close(fd)
-                fd = -1
-                os.replace(part, dest_path)
+                fd, held = -1, fd
+                place(held, part, dest_path)
                 placed = True
             except OSError as error:
                 raise _Failed(f"cannot write {dest_path}: {error.strerror}") from None

@@ -22,6 +22,7 @@ The protocol, over one TCP connection per client, reused for many requests:
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import socket
 import struct
@@ -179,3 +180,14 @@ def check_relpath(relpath: object, *, allow_root: bool = False) -> str:
         if part.endswith(PART_SUFFIX):
             raise ValueError(f"path {shown} ends in {PART_SUFFIX}, kept for files in transfer")
     return relpath
+
+
+def place(fd: int, part: str, final: str) -> None:
+    """A received file whose size and CRC32C were checked: flushed to disk and closed (``fd``),
+    then renamed from its temporary name ``part`` to ``final`` (readers see all or nothing).
+    ``OSError`` as it comes; ``fd`` is closed either way."""
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(part, final)

@@ -27,6 +27,7 @@ from zephon.destinations.memory.peer_protocol import (
     VERSION,
     ProtocolError,
     check_relpath,
+    place,
     recv_frame,
     send_frame,
     tune_socket,
@@ -235,10 +236,8 @@ class PeerServer:
                     f"not the {request['crc32c']} declared; nothing was written"
                 )
             try:
-                os.fsync(fd)
-                os.close(fd)
-                fd = -1
-                os.replace(part, final)
+                fd, held = -1, fd
+                place(held, part, final)
                 placed = True
                 _fsync_directory(parent)
             except OSError as error:
