@@ -55,19 +55,10 @@ class TierConfig:
     memory_replicas: int = 1
 
     def __post_init__(self) -> None:
-        local = self.local_dir
-        if local is not None:
-            if not isinstance(local, str) or not local.strip():
-                raise self._fail("local_dir", "use a node-local directory, or leave it unset")
-            if "://" in local and not local.startswith("file://"):
-                raise self._fail(
-                    "local_dir",
-                    "use a plain path on a node-local disk (e.g. /local_nvme/ckpt); remote "
-                    "storage belongs in save_dir",
-                )
-            if local.startswith("file://"):
-                self.local_dir = local[len("file://") :]
-            self._check_its_own_directory(self.local_dir, "local_dir")
+        if self.local_dir is not None:
+            self.local_dir = self._own_path(
+                "local_dir", "a node-local directory", "a node-local disk (e.g. /local_nvme/ckpt)"
+            )
         for key in ("local_num_to_keep", "max_pending_uploads", "memory_num_to_keep"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_KEEP:
@@ -97,22 +88,28 @@ class TierConfig:
                 "a job with memory_tier keeps save_dir as its durable tier; unset local_dir "
                 "(or memory_tier)",
             )
-        memory = self.memory_dir
-        if memory is None:
+        if self.memory_dir is None:
             if self.memory_tier:
                 self.memory_dir = DEFAULT_MEMORY_DIR
             return
-        if not isinstance(memory, str) or not memory.strip():
-            raise self._fail("memory_dir", "use a directory in host memory, e.g. /dev/shm/zephon")
-        if "://" in memory and not memory.startswith("file://"):
+        self.memory_dir = self._own_path(
+            "memory_dir", "a directory in host memory", "a RAM disk (e.g. /dev/shm/zephon)"
+        )
+
+    def _own_path(self, key: str, what: str, where: str) -> str:
+        """``key``'s value as a plain local path (``file://`` stripped), checked to be a
+        directory of its own; a one-line error naming ``key`` for anything else."""
+        path = getattr(self, key)
+        if not isinstance(path, str) or not path.strip():
+            raise self._fail(key, f"use {what}, or leave it unset")
+        if "://" in path and not path.startswith("file://"):
             raise self._fail(
-                "memory_dir",
-                "use a plain path on a RAM disk (e.g. /dev/shm/zephon); remote storage belongs "
-                "in save_dir",
+                key, f"use a plain path on {where}; remote storage belongs in save_dir"
             )
-        if memory.startswith("file://"):
-            self.memory_dir = memory[len("file://") :]
-        self._check_its_own_directory(self.memory_dir, "memory_dir")
+        if path.startswith("file://"):
+            path = path[len("file://") :]
+        self._check_its_own_directory(path, key)
+        return path
 
     def _fail(self, key: str, allowed: str) -> Exception:
         return invalid_option(f"{self.prefix}.{key}", getattr(self, key), allowed)

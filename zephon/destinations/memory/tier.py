@@ -108,7 +108,7 @@ class MemoryTier(LocalTier):
         if self.nodes.leader:
             run_path = self.store.run(self.run).run_path()
             for step in steps:
-                shutil.rmtree(os.path.join(run_path, f"save-{step}"), ignore_errors=True)
+                _remove_step(os.path.join(run_path, f"save-{step}"))
         if tracker is not None:
             for step in steps:
                 for label in self.nodes.labels:
@@ -126,7 +126,7 @@ class MemoryTier(LocalTier):
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(run_path):
                 if name.startswith("save-") and name != f"save-{keep}":
-                    shutil.rmtree(os.path.join(run_path, name), ignore_errors=True)
+                    _remove_step(os.path.join(run_path, name))
                     with contextlib.suppress(ValueError):
                         gone.append(int(name[len("save-") :]))
         if tracker is not None:
@@ -153,8 +153,9 @@ class MemoryTier(LocalTier):
         return super().payload_path(manifest)
 
     def resume_url(self, step: int) -> str:
-        """The URL a resume of ``step`` reads (the assembled store's)."""
-        if self.resume_store is not None:
+        """The URL of this tier's copy of ``step``: the assembled store's for the save a
+        resume assembled, else this node's memory directory's."""
+        if self.resume_store is not None and self.resumed is not None and self.resumed.step == step:
             return self.resume_store.run(self.run).checkpoint_url(step)
         return self.checkpoint_url(step)
 
@@ -186,3 +187,11 @@ class MemoryTier(LocalTier):
         if self.nodes.leader:
             shutil.rmtree(self.resume_root, ignore_errors=True)
         super().close()
+
+
+def _remove_step(path: str) -> None:
+    """A step directory of a memory directory, its marker first (a marker never names files
+    that are already gone, even if the removal stops half-way)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(path, "_COMMIT"))
+    shutil.rmtree(path, ignore_errors=True)
