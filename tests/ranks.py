@@ -37,7 +37,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_ENV = "ZEPHON_RANK_CONFIG"
 RESULT = "RESULT "
 
-__all__ = ["CONFIG_ENV", "ROOT", "launch", "rank_config", "report", "serve", "store_config"]
+__all__ = [
+    "CONFIG_ENV",
+    "ROOT",
+    "launch",
+    "rank_config",
+    "report",
+    "serve",
+    "spawn",
+    "store_config",
+]
 
 
 # -- the test side --------------------------------------------------------------------------
@@ -55,6 +64,25 @@ def result_of(stdout: str) -> dict[str, Any] | None:
     return json.loads(lines[-1][len(RESULT) :]) if lines else None
 
 
+def spawn(module: str, world: int, config: dict[str, Any]) -> list[subprocess.Popen]:
+    """Start ``python -m module RANK WORLD PORT`` as ``world`` processes from the repository
+    root, ``config`` in ``$ZEPHON_RANK_CONFIG``, stdout and stderr piped as text."""
+    port = servers.free_port()
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, CONFIG_ENV: json.dumps(config)}
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", module, str(rank), str(world), str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+
+
 def launch(
     module: str,
     world: int,
@@ -67,20 +95,7 @@ def launch(
     ``config`` in ``$ZEPHON_RANK_CONFIG``, and return every surviving rank's record in rank
     order. The ranks in ``allow_killed`` must die of SIGKILL instead (their records are left
     out); ``timeout`` is how long each rank may take once the ones before it have ended."""
-    port = servers.free_port()
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, CONFIG_ENV: json.dumps(config)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", module, str(rank), str(world), str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
-    ]
+    procs = spawn(module, world, config)
     ranks = []
     try:
         for rank, proc in enumerate(procs):

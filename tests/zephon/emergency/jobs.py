@@ -8,20 +8,16 @@ SIGTERM to every rank or to one, and check the exit codes (143: preempted) after
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests import servers
-from tests.ranks import CONFIG_ENV, ROOT
+from tests.ranks import spawn
 
 __all__ = ["EMERGENCY_LINE", "Start", "start"]
 
@@ -99,19 +95,8 @@ def _read(who: Rank, stream, into: list[str], done: threading.Event) -> None:
 
 def start(config: dict[str, Any], world: int = 2) -> Start:
     """Run the training job as ``world`` ranks with ``config``."""
-    port = servers.free_port()
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, CONFIG_ENV: json.dumps(config)}
     ranks = []
-    for rank in range(world):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", MODULE, str(rank), str(world), str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    for proc in spawn(MODULE, world, config):
         who = Rank(proc)
         for stream, into in ((proc.stdout, who.out), (proc.stderr, who.err)):
             done = threading.Event()
