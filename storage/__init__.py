@@ -44,7 +44,7 @@ from zephon.storage.layout import (
     validate_run,
     validate_step,
 )
-from zephon.storage.parallel import concurrently
+from zephon.storage.parallel import ahead, concurrently
 from zephon.storage.redact import mask_url, redact, redact_options, secrets_in
 from zephon.storage.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 
@@ -160,6 +160,7 @@ __all__ = [
     "redact_options",
     "secrets_in",
     # requests sent together (storage.parallel)
+    "ahead",
     "concurrently",
     # backends and their primitives (storage.backends, storage.backend)
     "Backend",

@@ -7,15 +7,19 @@ trip (20-100 ms), so they go out together and the caller acts only once both ans
 The calls run on threads of their own, not on a store's executor: ``write_many`` may be
 holding every executor thread, and a thread pool created before a ``fork`` has no threads in
 the child. Two or three short-lived threads per save cost far less than one round trip.
+
+``ahead`` sends requests whose answer is needed later: the caller does other work (a load,
+a collective) meanwhile and waits on the future only when it needs the answer.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["concurrently"]
+__all__ = ["ahead", "concurrently"]
 
 
 def concurrently(*calls: Callable[[], Any]) -> list[Any]:
@@ -50,3 +54,21 @@ def concurrently(*calls: Callable[[], Any]) -> list[Any]:
         if error is not None:
             raise error
     return results
+
+
+def ahead(call: Callable[[], Any], name: str = "zephon-ahead") -> Future:
+    """Start ``call`` in a thread of its own now; its result (or exception) in the future.
+
+    The caller must wait on the future (``result()``) before it acts on what ``call`` does,
+    also when it gives up for another reason, so no request outlives the decision it serves.
+    """
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done

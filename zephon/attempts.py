@@ -27,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -35,7 +37,7 @@ from typing import Any, TypeVar
 from zephon import catalog as catalog_layer
 from zephon import storage
 from zephon.catalog import Catalog, CatalogUnavailableError
-from zephon.errors import SaveBelowLatestError, StaleAttemptError, as_zephon_error
+from zephon.errors import SaveBelowLatestError, StaleAttemptError, ZephonError, as_zephon_error
 from zephon.locations import RunLocation
 from zephon.outage import DebtBeingPaid, guard, record_missed
 from zephon.storage import AttemptRecord, Fence, Lineage
@@ -43,6 +45,8 @@ from zephon.storage import AttemptRecord, Fence, Lineage
 __all__ = [
     "UNREAD",
     "Attempt",
+    "PendingAttempt",
+    "Registration",
     "as_zephon_error",
     "claim",
     "decide",
@@ -59,6 +63,10 @@ T = TypeVar("T")
 UNREAD = object()
 
 log = logging.getLogger("zephon")
+
+#: attempt ids of this process's claims that were chosen on but are not written yet
+#: (``Registration``): ``mirror_lineage`` has nothing to learn from a lineage they head
+_UNWRITTEN: set[str] = set()
 
 #: how often ``register`` decides again when another start takes the epoch it wanted
 _REGISTER_TRIES = 5
@@ -136,29 +144,55 @@ def _register_in_catalog(catalog: Catalog, name: str, record: AttemptRecord) -> 
 def claim(location: RunLocation, catalog: Catalog | None, lineage: Lineage) -> Fence:
     """Claim the run's next epoch on storage and in the catalog: from here on every older
     attempt is fenced out, and nothing is abandoned yet (the attempt has not decided)."""
-    store, storage_run, name = location.store, location.storage_run, location.name
+    floor, online = _floor(location, catalog, lineage)
+    return _claim_at(location, catalog, lineage, floor, online)
+
+
+def _floor(
+    location: RunLocation,
+    catalog: Catalog | None,
+    lineage: Lineage,
+    committed: list[int] | None = None,
+) -> tuple[int, bool]:
+    """The lowest epoch the catalog allows the next claim (its attempts mirrored from storage
+    first, and steps committed without a row recorded: ``committed``, the run's committed
+    steps if already listed), and whether it answered; ``(1, False)`` without a catalog."""
+    if catalog is None:
+        return 1, False
+    outage = guard(catalog)
+
+    def catalog_floor() -> int:
+        outage.pay(location)
+        mirror_lineage(catalog, location, lineage)
+        record_missed(catalog, location, committed)
+        current = catalog.current_attempt(location.name)
+        return current.epoch + 1 if current is not None else 1
+
     with fenced():
-        floor, online = 1, catalog is not None
-        if catalog is not None:
-            outage = guard(catalog)
+        try:
+            return outage.call(catalog_floor), True
+        except (CatalogUnavailableError, DebtBeingPaid):
+            return 1, False  # storage alone hands out the epoch; the catalog mirrors it later
 
-            def catalog_floor() -> int:
-                outage.pay(location)
-                mirror_lineage(catalog, location, lineage)
-                record_missed(catalog, location)
-                current = catalog.current_attempt(name)
-                return current.epoch + 1 if current is not None else 1
 
-            try:
-                floor = outage.call(catalog_floor)
-            except (CatalogUnavailableError, DebtBeingPaid):
-                online = False  # storage alone hands out the epoch; the catalog mirrors it later
-        fence = store.run(storage_run).claim_attempt(after=lineage, min_epoch=floor)
+def _claim_at(
+    location: RunLocation,
+    catalog: Catalog | None,
+    lineage: Lineage,
+    floor: int,
+    online: bool,
+    attempt_id: str | None = None,
+) -> Fence:
+    """The claim's writes: the create-only attempt record, then its catalog row."""
+    with fenced():
+        fence = location.store.run(location.storage_run).claim_attempt(
+            after=lineage, min_epoch=floor, attempt_id=attempt_id
+        )
         if catalog is not None:
             _owe_unless_done(
                 catalog,
                 location,
-                lambda: _register_in_catalog(catalog, name, fence.record),
+                lambda: _register_in_catalog(catalog, location.name, fence.record),
                 online=online,
             )
     return fence
@@ -242,6 +276,100 @@ def register_resuming(
     raise last
 
 
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """An attempt's registration, begun: the lineage read and the epoch its claim will take.
+
+    ``register_resuming`` writes the claim, chooses, then writes the decision: on an object
+    store five requests one after another before the job may load anything. Begun here, the
+    job chooses on ``lineage`` (the lineage as it will be once this attempt holds its epoch,
+    undecided: the very ground ``register_resuming`` gives ``choose``), and
+    ``decide_in_background`` writes the claim and the decision while the job loads. Nothing
+    of the run is written before the claim lands, so the order of the protocol is unchanged
+    (docs/fencing.md); ``PendingAttempt.wait`` then confirms the writes before the job goes
+    on. Rank 0 only.
+    """
+
+    location: RunLocation
+    catalog: Catalog | None
+    #: the lineage as read, before the claim
+    read: Lineage
+    floor: int
+    online: bool
+    #: the attempt id its record will hold
+    attempt_id: str
+
+    @classmethod
+    def begin(cls, location: RunLocation, catalog: Catalog | None) -> Registration:
+        """Read the run's lineage (one listing, one read) and, with a catalog, its floor (the
+        listing of the run's committed steps goes out with the lineage's)."""
+        runstore = location.runstore
+        if catalog is None:
+            lineage, committed = runstore.lineage(), None
+        else:
+            lineage, committed = storage.concurrently(runstore.lineage, runstore.committed_steps)
+        floor, online = _floor(location, catalog, lineage, committed)
+        attempt_id = uuid.uuid4().hex
+        _UNWRITTEN.add(attempt_id)
+        return cls(location, catalog, lineage, floor, online, attempt_id)
+
+    @property
+    def lineage(self) -> Lineage:
+        """The lineage once this attempt has claimed its epoch, before it decides."""
+        epoch = max(self.read.epoch + 1, self.floor)
+        claimed = self.read.claim(self.location.storage_run, epoch, attempt_id=self.attempt_id)
+        return Lineage(claimed)
+
+    def decide_in_background(self, resumed_from: int | None) -> PendingAttempt:
+        """Start writing the claim and the decision to resume from ``resumed_from``."""
+        writes = storage.ahead(lambda: self._write(resumed_from), "zephon-register")
+        return PendingAttempt(self, resumed_from, writes)
+
+    def _write(self, resumed_from: int | None) -> Attempt | None:
+        """The claim, then the decision; None if another start claimed the epoch first."""
+        try:
+            fence = _claim_at(
+                self.location, self.catalog, self.read, self.floor, self.online, self.attempt_id
+            )
+        except StaleAttemptError:
+            return None
+        finally:
+            _UNWRITTEN.discard(self.attempt_id)
+        return decide(self.location, self.catalog, fence, resumed_from)
+
+
+class PendingAttempt:
+    """The claim and the decision of a ``Registration``, being written."""
+
+    def __init__(self, registration: Registration, resumed_from: int | None, writes: Future):
+        self.registration = registration
+        self.resumed_from = resumed_from
+        self._writes = writes
+
+    def written(self) -> Attempt | None:
+        """The attempt once its writes are done; None if another start claimed first."""
+        return self._writes.result()
+
+    def wait(self, choose: Callable[[Lineage], tuple[int | None, Any]]) -> Attempt:
+        """The registered attempt, once written. If another start claimed the epoch first,
+        the attempt registers again on the new lineage (``register_resuming``), where
+        ``choose`` must pick the same step, because the job has loaded it already; else
+        ``ZephonError``: the job restarts and chooses afresh."""
+        attempt = self.written()
+        if attempt is not None:
+            return attempt
+        location = self.registration.location
+        attempt, _ = register_resuming(location, self.registration.catalog, choose)
+        if attempt.resumed_from != self.resumed_from:
+            loaded, now = self.resumed_from, attempt.resumed_from
+            raise ZephonError(
+                f"run {location.name}: another start of the run registered while this job "
+                f"loaded {'nothing' if loaded is None else f'step {loaded}'}, and the run now "
+                f"resumes from {'nothing' if now is None else f'step {now}'}: restart the job"
+            )
+        return attempt
+
+
 def register_writer(
     location: RunLocation,
     catalog: Catalog | None,
@@ -274,6 +402,10 @@ def mirror_lineage(
     date (the usual case), none when the caller passes the run's ``current`` attempt record (or
     None) it just read."""
     if not lineage:
+        return False
+    if lineage.current.attempt_id in _UNWRITTEN:
+        # this process's own claim, chosen on before it is written: storage knows no more
+        # than the lineage its ``Registration`` read, which was mirrored then
         return False
     if current is UNREAD:
         current = catalog.current_attempt(location.name)

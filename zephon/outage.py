@@ -334,15 +334,19 @@ def ensure_run(catalog: Catalog, location: RunLocation, ensure: Callable[[], obj
     outage.defer(location, "run", run_row)
 
 
-def record_missed(catalog: Catalog, location: RunLocation) -> None:
+def record_missed(
+    catalog: Catalog, location: RunLocation, committed: list[int] | None = None
+) -> None:
     """At a job start: record what an earlier process of the run committed on storage while
     the catalog was down and could not report before it ended (a committed step above the
     catalog's newest committed row that it has no row of), by the one rule, before the new
     attempt chooses where it resumes: it would otherwise resume below them and abandon them.
-    One listing of the run's steps; the reconciliation only when something was missed."""
+    One listing of the run's steps (``committed``, if the caller listed them already); the
+    reconciliation only when something was missed."""
     from zephon.sync import SyncReport, reconcile_run  # sync imports the save path
 
-    committed = location.runstore.committed_steps()
+    if committed is None:
+        committed = location.runstore.committed_steps()
     if not committed:
         return
     try:

@@ -7,15 +7,17 @@ checkpoint come from the source checkpoint (``source``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from zephon import dcp as zdcp
-from zephon.attempts import register_resuming
+from zephon.attempts import PendingAttempt, Registration
 from zephon.checkpointing.damage import (
     DAMAGE,
     damage_on_any_rank,
@@ -36,7 +38,7 @@ from zephon.checkpointing.source import load_frozen_from_source
 from zephon.errors import ConfigError, ZephonError
 from zephon.latest import LatestCheckpoint, find_latest
 from zephon.state_tree import join_state, split_state, tensor_keys
-from zephon.storage import CheckpointStore, CorruptCheckpointError
+from zephon.storage import CheckpointStore, CorruptCheckpointError, ahead
 
 __all__ = ["LoadPlan", "Loader", "Resume", "ResumePoint"]
 
@@ -103,23 +105,43 @@ class Loader:
 
     def __init__(self, job: Job) -> None:
         self.job = job
+        #: rank 0: the attempt's lineage being read while the destination finds its copy
+        self._reading: Future | None = None
+        #: rank 0: the attempt's claim and decision being written while the job loads, with
+        #: the choice they confirm (``PendingAttempt.wait``)
+        self._pending: tuple[PendingAttempt, Callable] | None = None
 
     def load_latest(self, state: Mapping[str, Any], allow_partial_load: bool) -> Resume:
         """``CheckpointManager.load_latest`` (see there), after background work is done."""
         job, coll = self.job, self.job.coll
         destination = job.destination
-        local = destination.resume_candidate()
+        if coll.is_main and not job.reads_only_until_save:
+            # the lineage's two requests go out while the destination finds its copy
+            self._reading = ahead(lambda: Registration.begin(job.location, job.catalog))
+        try:
+            return self._load_latest(state, allow_partial_load, destination.resume_candidate())
+        except BaseException:
+            self._drain()
+            raise
+
+    def _load_latest(
+        self, state: Mapping[str, Any], allow_partial_load: bool, local: int | None
+    ) -> Resume:
+        job, coll = self.job, self.job.coll
+        destination = job.destination
         while True:
             # One process asks the catalog and reads the small JSON; the others get the answer.
             point: ResumePoint | None = coll.from_main(
                 lambda local=local: self._resume_point_on_main(local), "find the latest checkpoint"
             )
             if point is None:
+                self._registered()
                 return Resume(step=None, next_step=1)
             step = point.step
             saved_total = point.meta.get("total_steps")
             if job.total_steps is not None and step >= job.total_steps:
                 log.info(ALREADY_COMPLETE[job.kind])
+                self._registered()
                 if point.upload:  # the last step, never uploaded: upload it now
                     destination.persist_resumed(step)
                 return Resume(
@@ -138,6 +160,7 @@ class Loader:
             except Exception as exc:
                 problem = exc
             damaged = damage_on_any_rank(coll, problem)
+            self._registered()  # before anything is written: the upload, a quarantine
             if damaged is None:
                 if problem is not None:
                     raise problem
@@ -212,9 +235,12 @@ class Loader:
             if job.reads_only_until_save:  # no attempt until its first save (Job.current_attempt)
                 _, (latest, use_local) = choose(job.store.run(job.location.storage_run).lineage())
             else:
-                job.session.attempt, (latest, use_local) = register_resuming(
-                    job.location, job.catalog, choose
-                )
+                # Chosen on the lineage as it will be once claimed; the claim and the decision
+                # are written while every rank loads, and confirmed before the job goes on.
+                self._settle()  # a choice passed over (damaged): its registration first
+                registration = self._begin_registration()
+                step, (latest, use_local) = choose(registration.lineage)
+                self._pending = (registration.decide_in_background(step), choose)
             if use_local and local is not None:
                 try:
                     meta = self._read_meta(local, destination.resume_store)
@@ -238,6 +264,46 @@ class Loader:
                 continue
             job.session.note_loaded(latest.step)
             return ResumePoint(latest.step, latest.url, meta)
+
+    def _begin_registration(self) -> Registration:
+        """Rank 0: the registration whose lineage was read ahead, else read now."""
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            return reading.result()
+        return Registration.begin(self.job.location, self.job.catalog)
+
+    def _settle(self) -> None:
+        """Rank 0: wait for the attempt's claim and decision being written (``Registration``)
+        and hold the attempt in the session."""
+        if self._pending is None:
+            return
+        (pending, choose), self._pending = self._pending, None
+        self.job.session.attempt = pending.wait(choose)
+
+    def _drain(self) -> None:
+        """Rank 0, when the load stopped on an error: wait for the requests under way (their
+        own failures give way to that error), and hold the attempt if it was written."""
+        reading, self._reading = self._reading, None
+        pending, self._pending = self._pending, None
+        with contextlib.suppress(Exception):
+            if reading is not None:
+                reading.result()
+        with contextlib.suppress(Exception):
+            attempt = pending[0].written() if pending is not None else None
+            if attempt is not None:
+                self.job.session.attempt = attempt
+
+    def _registered(self) -> None:
+        """Collective: the job goes on only once rank 0's attempt is written (its failure is
+        raised on every rank)."""
+
+        def settle() -> None:
+            reading, self._reading = self._reading, None
+            if reading is not None:  # read ahead but not used (an inference job's start)
+                reading.result()
+            self._settle()
+
+        self.job.coll.from_main(settle, "register the job's attempt")
 
     def _read_meta(self, step: int, store: CheckpointStore) -> dict[str, Any]:
         """Checkpoint ``step``'s ``zephon.json``; ``CorruptCheckpointError`` if it is not one
