@@ -282,12 +282,12 @@ class Registration:
 
     ``register_resuming`` writes the claim, chooses, then writes the decision: on an object
     store five requests one after another before the job may load anything. Begun here, the
-    job chooses on ``lineage`` (the lineage as it will be once this attempt holds its epoch,
-    undecided: the very ground ``register_resuming`` gives ``choose``), and
-    ``decide_in_background`` writes the claim and the decision while the job loads. Nothing
-    of the run is written before the claim lands, so the order of the protocol is unchanged
-    (docs/fencing.md); ``PendingAttempt.wait`` then confirms the writes before the job goes
-    on. Rank 0 only.
+    job chooses ahead on ``lineage`` (the lineage as it will be once this attempt holds its
+    epoch, undecided) and starts loading, while ``decide_in_background`` writes the claim,
+    confirms the choice (an older attempt may have committed or deleted a checkpoint until
+    the claim fenced it out: then it chooses again) and writes the decision: the protocol's
+    order, claim then choice then decision, is kept (docs/fencing.md).
+    ``PendingAttempt.wait`` says whether the choice the job loaded still stands. Rank 0 only.
     """
 
     location: RunLocation
@@ -298,20 +298,19 @@ class Registration:
     online: bool
     #: the attempt id its record will hold
     attempt_id: str
+    #: the run's committed steps, listed with the lineage (before anything was chosen)
+    committed: list[int]
 
     @classmethod
     def begin(cls, location: RunLocation, catalog: Catalog | None) -> Registration:
-        """Read the run's lineage (one listing, one read) and, with a catalog, its floor (the
-        listing of the run's committed steps goes out with the lineage's)."""
+        """Read the run's lineage (one listing, one read) and list its committed steps (one
+        listing, sent with the lineage's), then the catalog's floor."""
         runstore = location.runstore
-        if catalog is None:
-            lineage, committed = runstore.lineage(), None
-        else:
-            lineage, committed = storage.concurrently(runstore.lineage, runstore.committed_steps)
+        lineage, committed = storage.concurrently(runstore.lineage, runstore.committed_steps)
         floor, online = _floor(location, catalog, lineage, committed)
         attempt_id = uuid.uuid4().hex
         _UNWRITTEN.add(attempt_id)
-        return cls(location, catalog, lineage, floor, online, attempt_id)
+        return cls(location, catalog, lineage, floor, online, attempt_id, committed)
 
     @property
     def lineage(self) -> Lineage:
@@ -320,13 +319,19 @@ class Registration:
         claimed = self.read.claim(self.location.storage_run, epoch, attempt_id=self.attempt_id)
         return Lineage(claimed)
 
-    def decide_in_background(self, resumed_from: int | None) -> PendingAttempt:
-        """Start writing the claim and the decision to resume from ``resumed_from``."""
-        writes = storage.ahead(lambda: self._write(resumed_from), "zephon-register")
-        return PendingAttempt(self, resumed_from, writes)
+    def decide_in_background(
+        self, chosen: int | None, choose: Callable[[Lineage], tuple[int | None, Any]]
+    ) -> PendingAttempt:
+        """Start the claim, the second choice (``choose`` on the claimed lineage) and its
+        decision; ``chosen`` is the step the job chose ahead and loads meanwhile."""
+        writes = storage.ahead(lambda: self._write(chosen, choose), "zephon-register")
+        return PendingAttempt(self, chosen, choose, writes)
 
-    def _write(self, resumed_from: int | None) -> Attempt | None:
-        """The claim, then the decision; None if another start claimed the epoch first."""
+    def _write(
+        self, chosen: int | None, choose: Callable[[Lineage], tuple[int | None, Any]]
+    ) -> Attempt | None:
+        """The claim, the choice confirmed, the decision; None if another start claimed
+        first."""
         try:
             fence = _claim_at(
                 self.location, self.catalog, self.read, self.floor, self.online, self.attempt_id
@@ -335,39 +340,55 @@ class Registration:
             return None
         finally:
             _UNWRITTEN.discard(self.attempt_id)
-        return decide(self.location, self.catalog, fence, resumed_from)
+        # Until the claim landed an older attempt could still commit or delete: if the run's
+        # committed steps are as they were before the choice, it did neither (a committed step
+        # is never rewritten, and retention never deletes the newest), so the choice stands;
+        # else choose again, now that it is fenced out.
+        step = chosen
+        if self.location.runstore.committed_steps() != self.committed:
+            step, _ = choose(fence.lineage)
+        return decide(self.location, self.catalog, fence, step)
 
 
 class PendingAttempt:
-    """The claim and the decision of a ``Registration``, being written."""
+    """The claim, choice and decision of a ``Registration``, being made."""
 
-    def __init__(self, registration: Registration, resumed_from: int | None, writes: Future):
+    def __init__(
+        self,
+        registration: Registration,
+        chosen: int | None,
+        choose: Callable[[Lineage], tuple[int | None, Any]],
+        writes: Future,
+    ) -> None:
         self.registration = registration
-        self.resumed_from = resumed_from
+        self.chosen = chosen
+        self._choose = choose
         self._writes = writes
 
     def written(self) -> Attempt | None:
         """The attempt once its writes are done; None if another start claimed first."""
         return self._writes.result()
 
-    def wait(self, choose: Callable[[Lineage], tuple[int | None, Any]]) -> Attempt:
-        """The registered attempt, once written. If another start claimed the epoch first,
-        the attempt registers again on the new lineage (``register_resuming``), where
-        ``choose`` must pick the same step, because the job has loaded it already; else
-        ``ZephonError``: the job restarts and chooses afresh."""
+    def wait(self) -> tuple[Attempt, bool]:
+        """The registered attempt, once written, and whether it resumes from the step chosen
+        ahead. If another start claimed the epoch first, the attempt registers again on the
+        new lineage (``register_resuming``). When the choice did not stand, the job must load
+        the attempt's ``resumed_from`` instead, or stop if that is nothing: ``ZephonError``
+        then, since the state it loaded cannot be unloaded."""
         attempt = self.written()
-        if attempt is not None:
-            return attempt
-        location = self.registration.location
-        attempt, _ = register_resuming(location, self.registration.catalog, choose)
-        if attempt.resumed_from != self.resumed_from:
-            loaded, now = self.resumed_from, attempt.resumed_from
-            raise ZephonError(
-                f"run {location.name}: another start of the run registered while this job "
-                f"loaded {'nothing' if loaded is None else f'step {loaded}'}, and the run now "
-                f"resumes from {'nothing' if now is None else f'step {now}'}: restart the job"
+        if attempt is None:
+            registration = self.registration
+            attempt, _ = register_resuming(
+                registration.location, registration.catalog, self._choose
             )
-        return attempt
+        stands = attempt.resumed_from == self.chosen
+        if not stands and attempt.resumed_from is None:
+            raise ZephonError(
+                f"run {self.registration.location.name}: step {self.chosen} left the run's "
+                "history while this job loaded it (another start of the run registered), so "
+                "the job would start afresh on a loaded state: restart the job"
+            )
+        return attempt, stands
 
 
 def register_writer(

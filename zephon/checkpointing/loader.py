@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,9 +107,8 @@ class Loader:
         self.job = job
         #: rank 0: the attempt's lineage being read while the destination finds its copy
         self._reading: Future | None = None
-        #: rank 0: the attempt's claim and decision being written while the job loads, with
-        #: the choice they confirm (``PendingAttempt.wait``)
-        self._pending: tuple[PendingAttempt, Callable] | None = None
+        #: rank 0: the attempt's claim, choice and decision being made while the job loads
+        self._pending: PendingAttempt | None = None
 
     def load_latest(self, state: Mapping[str, Any], allow_partial_load: bool) -> Resume:
         """``CheckpointManager.load_latest`` (see there), after background work is done."""
@@ -135,13 +134,15 @@ class Loader:
                 lambda local=local: self._resume_point_on_main(local), "find the latest checkpoint"
             )
             if point is None:
-                self._registered()
+                if not self._registered():
+                    continue  # an older attempt committed one meanwhile: choose again
                 return Resume(step=None, next_step=1)
             step = point.step
             saved_total = point.meta.get("total_steps")
             if job.total_steps is not None and step >= job.total_steps:
+                if not self._registered():
+                    continue
                 log.info(ALREADY_COMPLETE[job.kind])
-                self._registered()
                 if point.upload:  # the last step, never uploaded: upload it now
                     destination.persist_resumed(step)
                 return Resume(
@@ -160,7 +161,10 @@ class Loader:
             except Exception as exc:
                 problem = exc
             damaged = damage_on_any_rank(coll, problem)
-            self._registered()  # before anything is written: the upload, a quarantine
+            # Before anything is written (the upload, a quarantine): the attempt registered,
+            # and the step it chose once it fenced the older attempts out is the one loaded.
+            if not self._registered():
+                continue  # an older attempt committed or deleted meanwhile: choose again
             if damaged is None:
                 if problem is not None:
                     raise problem
@@ -240,7 +244,7 @@ class Loader:
                 self._settle()  # a choice passed over (damaged): its registration first
                 registration = self._begin_registration()
                 step, (latest, use_local) = choose(registration.lineage)
-                self._pending = (registration.decide_in_background(step), choose)
+                self._pending = registration.decide_in_background(step, choose)
             if use_local and local is not None:
                 try:
                     meta = self._read_meta(local, destination.resume_store)
@@ -272,13 +276,15 @@ class Loader:
             return reading.result()
         return Registration.begin(self.job.location, self.job.catalog)
 
-    def _settle(self) -> None:
-        """Rank 0: wait for the attempt's claim and decision being written (``Registration``)
-        and hold the attempt in the session."""
+    def _settle(self) -> bool:
+        """Rank 0: wait for the attempt's claim, choice and decision being made
+        (``Registration``), hold the attempt in the session, and say whether the choice the
+        job loaded stands (True when nothing was pending)."""
         if self._pending is None:
-            return
-        (pending, choose), self._pending = self._pending, None
-        self.job.session.attempt = pending.wait(choose)
+            return True
+        pending, self._pending = self._pending, None
+        self.job.session.attempt, stands = pending.wait()
+        return stands
 
     def _drain(self) -> None:
         """Rank 0, when the load stopped on an error: wait for the requests under way (their
@@ -289,21 +295,21 @@ class Loader:
             if reading is not None:
                 reading.result()
         with contextlib.suppress(Exception):
-            attempt = pending[0].written() if pending is not None else None
+            attempt = pending.written() if pending is not None else None
             if attempt is not None:
                 self.job.session.attempt = attempt
 
-    def _registered(self) -> None:
-        """Collective: the job goes on only once rank 0's attempt is written (its failure is
-        raised on every rank)."""
+    def _registered(self) -> bool:
+        """Collective: wait until rank 0's attempt is registered (its failure is raised on
+        every rank); whether the choice the job loaded stands."""
 
-        def settle() -> None:
+        def settle() -> bool:
             reading, self._reading = self._reading, None
             if reading is not None:  # read ahead but not used (an inference job's start)
                 reading.result()
-            self._settle()
+            return self._settle()
 
-        self.job.coll.from_main(settle, "register the job's attempt")
+        return self.job.coll.from_main(settle, "register the job's attempt")
 
     def _read_meta(self, step: int, store: CheckpointStore) -> dict[str, Any]:
         """Checkpoint ``step``'s ``zephon.json``; ``CorruptCheckpointError`` if it is not one

@@ -42,14 +42,19 @@ def test_a_local_resume_sends_only_the_claim_and_the_decision(s3_backend, tmp_pa
             resume, equal = loads(manager, 2)
             assert (resume.step, equal) == (2, True)
             assert resume.url.startswith(str(tmp_path / "local"))
-            # one listing of the run's steps (what a job that ended during a catalog outage
-            # committed without rows, docs/catalog.md), and no checkpoint's marker or payload
-            [listing] = save_dir_requests(proxy)
-            assert listing.startswith("GET ") and "list-type=2" in listing, listing
+            # the run's steps listed twice (with the lineage: what a job that ended during a
+            # catalog outage committed without rows, docs/catalog.md; after the claim: the
+            # choice made ahead still stands, docs/fencing.md), and no checkpoint's marker or
+            # payload
+            listings = save_dir_requests(proxy)
+            assert len(listings) == 2, listings
+            for listing in listings:
+                assert listing.startswith("GET ") and "list-type=2" in listing, listing
             methods = [line.split()[0] for line in proxy.request_lines]
-            # claim: the lineage (listing, the last decision), the create-only record;
-            # decision: the fence re-check (listing), the create-only decision
-            assert methods == ["GET", "GET", "GET", "PUT", "GET", "PUT"], proxy.request_lines
+            # claim: the lineage (listing, the last decision) with the steps' listing, the
+            # create-only record; the steps again; decision: the fence re-check (listing), the
+            # create-only decision
+            assert methods == ["GET", "GET", "GET", "PUT", "GET", "GET", "PUT"], proxy.request_lines
         # Without the local copy the same resume reads save_dir's marker (confirmed) and state.
         proxy.reset()
         nolocal = replace(cfg, local_dir=None)
