@@ -116,10 +116,10 @@ def spec(tmp_path: Path, name: str, **extra) -> dict:
     }
 
 
-def strip_tensors(save_dir: Path, step: int) -> None:
+def strip_tensors(save_dir: Path, step: int, run: str = "mem") -> None:
     """save_dir's copy of ``step`` keeps its marker but loses its tensor files."""
     removed = 0
-    for path in (save_dir / "mem" / f"save-{step}").rglob("*.distcp"):
+    for path in (save_dir / run / f"save-{step}").rglob("*.distcp"):
         path.unlink()
         removed += 1
     assert removed
