@@ -169,3 +169,26 @@ def test_a_damaged_local_copy_is_condemned_and_save_dir_is_loaded(tmp_path, capl
     assert torch.equal(fresh.weight, model.weight)
     assert local.is_condemned(2, save_id)  # there only: save_dir's copy is another one
     assert any("damaged" in r.getMessage() for r in caplog.records)
+
+
+def test_the_drop_in_writer_copies_into_local_dir_behind_memory(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    import zephon.dcp as zd
+
+    memory_dir, local_dir = str(tmp_path / "shm"), str(tmp_path / "nvme")
+    writer = zd.Writer(
+        f"{tmp_path / 'save_dir'}/run",
+        step=5,
+        memory_tier=True,
+        memory_dir=memory_dir,
+        local_dir=local_dir,
+    )
+    try:
+        dcp.save({"w": torch.arange(8.0)}, storage_writer=writer)
+        writer.wait_uploads()
+    finally:
+        writer.close()
+    for root in (memory_dir, local_dir, str(tmp_path / "save_dir")):
+        run = CheckpointStore(root).run("run")
+        assert run.committed_steps() == [5] and run.verify(5, deep=True).ok, root

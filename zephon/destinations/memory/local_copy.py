@@ -126,7 +126,7 @@ class LocalCopies:
             if doomed:
                 self.local.store.run(self.local.run).delete_many(doomed)
             return doomed
-        except StorageError as exc:
+        except Exception as exc:  # noqa: BLE001 - never the uploader's death; tried again
             log.warning("zephon: could not apply local_dir retention: %s", exc)
             return []
 
