@@ -3,7 +3,9 @@ memory"): the config takes both; a save lands in memory, then in local_dir (comm
 CRC32C), then on save_dir, with a replica row per tier; local_dir keeps
 ``local_num_to_keep``; a failed local copy is one warning and a failed row while the upload
 goes on; a resume whose memory is gone reads local_dir, and a damaged local copy gives way to
-save_dir. The multi-node resumes run as real processes in ``test_memory_resume.py``.
+save_dir; a memory save the lineage no longer admits gives way to the local copy; the drop-in
+Writer takes both tiers. The multi-node resumes run as real processes in
+``test_memory_local_resume.py``.
 """
 
 from __future__ import annotations
@@ -192,3 +194,37 @@ def test_the_drop_in_writer_copies_into_local_dir_behind_memory(tmp_path):
     for root in (memory_dir, local_dir, str(tmp_path / "save_dir")):
         run = CheckpointStore(root).run("run")
         assert run.committed_steps() == [5] and run.verify(5, deep=True).ok, root
+
+
+def test_a_memory_save_the_lineage_no_longer_admits_gives_way_to_the_local_copy(tmp_path):
+    """Attempt 1 saves step 2 everywhere, then step 4 in memory and on save_dir but not on
+    local disk (its local copy fails). Attempt 2, elsewhere, resumes from step 2 (save_dir's
+    step 4 is gone) and ends: attempt 1's step 4 left the run's history. Attempt 3, back on
+    the first node, finds step 4 complete in memory and step 2 on local disk: it loads the
+    local copy, neither the stale memory save nor save_dir."""
+    catalog_url = f"sqlite:///{tmp_path}/catalog.db"
+    config = _config(tmp_path, catalog_url)
+    model = nn.Linear(4, 2)
+    blocker = tmp_path / "nvme" / "tiny" / "save-4"
+    with zephon.CheckpointManager(config, run_name="tiny", total_steps=10) as manager:
+        _train(manager, model, [2])
+        at_two = {k: v.clone() for k, v in model.state_dict().items()}
+        blocker.write_text("a file where the step's directory goes")
+        _train(manager, model, [4])
+    blocker.unlink()
+    assert CheckpointStore(str(tmp_path / "shm")).run("tiny").committed_steps() == [4]
+    shutil.rmtree(tmp_path / "save_dir" / "tiny" / "save-4")
+    elsewhere = zephon.CheckpointingConfig(
+        save_dir=str(tmp_path / "save_dir"),
+        memory_tier=True,
+        memory_dir=str(tmp_path / "other"),
+        catalog_url=catalog_url,
+    )
+    with zephon.CheckpointManager(elsewhere, run_name="tiny", total_steps=10) as manager:
+        assert manager.load_latest({"model": nn.Linear(4, 2)}).step == 2
+    strip_tensors(tmp_path / "save_dir", 2, run="tiny")  # a load from save_dir would fail
+    fresh = nn.Linear(4, 2)
+    with zephon.CheckpointManager(config, run_name="tiny", total_steps=10) as manager:
+        resume = manager.load_latest({"model": fresh})
+    assert resume.step == 2 and resume.url.startswith(str(tmp_path / "nvme")), resume.url
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_two.items())
