@@ -7,7 +7,9 @@ the checkpoint manager and ``zephon.dcp.Writer`` save and resume through (docs/t
   directory and returns; every rank's uploader copies it to ``save_dir`` in the background;
 - ``memory.destination.MemoryDestination`` (``memory_tier``): a save commits into host memory
   on every node and returns; in the background each rank copies its part to peer nodes, then
-  uploads it to ``save_dir``; a resume assembles the fastest verified copies.
+  uploads it to ``save_dir``; a resume assembles the fastest verified copies; with a
+  ``local_dir`` too, ``memory.durable.DurableMemoryDestination`` copies each save there
+  before its upload, and a resume whose memory is gone reads it.
 
 This package sits below both ``zephon.checkpointing`` and ``zephon.dcp`` and imports neither
 (tests/test_layers.py). Importing it imports only the contract and ``TierConfig`` (the job
@@ -38,15 +40,20 @@ __all__ = [
 def choose_destination(
     session: RunSession, tier: TierConfig | None = None, coll: Collectives | None = None
 ) -> Destination:
-    """The destination of ``session``'s saves: the memory tier with ``tier.memory_tier``, the
-    local tier when ``tier`` names a ``local_dir`` (both collective: construct on every rank
-    at the same point, ``coll`` the job's process group), else direct."""
+    """The destination of ``session``'s saves: the memory tier with ``tier.memory_tier`` (and
+    ``local_dir`` behind it if set), the local tier when ``tier`` names a ``local_dir`` (both
+    collective: construct on every rank at the same point, ``coll`` the job's process group),
+    else direct."""
     if tier is None or not tier.enabled:
         from zephon.destinations.direct import DirectDestination
 
         return DirectDestination(session)
     if coll is None:
         raise ValueError("a tiered destination needs the job's process group (coll)")
+    if tier.memory_tier and tier.local_dir is not None:
+        from zephon.destinations.memory.durable import DurableMemoryDestination
+
+        return DurableMemoryDestination(session, tier, coll)
     if tier.memory_tier:
         from zephon.destinations.memory.destination import MemoryDestination
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tests import servers
 from tests.ranks import ROOT
-from tests.zephon.memory.memory_job import MEMORY_ENV, reference_losses
+from tests.zephon.memory.memory_job import LOCAL_ENV, MEMORY_ENV, reference_losses
 from tests.zephon.multinode.nodes import descendants
 
 STEPS = 6
@@ -31,14 +31,24 @@ PERIOD = 2
 CRASH = 4
 
 
-def launch(job: dict, memory_dirs: list[Path], nproc: int, expect: int, timeout: float = 240):
-    """One start of the job: a torchrun agent per node (static rendezvous on 127.0.0.1)."""
+def launch(
+    job: dict,
+    memory_dirs: list[Path],
+    nproc: int,
+    expect: int,
+    timeout: float = 240,
+    local_dirs: list[Path] | None = None,
+):
+    """One start of the job: a torchrun agent per node (static rendezvous on 127.0.0.1);
+    ``local_dirs``: each node's local disk, behind its memory."""
     port = servers.free_port()
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     procs = []
     for node, memory in enumerate(memory_dirs):
+        local = {LOCAL_ENV: str(local_dirs[node])} if local_dirs is not None else {}
         env = {
             **os.environ,
+            **local,
             "PYTHONPATH": path,
             MEMORY_ENV: str(memory),
             "OMP_NUM_THREADS": "1",
@@ -116,23 +126,32 @@ def spec(tmp_path: Path, name: str, **extra) -> dict:
     }
 
 
-def strip_tensors(save_dir: Path, step: int) -> None:
+def strip_tensors(save_dir: Path, step: int, run: str = "mem") -> None:
     """save_dir's copy of ``step`` keeps its marker but loses its tensor files."""
     removed = 0
-    for path in (save_dir / "mem" / f"save-{step}").rglob("*.distcp"):
+    for path in (save_dir / run / f"save-{step}").rglob("*.distcp"):
         path.unlink()
         removed += 1
     assert removed
 
 
 def crash_then_resume(
-    tmp_path, memory_dirs, *, lose=(), nproc=1, strip=True, unupload=False, **extra
+    tmp_path,
+    memory_dirs,
+    *,
+    lose=(),
+    nproc=1,
+    strip=True,
+    unupload=False,
+    local_dirs=None,
+    **extra,
 ):
     """``strip``: save_dir's copy of the crash step loses its tensors; ``unupload``: it is
-    gone altogether (its upload never happened)."""
+    gone altogether (its upload never happened); ``local_dirs``: each node's local disk,
+    kept whatever memory loses."""
     reference = reference_losses(len(memory_dirs) * nproc, STEPS)
     first = spec(tmp_path, "first", crash_after=CRASH, **extra)
-    launch(first, memory_dirs, nproc, expect=17)
+    launch(first, memory_dirs, nproc, expect=17, local_dirs=local_dirs)
     check_losses(Path(first["out"]), reference)
     assert max(step for step, _ in losses(Path(first["out"]))) == CRASH  # it died there
     for node in lose:
@@ -142,7 +161,7 @@ def crash_then_resume(
     elif strip:
         strip_tensors(tmp_path / "save_dir", CRASH)
     second = spec(tmp_path, "second", **extra)
-    log = launch(second, memory_dirs, nproc, expect=0)
+    log = launch(second, memory_dirs, nproc, expect=0, local_dirs=local_dirs)
     check_losses(Path(second["out"]), reference)
     return start_of(second), log
 

@@ -1,6 +1,6 @@
 """A tiny training job with the memory tier, run by ``torchrun`` on simulated nodes
 (``tests/zephon/memory/test_memory_resume.py``): every node's host memory is the directory
-in ``$ZEPHON_TEST_MEMORY_DIR``.
+in ``$ZEPHON_TEST_MEMORY_DIR``, its local disk (if any) ``$ZEPHON_TEST_LOCAL_DIR``.
 
 The model is replicated (every rank holds the same weights; the gradients are all-gathered and
 summed in rank order, so the same bits on any layout), each rank trains on data of its own, so a
@@ -30,6 +30,8 @@ from torch import nn
 import zephon
 
 MEMORY_ENV = "ZEPHON_TEST_MEMORY_DIR"
+#: the node's local disk behind its memory, if the test gives one
+LOCAL_ENV = "ZEPHON_TEST_LOCAL_DIR"
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +101,7 @@ def main(spec: dict) -> None:
         period_steps=spec["period"],
         memory_tier=spec.get("memory_tier", True),
         memory_dir=os.environ.get(MEMORY_ENV),
+        local_dir=os.environ.get(LOCAL_ENV),
         catalog_url=spec.get("catalog_url"),
     )
     out = spec["out"]

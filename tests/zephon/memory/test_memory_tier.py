@@ -128,7 +128,7 @@ def test_memory_tier_options_are_checked_in_one_line(tmp_path):
         ({"memory_dir": "s3://b/x"}, "memory_dir"),
         ({"memory_dir": save_dir}, "memory_dir"),
         ({"memory_tier": "yes"}, "memory_tier"),
-        ({"local_dir": str(tmp_path / "nvme")}, "local_dir"),
+        ({"memory_dir": str(tmp_path / "nvme"), "local_dir": str(tmp_path / "nvme")}, "local_dir"),
     ]:
         with pytest.raises(ConfigError) as caught:
             zephon.CheckpointingConfig(save_dir=save_dir, **{"memory_tier": True, **options})

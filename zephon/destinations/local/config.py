@@ -41,7 +41,9 @@ class TierConfig:
     ``memory_tier``: saves commit into host memory first (``memory_dir``, a RAM disk on each
     node), are copied to ``memory_replicas`` peer nodes and uploaded to save_dir in the
     background (docs/tiers.md, "The memory tier"); ``memory_num_to_keep`` memory checkpoints
-    are kept beyond those still waiting for their upload.
+    are kept beyond those still waiting for their upload. With both, ``local_dir`` is a
+    durable tier behind host memory: each save is copied there after the peer copies and
+    before the upload (docs/memory.md, "A local disk behind memory").
     """
 
     local_dir: str | None = None
@@ -82,19 +84,28 @@ class TierConfig:
             or not 1 <= replicas <= MAX_MEMORY_REPLICAS
         ):
             raise self._fail("memory_replicas", f"use an integer from 1 to {MAX_MEMORY_REPLICAS}")
-        if self.memory_tier and self.local_dir is not None:
-            raise self._fail(
-                "local_dir",
-                "a job with memory_tier keeps save_dir as its durable tier; unset local_dir "
-                "(or memory_tier)",
-            )
         if self.memory_dir is None:
             if self.memory_tier:
                 self.memory_dir = DEFAULT_MEMORY_DIR
-            return
-        self.memory_dir = self._own_path(
-            "memory_dir", "a directory in host memory", "a RAM disk (e.g. /dev/shm/zephon)"
-        )
+        else:
+            self.memory_dir = self._own_path(
+                "memory_dir", "a directory in host memory", "a RAM disk (e.g. /dev/shm/zephon)"
+            )
+        if self.memory_tier and self.local_dir is not None:
+            self._check_apart(self.memory_dir, self.local_dir)
+
+    def _check_apart(self, memory_dir: Any, local_dir: str) -> None:
+        """With both tiers, ``local_dir`` and ``memory_dir`` are directories apart: each tier
+        prunes its own directory (and the memory tier clears what an earlier job left in
+        it), so one inside the other would lose the other's checkpoints."""
+        memory, local = os.path.realpath(memory_dir), os.path.realpath(local_dir)
+        inside = local.startswith(memory + os.sep) or memory.startswith(local + os.sep)
+        if memory == local or inside:
+            raise self._fail(
+                "local_dir",
+                f"it overlaps memory_dir ({memory}); use a directory on a node-local disk "
+                "apart from host memory",
+            )
 
     def _own_path(self, key: str, what: str, where: str) -> str:
         """``key``'s value as a plain local path (``file://`` stripped), checked to be a

@@ -6,7 +6,7 @@ catalog records (``tracking.Tracker``) do the rest, behind the ``Destination`` c
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zephon.collectives import Collectives
 from zephon.destinations.base import Destination
@@ -52,6 +52,7 @@ class TieredDestination(Destination):
             retain=session.retain,
             num_to_keep=session.retention.num_to_keep,
             keep_every_steps=session.retention.keep_every_steps,
+            **self._uploader_options(),
         )
 
     #: the uploader of this tier's checkpoints to save_dir
@@ -63,6 +64,10 @@ class TieredDestination(Destination):
         """The tier's store (collective): ``local_dir`` of this node."""
         assert config.local_dir is not None
         return LocalTier(config.local_dir, name, run, coll, config.local_num_to_keep)
+
+    def _uploader_options(self) -> dict[str, Any]:
+        """More keyword arguments for ``uploader_class`` (a subclass's own collaborators)."""
+        return {}
 
     def checkpoint_url(self, step: int) -> str:
         return self.tier.checkpoint_url(step)
@@ -152,10 +157,7 @@ class TieredDestination(Destination):
     def prefers(self, candidate: int | None, lineage: Lineage, remote: int | None) -> bool:
         """Rank 0: whether the local ``candidate`` (every rank holds it) is still the local
         tier's newest under ``lineage`` and at least save_dir's latest ``remote``."""
-        if candidate is None or (remote is not None and remote > candidate):
-            return False
-        manifest = self.tier.candidate(lineage)
-        return manifest is not None and manifest.step == candidate
+        return self.tier.resumable(candidate, lineage, remote)
 
     def damaged(self, step: int, why: str) -> None:
         """Rank 0: the local copy of ``step`` failed verification: condemned there only."""

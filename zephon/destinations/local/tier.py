@@ -144,6 +144,14 @@ class LocalTier:
             log.warning("zephon: the local tier %s cannot be read: %s", self.store.url, exc)
             return None
 
+    def resumable(self, candidate: int | None, lineage: Lineage, remote: int | None) -> bool:
+        """Rank 0: whether the local ``candidate`` (every rank holds it) is still this store's
+        newest under ``lineage`` and at least save_dir's latest ``remote``."""
+        if candidate is None or (remote is not None and remote > candidate):
+            return False
+        manifest = self.candidate(lineage)
+        return manifest is not None and manifest.step == candidate
+
     def newest(self) -> int | None:
         """Rank 0: the newest local step whose marker parses and is not condemned, judged by
         no lineage yet (local disk only: the resume choice judges it after the claim)."""

@@ -7,5 +7,7 @@ then save_dir).
 - ``choice``: which save a resume can use, from every node's holdings;
 - ``peers``: the job's nodes, their ring and connections; ``peer_server``/``peer_client``:
   the transport (a token, paths confined to the directory, CRC32C checked on arrival);
-- ``tier``: the memory store; ``assembly``: the resume; ``destination``: the destination.
+- ``tier``: the memory store; ``assembly``: the resume; ``destination``: the destination;
+- ``local_copy`` and ``durable``: a ``local_dir`` behind memory (each save copied there before
+  its upload; a resume whose memory is gone reads it).
 """

@@ -63,6 +63,9 @@ class MemoryTier(LocalTier):
         #: the save a resume assembled (and the store it is in), until the job closes
         self.resumed: Candidate | None = None
         self.resume_store: CheckpointStore | None = None
+        #: rank 0: a copy a resume loaded from the tier behind memory (the local tier), its
+        #: manifest and payload path: what the upload of that step reads
+        self.loaded: tuple[Manifest, str] | None = None
         if self.nodes.leader:  # a resume's assembly of an earlier job: never read again
             shutil.rmtree(self.resume_root, ignore_errors=True)
 
@@ -137,11 +140,15 @@ class MemoryTier(LocalTier):
     # -- the save a resume assembled -----------------------------------------------------------
 
     def manifest(self, step: int) -> Manifest:
+        if self.loaded is not None and self.loaded[0].step == step:
+            return self.loaded[0]
         if self.resumed is not None and self.resume_store is not None and step == self.resumed.step:
             return self.resume_store.run(self.run).read_manifest(step)
         return super().manifest(step)
 
     def payload_path(self, manifest: Manifest) -> str:
+        if self.loaded is not None and self.loaded[0] == manifest:
+            return self.loaded[1]
         if (
             self.resumed is not None
             and self.resume_store is not None
