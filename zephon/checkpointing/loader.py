@@ -178,10 +178,10 @@ class Loader:
                     rank_state=rank_state,
                     saved_total_steps=saved_total,
                 )
-            if point.local:  # a damaged local copy: condemned there only, save_dir next
+            if point.local:  # a damaged copy of the destination's: condemned there only
                 if coll.is_main:
                     destination.damaged(step, damaged)
-                local = None
+                local = destination.next_candidate()  # its next copy (local disk), or save_dir
                 continue
             if job.config.on_corrupt == "fail":
                 if problem is not None:

@@ -101,6 +101,12 @@ class Destination:
         full (None: save_dir is loaded)."""
         return None
 
+    def next_candidate(self) -> int | None:
+        """Every rank, after the candidate failed to load (``damaged`` told rank 0): the step
+        of the next copy of this destination's own to try, the same on every rank (None:
+        save_dir is loaded)."""
+        return None
+
     def prefers(self, candidate: int | None, lineage: Lineage, remote: int | None) -> bool:
         """Rank 0: whether to resume from ``candidate`` rather than save_dir's latest
         ``remote``, judged by the run's ``lineage``."""

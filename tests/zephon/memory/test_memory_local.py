@@ -173,6 +173,39 @@ def test_a_damaged_local_copy_is_condemned_and_save_dir_is_loaded(tmp_path, capl
     assert any("damaged" in r.getMessage() for r in caplog.records)
 
 
+def _flip_a_tensor_byte(root) -> str:
+    """Flip a byte in the middle of the largest tensor of step 2 under ``root`` (read by the
+    load, CRC-checked); the save's id."""
+    run = CheckpointStore(str(root)).run("tiny")
+    reader = run.reader(2)
+    where = largest_tensor_slice(reader.read_bytes("dcp/dcp_metadata.json"), reader.url)
+    path = os.path.join(reader.path, where.file)
+    with open(path, "r+b") as damaged:
+        damaged.seek(where.offset + where.length // 2)
+        byte = damaged.read(1)[0]
+        damaged.seek(-1, os.SEEK_CUR)
+        damaged.write(bytes([byte ^ 0x01]))
+    return run.read_manifest(2).save_id
+
+
+def test_a_damaged_memory_copy_gives_way_to_the_local_copy_not_save_dir(tmp_path, caplog):
+    config = _config(tmp_path, f"sqlite:///{tmp_path}/catalog.db")
+    model = nn.Linear(4, 2)
+    with zephon.CheckpointManager(config, run_name="tiny", total_steps=10) as manager:
+        _train(manager, model, [1, 2])
+    _flip_a_tensor_byte(tmp_path / "shm")
+    strip_tensors(tmp_path / "save_dir", 2, run="tiny")  # a load from save_dir would fail
+    fresh = nn.Linear(4, 2)
+    with (
+        caplog.at_level(logging.WARNING, logger="zephon"),
+        zephon.CheckpointManager(config, run_name="tiny", total_steps=10) as manager,
+    ):
+        resume = manager.load_latest({"model": fresh})
+    assert resume.step == 2 and resume.url.startswith(str(tmp_path / "nvme")), resume.url
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    assert any("damaged" in r.getMessage() for r in caplog.records)
+
+
 def test_the_drop_in_writer_copies_into_local_dir_behind_memory(tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -127,6 +127,8 @@ class DurableMemoryDestination(MemoryDestination):
         self.remote = session.location
         #: where the resume candidate is (``_MEMORY``, ``_LOCAL``; None: save_dir)
         self.source: str | None = None
+        #: the local copy every rank holds (step, save id), gathered by ``resume_candidate``
+        self._local_held: tuple[int, str] | None = None
         self.local_step: int | None = None
         super().__init__(session, config, coll)
 
@@ -154,15 +156,29 @@ class DurableMemoryDestination(MemoryDestination):
         save the run's lineage no longer admits gives way to a local copy."""
         memory = super().resume_candidate()
         local = self.copies.candidate(self.coll)
+        self._local_held = local
         self.source = self._choose(memory, local)
         if self.source == _LOCAL:
-            assert local is not None
-            self.local_step = local[0]
-            self.tier.resumed = None  # the assembled save, if any, is not the one loaded
-            if self.coll.is_main:
-                log.info("zephon: step %d is in every rank's local_dir", local[0])
-            return local[0]
+            return self._take_local()
         return memory
+
+    def next_candidate(self) -> int | None:
+        """Every rank: after the memory copy failed to load, the local copy every rank holds
+        (the same answer everywhere: ``resume_candidate`` gathered it); None after that."""
+        if self.source == _MEMORY and self._local_held is not None:
+            return self._take_local()
+        self.source = None
+        return None
+
+    def _take_local(self) -> int:
+        local = self._local_held
+        assert local is not None
+        self.source = _LOCAL
+        self.local_step = local[0]
+        self.tier.resumed = None  # the assembled save, if any, is not the one loaded
+        if self.coll.is_main:
+            log.info("zephon: step %d is in every rank's local_dir", local[0])
+        return local[0]
 
     def _choose(self, memory: int | None, local: tuple[int, str] | None) -> str | None:
         """Every rank, the same answer: memory unless the local copy is newer, or memory's
