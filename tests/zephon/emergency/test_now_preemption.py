@@ -55,7 +55,13 @@ def reference(tmp_path_factory) -> list[list[str]]:
 
 
 def preempt_now(
-    tmp: Path, *, seed: int, again: bool = False, ballast_mb: int = 0, target: int | None = None
+    tmp: Path,
+    place: dict[str, Any],
+    *,
+    seed: int,
+    again: bool = False,
+    ballast_mb: int = 0,
+    target: int | None = None,
 ) -> tuple[int, Any, list[tuple[int, str, str]]]:
     """Start the job, wait for a random step to end, SIGTERM one rank (``target``, or a random
     one) at a random moment inside the next step (``again``: once more as soon as it said so);
@@ -66,7 +72,7 @@ def preempt_now(
     target = drawn if target is None else target
     delay = chance.uniform(0.2, 0.4) * STEP_S
     checkpointing = {
-        **local_place(tmp),
+        **place,
         "period_steps": 5,
         "num_to_keep": 3,
         "emergency_save": {"signals": ["SIGTERM"], "grace_s": 60, "when": "now"},
@@ -93,11 +99,11 @@ def preempt_now(
 
 
 def resume_and_compare(
-    tmp: Path, step: int, reference: list[list[str]], ballast_mb: int = 0
+    tmp: Path, place: dict[str, Any], step: int, reference: list[list[str]], ballast_mb: int = 0
 ) -> None:
     """A new start (short steps, no signal) resumes after ``step`` and runs to the end; the
     losses equal the uninterrupted run's."""
-    checkpointing = {**local_place(tmp), "period_steps": 5, "num_to_keep": 3}
+    checkpointing = {**place, "period_steps": 5, "num_to_keep": 3}
     job = start(job_config(tmp, checkpointing, 0.0, ballast_mb=ballast_mb))
     assert job.wait_for(0, "RESUMED") == f"RESUMED {step + 1}\n"
     for code, _, err in job.finish():
@@ -109,15 +115,17 @@ def resume_and_compare(
 def test_sigterm_to_one_rank_inside_a_long_step_saves_the_last_boundary_at_once(
     seed, tmp_path, reference
 ):
-    step, line, _ = preempt_now(tmp_path, seed=seed)
+    place = local_place(tmp_path)
+    step, line, _ = preempt_now(tmp_path, place, seed=seed)
     assert line["url"] == f"{tmp_path}/ckpt/{RUN}/save-{step}"
-    check_catalog(local_place(tmp_path), step)
-    resume_and_compare(tmp_path, step, reference)
+    check_catalog(place, step)
+    resume_and_compare(tmp_path, place, step, reference)
 
 
 def test_a_second_sigterm_during_the_save_is_ignored_and_tears_nothing(tmp_path, reference):
     # 128 MiB of ballast per rank: the save takes a while, the second signal lands inside it
-    step, _, results = preempt_now(tmp_path, seed=14, again=True, ballast_mb=128, target=0)
+    place = local_place(tmp_path)
+    step, _, results = preempt_now(tmp_path, place, seed=14, again=True, ballast_mb=128, target=0)
     err = results[0][2]
     ignored = err.index("zephon: SIGTERM again: ignored while the emergency save completes")
     assert ignored < err.index(f"emergency save of step {step} committed")  # during the save
@@ -127,5 +135,18 @@ def test_a_second_sigterm_during_the_save_is_ignored_and_tears_nothing(tmp_path,
         assert report.ok, report
     finally:
         store.close()
-    check_catalog(local_place(tmp_path), step)
-    resume_and_compare(tmp_path, step, reference, ballast_mb=128)
+    check_catalog(place, step)
+    resume_and_compare(tmp_path, place, step, reference, ballast_mb=128)
+
+
+def test_on_s3_through_the_local_tier_the_save_commits_locally_then_uploads(
+    tmp_path, reference, s3_place
+):
+    """The fastest tier: the save commits in local_dir at once, then the watchers wait for the
+    upload to save_dir within grace_s before the processes end."""
+    place = {**s3_place, "local_dir": str(tmp_path / "local")}
+    step, line, _ = preempt_now(tmp_path, place, seed=15)
+    assert line["uploaded"] and line["rest"] == ""
+    assert line["url"] == f"{s3_place['save_dir']}/{RUN}/save-{step}"
+    check_catalog(s3_place, step)
+    resume_and_compare(tmp_path, place, step, reference)
