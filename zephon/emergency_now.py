@@ -18,7 +18,7 @@ boundary:
 3. every watcher freezes its snapshot (the main thread's next boundary blocks before copying:
    it never overwrites buffers being saved), then the watchers agree on one step, the highest
    snapshot of any rank: a rank one boundary behind lets its main thread take that one
-   snapshot more (the barrier of step 1 makes that a matter of one copy, never of a step) and
+   snapshot more (the barrier of 1. makes that a matter of one copy, never of a step) and
    waits for a periodic save of the main thread to finish; all of it on process groups of
    their own (``Collectives`` made at manager start), never the training loop's;
 4. the save goes through the manager's one save path (``Saver`` on those groups: the fastest
