@@ -22,6 +22,12 @@ A second signal while the job heads for its emergency save is logged and ignored
 completes); a third restores the previous handler and delivers the signal again (by default the
 process ends at once: the save under way is then not committed, never torn).
 
+With ``when: now`` (steps too long to wait for the next boundary) the save does not wait for
+the training loop: ``zephon.emergency_now`` keeps a host copy of the state of the last step
+boundary and a thread per rank saves that copy as soon as any rank is signalled, then ends the
+process. This module holds what both share: the configuration, the handlers, the trigger and
+the save-then-line sequence (``EmergencySave.run``).
+
 This module imports no torch until a distributed agreement is made (``zephon.config`` imports
 the configuration part).
 """
@@ -42,13 +48,13 @@ from typing import Any
 
 from zephon.errors import ConfigError, invalid_option
 
-__all__ = ["WHEN", "EmergencySave", "EmergencySaveConfig", "Preempted", "Trigger"]
+__all__ = ["WHEN", "EmergencySave", "EmergencySaveConfig", "Preempted", "Trigger", "leave"]
 
 log = logging.getLogger("zephon")
 
-#: when the emergency save happens: at the next step boundary (``maybe_save``). ``now`` (an
-#: agreement without waiting for the boundary) is refused: see ``EmergencySaveConfig``.
-WHEN = ("step",)
+#: when the emergency save happens: at the next step boundary (``maybe_save``), or at once, of
+#: the state of the last boundary (``zephon.emergency_now``)
+WHEN = ("step", "now")
 #: signals a process cannot catch
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 _KEYS = ("signals", "grace_s", "when")
@@ -65,11 +71,11 @@ def _signal_number(name: str) -> int | None:
 class EmergencySaveConfig:
     """``trainer.checkpointing.emergency_save``: which signals trigger a save on preemption,
     how long the job may take to save and upload (``grace_s``, counted from the signal), and
-    when it saves (``"step"``: at the next ``maybe_save``).
+    when it saves (``"step"``: at the next ``maybe_save``; ``"now"``: at once, the state as it
+    was at the last ``maybe_save``, of which every ``maybe_save`` then keeps a host copy).
 
-    ``when: now`` is refused with a ``ConfigError``: a save must capture the state between two
-    steps, and only the training loop knows where that is; a save started by the signal itself
-    could capture an optimizer step half done.
+    A save never captures the state from inside a step (an optimizer step half done): ``now``
+    saves the copy taken at the last boundary, not the live state.
     """
 
     signals: tuple[str, ...] = ("SIGTERM",)
@@ -107,14 +113,10 @@ class EmergencySaveConfig:
                 f"{p}.grace_s", grace, f"use a number of seconds above 0, at most {MAX_GRACE_S:g}"
             )
         object.__setattr__(self, "grace_s", float(grace))
-        if self.when == "now":
-            raise ConfigError(
-                f"{p}.when = 'now' is not supported: a save must capture the state between two "
-                "steps, so it waits for the next maybe_save; use when: step (and shorter steps "
-                "or a longer grace_s)"
-            )
         if self.when not in WHEN:
-            raise invalid_option(f"{p}.when", self.when, 'use "step"')
+            raise invalid_option(
+                f"{p}.when", self.when, 'use "step" (the next step boundary) or "now"'
+            )
 
     @classmethod
     def of(cls, value: Any, prefix: str) -> EmergencySaveConfig | None:
@@ -172,19 +174,21 @@ class Trigger:
         return {"trigger": "emergency", "signal": self.signal}
 
 
+def leave(code: int) -> None:
+    """End the process with ``code`` now, after flushing the logs and the standard streams,
+    without running the native destructors (threads may be blocked in collectives of process
+    groups that would be torn down then: torch aborts the process when that happens)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def _exit_at_shutdown(code: int) -> None:
-    """End the process with ``code`` as the interpreter shuts down, before the native
-    destructors run: the uploads given up on still run on threads, some blocked in collectives
-    of process groups that are torn down then (torch aborts the process when that happens)."""
-
-    def leave() -> None:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
-    atexit.register(leave)
+    """``leave(code)`` as the interpreter shuts down: the uploads given up on still run on
+    threads."""
+    atexit.register(leave, code)
 
 
 def _say(text: str) -> None:
@@ -221,7 +225,10 @@ class EmergencySave:
         name = signal.Signals(number).name
         if self.seen is None:
             self.seen = (number, time.monotonic())
-            _say(f"zephon: {name}: emergency save at the next step boundary")
+            if self.config.when == "now":
+                _say(f"zephon: {name}: emergency save now, of the last step boundary's state")
+            else:
+                _say(f"zephon: {name}: emergency save at the next step boundary")
             return
         self.extra += 1
         if self.extra == 1:

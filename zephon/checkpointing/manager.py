@@ -96,6 +96,12 @@ class CheckpointManager:
         self._emergency = (
             EmergencySave(config.emergency_save) if config.emergency_save is not None else None
         )
+        #: ``when: now``: the boundary snapshots and the watcher thread (``zephon.emergency_now``)
+        self._now: Any = None
+        if self._emergency is not None and self._emergency.config.when == "now":
+            from zephon.emergency_now import NowSave  # torch-heavy: only when configured
+
+            self._now = NowSave(self._emergency, job, self._background, self._emergency_parts)
         #: ``period_steps: auto`` and rank 0's metrics (docs/goodput.md)
         self.instruments = Instruments(job, self._saver)
 
@@ -136,12 +142,32 @@ class CheckpointManager:
 
         With ``emergency_save`` configured this is a collective at every step (one tiny
         all-reduce): after a listed signal on any rank, every rank saves ``step`` and raises
-        ``zephon.Preempted`` (docs/manager.md, "Save on preemption")."""
+        ``zephon.Preempted`` (docs/manager.md, "Save on preemption"). With ``when: now`` it
+        also copies the state into host memory, the copy an emergency save takes at once."""
+        if self._now is not None:
+            return self._boundary_now(step, state, **kwargs)
         if self._emergency is not None:
             self._save_if_preempted(step, state, kwargs.get("rank_state"))
         if not self.should_save(step):
             return False
         self.save(step, state, **kwargs)
+        return True
+
+    def _boundary_now(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> bool:
+        """``maybe_save`` with ``when: now``: copy the state of ``step`` for an emergency save
+        (``zephon.emergency_now``), then the periodic save if due."""
+        will_save = self.should_save(step)
+        self._now.boundary(
+            step, lambda: self._saver.prepare(state, kwargs.get("rank_state")), will_save
+        )
+        if not will_save:
+            return False
+        ok = False
+        try:
+            self.save(step, state, **kwargs)
+            ok = True
+        finally:
+            self._now.snapshot.regular_done(ok)
         return True
 
     def _save_if_preempted(
@@ -153,11 +179,17 @@ class CheckpointManager:
         trigger = self._emergency.due(self.coll.group)
         if trigger is None:
             return
-        job = self._job
 
         def save() -> None:
             self._saver.save(step, state, rank_state, trigger.metadata)
             self._background.wait()  # an async save: its commit
+
+        raise self._emergency.run(trigger, step, save=save, **self._emergency_parts(step))
+
+    def _emergency_parts(self, step: int) -> dict[str, Any]:
+        """``EmergencySave.run``'s ``uploads``, ``where`` and ``record`` for a save of
+        ``step`` (both ``when`` settings)."""
+        job = self._job
 
         def record(detail: dict[str, Any]) -> None:
             catalog = self.catalog
@@ -173,18 +205,15 @@ class CheckpointManager:
                 )
 
         tiered = self.config.tier is not None  # the memory tier or the local tier
-        raise self._emergency.run(
-            trigger,
-            step,
-            save=save,
-            uploads=job.destination.wait if tiered else None,
-            where=lambda uploaded: (
+        return {
+            "uploads": job.destination.wait if tiered else None,
+            "where": lambda uploaded: (
                 job.location.checkpoint_url(step)
                 if uploaded or not tiered
                 else job.destination.checkpoint_url(step)
             ),
-            record=record if self.coll.is_main else None,
-        )
+            "record": record if self.coll.is_main else None,
+        }
 
     # -- save -------------------------------------------------------------------------------
 
@@ -280,6 +309,8 @@ class CheckpointManager:
         """Wait for background work, then release the stager, the local tier, the catalog, the
         process group and the store. After an emergency save whose upload ran out of grace
         time, nothing is waited for: the process is exiting, the next start uploads it."""
+        if self._now is not None:
+            self._now.close()
         if self._emergency is not None:
             self._emergency.close()
             if self._emergency.abandoned:

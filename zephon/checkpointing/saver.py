@@ -29,6 +29,7 @@ from zephon.checkpointing.files import (
 )
 from zephon.checkpointing.job import Job
 from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
+from zephon.collectives import Collectives
 from zephon.errors import ZephonError, as_zephon_error
 from zephon.saving import Save
 from zephon.state_tree import split_state, tensor_keys
@@ -52,11 +53,24 @@ class PreparedState:
 
 
 class Saver:
-    """Saves checkpoints of one ``Job``; async saves commit through ``background``."""
+    """Saves checkpoints of one ``Job``; async saves commit through ``background``.
 
-    def __init__(self, job: Job, background: Background) -> None:
+    ``coll`` is the process group the saves run on (default: the job's); an emergency save
+    made off the main thread (``zephon.emergency_now``) gives groups of its own, so it never
+    meets the training loop's collectives. ``asynchronous`` overrides ``async_save``."""
+
+    def __init__(
+        self,
+        job: Job,
+        background: Background,
+        *,
+        coll: Collectives | None = None,
+        asynchronous: bool | None = None,
+    ) -> None:
         self.job = job
         self.background = background
+        self.coll = coll if coll is not None else job.coll
+        self.asynchronous = job.config.async_save if asynchronous is None else asynchronous
         #: rank 0: told of each commit (step, seconds since the save began, bytes): metrics
         self.on_committed: Callable[[int, float, int | None], None] | None = None
 
@@ -66,19 +80,22 @@ class Saver:
         state: Mapping[str, Any],
         rank_state: Mapping[str, Any] | None,
         metadata: Mapping[str, Any] | None = None,
+        *,
+        prepared: PreparedState | None = None,
     ):
         """``CheckpointManager.save`` (see there); ``metadata``: more for the marker's (and
-        the catalog row's) metadata, e.g. an emergency save's trigger."""
-        job, coll = self.job, self.job.coll
+        the catalog row's) metadata, e.g. an emergency save's trigger; ``prepared``: this
+        rank's part, prepared earlier (a snapshot; ``state`` is then not read)."""
+        job, coll = self.job, self.coll
         started = time.monotonic()
         self.background.wait()
         #: the phases of this save, completed as they happen (the catalog row gets them)
         timings: dict[str, float] = {}
-        prepared: PreparedState | None = None
         problem: Exception | None = None
         try:
             job.destination.before_save()  # backpressure; a stale attempt stops here
-            prepared = self.prepare(state, rank_state)
+            if prepared is None:
+                prepared = self.prepare(state, rank_state)
         except Exception as exc:
             problem = exc
         # Doubles as the barrier before the save.
@@ -106,7 +123,7 @@ class Saver:
                 subdir=DCP_SUBDIR,
                 commit_metadata={**(metadata or {}), "step": step, "kind": job.kind},
             )
-            if job.config.async_save:
+            if self.asynchronous:
                 staging = time.monotonic()
                 future = zdcp.async_save(
                     prepared.tensors,
@@ -152,7 +169,7 @@ class Saver:
         # Models and optimizers are shared by all ranks (DCP reshards them); every other entry
         # is this rank's own, its tensors keyed under rank<r>/ so DCP keeps every rank's copy.
         tensors, shared = split_state(layout.state_tree(IN_PLACE))
-        own_tensors, own = split_state(layout.state_tree(PER_RANK), (f"rank{job.coll.rank}",))
+        own_tensors, own = split_state(layout.state_tree(PER_RANK), (f"rank{self.coll.rank}",))
         tensors.update(own_tensors)
         document: dict[str, Any] = {"state": own}
         if job.save_rng:
@@ -167,7 +184,7 @@ class Saver:
     def _write_json(self, writer: CheckpointWriter, step: int, prepared: PreparedState) -> None:
         """Every rank writes ``ranks/<rank>.json`` (rank 0 also ``zephon.json``); rank 0 then
         records every rank's file in the manifest."""
-        job, coll = self.job, self.job.coll
+        job, coll = self.job, self.coll
         entry, problem = None, None
         try:
             entry = writer.write_bytes(rank_file(coll.rank), encode_json(prepared.own))
@@ -204,7 +221,7 @@ class Saver:
         catalog row with its timings, then retention; the local tier: the local replica and
         the upload), every other rank its own part (the local tier uploads what it wrote)."""
         destination = self.job.destination
-        if self.job.coll.is_main:
+        if self.coll.is_main:
             assert save is not None
             destination.committed(save, timings, started)
             if self.on_committed is not None:
@@ -217,7 +234,7 @@ class Saver:
     def _failed(self, writer: CheckpointWriter, save: Save | None, exc: BaseException) -> None:
         """Rank 0: the save did not complete: fail it (its files and row), or abort the writer
         when no save began."""
-        if not self.job.coll.is_main:
+        if not self.coll.is_main:
             return
         if save is not None:
             self.job.destination.failed(save, exc)

@@ -46,13 +46,14 @@ class Start:
 
     ranks: list[Rank]
 
-    def wait_for(self, rank: int, prefix: str, timeout: float = 240) -> str:
-        """Wait until ``rank`` printed a line starting with ``prefix``; that line."""
+    def wait_for(self, rank: int, prefix: str, timeout: float = 240, *, err: bool = False) -> str:
+        """Wait until ``rank`` printed a line starting with ``prefix`` (``err``: on stderr);
+        that line."""
         who = self.ranks[rank]
         deadline = time.monotonic() + timeout
         with who.changed:
             while True:
-                for line in who.out:
+                for line in who.err if err else who.out:
                     if line.startswith(prefix):
                         return line
                 left = deadline - time.monotonic()

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import random
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.servers import postgres_database
 from tests.zephon.emergency.jobs import EMERGENCY_LINE, start
 from zephon.catalog import Catalog
 from zephon.storage import CheckpointStore
@@ -59,19 +56,6 @@ def reference(tmp_path_factory) -> list[str]:
     shown = losses(tmp)
     assert all(len(text.splitlines()) == TOTAL for text in shown)
     return shown
-
-
-@pytest.fixture
-def s3_place(s3, postgres_url) -> Iterator[dict[str, Any]]:
-    """save_dir on moto's S3 with a PostgreSQL catalog."""
-    bucket = f"zt-pre-{uuid.uuid4().hex[:8]}"
-    s3.create_bucket(bucket)
-    with postgres_database(postgres_url) as catalog_url:
-        yield {
-            "save_dir": f"s3://{bucket}/ckpt",
-            "storage_options": s3.storage_options(),
-            "catalog_url": catalog_url,
-        }
 
 
 def local_place(tmp: Path) -> dict[str, Any]:

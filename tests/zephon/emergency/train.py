@@ -6,7 +6,9 @@ tests.zephon.emergency.train RANK WORLD PORT``, its configuration (JSON) in
 - ``run``, ``total_steps``, ``step_s`` (a pause in the middle of each optimizer update, so a
   signal often lands between its two halves), ``losses`` (a path prefix: each rank appends
   ``<step> <loss as float.hex>`` to ``<losses>.<rank>``), ``slow_save_s`` (each save's state
-  capture pauses this long after printing ``IN_SAVE``, so a test can signal during a save).
+  capture pauses this long after printing ``IN_SAVE``, so a test can signal during a save),
+  ``ballast_mb`` (a tensor of this many MiB in the state, constant: a save that takes a while
+  without a pause in the state's capture, for ``when: now``, whose capture is at the boundary).
 
 Each step: the same data for a given (step, rank), dropout from the global RNG (restored on
 resume), gradients averaged over the ranks in a fixed order, then two Adam optimizers update
@@ -61,6 +63,9 @@ def main() -> None:
     second = torch.optim.Adam(params[2:], lr=1e-2)
     progress = SlowProgress(float(config.get("slow_save_s", 0)))
     state = {"model": model, "first": first, "second": second, "progress": progress}
+    ballast = int(config.get("ballast_mb", 0))
+    if ballast:
+        state["ballast"] = torch.ones(ballast * 2**18)  # float32: 4 bytes each
     torch.manual_seed(99 + rank)  # dropout differs per rank; each rank's RNG is saved
     checkpointing = zephon.CheckpointingConfig(**config["checkpointing"])
     total, pause = int(config["total_steps"]), float(config["step_s"])
