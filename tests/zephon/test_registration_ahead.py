@@ -32,13 +32,22 @@ def chooser(location, catalog):
     return choose
 
 
-def test_a_choice_nothing_moved_is_decided_as_made(catalog, store_backend):
+def chosen_ahead(catalog, store_backend, steps):
+    """A run whose first attempt committed ``steps``, and a second start that read the
+    lineage and chose ahead: (location, the first attempt, the registration, its choice, the
+    rule)."""
     location = make_run(catalog, store_backend)
     old = start(location, catalog)
-    save_step(old, 10, catalog)
+    for step in steps:
+        save_step(old, step, catalog)
     registration = Registration.begin(location, catalog)
     choose = chooser(location, catalog)
     chosen, _ = choose(registration.lineage)
+    return location, old, registration, chosen, choose
+
+
+def test_a_choice_nothing_moved_is_decided_as_made(catalog, store_backend):
+    location, old, registration, chosen, choose = chosen_ahead(catalog, store_backend, [10])
     assert chosen == 10
     attempt, stands = registration.decide_in_background(chosen, choose).wait()
     assert stands and attempt.resumed_from == 10
@@ -50,12 +59,7 @@ def test_a_choice_nothing_moved_is_decided_as_made(catalog, store_backend):
 def test_a_step_the_older_attempt_commits_before_the_claim_is_chosen_instead(
     catalog, store_backend
 ):
-    location = make_run(catalog, store_backend)
-    old = start(location, catalog)
-    save_step(old, 10, catalog)
-    registration = Registration.begin(location, catalog)
-    choose = chooser(location, catalog)
-    chosen, _ = choose(registration.lineage)
+    location, old, registration, chosen, choose = chosen_ahead(catalog, store_backend, [10])
     save_step(old, 20, catalog)  # still unfenced: the claim has not landed
     attempt, stands = registration.decide_in_background(chosen, choose).wait()
     # claim first, then choice: 20 was committed before the older attempt was fenced out, so
@@ -65,13 +69,7 @@ def test_a_step_the_older_attempt_commits_before_the_claim_is_chosen_instead(
 
 
 def test_a_step_the_older_attempt_deletes_before_the_claim_is_not_decided(catalog, store_backend):
-    location = make_run(catalog, store_backend)
-    old = start(location, catalog)
-    save_step(old, 10, catalog)
-    save_step(old, 20, catalog)
-    registration = Registration.begin(location, catalog)
-    choose = chooser(location, catalog)
-    chosen, _ = choose(registration.lineage)
+    location, _, registration, chosen, choose = chosen_ahead(catalog, store_backend, [10, 20])
     assert chosen == 20
     location.runstore.delete(20)  # as the older attempt's retention or a gc would
     catalog.mark_missing("r", 20)
@@ -80,12 +78,7 @@ def test_a_step_the_older_attempt_deletes_before_the_claim_is_not_decided(catalo
 
 
 def test_another_start_claiming_first_is_fenced_out_by_a_second_claim(catalog, store_backend):
-    location = make_run(catalog, store_backend)
-    old = start(location, catalog)
-    save_step(old, 10, catalog)
-    registration = Registration.begin(location, catalog)
-    choose = chooser(location, catalog)
-    chosen, _ = choose(registration.lineage)
+    location, _, registration, chosen, choose = chosen_ahead(catalog, store_backend, [10])
     other = register(location, catalog, lineage=location.runstore.lineage(), resumed_from=10)
     attempt, stands = registration.decide_in_background(chosen, choose).wait()
     assert stands and attempt.resumed_from == 10
@@ -94,12 +87,7 @@ def test_another_start_claiming_first_is_fenced_out_by_a_second_claim(catalog, s
 
 
 def test_a_loaded_step_another_start_abandoned_stops_the_job(catalog, store_backend):
-    location = make_run(catalog, store_backend)
-    old = start(location, catalog)
-    save_step(old, 10, catalog)
-    registration = Registration.begin(location, catalog)
-    choose = chooser(location, catalog)
-    chosen, _ = choose(registration.lineage)
+    location, _, registration, chosen, choose = chosen_ahead(catalog, store_backend, [10])
     # another start of the run claims first and starts afresh: step 10 leaves the history
     register(location, catalog, lineage=location.runstore.lineage(), resumed_from=None)
     pending = registration.decide_in_background(chosen, choose)
@@ -108,11 +96,7 @@ def test_a_loaded_step_another_start_abandoned_stops_the_job(catalog, store_back
 
 
 def test_a_fresh_start_chosen_ahead_sees_a_step_committed_before_the_claim(catalog, store_backend):
-    location = make_run(catalog, store_backend)
-    old = start(location, catalog)
-    registration = Registration.begin(location, catalog)
-    choose = chooser(location, catalog)
-    chosen, _ = choose(registration.lineage)
+    _, old, registration, chosen, choose = chosen_ahead(catalog, store_backend, [])
     assert chosen is None
     save_step(old, 10, catalog)
     attempt, stands = registration.decide_in_background(chosen, choose).wait()

@@ -148,31 +148,6 @@ def test_a_resume_without_memory_reads_local_dir_and_never_save_dir(tmp_path):
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
 
 
-def test_a_damaged_local_copy_is_condemned_and_save_dir_is_loaded(tmp_path, caplog):
-    config, model = _saved_then_memory_lost(tmp_path, f"sqlite:///{tmp_path}/catalog.db")
-    local = CheckpointStore(str(tmp_path / "nvme")).run("tiny")
-    save_id = local.read_manifest(2).save_id
-    # a byte in the middle of the largest tensor's elements (read by the load, CRC-checked)
-    reader = local.reader(2)
-    where = largest_tensor_slice(reader.read_bytes("dcp/dcp_metadata.json"), reader.url)
-    path = os.path.join(reader.path, where.file)
-    with open(path, "r+b") as damaged:
-        damaged.seek(where.offset + where.length // 2)
-        byte = damaged.read(1)[0]
-        damaged.seek(-1, os.SEEK_CUR)
-        damaged.write(bytes([byte ^ 0x01]))
-    fresh = nn.Linear(4, 2)
-    with (
-        caplog.at_level(logging.WARNING, logger="zephon"),
-        zephon.CheckpointManager(config, run_name="tiny", total_steps=10) as manager,
-    ):
-        resume = manager.load_latest({"model": fresh})
-    assert resume.step == 2 and resume.url.startswith(str(tmp_path / "save_dir")), resume.url
-    assert torch.equal(fresh.weight, model.weight)
-    assert local.is_condemned(2, save_id)  # there only: save_dir's copy is another one
-    assert any("damaged" in r.getMessage() for r in caplog.records)
-
-
 def _flip_a_tensor_byte(root) -> str:
     """Flip a byte in the middle of the largest tensor of step 2 under ``root`` (read by the
     load, CRC-checked); the save's id."""
@@ -186,6 +161,22 @@ def _flip_a_tensor_byte(root) -> str:
         damaged.seek(-1, os.SEEK_CUR)
         damaged.write(bytes([byte ^ 0x01]))
     return run.read_manifest(2).save_id
+
+
+def test_a_damaged_local_copy_is_condemned_and_save_dir_is_loaded(tmp_path, caplog):
+    config, model = _saved_then_memory_lost(tmp_path, f"sqlite:///{tmp_path}/catalog.db")
+    local = CheckpointStore(str(tmp_path / "nvme")).run("tiny")
+    save_id = _flip_a_tensor_byte(tmp_path / "nvme")
+    fresh = nn.Linear(4, 2)
+    with (
+        caplog.at_level(logging.WARNING, logger="zephon"),
+        zephon.CheckpointManager(config, run_name="tiny", total_steps=10) as manager,
+    ):
+        resume = manager.load_latest({"model": fresh})
+    assert resume.step == 2 and resume.url.startswith(str(tmp_path / "save_dir")), resume.url
+    assert torch.equal(fresh.weight, model.weight)
+    assert local.is_condemned(2, save_id)  # there only: save_dir's copy is another one
+    assert any("damaged" in r.getMessage() for r in caplog.records)
 
 
 def test_a_damaged_memory_copy_gives_way_to_the_local_copy_not_save_dir(tmp_path, caplog):
