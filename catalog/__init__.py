@@ -69,6 +69,7 @@ _LAZY = {
         for name in ("Action", "Decision", "ResumePoint", "RetentionPlan", "plan_retention")
     },
     "UNSET": "zephon.catalog.runs",
+    **{name: "zephon.catalog.roles.overview" for name in ("RunPage", "SaveRow")},
     **{
         name: "zephon.catalog.lookup" for name in ("PROBED_STATES", "CatalogLatest", "latest_alone")
     },
@@ -156,6 +157,7 @@ __all__ = [
     "RunExistsError",
     "RunKind",
     "RunNotFoundError",
+    "RunPage",
     "RunRecord",
     "RunStatus",
     "RunSummary",
@@ -163,6 +165,7 @@ __all__ = [
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaUnversionedError",
+    "SaveRow",
     "FencedOutError",
     "StateConflictError",
     "SyncOutcome",

@@ -370,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("db", "cmd_db", "manage the catalog schema")
     p.add_argument("db_command", choices=["upgrade", "current"])
 
+    from zephon.cli import ui as ui_command
+
+    ui_command.register(add)
     _add_torch_commands(add)
     return parser
 

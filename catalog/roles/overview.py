@@ -1,0 +1,155 @@
+"""``Catalog``'s batch reads for dashboards (``zephon ui``): a page of runs with their
+aggregates, and the save rows and attempts of several runs at once.
+
+Each method is one read transaction whose cost is bounded by the runs asked for, never by the
+whole catalog: a dashboard over 1,000 runs of 1,000 checkpoints reads one page of runs, and
+the goodput inputs of that page only (two queries, not one per run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import Float, cast, func, select
+
+from zephon.catalog import runs as run_rows
+from zephon.catalog import validate
+from zephon.catalog.models import Attempt, Checkpoint, Run
+from zephon.catalog.records import AttemptRecord, RunRecord, RunSummary
+from zephon.catalog.session_base import CatalogBase
+
+__all__ = ["OverviewMethods", "RunPage", "SaveRow"]
+
+#: most runs one page may hold (and runs one batch read may name)
+MAX_PAGE = 500
+
+
+@dataclass(frozen=True, slots=True)
+class RunPage:
+    """One page of runs by name: ``total`` runs match (all pages), ``runs`` are this page's
+    summaries (``offset`` to ``offset + limit``)."""
+
+    total: int
+    offset: int
+    limit: int
+    runs: list[RunSummary]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRow:
+    """The goodput inputs of one checkpoint row: its ``step``, the attempt that armed it
+    (``epoch``), when it began and committed, and its ``stall_s`` (0 when not timed)."""
+
+    step: int
+    epoch: int
+    created_at: datetime
+    committed_at: datetime | None
+    stall_s: float
+
+
+def _epoch_seconds(column, dialect: str):
+    """A timestamp column as seconds since 1970 (a float), computed by the database: turning
+    100,000 stored timestamps into datetimes in Python costs more than the query itself."""
+    if dialect == "sqlite":
+        return (func.julianday(column) - 2440587.5) * 86400.0
+    return func.extract("epoch", column)
+
+
+def _stall(dialect: str):
+    if dialect == "sqlite":
+        return func.json_extract(Checkpoint.timings, "$.stall_s")
+    return cast(Checkpoint.timings.op("->>")("stall_s"), Float)
+
+
+def _time(seconds: float | None) -> datetime | None:
+    return None if seconds is None else datetime.fromtimestamp(float(seconds), UTC)
+
+
+class OverviewMethods(CatalogBase):
+    """The batch reads of a dashboard; every one reads, none writes."""
+
+    def run_page(self, *, offset: int = 0, limit: int = 50, status: str | None = None) -> RunPage:
+        """Runs ``offset`` to ``offset + limit`` by name (only those in ``status``, if given),
+        with the aggregates of ``list_runs``, and how many runs match in all."""
+        offset = validate.integer("offset", offset, minimum=0)
+        limit = validate.integer("limit", limit, minimum=1, maximum=MAX_PAGE)
+        if status is not None:
+            status = validate.status(status)
+        with self._transaction("list a page of runs", write=False) as transaction:
+            count = select(func.count()).select_from(Run)
+            if status is not None:
+                count = count.where(Run.status == status)
+            total = transaction.session.execute(count).scalar_one()
+            rows = run_rows.summaries(transaction.session, status, offset=offset, limit=limit)
+            summaries = [
+                RunSummary(
+                    run=RunRecord.of(row.run),
+                    committed_count=row.committed_count,
+                    committed_bytes=row.committed_bytes,
+                    latest_step=row.latest_step,
+                    pending_count=row.pending_count,
+                    last_activity=max(filter(None, (row.run.updated_at, row.last_update))),
+                    latest_timings=row.latest_timings,
+                )
+                for row in rows
+            ]
+        return RunPage(total=total, offset=offset, limit=limit, runs=summaries)
+
+    def save_rows(self, runs: Sequence[str]) -> dict[str, list[SaveRow]]:
+        """Every checkpoint row of each of ``runs`` (at most ``MAX_PAGE`` names), as
+        ``SaveRow``s in step order, in one query; a run the catalog does not know maps to
+        an empty list."""
+        names = self._names(runs)
+        dialect = self.dialect
+        statement = (
+            select(
+                Run.name,
+                Checkpoint.step,
+                Checkpoint.epoch,
+                _epoch_seconds(Checkpoint.created_at, dialect),
+                _epoch_seconds(Checkpoint.committed_at, dialect),
+                _stall(dialect),
+            )
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Run.name.in_(names))
+            .order_by(Checkpoint.run_id, Checkpoint.step)
+        )
+        found: dict[str, list[SaveRow]] = {name: [] for name in names}
+        with self._transaction("read the saves of runs", write=False) as transaction:
+            for name, step, epoch, created, committed, stall in transaction.session.execute(
+                statement
+            ):
+                created_at = _time(created)
+                assert created_at is not None  # created_at is NOT NULL
+                stall_s = float(stall) if isinstance(stall, int | float) else 0.0
+                found[name].append(
+                    SaveRow(step, epoch, created_at, _time(committed), max(0.0, stall_s))
+                )
+        return found
+
+    def attempts_of(self, runs: Sequence[str]) -> dict[str, list[AttemptRecord]]:
+        """The registered attempts of each of ``runs`` (at most ``MAX_PAGE`` names), ascending
+        epoch, in one query; a run without any (or unknown) maps to an empty list."""
+        names = self._names(runs)
+        statement = (
+            select(Run.name, Attempt)
+            .join(Run, Run.id == Attempt.run_id)
+            .where(Run.name.in_(names))
+            .order_by(Attempt.run_id, Attempt.epoch)
+        )
+        found: dict[str, list[AttemptRecord]] = {name: [] for name in names}
+        with self._transaction("read the attempts of runs", write=False) as transaction:
+            for name, row in transaction.session.execute(statement):
+                found[name].append(AttemptRecord.of(row, name))
+        return found
+
+    @staticmethod
+    def _names(runs: Sequence[str]) -> list[str]:
+        if isinstance(runs, str):
+            raise TypeError("runs must be a sequence of run names, not one name")
+        names = list(dict.fromkeys(validate.run_name(name) for name in runs))
+        if len(names) > MAX_PAGE:
+            validate.integer("number of runs", len(names), maximum=MAX_PAGE)
+        return names

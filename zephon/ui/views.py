@@ -1,0 +1,206 @@
+"""What each page of ``zephon ui`` shows, as plain JSON-ready dicts read from a read-only
+``Catalog``: the HTML pages render them, the ``/api/...`` endpoints return them as they are.
+
+Costs are bounded by what a page shows: the runs page reads one page of runs (default 50)
+and their save rows in two batch queries (``Catalog.run_page``, ``save_rows``,
+``attempts_of``); a run's page reads that run only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from zephon.catalog import TIMING_PHASES, Catalog, CheckpointRecord, ReplicaRecord
+from zephon.goodput import AttemptSpan, SaveSpan, compute, from_catalog
+
+__all__ = ["PAGE_SIZE", "RunFilter", "run_view", "runs_view"]
+
+PAGE_SIZE = 50
+#: phases drawn as the stacked bars of a save's duration (total_s is their sum, stall_s is
+#: drawn as its own line: it overlaps the others)
+PHASES = tuple(p for p in TIMING_PHASES if p not in ("total_s", "stall_s"))
+#: states a retention view groups rows by
+RETENTION = ("committed", "pinned", "deleting", "deleted", "stale")
+DAMAGED = ("corrupt", "failed")
+
+
+def _iso(at: datetime | None) -> str | None:
+    return at.isoformat(timespec="milliseconds") if at is not None else None
+
+
+def _goodput_of(run: str, attempts, saves, record) -> dict[str, Any]:
+    spans = [
+        AttemptSpan(
+            a.epoch, min(a.started_at, a.registered_at), a.registered_at, a.resumed_from, a.decided
+        )
+        for a in attempts
+    ]
+    if not spans:
+        first = min([record.created_at, *(s.created_at for s in saves)])
+        spans = [AttemptSpan(0, first, first, None)]
+    save_spans = [SaveSpan(s.step, s.epoch, s.created_at, s.committed_at, s.stall_s) for s in saves]
+    ended = record.updated_at if record.status == "finished" else None
+    return compute(run, spans, save_spans, ended_at=ended).to_dict()
+
+
+def runs_view(catalog: Catalog, *, page: int = 1, status: str | None = None) -> dict[str, Any]:
+    """The runs page: one page of runs by name with state, latest checkpoint and goodput.
+
+    Goodput here is computed from the checkpoint rows and attempts of the page's runs (two
+    batch queries); a run's own page gives the figure of ``zephon goodput``, which also reads
+    the audit log (when each attempt decided where to resume)."""
+    offset = (page - 1) * PAGE_SIZE
+    found = catalog.run_page(offset=offset, limit=PAGE_SIZE, status=status)
+    names = [s.run.name for s in found.runs]
+    saves = catalog.save_rows(names) if names else {}
+    attempts = catalog.attempts_of(names) if names else {}
+    rows = []
+    for summary in found.runs:
+        run = summary.run
+        rows.append(
+            {
+                "name": run.name,
+                "status": run.status,
+                "kind": run.kind,
+                "epoch": run.epoch,
+                "total_steps": run.total_steps,
+                "latest_step": summary.latest_step,
+                "committed": summary.committed_count,
+                "committed_bytes": summary.committed_bytes,
+                "pending": summary.pending_count,
+                "latest_stall_s": (summary.latest_timings or {}).get("stall_s"),
+                "last_activity": _iso(summary.last_activity),
+                "goodput": _goodput_of(run.name, attempts[run.name], saves[run.name], run),
+            }
+        )
+    pages = max(1, -(-found.total // PAGE_SIZE))
+    return {
+        "page": page,
+        "pages": pages,
+        "page_size": PAGE_SIZE,
+        "total": found.total,
+        "status": status,
+        "runs": rows,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class RunFilter:
+    """A run page's filters, all in its URL: a time range of save starts (``since`` and
+    ``until``, aware datetimes) and checkpoint ``states`` (empty: every state)."""
+
+    since: datetime | None = None
+    until: datetime | None = None
+    states: tuple[str, ...] = ()
+
+    def keeps(self, row: CheckpointRecord) -> bool:
+        return (
+            (self.since is None or row.created_at >= self.since)
+            and (self.until is None or row.created_at <= self.until)
+            and (not self.states or row.state in self.states)
+        )
+
+
+def _replica_lag(copies: list[ReplicaRecord]) -> dict[str, Any]:
+    """Tiers of one step and its upload lag: from the fast tier's commit (local or memory)
+    to the save_dir copy's commit; None while the upload is not done."""
+    fast = [c for c in copies if c.tier != "save_dir" and c.committed_at is not None]
+    shared = [c for c in copies if c.tier == "save_dir" and c.committed_at is not None]
+    lag = None
+    if fast and shared:
+        first = min(c.committed_at for c in fast if c.committed_at is not None)
+        done = max(c.committed_at for c in shared if c.committed_at is not None)
+        lag = max(0.0, (done - first).total_seconds())
+    return {
+        "tiers": [
+            {"tier": c.tier, "host": c.host, "state": c.state, "committed_at": _iso(c.committed_at)}
+            for c in copies
+        ],
+        "upload_lag_s": lag,
+    }
+
+
+def _checkpoint(row: CheckpointRecord, copies: list[ReplicaRecord]) -> dict[str, Any]:
+    metadata = row.metadata or {}
+    return {
+        "step": row.step,
+        "state": row.state,
+        "epoch": row.epoch,
+        "pinned": row.pinned,
+        "bytes": row.bytes,
+        "trigger": metadata.get("trigger") or "periodic",
+        "created_at": _iso(row.created_at),
+        "committed_at": _iso(row.committed_at),
+        "timings": row.timings or {},
+        "failure_reason": row.failure_reason,
+        "path": row.path,
+        **_replica_lag(copies),
+    }
+
+
+def _attempts(records, checkpoints: list[dict[str, Any]], emergencies: set[int]):
+    """Each attempt with what became of it: ``restarted`` when a later attempt followed,
+    ``preempted`` when it made an emergency save, and the work a restart lost: the steps it
+    saved above where the next attempt resumed."""
+    out = []
+    for index, attempt in enumerate(records):
+        own = [c for c in checkpoints if c["epoch"] == attempt.epoch]
+        reached = max((c["step"] for c in own), default=attempt.resumed_from)
+        following = records[index + 1] if index + 1 < len(records) else None
+        lost_steps = 0
+        if following is not None and following.decided and reached is not None:
+            floor = following.resumed_from if following.resumed_from is not None else 0
+            lost_steps = max(0, reached - floor)
+        out.append(
+            {
+                "epoch": attempt.epoch,
+                "host": attempt.host,
+                "pid": attempt.pid,
+                "started_at": _iso(attempt.started_at),
+                "resumed_from": attempt.resumed_from,
+                "decided": attempt.decided,
+                "reached_step": reached,
+                "saves": len(own),
+                "restarted": following is not None,
+                "preempted": attempt.epoch in emergencies,
+                "lost_steps": lost_steps,
+            }
+        )
+    return out
+
+
+def run_view(catalog: Catalog, name: str, where: RunFilter | None = None) -> dict[str, Any]:
+    """A run's page: its record, goodput (``zephon goodput``'s figures), the timeline of its
+    saves in ``where``'s range, tiers and upload lag, attempts, retention and damage."""
+    where = where or RunFilter()
+    record = catalog.get_run(name)
+    rows = catalog.list_checkpoints(name)
+    copies: dict[int, list[ReplicaRecord]] = {}
+    for replica in catalog.replicas(name):
+        copies.setdefault(replica.step, []).append(replica)
+    attempts = catalog.list_attempts(name)
+    figures = from_catalog(catalog, name).to_dict()
+    every = [_checkpoint(row, copies.get(row.step, [])) for row in rows]
+    shown = [c for c, row in zip(every, rows, strict=True) if where.keeps(row)]
+    emergencies = {c["epoch"] for c in every if c["trigger"] == "emergency"}
+    states = Counter(c["state"] for c in every)
+    retention = {state: states.get(state, 0) for state in RETENTION if state != "pinned"}
+    retention["pinned"] = sum(1 for c in every if c["pinned"])
+    return {
+        "run": {**record.to_dict(), "config": None},
+        "goodput": figures,
+        "filter": {
+            "since": _iso(where.since),
+            "until": _iso(where.until),
+            "states": list(where.states),
+        },
+        "checkpoints": shown,
+        "phases": [p for p in PHASES if any(p in c["timings"] for c in shown)],
+        "attempts": _attempts(attempts, every, emergencies),
+        "retention": retention,
+        "damaged": [c for c in every if c["state"] in DAMAGED],
+        "emergency_steps": [c["step"] for c in every if c["trigger"] == "emergency"],
+    }
