@@ -60,7 +60,7 @@ def _epoch_seconds(column, dialect: str):
 def _stall(dialect: str):
     if dialect == "sqlite":
         return func.json_extract(Checkpoint.timings, "$.stall_s")
-    return cast(Checkpoint.timings.op("->>")("stall_s"), Float)
+    return cast(func.jsonb_extract_path_text(Checkpoint.timings, "stall_s"), Float)
 
 
 def _time(seconds: float | None) -> datetime | None:
@@ -151,5 +151,5 @@ class OverviewMethods(CatalogBase):
             raise TypeError("runs must be a sequence of run names, not one name")
         names = list(dict.fromkeys(validate.run_name(name) for name in runs))
         if len(names) > MAX_PAGE:
-            validate.integer("number of runs", len(names), maximum=MAX_PAGE)
+            validate.integer("number of runs", len(names), minimum=0, maximum=MAX_PAGE)
         return names
