@@ -45,14 +45,20 @@ def register(add) -> None:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
+    from zephon.cli import EXIT_USAGE, _fail
     from zephon.locations import resolve_catalog_url
-    from zephon.ui.server import serve
+    from zephon.ui.server import AddressRefused, serve
 
-    serve(
-        resolve_catalog_url(args.catalog),
-        host=args.host,
-        port=args.port,
-        allow_remote=args.allow_remote,
-        refresh_s=args.refresh,
-    )
+    try:
+        serve(
+            resolve_catalog_url(args.catalog),
+            host=args.host,
+            port=args.port,
+            allow_remote=args.allow_remote,
+            refresh_s=args.refresh,
+        )
+    except AddressRefused as exc:  # a refused --host is a usage error: nothing was opened
+        return _fail(exc, EXIT_USAGE)
+    except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: not an error
+        pass
     return EXIT_OK

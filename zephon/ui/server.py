@@ -16,7 +16,11 @@ from zephon.catalog import Catalog, mask_url
 from zephon.errors import ConfigError, ZephonError
 from zephon.ui.access import MIN_TOKEN_LENGTH, TOKEN_ENV, is_loopback
 
-__all__ = ["access_token", "bind", "serve"]
+__all__ = ["AddressRefused", "access_token", "bind", "serve"]
+
+
+class AddressRefused(ConfigError):
+    """A ``--host`` the dashboard may not listen on as asked (``zephon ui`` exits 2)."""
 
 
 def access_token(host: str, allow_remote: bool) -> str | None:
@@ -26,18 +30,17 @@ def access_token(host: str, allow_remote: bool) -> str | None:
     if is_loopback(host):
         return None
     if not allow_remote:
-        raise ConfigError(
+        raise AddressRefused(
             f"--host {host} is not a loopback address: the dashboard would be reachable from "
             f"other machines; add --allow-remote and set {TOKEN_ENV} to a secret of at least "
             f"{MIN_TOKEN_LENGTH} characters, or keep the default --host 127.0.0.1"
         )
     token = os.environ.get(TOKEN_ENV, "")
     if len(token) < MIN_TOKEN_LENGTH:
-        raise ConfigError(
-            f"--allow-remote needs a token: set {TOKEN_ENV} to a secret of at least "
-            f"{MIN_TOKEN_LENGTH} characters (it is "
-            f"{'unset' if not token else 'too short'}), e.g. "
-            f'export {TOKEN_ENV}="$(python3 -c "import secrets; print(secrets.token_urlsafe())")"'
+        raise AddressRefused(
+            f"--allow-remote needs a secret in the environment variable {TOKEN_ENV}, at least "
+            f"{MIN_TOKEN_LENGTH} characters long (now {'too short' if token else 'unset'}); "
+            "make one with: python3 -c 'import secrets; print(secrets.token_urlsafe())'"
         )
     return token
 
