@@ -57,7 +57,8 @@ function tiers(data) {
     traces.push({ name: `on ${tier}`, type: "scatter", mode: "markers", yaxis: "y2",
       x: held.map((c) => c.step), y: held.map(() => tier), marker: { symbol: "square", size: 9 } });
   }
-  return { traces, layout: { xaxis: { title: "step" }, yaxis: { title: "upload lag (s)" },
+  return { traces, layout: { margin: { ...LAYOUT.margin, r: 80 }, xaxis: { title: "step" },
+    yaxis: { title: "upload lag (s)" },
     yaxis2: { overlaying: "y", side: "right", type: "category" } } };
 }
 
