@@ -69,7 +69,7 @@ _LAZY = {
         for name in ("Action", "Decision", "ResumePoint", "RetentionPlan", "plan_retention")
     },
     "UNSET": "zephon.catalog.runs",
-    **{name: "zephon.catalog.roles.overview" for name in ("RunPage", "SaveRow")},
+    **{name: "zephon.catalog.roles.overview" for name in ("AttemptSaves", "RunPage", "SaveRow")},
     **{
         name: "zephon.catalog.lookup" for name in ("PROBED_STATES", "CatalogLatest", "latest_alone")
     },
@@ -132,6 +132,7 @@ __all__ = [
     "UNSET",
     "Action",
     "AttemptRecord",
+    "AttemptSaves",
     "AttemptRegistration",
     "Catalog",
     "CatalogDatabaseError",

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import Float, cast, func, select
+from sqlalchemy import Float, and_, cast, func, select
+from sqlalchemy.orm import aliased
 
 from zephon.catalog import runs as run_rows
 from zephon.catalog import validate
@@ -20,7 +21,7 @@ from zephon.catalog.models import Attempt, Checkpoint, Run
 from zephon.catalog.records import AttemptRecord, RunRecord, RunSummary
 from zephon.catalog.session_base import CatalogBase
 
-__all__ = ["OverviewMethods", "RunPage", "SaveRow"]
+__all__ = ["AttemptSaves", "OverviewMethods", "RunPage", "SaveRow"]
 
 #: most runs one page may hold (and runs one batch read may name)
 MAX_PAGE = 500
@@ -47,6 +48,25 @@ class SaveRow:
     created_at: datetime
     committed_at: datetime | None
     stall_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptSaves:
+    """The checkpoint rows one attempt (``epoch``) of a run armed, in aggregate: how many
+    (``saves``), when the first and the last began, when the last committed, and their
+    ``stall_s`` in all. ``kept_until`` is when the newest of them that every later decided
+    attempt resumed from or above began (None: none, or no later attempt decided), and
+    ``stall_after_kept_s`` the stall of those that began from then on: what a restart lost
+    of this attempt's work (``zephon.goodput`` defines both)."""
+
+    epoch: int
+    saves: int
+    first_created_at: datetime
+    last_created_at: datetime
+    last_committed_at: datetime | None
+    stall_s: float
+    kept_until: datetime | None
+    stall_after_kept_s: float
 
 
 def _epoch_seconds(column, dialect: str):
@@ -126,6 +146,101 @@ class OverviewMethods(CatalogBase):
                 stall_s = float(stall) if isinstance(stall, int | float) else 0.0
                 found[name].append(
                     SaveRow(step, epoch, created_at, _time(committed), max(0.0, stall_s))
+                )
+        return found
+
+    def save_summaries(self, runs: Sequence[str]) -> dict[str, list[AttemptSaves]]:
+        """Per run of ``runs`` (at most ``MAX_PAGE`` names), its checkpoint rows aggregated
+        per attempt that armed them, ascending epoch: what goodput needs of a run's saves,
+        computed by the database (two aggregate queries over those runs' rows, however
+        many), so that a page of runs does not move every row into Python."""
+        names = self._names(runs)
+        dialect = self.dialect
+        created = _epoch_seconds(Checkpoint.created_at, dialect)
+        stall = func.coalesce(_stall(dialect), 0.0)
+        later = aliased(Attempt)
+        # the lowest step a later decided attempt resumed from (-1: a fresh start), per
+        # attempt of the runs: only rows at or below it were kept
+        floors = (
+            select(
+                Attempt.run_id,
+                Attempt.epoch,
+                func.min(func.coalesce(later.resumed_from, -1)).label("floor"),
+            )
+            .join(
+                later,
+                and_(
+                    later.run_id == Attempt.run_id,
+                    later.epoch > Attempt.epoch,
+                    later.decided_at.is_not(None),
+                ),
+            )
+            .group_by(Attempt.run_id, Attempt.epoch)
+            .subquery()
+        )
+        kept = and_(Checkpoint.committed_at.is_not(None), Checkpoint.step <= floors.c.floor)
+        per_attempt = (
+            select(
+                Checkpoint.run_id,
+                Checkpoint.epoch,
+                func.count().label("saves"),
+                func.min(created).label("first"),
+                func.max(created).label("last"),
+                func.max(_epoch_seconds(Checkpoint.committed_at, dialect)).label("committed"),
+                func.sum(stall).label("stall"),
+                func.max(created).filter(kept).label("kept_until"),
+            )
+            .join(Run, Run.id == Checkpoint.run_id)
+            .outerjoin(
+                floors,
+                and_(floors.c.run_id == Checkpoint.run_id, floors.c.epoch == Checkpoint.epoch),
+            )
+            .where(Run.name.in_(names))
+            .group_by(Checkpoint.run_id, Checkpoint.epoch)
+            .subquery()
+        )
+        after = (
+            select(
+                per_attempt.c.run_id,
+                per_attempt.c.epoch,
+                func.sum(stall).label("after"),
+            )
+            .join(
+                Checkpoint,
+                and_(
+                    Checkpoint.run_id == per_attempt.c.run_id,
+                    Checkpoint.epoch == per_attempt.c.epoch,
+                    created >= per_attempt.c.kept_until,
+                ),
+            )
+            .group_by(per_attempt.c.run_id, per_attempt.c.epoch)
+            .subquery()
+        )
+        statement = (
+            select(Run.name, per_attempt, after.c.after)
+            .join(Run, Run.id == per_attempt.c.run_id)
+            .outerjoin(
+                after,
+                and_(after.c.run_id == per_attempt.c.run_id, after.c.epoch == per_attempt.c.epoch),
+            )
+            .order_by(per_attempt.c.run_id, per_attempt.c.epoch)
+        )
+        found: dict[str, list[AttemptSaves]] = {name: [] for name in names}
+        with self._transaction("summarise the saves of runs", write=False) as transaction:
+            for row in transaction.session.execute(statement):
+                first, last = _time(row.first), _time(row.last)
+                assert first is not None and last is not None  # a group has rows
+                found[row.name].append(
+                    AttemptSaves(
+                        epoch=row.epoch,
+                        saves=row.saves,
+                        first_created_at=first,
+                        last_created_at=last,
+                        last_committed_at=_time(row.committed),
+                        stall_s=max(0.0, float(row.stall or 0.0)),
+                        kept_until=_time(row.kept_until),
+                        stall_after_kept_s=max(0.0, float(row.after or 0.0)),
+                    )
                 )
         return found
 

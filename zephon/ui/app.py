@@ -29,6 +29,7 @@ from starlette.templating import Jinja2Templates
 
 from zephon.catalog import Catalog, CatalogError, InvalidValueError, RunNotFoundError
 from zephon.ui.access import ReadOnlyMethods, TokenGate
+from zephon.ui.figures import GoodputCache
 from zephon.ui.views import PHASES, RunFilter, run_view, runs_view
 
 __all__ = ["create_app"]
@@ -97,9 +98,17 @@ def _embedded(data: Any) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def create_app(catalog: Catalog, *, refresh_s: int = 5, token: str | None = None) -> Any:
+def create_app(
+    catalog: Catalog,
+    *,
+    refresh_s: int = 5,
+    token: str | None = None,
+    figures: GoodputCache | None = None,
+) -> Any:
     """The ASGI application over ``catalog`` (opened read-only by the caller); ``token``:
-    every request must present it (``zephon.ui.access``)."""
+    every request must present it (``zephon.ui.access``); ``figures``: the runs' goodput
+    kept between requests (a new, empty one if None)."""
+    figures = figures or GoodputCache(catalog)
     templates = Jinja2Templates(directory=str(_HERE / "templates"))
     templates.env.filters["bytes"] = _human_bytes
     templates.env.filters["seconds"] = _human_seconds
@@ -121,7 +130,7 @@ def create_app(catalog: Catalog, *, refresh_s: int = 5, token: str | None = None
         return templates.TemplateResponse(request, name, context)
 
     def runs_data(request: Request) -> dict[str, Any]:
-        return runs_view(catalog, page=_page(request), status=_status(request))
+        return runs_view(catalog, page=_page(request), status=_status(request), figures=figures)
 
     def run_data(request: Request) -> dict[str, Any]:
         name = request.path_params["name"]

@@ -7,12 +7,14 @@ log stays off: a ``?token=`` URL must never reach a log.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
 import sys
+import threading
 
-from zephon.catalog import Catalog, mask_url
+from zephon.catalog import Catalog, CatalogError, mask_url
 from zephon.errors import ConfigError, ZephonError
 from zephon.ui.access import MIN_TOKEN_LENGTH, TOKEN_ENV, is_loopback
 
@@ -69,6 +71,12 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _warm(figures) -> None:
+    """``figures.warm()``; a failure only leaves the pages to compute what they show."""
+    with contextlib.suppress(CatalogError):
+        figures.warm()
+
+
 def serve(url: str, *, host: str, port: int, allow_remote: bool, refresh_s: int) -> None:
     """Serve the dashboard of the catalog at ``url`` until interrupted."""
     token = access_token(host, allow_remote)
@@ -76,6 +84,7 @@ def serve(url: str, *, host: str, port: int, allow_remote: bool, refresh_s: int)
         import uvicorn
 
         from zephon.ui.app import create_app, plotly_js
+        from zephon.ui.figures import GoodputCache
 
         plotly_js()
     except (ImportError, FileNotFoundError) as exc:
@@ -90,8 +99,11 @@ def serve(url: str, *, host: str, port: int, allow_remote: bool, refresh_s: int)
             f"{' (token required)' if token else ''}; Ctrl-C stops\n"
         )
         sys.stdout.flush()
+        figures = GoodputCache(catalog)
+        # every run's goodput computed once in the background, so first views are fast too
+        threading.Thread(target=_warm, args=(figures,), name="zephon-ui-warm", daemon=True).start()
         config = uvicorn.Config(
-            create_app(catalog, refresh_s=refresh_s, token=token),
+            create_app(catalog, refresh_s=refresh_s, token=token, figures=figures),
             log_level="warning",
             access_log=False,
             lifespan="off",

@@ -13,10 +13,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from zephon.catalog import TIMING_PHASES, Catalog, CheckpointRecord, ReplicaRecord
-from zephon.goodput import AttemptSpan, SaveSpan, compute, from_catalog
+from zephon.catalog import (
+    TIMING_PHASES,
+    AttemptSaves,
+    Catalog,
+    CheckpointRecord,
+    ReplicaRecord,
+)
+from zephon.goodput import AttemptSpan, SaveSpan, compute
+from zephon.ui.figures import GoodputCache
 
-__all__ = ["PAGE_SIZE", "RunFilter", "run_view", "runs_view"]
+__all__ = ["PAGE_SIZE", "RunFilter", "attempt_save_spans", "goodput_of", "run_view", "runs_view"]
 
 PAGE_SIZE = 50
 #: phases drawn as the stacked bars of a save's duration (total_s is their sum, stall_s is
@@ -31,32 +38,70 @@ def _iso(at: datetime | None) -> str | None:
     return at.isoformat(timespec="milliseconds") if at is not None else None
 
 
-def _goodput_of(run: str, attempts, saves, record) -> dict[str, Any]:
+#: steps of the synthetic saves below: never at or below a resume point / always at or below
+_NEVER_KEPT = 1 << 62
+_ALWAYS_KEPT = -(1 << 62)
+
+
+def attempt_save_spans(summaries: list[AttemptSaves]) -> list[SaveSpan]:
+    """``SaveSpan``s that give ``goodput.compute`` what it derives from a run's rows, built
+    from per-attempt aggregates (``Catalog.save_summaries``) instead of every row: per
+    attempt, its last record (the last save's start and the last commit), its stall before
+    the kept save and from it on, and the kept save (``kept_until``). ``compute`` over them
+    gives its figures over the rows themselves (tests/zephon/ui/test_views.py checks)."""
+    spans = []
+    for summary in summaries:
+        epoch = summary.epoch
+        last = SaveSpan(_NEVER_KEPT, epoch, summary.last_created_at, summary.last_committed_at, 0.0)
+        spans.append(last)
+        if summary.kept_until is None:
+            spans.append(
+                SaveSpan(_NEVER_KEPT, epoch, summary.first_created_at, None, summary.stall_s)
+            )
+            continue
+        before = max(0.0, summary.stall_s - summary.stall_after_kept_s)
+        spans += [
+            SaveSpan(_NEVER_KEPT, epoch, summary.first_created_at, None, before),
+            SaveSpan(_NEVER_KEPT, epoch, summary.kept_until, None, summary.stall_after_kept_s),
+            SaveSpan(_ALWAYS_KEPT, epoch, summary.kept_until, summary.kept_until, 0.0),
+        ]
+    return spans
+
+
+def goodput_of(record, attempts, summaries: list[AttemptSaves]) -> dict[str, Any]:
+    """A run's goodput (``zephon.goodput.compute``) from its record, attempts and per-attempt
+    save aggregates. Each attempt's first progress is taken at its registration: the exact
+    moment it decided where to resume is in the audit log, which ``zephon goodput`` reads
+    (unbounded per run, so a dashboard does not)."""
     spans = [
         AttemptSpan(
-            a.epoch, min(a.started_at, a.registered_at), a.registered_at, a.resumed_from, a.decided
+            a.epoch,
+            min(a.started_at, a.registered_at),
+            a.registered_at,
+            a.resumed_from,
+            a.decided,
         )
         for a in attempts
     ]
     if not spans:
-        first = min([record.created_at, *(s.created_at for s in saves)])
+        first = min([record.created_at, *(s.first_created_at for s in summaries)])
         spans = [AttemptSpan(0, first, first, None)]
-    save_spans = [SaveSpan(s.step, s.epoch, s.created_at, s.committed_at, s.stall_s) for s in saves]
     ended = record.updated_at if record.status == "finished" else None
-    return compute(run, spans, save_spans, ended_at=ended).to_dict()
+    return compute(record.name, spans, attempt_save_spans(summaries), ended_at=ended).to_dict()
 
 
-def runs_view(catalog: Catalog, *, page: int = 1, status: str | None = None) -> dict[str, Any]:
-    """The runs page: one page of runs by name with state, latest checkpoint and goodput.
-
-    Goodput here is computed from the checkpoint rows and attempts of the page's runs (two
-    batch queries); a run's own page gives the figure of ``zephon goodput``, which also reads
-    the audit log (when each attempt decided where to resume)."""
+def runs_view(
+    catalog: Catalog,
+    *,
+    page: int = 1,
+    status: str | None = None,
+    figures: GoodputCache | None = None,
+) -> dict[str, Any]:
+    """The runs page: one page of runs by name with state, latest checkpoint and goodput
+    (``goodput_of``, kept between requests by ``figures`` if given)."""
     offset = (page - 1) * PAGE_SIZE
     found = catalog.run_page(offset=offset, limit=PAGE_SIZE, status=status)
-    names = [s.run.name for s in found.runs]
-    saves = catalog.save_rows(names) if names else {}
-    attempts = catalog.attempts_of(names) if names else {}
+    goodput = (figures or GoodputCache(catalog)).figures(found.runs)
     rows = []
     for summary in found.runs:
         run = summary.run
@@ -73,7 +118,7 @@ def runs_view(catalog: Catalog, *, page: int = 1, status: str | None = None) -> 
                 "pending": summary.pending_count,
                 "latest_stall_s": (summary.latest_timings or {}).get("stall_s"),
                 "last_activity": _iso(summary.last_activity),
-                "goodput": _goodput_of(run.name, attempts[run.name], saves[run.name], run),
+                "goodput": goodput[run.name],
             }
         )
     pages = max(1, -(-found.total // PAGE_SIZE))
@@ -173,7 +218,7 @@ def _attempts(records, checkpoints: list[dict[str, Any]], emergencies: set[int])
 
 
 def run_view(catalog: Catalog, name: str, where: RunFilter | None = None) -> dict[str, Any]:
-    """A run's page: its record, goodput (``zephon goodput``'s figures), the timeline of its
+    """A run's page: its record, goodput (as on the runs page), the timeline of its
     saves in ``where``'s range, tiers and upload lag, attempts, retention and damage."""
     where = where or RunFilter()
     record = catalog.get_run(name)
@@ -182,7 +227,7 @@ def run_view(catalog: Catalog, name: str, where: RunFilter | None = None) -> dic
     for replica in catalog.replicas(name):
         copies.setdefault(replica.step, []).append(replica)
     attempts = catalog.list_attempts(name)
-    figures = from_catalog(catalog, name).to_dict()
+    figures = goodput_of(record, attempts, catalog.save_summaries([name])[name])
     every = [_checkpoint(row, copies.get(row.step, [])) for row in rows]
     shown = [c for c, row in zip(every, rows, strict=True) if where.keeps(row)]
     emergencies = {c["epoch"] for c in every if c["trigger"] == "emergency"}
