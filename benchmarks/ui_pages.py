@@ -225,8 +225,9 @@ def _load_sqlite(url: str, tables: dict) -> None:
     try:
         connection.execute("BEGIN IMMEDIATE")
         for name, (columns, rows) in tables.items():
+            marks = ", ".join("?" * len(columns))
             connection.executemany(
-                f"INSERT INTO {name} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                f"INSERT INTO {name} ({', '.join(columns)}) VALUES ({marks})",
                 (tuple(_stamp(v) for v in row) for row in rows),
             )
         connection.execute("COMMIT")
