@@ -69,7 +69,10 @@ _LAZY = {
         for name in ("Action", "Decision", "ResumePoint", "RetentionPlan", "plan_retention")
     },
     "UNSET": "zephon.catalog.runs",
-    **{name: "zephon.catalog.roles.overview" for name in ("AttemptSaves", "RunPage", "SaveRow")},
+    **{
+        name: "zephon.catalog.roles.overview"
+        for name in ("AttemptSaves", "CopyRow", "RunPage", "SaveRow", "TimelineRow")
+    },
     **{
         name: "zephon.catalog.lookup" for name in ("PROBED_STATES", "CatalogLatest", "latest_alone")
     },
@@ -143,6 +146,7 @@ __all__ = [
     "CheckpointRecordNotFoundError",
     "CheckpointRecord",
     "CheckpointState",
+    "CopyRow",
     "Decision",
     "EventRecord",
     "InvalidTransitionError",
@@ -170,6 +174,7 @@ __all__ = [
     "FencedOutError",
     "StateConflictError",
     "SyncOutcome",
+    "TimelineRow",
     "claim_holder",
     "current_revision",
     "head_revision",

@@ -124,3 +124,34 @@ def test_bad_arguments_are_refused_before_any_query(tmp_path, call, message):
     Catalog(url).close()
     with Catalog(url, read_only=True) as viewer, pytest.raises(InvalidValueError, match=message):
         call(viewer)
+
+
+def test_a_timeline_has_what_the_full_records_say(catalog_url):
+    _filled(catalog_url)
+    with Catalog(catalog_url) as catalog:
+        catalog.replica_started("c", 2, tier="local", host="n1", location="/l/c/2", save_id="s2")
+        catalog.replica_committed("c", 2, tier="local", host="n1", save_id="s2", bytes=5)
+        catalog.pin("c", 3)
+    with Catalog(catalog_url, read_only=True) as viewer:
+        rows, copies = viewer.timeline("c")
+        records = viewer.list_checkpoints("c")
+        assert [r.step for r in rows] == [r.step for r in records] == [1, 2, 3, 4, 5]
+        for row, record in zip(rows, records, strict=True):
+            assert (row.state, row.epoch, row.pinned, row.bytes) == (
+                record.state,
+                record.epoch,
+                record.pinned,
+                record.bytes,
+            )
+            assert abs((row.created_at - record.created_at).total_seconds()) < 0.001
+            assert row.timings == (record.timings or {})
+        assert [(c.step, c.tier, c.host, c.state) for c in copies] == [
+            (r.step, r.tier, r.host, r.state) for r in viewer.replicas("c")
+        ]
+        assert copies and copies[0].committed_at is not None
+        later = rows[2].created_at
+        since, _ = viewer.timeline("c", since=later, states=["committed"])
+        assert [r.step for r in since] == [3, 4, 5]
+        assert viewer.timeline("c", until=rows[0].created_at)[0][0].step == 1
+        with pytest.raises(InvalidValueError, match="since"):
+            viewer.timeline("c", since=later.replace(tzinfo=None))

@@ -13,13 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from zephon.catalog import (
-    TIMING_PHASES,
-    AttemptSaves,
-    Catalog,
-    CheckpointRecord,
-    ReplicaRecord,
-)
+from zephon.catalog import TIMING_PHASES, AttemptSaves, Catalog, CopyRow, TimelineRow
 from zephon.goodput import AttemptSpan, SaveSpan, compute
 from zephon.ui.figures import GoodputCache
 
@@ -132,6 +126,11 @@ def runs_view(
     }
 
 
+#: the checkpoint table of a run's page lists this many of the newest rows of its range;
+#: the charts and the JSON have them all
+TABLE_ROWS = 200
+
+
 @dataclass(frozen=True, slots=True)
 class RunFilter:
     """A run page's filters, all in its URL: a time range of save starts (``since`` and
@@ -141,24 +140,13 @@ class RunFilter:
     until: datetime | None = None
     states: tuple[str, ...] = ()
 
-    def keeps(self, row: CheckpointRecord) -> bool:
-        return (
-            (self.since is None or row.created_at >= self.since)
-            and (self.until is None or row.created_at <= self.until)
-            and (not self.states or row.state in self.states)
-        )
 
-
-def _replica_lag(copies: list[ReplicaRecord]) -> dict[str, Any]:
+def _replica_lag(copies: list[CopyRow]) -> dict[str, Any]:
     """Tiers of one step and its upload lag: from the fast tier's commit (local or memory)
     to the save_dir copy's commit; None while the upload is not done."""
-    fast = [c for c in copies if c.tier != "save_dir" and c.committed_at is not None]
-    shared = [c for c in copies if c.tier == "save_dir" and c.committed_at is not None]
-    lag = None
-    if fast and shared:
-        first = min(c.committed_at for c in fast if c.committed_at is not None)
-        done = max(c.committed_at for c in shared if c.committed_at is not None)
-        lag = max(0.0, (done - first).total_seconds())
+    fast = [c.committed_at for c in copies if c.tier != "save_dir" and c.committed_at]
+    shared = [c.committed_at for c in copies if c.tier == "save_dir" and c.committed_at]
+    lag = max(0.0, (max(shared) - min(fast)).total_seconds()) if fast and shared else None
     return {
         "tiers": [
             {"tier": c.tier, "host": c.host, "state": c.state, "committed_at": _iso(c.committed_at)}
@@ -168,20 +156,18 @@ def _replica_lag(copies: list[ReplicaRecord]) -> dict[str, Any]:
     }
 
 
-def _checkpoint(row: CheckpointRecord, copies: list[ReplicaRecord]) -> dict[str, Any]:
-    metadata = row.metadata or {}
+def _checkpoint(row: TimelineRow, copies: list[CopyRow]) -> dict[str, Any]:
     return {
         "step": row.step,
         "state": row.state,
         "epoch": row.epoch,
         "pinned": row.pinned,
         "bytes": row.bytes,
-        "trigger": metadata.get("trigger") or "periodic",
+        "trigger": row.trigger or "periodic",
         "created_at": _iso(row.created_at),
         "committed_at": _iso(row.committed_at),
-        "timings": row.timings or {},
+        "timings": row.timings,
         "failure_reason": row.failure_reason,
-        "path": row.path,
         **_replica_lag(copies),
     }
 
@@ -189,7 +175,7 @@ def _checkpoint(row: CheckpointRecord, copies: list[ReplicaRecord]) -> dict[str,
 def _attempts(records, checkpoints: list[dict[str, Any]], emergencies: set[int]):
     """Each attempt with what became of it: ``restarted`` when a later attempt followed,
     ``preempted`` when it made an emergency save, and the work a restart lost: the steps it
-    saved above where the next attempt resumed."""
+    reached above where the next attempt resumed."""
     out = []
     for index, attempt in enumerate(records):
         own = [c for c in checkpoints if c["epoch"] == attempt.epoch]
@@ -218,22 +204,29 @@ def _attempts(records, checkpoints: list[dict[str, Any]], emergencies: set[int])
 
 
 def run_view(catalog: Catalog, name: str, where: RunFilter | None = None) -> dict[str, Any]:
-    """A run's page: its record, goodput (as on the runs page), the timeline of its
-    saves in ``where``'s range, tiers and upload lag, attempts, retention and damage."""
+    """A run's page: its record, goodput (as on the runs page), the timeline of its saves in
+    ``where``'s range, tiers and upload lag, attempts, retention and damage. Attempts,
+    retention and damage are of the whole run; the timeline and the table of the range."""
     where = where or RunFilter()
     record = catalog.get_run(name)
-    rows = catalog.list_checkpoints(name)
-    copies: dict[int, list[ReplicaRecord]] = {}
-    for replica in catalog.replicas(name):
-        copies.setdefault(replica.step, []).append(replica)
+    every, copies = catalog.timeline(name)
+    by_step: dict[int, list[CopyRow]] = {}
+    for copy in copies:
+        by_step.setdefault(copy.step, []).append(copy)
+    checkpoints = [_checkpoint(row, by_step.get(row.step, [])) for row in every]
+    shown = [
+        c
+        for c, row in zip(checkpoints, every, strict=True)
+        if (where.since is None or row.created_at >= where.since)
+        and (where.until is None or row.created_at <= where.until)
+        and (not where.states or row.state in where.states)
+    ]
     attempts = catalog.list_attempts(name)
     figures = goodput_of(record, attempts, catalog.save_summaries([name])[name])
-    every = [_checkpoint(row, copies.get(row.step, [])) for row in rows]
-    shown = [c for c, row in zip(every, rows, strict=True) if where.keeps(row)]
-    emergencies = {c["epoch"] for c in every if c["trigger"] == "emergency"}
-    states = Counter(c["state"] for c in every)
+    emergencies = {c["epoch"] for c in checkpoints if c["trigger"] == "emergency"}
+    states = Counter(c["state"] for c in checkpoints)
     retention = {state: states.get(state, 0) for state in RETENTION if state != "pinned"}
-    retention["pinned"] = sum(1 for c in every if c["pinned"])
+    retention["pinned"] = sum(1 for c in checkpoints if c["pinned"])
     return {
         "run": {**record.to_dict(), "config": None},
         "goodput": figures,
@@ -243,9 +236,10 @@ def run_view(catalog: Catalog, name: str, where: RunFilter | None = None) -> dic
             "states": list(where.states),
         },
         "checkpoints": shown,
+        "table_rows": TABLE_ROWS,
         "phases": [p for p in PHASES if any(p in c["timings"] for c in shown)],
-        "attempts": _attempts(attempts, every, emergencies),
+        "attempts": _attempts(attempts, checkpoints, emergencies),
         "retention": retention,
-        "damaged": [c for c in every if c["state"] in DAMAGED],
-        "emergency_steps": [c["step"] for c in every if c["trigger"] == "emergency"],
+        "damaged": [c for c in checkpoints if c["state"] in DAMAGED],
+        "emergency_steps": [c["step"] for c in checkpoints if c["trigger"] == "emergency"],
     }
