@@ -397,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     secrets = known_secrets(argv)
+    ui_token = os.environ.get("ZEPHON_UI_TOKEN", "")  # zephon ui --allow-remote's secret
+    if ui_token:
+        secrets |= {ui_token}
     parser = build_parser()
     usage = io.StringIO()
     try:

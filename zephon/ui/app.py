@@ -116,7 +116,7 @@ def create_app(
 
     def render(request: Request, name: str, data: dict[str, Any], title: str) -> Response:
         refresh = request.query_params.get("refresh")
-        seconds = int(refresh) if refresh and refresh.isdigit() else refresh_s
+        seconds = min(int(refresh), 3600) if refresh and refresh.isdigit() else refresh_s
         context = {
             "data": data,
             "embedded": _embedded(data),
