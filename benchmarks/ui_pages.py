@@ -420,6 +420,12 @@ def main() -> None:
     parser.add_argument("--backends", default="sqlite,postgresql")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="50 runs x 50, 20 loads")
+    parser.add_argument(
+        "--catalog",
+        metavar="URL",
+        help="measure this catalog, filled by an earlier run of this script, instead of "
+        "building one (its runs, --event-runs and sizes must match)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.runs, args.per_run, args.loads, args.event_runs = 50, 50, 20, 5
@@ -428,15 +434,18 @@ def main() -> None:
         f"zephon ui page loads: {args.runs:,} runs x {args.per_run:,} checkpoints "
         f"({args.runs * args.per_run:,} rows), {args.loads} loads per page kind"
     )
-    for backend in args.backends.split(","):
-        with BACKENDS[backend]() as url:
+    for backend in args.backends.split(",") if not args.catalog else ["given"]:
+        with contextlib.nullcontext(args.catalog) if args.catalog else BACKENDS[backend]() as url:
             start_s = time.perf_counter()
-            names = populate(url, args.runs, args.per_run, args.event_runs)
+            if args.catalog:
+                names = [f"run-{i:05d}" for i in range(args.runs)]
+            else:
+                names = populate(url, args.runs, args.per_run, args.event_runs)
             built = time.perf_counter() - start_s
             rows = measure(url, names, args)
         floor = rows[0][3]
         listed = rows[-1][3]
-        print(f"\n{backend}: catalog built in {built:.1f} s")
+        print(f"\n{backend}: catalog built in {built:.1f} s; load average {os.getloadavg()}")
         print(
             table(
                 [

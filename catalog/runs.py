@@ -131,34 +131,21 @@ class SummaryRow:
     latest_timings: dict[str, Any] | None = None
 
 
-def summaries(
-    session: Session,
-    status: str | None = None,
-    *,
-    offset: int = 0,
-    limit: int | None = None,
-) -> list[SummaryRow]:
-    """Every run with its checkpoint aggregates, in one statement (no query per run).
-
-    With ``limit``: only the runs ``offset`` to ``offset + limit`` in name order, and the
-    aggregates read only their checkpoint rows (a page of a large catalog costs its own rows,
-    not the whole table)."""
+def summaries(session: Session, status: str | None = None) -> list[SummaryRow]:
+    """Every run with its checkpoint aggregates, in one statement (no query per run)."""
     committed = Checkpoint.state == CheckpointState.COMMITTED
-    aggregates_of = select(
-        Checkpoint.run_id,
-        func.count().filter(committed).label("committed_count"),
-        func.sum(Checkpoint.bytes).filter(committed).label("committed_bytes"),
-        func.max(Checkpoint.step).filter(committed).label("latest_step"),
-        func.count().filter(Checkpoint.state == CheckpointState.PENDING).label("pending"),
-        func.max(Checkpoint.updated_at).label("last_update"),
-    ).group_by(Checkpoint.run_id)
-    if limit is not None:
-        page = select(Run.id).order_by(Run.name).offset(offset).limit(limit)
-        if status is not None:
-            page = page.where(Run.status == status)
-        page_ids = [row_id for (row_id,) in session.execute(page)]
-        aggregates_of = aggregates_of.where(Checkpoint.run_id.in_(page_ids))
-    aggregates = aggregates_of.subquery()
+    aggregates = (
+        select(
+            Checkpoint.run_id,
+            func.count().filter(committed).label("committed_count"),
+            func.sum(Checkpoint.bytes).filter(committed).label("committed_bytes"),
+            func.max(Checkpoint.step).filter(committed).label("latest_step"),
+            func.count().filter(Checkpoint.state == CheckpointState.PENDING).label("pending"),
+            func.max(Checkpoint.updated_at).label("last_update"),
+        )
+        .group_by(Checkpoint.run_id)
+        .subquery()
+    )
     # The latest committed row's timings (``zephon runs`` shows its stall): one more outer
     # join on the unique (run_id, step), still one statement.
     latest = aliased(Checkpoint)
@@ -170,8 +157,6 @@ def summaries(
     )
     if status is not None:
         statement = statement.where(Run.status == status)
-    if limit is not None:
-        statement = statement.offset(offset).limit(limit)
     return [
         SummaryRow(
             run=row.Run,

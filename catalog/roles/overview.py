@@ -15,9 +15,8 @@ from datetime import UTC, datetime
 from sqlalchemy import Float, String, and_, cast, func, select, type_coerce
 from sqlalchemy.orm import aliased
 
-from zephon.catalog import runs as run_rows
 from zephon.catalog import validate
-from zephon.catalog.models import Attempt, Checkpoint, Replica, Run
+from zephon.catalog.models import Attempt, Checkpoint, CheckpointState, Replica, Run
 from zephon.catalog.records import AttemptRecord, RunRecord, RunSummary
 from zephon.catalog.session_base import CatalogBase
 
@@ -126,29 +125,85 @@ class OverviewMethods(CatalogBase):
 
     def run_page(self, *, offset: int = 0, limit: int = 50, status: str | None = None) -> RunPage:
         """Runs ``offset`` to ``offset + limit`` by name (only those in ``status``, if given),
-        with the aggregates of ``list_runs``, and how many runs match in all."""
+        with the aggregates of ``list_runs``, and how many runs match in all.
+
+        Each aggregate reads only the index entries and rows it needs (the committed rows,
+        the pending entries, the live rows), never a run's whole history: on a run of
+        1,000 saves that retention mostly deleted, that is a few rows, not 1,000. So
+        ``last_activity`` is the newest change of the run or of its rows that are not
+        ``deleted`` (``list_runs`` also counts the time a row was deleted)."""
         offset = validate.integer("offset", offset, minimum=0)
         limit = validate.integer("limit", limit, minimum=1, maximum=MAX_PAGE)
         if status is not None:
             status = validate.status(status)
+        page = select(Run).order_by(Run.name).offset(offset).limit(limit)
+        count = select(func.count()).select_from(Run)
+        if status is not None:
+            page = page.where(Run.status == status)
+            count = count.where(Run.status == status)
         with self._transaction("list a page of runs", write=False) as transaction:
-            count = select(func.count()).select_from(Run)
-            if status is not None:
-                count = count.where(Run.status == status)
-            total = transaction.session.execute(count).scalar_one()
-            rows = run_rows.summaries(transaction.session, status, offset=offset, limit=limit)
-            summaries = [
-                RunSummary(
-                    run=RunRecord.of(row.run),
-                    committed_count=row.committed_count,
-                    committed_bytes=row.committed_bytes,
-                    latest_step=row.latest_step,
-                    pending_count=row.pending_count,
-                    last_activity=max(filter(None, (row.run.updated_at, row.last_update))),
-                    latest_timings=row.latest_timings,
+            session = transaction.session
+            total = session.execute(count).scalar_one()
+            runs = list(session.scalars(page))
+            ids = [run.id for run in runs]
+            aggregates = (
+                select(
+                    Checkpoint.run_id,
+                    func.count().label("count"),
+                    func.sum(Checkpoint.bytes).label("bytes"),
+                    func.max(Checkpoint.step).label("latest"),
                 )
-                for row in rows
-            ]
+                .where(
+                    Checkpoint.run_id.in_(ids),
+                    Checkpoint.state == CheckpointState.COMMITTED,
+                )
+                .group_by(Checkpoint.run_id)
+                .subquery()
+            )
+            # the latest committed row's timings: one lookup on the unique (run_id, step) each
+            newest = aliased(Checkpoint)
+            committed = {
+                row.run_id: row
+                for row in session.execute(
+                    select(aggregates, newest.timings).join(
+                        newest,
+                        and_(
+                            newest.run_id == aggregates.c.run_id,
+                            newest.step == aggregates.c.latest,
+                        ),
+                    )
+                )
+            }
+            pending = dict(
+                session.execute(
+                    select(Checkpoint.run_id, func.count())
+                    .where(Checkpoint.run_id.in_(ids), Checkpoint.state == CheckpointState.PENDING)
+                    .group_by(Checkpoint.run_id)
+                ).all()
+            )
+            live = [state for state in CheckpointState if state != CheckpointState.DELETED]
+            touched = dict(
+                session.execute(
+                    select(Checkpoint.run_id, func.max(Checkpoint.updated_at))
+                    .where(Checkpoint.run_id.in_(ids), Checkpoint.state.in_(live))
+                    .group_by(Checkpoint.run_id)
+                ).all()
+            )
+            summaries = []
+            for run in runs:
+                kept = committed.get(run.id)
+                summaries.append(
+                    RunSummary(
+                        run=RunRecord.of(run),
+                        committed_count=kept.count if kept else 0,
+                        # PostgreSQL's sum(bigint) is numeric (Decimal in Python)
+                        committed_bytes=int(kept.bytes or 0) if kept else 0,
+                        latest_step=kept.latest if kept else None,
+                        pending_count=pending.get(run.id, 0),
+                        last_activity=max(filter(None, (run.updated_at, touched.get(run.id)))),
+                        latest_timings=kept.timings if kept else None,
+                    )
+                )
         return RunPage(total=total, offset=offset, limit=limit, runs=summaries)
 
     def save_rows(self, runs: Sequence[str]) -> dict[str, list[SaveRow]]:

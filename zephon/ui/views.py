@@ -67,6 +67,16 @@ def goodput_of(record, attempts, summaries: list[AttemptSaves]) -> dict[str, Any
     save aggregates. Each attempt's first progress is taken at its registration: the exact
     moment it decided where to resume is in the audit log, which ``zephon goodput`` reads
     (unbounded per run, so a dashboard does not)."""
+    return goodput_over(record, attempts, attempt_save_spans(summaries))
+
+
+def _stall(timings: dict[str, float]) -> float:
+    value = timings.get("stall_s", 0.0)
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def goodput_over(record, attempts, saves: list[SaveSpan]) -> dict[str, Any]:
+    """``goodput_of`` over the run's saves themselves (``SaveSpan``s)."""
     spans = [
         AttemptSpan(
             a.epoch,
@@ -78,10 +88,10 @@ def goodput_of(record, attempts, summaries: list[AttemptSaves]) -> dict[str, Any
         for a in attempts
     ]
     if not spans:
-        first = min([record.created_at, *(s.first_created_at for s in summaries)])
+        first = min([record.created_at, *(s.created_at for s in saves)])
         spans = [AttemptSpan(0, first, first, None)]
     ended = record.updated_at if record.status == "finished" else None
-    return compute(record.name, spans, attempt_save_spans(summaries), ended_at=ended).to_dict()
+    return compute(record.name, spans, saves, ended_at=ended).to_dict()
 
 
 def runs_view(
@@ -222,7 +232,12 @@ def run_view(catalog: Catalog, name: str, where: RunFilter | None = None) -> dic
         and (not where.states or row.state in where.states)
     ]
     attempts = catalog.list_attempts(name)
-    figures = goodput_of(record, attempts, catalog.save_summaries([name])[name])
+    # every row is at hand: goodput over them as they are (the runs page aggregates)
+    saves = [
+        SaveSpan(r.step, r.epoch, r.created_at, r.committed_at, max(0.0, _stall(r.timings)))
+        for r in every
+    ]
+    figures = goodput_over(record, attempts, saves)
     emergencies = {c["epoch"] for c in checkpoints if c["trigger"] == "emergency"}
     states = Counter(c["state"] for c in checkpoints)
     retention = {state: states.get(state, 0) for state in RETENTION if state != "pinned"}
