@@ -187,12 +187,22 @@ def create_app(
             Route("/api/runs", runs_api),
             Route("/api/runs/{name}", run_api),
             Route("/static/plotly.min.js", plotly),
-            Mount("/static", StaticFiles(directory=str(_HERE / "static")), name="static"),
+            Mount("/static", _CachedStatic(directory=str(_HERE / "static")), name="static"),
         ],
         middleware=[Middleware(BaseHTTPMiddleware, dispatch=headers)],
         exception_handlers={HTTPException: http_error, CatalogError: catalog_error},
     )
     return ReadOnlyMethods(TokenGate(app, token))
+
+
+class _CachedStatic(StaticFiles):
+    """The page's script and style, which browsers may keep for an hour without asking again
+    (a new zephon version changes them; a reload asks anyway)."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["cache-control"] = "max-age=3600"
+        return response
 
 
 def _human_bytes(value: int | None) -> str:

@@ -10,6 +10,10 @@ function pageData() {
 const LAYOUT = { margin: { l: 50, r: 10, t: 10, b: 40 }, showlegend: true,
   legend: { orientation: "h", y: -0.25 }, hovermode: "closest" };
 
+// Up to this many points a chart draws a marker per point (an SVG element each); beyond,
+// lines only, one path per trace, which draws in a fraction of the time.
+const MAX_MARKERS = 300;
+
 function timeline(data) {
   const rows = data.checkpoints.filter((c) => c.committed_at || c.created_at);
   const byEpoch = {};
@@ -17,11 +21,12 @@ function timeline(data) {
     if (c.trigger === "emergency") continue;
     (byEpoch[c.epoch] = byEpoch[c.epoch] || []).push(c);
   }
+  const markers = rows.length <= MAX_MARKERS;
   const size = (c) => 6 + Math.min(14, Math.log2(1 + (c.bytes || 0)) / 2);
   const traces = Object.entries(byEpoch).map(([epoch, cs]) => ({
-    name: `attempt ${epoch}`, type: "scatter", mode: "lines+markers",
+    name: `attempt ${epoch}`, type: "scatter", mode: markers ? "lines+markers" : "lines",
     x: cs.map((c) => c.committed_at || c.created_at), y: cs.map((c) => c.step),
-    marker: { size: cs.map(size) },
+    marker: { size: markers ? cs.map(size) : 6 },
     text: cs.map((c) => `step ${c.step}: ${c.state}, ${c.bytes || 0} bytes`),
   }));
   const em = rows.filter((c) => c.trigger === "emergency");
@@ -36,12 +41,17 @@ function timeline(data) {
   return { traces, layout: { xaxis: { title: "time" }, yaxis: { title: "step" } } };
 }
 
+// Bars for a few hundred steps; beyond that one filled line per phase, which draws in a
+// fraction of the time (a bar is an SVG element of its own, a line one path per phase).
+const MAX_BARS = MAX_MARKERS;
+
 function phases(data) {
   const rows = data.checkpoints.filter((c) => Object.keys(c.timings).length);
   const x = rows.map((c) => c.step);
-  const traces = data.phases.map((p) => ({ name: p, type: "bar", x,
-    y: rows.map((c) => c.timings[p] || 0) }));
-  traces.push({ name: "stall_s", type: "scatter", mode: "lines+markers", x,
+  const bars = rows.length <= MAX_BARS;
+  const traces = data.phases.map((p) => ({ name: p, x, y: rows.map((c) => c.timings[p] || 0),
+    ...(bars ? { type: "bar" } : { type: "scatter", mode: "lines", stackgroup: "phases" }) }));
+  traces.push({ name: "stall_s", type: "scatter", mode: bars ? "lines+markers" : "lines", x,
     y: rows.map((c) => c.timings.stall_s || 0), line: { color: "#c62828" } });
   return { traces, layout: { barmode: "stack", xaxis: { title: "step" },
     yaxis: { title: "seconds" } } };
@@ -50,8 +60,10 @@ function phases(data) {
 function tiers(data) {
   const rows = data.checkpoints;
   const lagged = rows.filter((c) => c.upload_lag_s !== null);
-  const traces = [{ name: "upload lag (s)", type: "bar", x: lagged.map((c) => c.step),
-    y: lagged.map((c) => c.upload_lag_s), marker: { color: "#ef6c00" } }];
+  const bars = lagged.length <= MAX_BARS;
+  const traces = [{ name: "upload lag (s)", x: lagged.map((c) => c.step),
+    y: lagged.map((c) => c.upload_lag_s), marker: { color: "#ef6c00" },
+    ...(bars ? { type: "bar" } : { type: "scatter", mode: "lines", fill: "tozeroy" }) }];
   for (const tier of ["memory", "local", "save_dir"]) {
     const held = rows.filter((c) => c.tiers.some((t) => t.tier === tier && t.state === "committed"));
     traces.push({ name: `on ${tier}`, type: "scatter", mode: "markers", yaxis: "y2",
