@@ -286,7 +286,9 @@ class OverviewMethods(CatalogBase):
             )
             .where(Run.name.in_(names))
             .group_by(Checkpoint.run_id, Checkpoint.epoch)
-            .subquery()
+            # a CTE: read twice below, computed once (SQLite and PostgreSQL materialise a
+            # CTE named more than once), so each row's JSON is parsed once for it
+            .cte("per_attempt")
         )
         after = (
             select(
