@@ -476,7 +476,7 @@ def main() -> None:
                 ("page", "via", "loads", "p50 ms", "p95 ms", "p50 / floor", "p95 <= 300"),
             )
         )
-        paged = [r for r in rows if r[0].startswith("runs page JSON")][0][3]
+        paged = next(r[3] for r in rows if r[0] == "runs page JSON")
         print(f"unpaged list_runs / paged runs JSON (p50): {listed / paged:.1f}x")
 
 
