@@ -70,6 +70,10 @@ _LAZY = {
     },
     "UNSET": "zephon.catalog.runs",
     **{
+        name: "zephon.catalog.roles.overview"
+        for name in ("AttemptSaves", "CopyRow", "RunPage", "SaveRow", "TimelineRow")
+    },
+    **{
         name: "zephon.catalog.lookup" for name in ("PROBED_STATES", "CatalogLatest", "latest_alone")
     },
     "TIMING_PHASES": "zephon.catalog.validate",
@@ -131,6 +135,7 @@ __all__ = [
     "UNSET",
     "Action",
     "AttemptRecord",
+    "AttemptSaves",
     "AttemptRegistration",
     "Catalog",
     "CatalogDatabaseError",
@@ -141,6 +146,7 @@ __all__ = [
     "CheckpointRecordNotFoundError",
     "CheckpointRecord",
     "CheckpointState",
+    "CopyRow",
     "Decision",
     "EventRecord",
     "InvalidTransitionError",
@@ -156,6 +162,7 @@ __all__ = [
     "RunExistsError",
     "RunKind",
     "RunNotFoundError",
+    "RunPage",
     "RunRecord",
     "RunStatus",
     "RunSummary",
@@ -163,9 +170,11 @@ __all__ = [
     "SchemaError",
     "SchemaOutdatedError",
     "SchemaUnversionedError",
+    "SaveRow",
     "FencedOutError",
     "StateConflictError",
     "SyncOutcome",
+    "TimelineRow",
     "claim_holder",
     "current_revision",
     "head_revision",

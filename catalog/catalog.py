@@ -37,6 +37,7 @@ from zephon.catalog.roles.attempts import AttemptMethods
 from zephon.catalog.roles.checkpoints import CheckpointQueryMethods
 from zephon.catalog.roles.deletion import DeletionMethods
 from zephon.catalog.roles.events import PRUNE_BATCH, EventMethods
+from zephon.catalog.roles.overview import OverviewMethods
 from zephon.catalog.roles.pins import PinMethods
 from zephon.catalog.roles.replicas import ReplicaMethods
 from zephon.catalog.roles.runs import RunMethods
@@ -56,6 +57,7 @@ class Catalog(
     DeletionMethods,
     EventMethods,
     ReplicaMethods,
+    OverviewMethods,
 ):
     """The catalog of runs and checkpoints in one SQLite or PostgreSQL database.
 
@@ -70,19 +72,32 @@ class Catalog(
     ``check_schema=False`` skips it, for ``upgrade()`` and ``current_revision()`` (the
     ``zephon db`` commands), which make their own. ``actor`` overrides the
     ``user@host:pid`` recorded in events.
+
+    ``read_only=True`` opens the database so that it refuses every write (SQLite
+    ``mode=ro``, PostgreSQL read-only transactions), for viewers such as ``zephon ui``: the
+    schema is checked, never created or migrated (an empty database is a ``SchemaError``),
+    and a writing method fails with ``CatalogUnavailableError``/``CatalogDatabaseError``.
     """
 
     def __init__(
-        self, url: str | URL, *, actor: str | None = None, check_schema: bool = True
+        self,
+        url: str | URL,
+        *,
+        actor: str | None = None,
+        check_schema: bool = True,
+        read_only: bool = False,
     ) -> None:
         if actor is not None:
             # The claim token is "<actor>/<12 hex>" in a 255-character column.
             validate.text("actor", actor, maximum=242)
-        self._db = Database(url)
+        self._db = Database(url, read_only=read_only)
         self._actor = actor
         if check_schema:
             try:
-                schema.ensure_schema(self._db)
+                if read_only:
+                    schema.check_schema(self._db)
+                else:
+                    schema.ensure_schema(self._db)
             except BaseException:
                 self._db.dispose()
                 raise

@@ -22,6 +22,7 @@ import os
 import re
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -156,8 +157,23 @@ def _use_wal(cursor: Any) -> None:
         delay = min(delay * 2, 0.2)
 
 
-def _sqlite_engine(url: URL) -> Engine:
-    if url.database and not url.database.startswith("file:"):
+def read_only_url(url: URL) -> URL:
+    """The SQLite URL that opens the same file read-only (``mode=ro``): SQLite itself refuses
+    every write, and a missing file is an error instead of a new, empty database."""
+    database = url.database or ""
+    if database.startswith("file:"):
+        path, _, query = database[len("file:") :].partition("?")
+        extra = "&".join(part for part in query.split("&") if part and not part.startswith("mode="))
+        database = f"file:{path}?mode=ro" + (f"&{extra}" if extra else "")
+    else:
+        database = f"file:{urllib.parse.quote(os.path.abspath(database))}?mode=ro"
+    return url.set(database=database, query={**url.query, "uri": "true"})
+
+
+def _sqlite_engine(url: URL, *, read_only: bool = False) -> Engine:
+    if read_only:
+        url = read_only_url(url)
+    elif url.database and not url.database.startswith("file:"):
         directory = os.path.dirname(os.path.abspath(url.database))
         # The default catalog lives in the user's data directory, which may not exist yet.
         try:
@@ -180,6 +196,8 @@ def _sqlite_engine(url: URL) -> Engine:
         try:
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_S * 1000}")
             cursor.execute("PRAGMA foreign_keys = ON")
+            if read_only:
+                return  # the journal mode is the writers' to set; a reader must not try
             # WAL lets readers (resuming jobs, `zephon runs`) proceed while gc writes.
             _use_wal(cursor)
             # NORMAL is crash-safe in WAL mode; a power cut may lose the last commits, which
@@ -198,25 +216,31 @@ def _sqlite_engine(url: URL) -> Engine:
     return engine
 
 
-def _postgres_engine(url: URL) -> Engine:
+def _postgres_engine(url: URL, *, read_only: bool = False) -> Engine:
+    connect_args: dict[str, Any] = {
+        "connect_timeout": POSTGRES_CONNECT_TIMEOUT_S,
+        "application_name": "zephon-catalog",
+    }
+    if read_only:
+        # every transaction of these sessions is READ ONLY: the server refuses any write
+        connect_args["options"] = "-c default_transaction_read_only=on"
     return create_engine(
         url,
         # A pooled connection may have been closed by the server or a proxy since its last use.
         pool_pre_ping=True,
-        connect_args={
-            "connect_timeout": POSTGRES_CONNECT_TIMEOUT_S,
-            "application_name": "zephon-catalog",
-        },
+        connect_args=connect_args,
     )
 
 
-def make_engine(url: str | URL) -> Engine:
-    """A configured engine for a catalog URL (SQLite pragmas, or PostgreSQL pre-ping)."""
+def make_engine(url: str | URL, *, read_only: bool = False) -> Engine:
+    """A configured engine for a catalog URL (SQLite pragmas, or PostgreSQL pre-ping);
+    ``read_only``: the database refuses writes (SQLite ``mode=ro``, PostgreSQL read-only
+    transactions)."""
     parsed = parse_url(url)
     try:
         if parsed.get_backend_name() == "sqlite":
-            return _sqlite_engine(parsed)
-        return _postgres_engine(parsed)
+            return _sqlite_engine(parsed, read_only=read_only)
+        return _postgres_engine(parsed, read_only=read_only)
     except NoSuchModuleError as exc:
         raise CatalogUnavailableError(
             mask_url(parsed), f"no driver for {parsed.drivername} (pip install 'zephon[postgres]')"
@@ -318,13 +342,15 @@ def translate_errors(
 class Database:
     """One engine plus the session factories the catalog uses; see the module docstring."""
 
-    def __init__(self, url: str | URL) -> None:
+    def __init__(self, url: str | URL, *, read_only: bool = False) -> None:
         # here, not at the top: make_engine and translate_errors serve Core readers too
         # (catalog.lookup), which must not load the ORM
         from sqlalchemy.orm import sessionmaker
 
-        self.engine = make_engine(url)
-        self.url = mask_url(self.engine.url)
+        self.engine = make_engine(url, read_only=read_only)
+        self.read_only = read_only
+        # the URL as the caller gave it (masked), not the read-only URI built from it
+        self.url = mask_url(parse_url(url) if read_only else self.engine.url)
         self._secrets = url_secrets(self.engine.url)
         self.dialect = self.engine.dialect.name
         self._reader = sessionmaker(self.engine, expire_on_commit=False)

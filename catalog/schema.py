@@ -305,6 +305,21 @@ def ensure_schema(db: Database, script_location: str | None = None) -> None:
         record_event(connection, "schema_created", detail={"revision": head})
 
 
+def check_schema(db: Database, script_location: str | None = None) -> None:
+    """Return if the database is at head with the models' tables, else raise the
+    ``SchemaError`` that says why; never creates or migrates anything (a read-only
+    ``Catalog``: an empty database is refused as a schema with no revision, whose fix,
+    ``zephon db upgrade``, is for someone allowed to write)."""
+    with db.read("check the schema") as session:
+        connection = session.connection()
+        state = read_state(connection)
+        if state.is_empty:
+            raise SchemaOutdatedError(db.url, None, head_revision(script_location), known=True)
+        error = diagnose(connection, db.url, state, script_location)
+        if error is not None:
+            raise error
+
+
 def current_revision(db: Database, script_location: str | None = None) -> str | None:
     """The database's revision, verified: ``None`` when no catalog was created yet, the
     revision when its tables are that revision's (at head, also by ``compare_metadata``);

@@ -40,6 +40,7 @@ EXTRAS = {
     "parquet": Example("docs/pipeline.md", 11, "import os", torch=False),
     "azure": Example("docs/storage.md", 9, "from zephon.storage import", torch=False),
     "prometheus": Example("docs/goodput.md", 8, "import tempfile", torch=True),
+    "ui": Example("docs/ui.md", 4, "import json", torch=False),
 }
 
 

@@ -15,4 +15,5 @@ with ``CatalogBase``'s helpers and leaves the row work to the internal modules o
 - ``deletion``: retention plans and the claim protocol of gc.
 - ``events``: the audit log (record, list, prune).
 - ``replicas``: save timings and checkpoint replicas per storage tier.
+- ``overview``: batch reads for dashboards (a page of runs, the saves of several runs).
 """

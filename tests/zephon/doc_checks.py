@@ -470,6 +470,13 @@ def _readme_check(doc: Block, request, tmp_path) -> None:
     check(doc, request, tmp_path)
 
 
+def _ui_check(doc: Block, request, tmp_path) -> None:
+    """docs/ui.md's ``zephon ui`` commands, started and stopped (tests/zephon/doc_ui.py)."""
+    from tests.zephon.doc_ui import check_ui_commands
+
+    check_ui_commands(doc, request, tmp_path)
+
+
 CHECKS: dict[tuple[str, int], tuple[str, Checker]] = {
     ("README.md", 1): ("python3 -m venv .venv && . .venv/bin/activate", check_quick_start),
     ("README.md", 2): ("pip install -e '.[torch,test,hf,lightning]'", check_install_only),
@@ -542,4 +549,7 @@ CHECKS: dict[tuple[str, int], tuple[str, Checker]] = {
         check_torchtitan_install,
     ),
     ("docs/torchtitan.md", 3): (". .venv-torchtitan/bin/activate", check_torchtitan_run),
+    ("docs/ui.md", 1): ("zephon ui --catalog sqlite:///runs/catalog.db", _ui_check),
+    ("docs/ui.md", 2): ('export ZEPHON_UI_TOKEN="$(python3 -c', _ui_check),
+    ("docs/ui.md", 3): ("python benchmarks/ui_pages.py", check_benchmarks),
 }

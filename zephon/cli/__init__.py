@@ -370,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("db", "cmd_db", "manage the catalog schema")
     p.add_argument("db_command", choices=["upgrade", "current"])
 
+    from zephon.cli import ui as ui_command
+
+    ui_command.register(add)
     _add_torch_commands(add)
     return parser
 
@@ -394,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     secrets = known_secrets(argv)
+    ui_token = os.environ.get("ZEPHON_UI_TOKEN", "")  # zephon ui --allow-remote's secret
+    if ui_token:
+        secrets |= {ui_token}
     parser = build_parser()
     usage = io.StringIO()
     try:
