@@ -103,22 +103,32 @@ def table(rows: list[tuple], headers: tuple) -> str:
     return "\n".join(lines)
 
 
-def run_ranks(script: str, world: int, config: dict, what: str) -> dict:
-    """Run ``script --worker <rank> <world> <port> <config json>`` as ``world`` processes (a
-    rendezvous port for torch.distributed on 127.0.0.1) and return the JSON that rank 0
-    prints on a line ``RESULT <json>``. ``what`` names the case if a rank fails."""
+def start_ranks(
+    script: str, world: int, config: dict, *, flag: str = "--worker", stderr=None
+) -> list[subprocess.Popen]:
+    """Start ``script <flag> <rank> <world> <port> <config json>`` as ``world`` processes (a
+    rendezvous port for torch.distributed on 127.0.0.1), their standard output piped as text
+    (``stderr``: ``subprocess.STDOUT`` to merge it there)."""
     port = servers.free_port()
     env = {**os.environ, "PYTHONPATH": REPO}
-    argv = [sys.executable, os.path.abspath(script), "--worker"]
-    procs = [
+    argv = [sys.executable, os.path.abspath(script), flag]
+    return [
         subprocess.Popen(
             [*argv, str(rank), str(world), str(port), json.dumps(config)],
             env=env,
             stdout=subprocess.PIPE,
+            stderr=stderr,
             text=True,
         )
         for rank in range(world)
     ]
+
+
+def run_ranks(script: str, world: int, config: dict, what: str) -> dict:
+    """Run ``script --worker <rank> <world> <port> <config json>`` as ``world`` processes
+    (``start_ranks``) and return the JSON that rank 0 prints on a line ``RESULT <json>``.
+    ``what`` names the case if a rank fails."""
+    procs = start_ranks(script, world, config)
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode != 0 for p in procs):
         # what rank 0 measured before the failure (``PARTIAL`` lines) is kept

@@ -41,7 +41,7 @@ import tempfile
 import time
 import warnings
 
-from _common import REPO, join_group, servers, table
+from _common import join_group, servers, start_ranks, table
 from latency_proxy import LatencyProxy
 from local_tier import build_model, options_for
 
@@ -137,19 +137,7 @@ def now_worker(rank: int, world: int, port: int, config: dict) -> None:
 
 def now_case(config: dict, world: int) -> dict:
     """SIGTERM to rank 1, 30 % into its fourth step; until both ranks are gone."""
-    port = servers.free_port()
-    env = {**os.environ, "PYTHONPATH": REPO}
-    argv = [sys.executable, os.path.abspath(__file__), "--now-worker"]
-    procs = [
-        subprocess.Popen(
-            [*argv, str(rank), str(world), str(port), json.dumps(config)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
+    procs = start_ranks(__file__, world, config, flag="--now-worker", stderr=subprocess.STDOUT)
     boundaries, floor = [], 0.0
     for line in procs[1].stdout:  # type: ignore[union-attr]
         if line.startswith("FLOOR"):
@@ -241,19 +229,7 @@ def compare_when(args: argparse.Namespace) -> None:
 
 def one_case(config: dict, world: int) -> dict:
     """Both ranks started; SIGTERM once rank 0 trained a step; until both are gone."""
-    port = servers.free_port()
-    env = {**os.environ, "PYTHONPATH": REPO}
-    argv = [sys.executable, os.path.abspath(__file__), "--worker"]
-    procs = [
-        subprocess.Popen(
-            [*argv, str(rank), str(world), str(port), json.dumps(config)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
+    procs = start_ranks(__file__, world, config, flag="--worker", stderr=subprocess.STDOUT)
     for line in procs[0].stdout:  # type: ignore[union-attr]
         if line.startswith("TRAINING"):
             break
