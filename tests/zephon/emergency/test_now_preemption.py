@@ -112,7 +112,7 @@ def resume_and_compare(
     assert losses(tmp) == reference
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13])
+@pytest.mark.parametrize("seed", [11, 12])  # the signal lands 20-40 % into the step
 def test_sigterm_to_one_rank_inside_a_long_step_saves_the_last_boundary_at_once(
     seed, tmp_path, reference
 ):
