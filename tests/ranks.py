@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
-from tests import servers
+from tests import servers, zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_ENV = "ZEPHON_RANK_CONFIG"
@@ -64,15 +64,16 @@ def result_of(stdout: str) -> dict[str, Any] | None:
     return json.loads(lines[-1][len(RESULT) :]) if lines else None
 
 
-def spawn(module: str, world: int, config: dict[str, Any]) -> list[subprocess.Popen]:
+def spawn(module: str, world: int, config: dict[str, Any]) -> list[zygote.Forked]:
     """Start ``python -m module RANK WORLD PORT`` as ``world`` processes from the repository
-    root, ``config`` in ``$ZEPHON_RANK_CONFIG``, stdout and stderr piped as text."""
+    root, ``config`` in ``$ZEPHON_RANK_CONFIG``, stdout and stderr piped as text; forked from
+    the zygote (tests/zygote.py), which imported torch once for all of them."""
     port = servers.free_port()
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, CONFIG_ENV: json.dumps(config)}
     return [
-        subprocess.Popen(
-            [sys.executable, "-m", module, str(rank), str(world), str(port)],
+        zygote.popen(
+            ["-m", module, str(rank), str(world), str(port)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

@@ -1,12 +1,19 @@
 """Each extra installs what its page uses: Zephon's wheel with one extra goes into a fresh
 environment (the CPU torch wheel first where the extra needs torch, so nothing reaches for a CUDA
 build), ``pip check`` passes, and the page's example runs there as printed, from a directory
-outside the repository and without PYTHONPATH, so only what the extra installed is importable."""
+outside the repository and without PYTHONPATH, so only what the extra installed is importable.
+
+What every extra shares is installed once per session, not once per extra: Zephon's wheel with
+its core dependencies (and, for the extras that need torch, with the CPU torch too) goes into a
+layer with ``pip install --target``, and each extra's fresh environment sees its layer through a
+``.pth`` file, as if pip had installed them there; pip then installs the extra's own packages
+into the environment, and ``pip check`` checks the two together."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,6 +68,28 @@ def wheel(tmp_path_factory) -> Path:
     return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
+def _shared_folder(tmp_path_factory) -> Path:
+    """A folder every xdist worker of this session sees (the session's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _layer(tmp_path_factory, wheel: Path, torch: bool) -> Path:
+    """Zephon's wheel with its core dependencies (``torch``: and the CPU torch), installed
+    once per session with ``pip install --target``; the workers wait for each other."""
+    from filelock import FileLock
+
+    folder = _shared_folder(tmp_path_factory)
+    layer = folder / ("layer-torch" if torch else "layer")
+    with FileLock(str(layer) + ".lock"):
+        if not (layer / ".complete").exists():
+            shutil.rmtree(layer, ignore_errors=True)
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-compile"]
+            run([*pip, "--target", str(layer), str(wheel), *([TORCH] if torch else [])], folder)
+            (layer / ".complete").touch()
+    return layer
+
+
 @contextlib.contextmanager
 def _environment(
     example: Example, code: Block, request: pytest.FixtureRequest
@@ -88,15 +117,17 @@ class ExtraAlone:
     def test_alone_runs_its_pages_example(self, wheel, tmp_path, request):
         extra, example = self.extra, EXTRAS[self.extra]
         venv = tmp_path / "venv"
-        run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
+        run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
         python = str(venv / "bin" / "python")
-        # --no-compile: the byte-code of torch's thousands of modules is written by the imports
-        # that need it; what is installed, and what the example runs, stay the same
-        pip = [python, "-m", "pip", "install", "-q", "--no-compile"]
-        if example.torch:
-            run([*pip, TORCH], cwd=tmp_path)
-        run([*pip, f"{wheel}[{extra}]"], cwd=tmp_path)
-        run([python, "-m", "pip", "check"], cwd=tmp_path)
+        purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        site = Path(run([python, "-c", purelib], cwd=tmp_path).strip())
+        layer = _layer(request.getfixturevalue("tmp_path_factory"), wheel, example.torch)
+        (site / "zephon_layer.pth").write_text(f"{layer}\n")
+        # pip of this environment, run by the new one's interpreter (--python): it sees the
+        # layer. --no-compile: byte-code is written by the imports that need it.
+        pip = [sys.executable, "-m", "pip", "--python", python]
+        run([*pip, "install", "-q", "--no-compile", f"{wheel}[{extra}]"], cwd=tmp_path)
+        run([*pip, "check"], cwd=tmp_path)
         if example.torch:
             version = run([python, "-c", "import torch; print(torch.__version__)"], tmp_path)
             assert "+cpu" in version, f"zephon[{extra}] replaced the CPU torch: {version}"

@@ -31,6 +31,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests import zygote
 from tests.conftest import DISK_AND_OBJECT_STORE, Backend, database_url, make_backend
 from tests.zephon.saves import largest_tensor_slice
 from tests.zephon.test_composition import make_run
@@ -65,9 +66,10 @@ class Child:
 
     def __init__(self) -> None:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.zephon.attempt_child"],
+        self.proc = zygote.popen(  # forked from an interpreter that imported torch
+            ["-m", "tests.zephon.attempt_child"],
             cwd=REPO,
+            env=dict(os.environ),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,

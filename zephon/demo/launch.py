@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -27,7 +28,16 @@ def free_port() -> int:
 class Ranks:
     """``world`` processes running one job spec, one rank each (gloo on 127.0.0.1)."""
 
-    def __init__(self, spec: JobSpec, world: int, *, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        world: int,
+        *,
+        env: dict[str, str] | None = None,
+        popen: Callable[..., Any] = subprocess.Popen,
+    ) -> None:
+        """``popen``: what starts each rank, with ``subprocess.Popen``'s arguments (the tests
+        fork ranks from an interpreter that imported torch once)."""
         self.spec = spec
         port = str(free_port())
         base = {
@@ -39,7 +49,7 @@ class Ranks:
         }
         argv = [sys.executable, "-m", "zephon.demo.job", json.dumps(asdict(spec))]
         self.procs = [
-            subprocess.Popen(
+            popen(
                 argv,
                 env={**base, "RANK": str(rank)},
                 stdout=subprocess.PIPE,

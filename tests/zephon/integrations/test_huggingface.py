@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from tests import zygote
 from tests.conftest import database_url, make_backend
 from zephon.storage import CheckpointStore
 
@@ -26,6 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 WORKER = os.path.join(HERE, "huggingface_worker.py")
 MAX_STEPS = 24  # saves every 8 steps: 8, 16, 24
+#: what the worker's processes are forked with, imported (tests/zygote.py)
+PRELOAD = (*zygote.PRELOAD, "transformers.trainer", "transformers.models.llama.modeling_llama")
 
 
 def run_worker(tmp_path, name: str, **spec) -> tuple[subprocess.CompletedProcess, dict | None]:
@@ -34,13 +37,9 @@ def run_worker(tmp_path, name: str, **spec) -> tuple[subprocess.CompletedProcess
     losses = tmp_path / f"losses-{name}.json"
     spec = {"max_steps": MAX_STEPS, "kill": "none", "resume": "none", **spec}
     spec["losses"] = str(losses)
-    done = subprocess.run(
-        [sys.executable, WORKER, json.dumps(spec)],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": REPO},
-        capture_output=True,
-        text=True,
-        timeout=120,
+    env = {**os.environ, "PYTHONPATH": REPO}
+    done = zygote.run(
+        [WORKER, json.dumps(spec)], cwd=tmp_path, env=env, timeout=120, preload=PRELOAD
     )
     return done, (json.loads(losses.read_text()) if losses.exists() else None)
 

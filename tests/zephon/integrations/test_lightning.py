@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("lightning")
 
+from tests import zygote  # noqa: E402
 from tests.conftest import database_url  # noqa: E402
 from zephon.storage import CheckpointStore  # noqa: E402
 
@@ -20,17 +19,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 WORKER = os.path.join(HERE, "lightning_worker.py")
 EPOCHS, STEPS_PER_EPOCH = 4, 4
+#: what the worker's processes are forked with, imported (tests/zygote.py)
+PRELOAD = (*zygote.PRELOAD, "lightning")
 
 
 def run_worker(tmp, save_dir, run, *args, storage_options=None, killed=False):
     """Run the worker; returns its losses file. ``killed``: it must die of SIGKILL."""
     losses = os.path.join(tmp, "losses.txt")
-    cmd = [sys.executable, WORKER, save_dir, run, losses, *args]
+    cmd = [WORKER, save_dir, run, losses, *args]
     if storage_options:
         cmd += ["--storage-options", json.dumps(storage_options)]
-    done = subprocess.run(
-        cmd, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=120
-    )
+    env = {**os.environ, "PYTHONPATH": REPO}
+    done = zygote.run(cmd, cwd=os.getcwd(), env=env, timeout=120, preload=PRELOAD)
     if killed:
         assert done.returncode == -9, done.stderr[-3000:]
     else:

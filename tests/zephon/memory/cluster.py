@@ -17,11 +17,10 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tests import servers
+from tests import servers, zygote
 from tests.ranks import ROOT
 from tests.zephon.memory.memory_job import LOCAL_ENV, MEMORY_ENV, reference_losses
 from tests.zephon.multinode.nodes import descendants
@@ -55,8 +54,7 @@ def launch(
             "PYTHONWARNINGS": "ignore",
             "TORCH_CPP_LOG_LEVEL": "ERROR",
         }
-        argv = [
-            sys.executable,
+        argv = [  # the agent forked from an interpreter that imported torch (tests/zygote.py)
             "-m",
             "torch.distributed.run",
             f"--nnodes={len(memory_dirs)}",
@@ -71,9 +69,7 @@ def launch(
             json.dumps(job),
         ]
         procs.append(
-            subprocess.Popen(
-                argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-            )
+            zygote.popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         )
     logs = []
     for proc in procs:

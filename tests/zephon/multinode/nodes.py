@@ -15,12 +15,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests import zygote
 from zephon.demo.elastic_job import ElasticSpec, spec_json
 from zephon.demo.launch import free_port
 
@@ -97,10 +97,12 @@ class Node:
             "--max-restarts=0",
             "--monitor-interval=0.2",
         ]
-        argv = [sys.executable, *(launcher if torchrun else []), *job]
+        argv = [*(launcher if torchrun else []), *job]
         self.log = root.parent / f"{root.name}.log"  # outside the node: logs are not state
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
+            # forked from an interpreter that imported torch (tests/zygote.py): the agent, or
+            # the job itself without torchrun
+            self.proc = zygote.popen(
                 argv,
                 cwd=self.work,
                 env=env,

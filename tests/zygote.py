@@ -1,0 +1,439 @@
+"""Start ``python -m module ...`` and ``python script.py ...`` as processes forked from one
+interpreter that has already imported torch: ``popen`` is ``subprocess.Popen`` for them.
+
+The multi-process suites start hundreds of rank processes, and importing torch and its
+distributed checkpointing took most of each start (about 3 CPU-seconds; a test of two starts
+of two ranks paid it four times, on a machine of two cores). The zygote is one interpreter
+per test process that imports them once and, asked over a Unix socket, forks a child that
+becomes ``python [-m] target args`` would: the working directory, exactly the environment
+given, ``sys.argv``, and ``sys.path`` as the interpreter would compute them (the target's
+directory, then ``PYTHONPATH``, then the installation's), its own standard streams (pipes,
+files or /dev/null, passed as file descriptors), running the target as ``__main__`` and
+ending through the interpreter's normal shutdown. The child is an ordinary process: it can be
+signalled by pid, it exits with the code (or dies of the signal) ``python`` would, and only the
+module cache of torch is shared, never a name the target did not import itself.
+
+What cannot match a fresh interpreter, and so must not be relied on by a target: settings
+read once when an interpreter starts (``PYTHONHASHSEED``, ``-X`` options, ``PYTHONUNBUFFERED``)
+are those of the zygote, which starts from the test process's own environment; a target's own
+``PYTHONWARNINGS`` is applied on top of the zygote's filters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["PRELOAD", "Forked", "popen", "run"]
+
+#: what the zygote imports before it forks: the libraries every rank process imports first
+#: (never Zephon itself: the code under test imports itself in each process)
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "sqlalchemy.orm",
+    "fsspec",
+    "s3fs",
+)
+#: environment variables that torch reads once, when it is imported: a child whose value
+#: differs from the test process's gets a zygote started with its value
+READ_AT_IMPORT = ("TORCH_CPP_LOG_LEVEL",)
+
+_SERVER = r"""
+import json, os, runpy, selectors, signal, socket, sys, traceback
+
+for name in json.loads(sys.argv[2]):
+    __import__(name)
+
+BASE_PATH = sys.path[1:]  # the installation's: the zygote runs with no PYTHONPATH
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+listener.bind(sys.argv[1])
+listener.listen(64)
+selector = selectors.DefaultSelector()
+selector.register(listener, selectors.EVENT_READ, "accept")
+selector.register(sys.stdin, selectors.EVENT_READ, "stdin")  # closed: the test process ended
+children = {}  # pid -> the connection that asked for it
+
+
+def become(request, fds):
+    for key in list(selector.get_map().values()):
+        if key.data != "stdin":
+            key.fileobj.close()
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    if request["new_session"]:
+        os.setsid()
+    os.chdir(request["cwd"])
+    options = request["env"].get("PYTHONWARNINGS")
+    if options and options != os.environ.get("PYTHONWARNINGS"):  # read at start: apply them
+        import warnings
+
+        warnings._processoptions([o for o in options.split(",") if o])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "tempfile" in sys.modules:  # chosen from the zygote's TMPDIR when a preload asked
+        sys.modules["tempfile"].tempdir = None
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    module, args = request.get("module"), request["args"]
+    first = os.getcwd() if module else os.path.dirname(os.path.abspath(request["script"]))
+    sys.path[:] = [first, *extra, *BASE_PATH]
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    try:
+        if module:
+            sys.argv = ["-m", *args]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [request["script"], *args]
+            runpy.run_path(request["script"], run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        raise SystemExit(1)
+    raise SystemExit(0)
+
+
+def start(conn):
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    if not message:
+        selector.unregister(conn)
+        conn.close()
+        return
+    request = json.loads(message)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            become(request, fds)
+        except SystemExit:
+            raise
+        except BaseException:
+            traceback.print_exc()
+            os._exit(70)
+    for fd in fds:
+        os.close(fd)
+    conn.send(json.dumps({"pid": pid}).encode())
+    children[pid] = conn
+    selector.unregister(conn)
+
+
+while True:
+    for key, _ in selector.select(timeout=0.02):
+        if key.data == "stdin":
+            if not os.read(sys.stdin.fileno(), 4096):
+                sys.exit(0)
+        elif key.data == "accept":
+            conn, _ = listener.accept()
+            selector.register(conn, selectors.EVENT_READ, "request")
+        else:
+            start(key.fileobj)
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            break
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.send(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
+            except OSError:
+                pass
+            conn.close()
+"""
+
+
+class _Zygote:
+    """A zygote of this test process, started at first use and ended with it."""
+
+    def __init__(self, preload: tuple[str, ...], at_import: dict[str, str | None]) -> None:
+        self._folder = tempfile.mkdtemp(prefix="zephon-zygote-")
+        self.address = os.path.join(self._folder, "socket")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        for name, value in at_import.items():
+            env.pop(name, None)
+            if value is not None:
+                env[name] = value
+        self._server = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, self.address, json.dumps(preload)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            env=env,
+            cwd=self._folder,
+        )
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.address):
+            if self._server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the zygote did not start (exit {self._server.poll()})")
+            time.sleep(0.02)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        if self._server.stdin is not None and not self._server.stdin.closed:
+            self._server.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._server.wait(timeout=30)
+        if self._server.poll() is None:
+            self._server.kill()
+            self._server.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(self.address)
+            os.rmdir(self._folder)
+
+
+_zygotes: dict[tuple, _Zygote] = {}
+_lock = threading.Lock()
+
+
+def _zygote_of(preload: tuple[str, ...], env: dict[str, str]) -> _Zygote:
+    """The zygote that imported ``preload`` with ``env``'s values of ``READ_AT_IMPORT``,
+    started at first use (and again if it died)."""
+    at_import = {name: env.get(name) for name in READ_AT_IMPORT}
+    key = (preload, tuple(at_import.items()))
+    with _lock:
+        found = _zygotes.get(key)
+        if found is None or found._server.poll() is not None:
+            found = _zygotes[key] = _Zygote(preload, at_import)
+        return found
+
+
+_Stream = int | IO[Any] | None
+
+
+def _child_end(spec: _Stream, number: int) -> tuple[int, int | None]:
+    """(the descriptor the child gets as standard stream ``number``, the parent's end of a
+    new pipe or None)."""
+    reading = number == 0
+    if spec == subprocess.PIPE:
+        read, write = os.pipe()
+        return (read, write) if reading else (write, read)
+    if spec == subprocess.DEVNULL or (spec is None and reading):
+        return os.open(os.devnull, os.O_RDONLY if reading else os.O_WRONLY), None
+    if spec is None:  # inherit, as Popen does
+        return os.dup(number), None
+    fd = spec if isinstance(spec, int) else spec.fileno()
+    return os.dup(fd), None
+
+
+class Forked:
+    """A process the zygote forked, with the part of ``subprocess.Popen`` the tests use."""
+
+    def __init__(
+        self,
+        args: list[str],
+        conn: socket.socket,
+        pid: int,
+        streams: tuple[IO[Any] | None, IO[Any] | None, IO[Any] | None],
+    ) -> None:
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin, self.stdout, self.stderr = streams
+        self._conn = conn
+        self._read: dict[str, list] = {}
+        self._readers: list[threading.Thread] = []
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._receive(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not self._receive(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _receive(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` for the zygote's word that the process ended."""
+        self._conn.settimeout(timeout)
+        try:
+            message = self._conn.recv(4096)
+        except (TimeoutError, BlockingIOError):
+            return False
+        finally:
+            self._conn.settimeout(None)
+        if not message:
+            raise RuntimeError(f"the zygote ended before process {self.pid} did")
+        self.returncode = json.loads(message)["code"]
+        self._conn.close()
+        return True
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        """Read stdout and stderr to their end and wait, as ``Popen.communicate``; called
+        again after ``TimeoutExpired``, it goes on where it stopped."""
+        if input is not None:
+            assert self.stdin is not None
+            self.stdin.write(input)
+        if self.stdin is not None and not self.stdin.closed:
+            self.stdin.close()
+        if not self._readers:
+            for name in ("stdout", "stderr"):
+                stream = getattr(self, name)
+                if stream is not None:
+                    parts = self._read.setdefault(name, [])
+                    reader = threading.Thread(target=_drain, args=(stream, parts), daemon=True)
+                    reader.start()
+                    self._readers.append(reader)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self.wait(left)
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        found = []
+        for name in ("stdout", "stderr"):
+            stream = getattr(self, name)
+            if stream is None:
+                found.append(None)
+                continue
+            parts = self._read[name]
+            found.append(("" if isinstance(stream, io.TextIOBase) else b"").join(parts))
+            stream.close()
+        return found[0], found[1]
+
+    def send_signal(self, number: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, number)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+
+def _drain(stream: IO[Any], parts: list) -> None:
+    while True:
+        chunk = stream.read(65536) if not isinstance(stream, io.TextIOBase) else stream.read()
+        if not chunk:
+            return
+        parts.append(chunk)
+
+
+def popen(
+    target: Sequence[str],
+    *,
+    cwd: str | Path,
+    env: dict[str, str],
+    stdin: _Stream = None,
+    stdout: _Stream = None,
+    stderr: _Stream = None,
+    text: bool = False,
+    start_new_session: bool = False,
+    preload: Sequence[str] = PRELOAD,
+) -> Forked:
+    """``subprocess.Popen([sys.executable, *target], ...)`` through the zygote: ``target`` is
+    ``["-m", module, *args]`` or ``[script, *args]``; streams as Popen takes them (PIPE,
+    DEVNULL, a file or descriptor, None to inherit; stderr also STDOUT);
+    ``start_new_session`` as Popen's; ``preload``: what the zygote imported
+    (one zygote per set: a framework's tests preload the framework too)."""
+    target = list(target)
+    request: dict[str, Any] = {
+        "cwd": str(cwd),
+        "env": dict(env),
+        "new_session": start_new_session,
+    }
+    if target[0] == "-m":
+        request.update(module=target[1], args=target[2:])
+    else:
+        request.update(script=target[0], args=target[1:])
+    ends = [_child_end(spec, number) for number, spec in enumerate((stdin, stdout))]
+    together = stderr == subprocess.STDOUT
+    ends.append((os.dup(ends[1][0]), None) if together else _child_end(stderr, 2))
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(_zygote_of(tuple(preload), request["env"]).address)
+        socket.send_fds(conn, [json.dumps(request).encode()], [end[0] for end in ends])
+        reply = conn.recv(4096)
+    except BaseException:
+        conn.close()
+        for child, parent in ends:
+            os.close(child)
+            if parent is not None:
+                os.close(parent)
+        raise
+    for child, _ in ends:
+        os.close(child)
+    if not reply:
+        conn.close()
+        raise RuntimeError("the zygote refused to start " + " ".join(target))
+    streams = []
+    for (_, parent), mode in zip(ends, ("w", "r", "r"), strict=True):
+        if parent is None:
+            streams.append(None)
+        elif text:
+            streams.append(open(parent, mode, encoding="utf-8", errors="replace"))  # noqa: SIM115
+        else:
+            streams.append(open(parent, mode + "b", buffering=0 if mode == "w" else -1))  # noqa: SIM115
+    return Forked([sys.executable, *target], conn, json.loads(reply)["pid"], tuple(streams))
+
+
+def popen_like(preload: Sequence[str] = PRELOAD):
+    """A stand-in for ``subprocess.Popen`` for code that starts ``[sys.executable, ...]``
+    itself (the demo's ``Ranks``): the same keywords, through the zygote."""
+
+    def start(argv: Sequence[str], *, cwd: str | Path | None = None, **kwargs: Any) -> Forked:
+        assert argv[0] == sys.executable, argv
+        env = kwargs.pop("env", None)
+        return popen(
+            argv[1:],
+            cwd=os.getcwd() if cwd is None else cwd,
+            env=dict(os.environ if env is None else env),
+            preload=preload,
+            **kwargs,
+        )
+
+    return start
+
+
+def run(
+    target: Sequence[str],
+    *,
+    cwd: str | Path,
+    env: dict[str, str],
+    timeout: float,
+    preload: Sequence[str] = PRELOAD,
+) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *target], capture_output=True, text=True, ...)``
+    through the zygote; the process is killed and ``TimeoutExpired`` raised after
+    ``timeout`` seconds."""
+    process = popen(
+        target,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preload=preload,
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    assert process.returncode is not None
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
