@@ -78,7 +78,9 @@ def preempt_now(
         "num_to_keep": 3,
         "emergency_save": {"signals": ["SIGTERM"], "grace_s": 60, "when": "now"},
     }
-    job = start(job_config(tmp, checkpointing, STEP_S, ballast_mb=ballast_mb))
+    # the steps up to the boundary are quick: only the step the signal lands in is long
+    config = job_config(tmp, checkpointing, STEP_S, ballast_mb=ballast_mb, pause_from=boundary + 1)
+    job = start(config)
     job.wait_for(0, f"STEP {boundary}")
     time.sleep(delay)
     job.signal([target])

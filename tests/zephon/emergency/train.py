@@ -4,8 +4,9 @@ tests.zephon.emergency.train RANK WORLD PORT``, its configuration (JSON) in
 
 - ``checkpointing``: ``CheckpointingConfig`` keywords (``emergency_save`` among them);
 - ``run``, ``total_steps``, ``step_s`` (a pause in the middle of each optimizer update, so a
-  signal often lands between its two halves), ``losses`` (a path prefix: each rank appends
-  ``<step> <loss as float.hex>`` to ``<losses>.<rank>``), ``slow_save_s`` (each save's state
+  signal often lands between its two halves; from step ``pause_from`` on, 1 by default),
+  ``losses`` (a path prefix: each rank appends ``<step> <loss as float.hex>`` to
+  ``<losses>.<rank>``), ``slow_save_s`` (each save's state
   capture pauses this long after printing ``IN_SAVE``, so a test can signal during a save),
   ``ballast_mb`` (a tensor of this many MiB in the state, constant: a save that takes a while
   without a pause in the state's capture, for ``when: now``, whose capture is at the boundary).
@@ -69,6 +70,7 @@ def main() -> None:
     torch.manual_seed(99 + rank)  # dropout differs per rank; each rank's RNG is saved
     checkpointing = zephon.CheckpointingConfig(**config["checkpointing"])
     total, pause = int(config["total_steps"]), float(config["step_s"])
+    pause_from = int(config.get("pause_from", 1))
     losses = f"{config['losses']}.{rank}"
     with zephon.CheckpointManager(
         checkpointing, run_name=config["run"], total_steps=total
@@ -87,7 +89,8 @@ def main() -> None:
                 dist.all_reduce(param.grad)
                 param.grad /= world
             first.step()
-            time.sleep(pause)  # half of the model updated: a torn state if saved now
+            if step >= pause_from:
+                time.sleep(pause)  # half of the model updated: a torn state if saved now
             second.step()
             progress.steps += 1
             with open(losses, "a") as out:
