@@ -234,8 +234,16 @@ def test_demo_resumes_bit_for_bit(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_demo_resumes_bit_for_bit_on_azure(tmp_path, capsys, azure_backend):
-    """``zephon demo --save-dir az://...``: every rank writes through adlfs to Azurite."""
+def test_demo_resumes_bit_for_bit_on_azure(tmp_path, capsys, azure_backend, monkeypatch):
+    """``zephon demo --save-dir az://...``: every rank writes through adlfs to Azurite. The
+    ranks are forked from the tests' zygote (tests/zygote.py); the test above starts them as
+    the command does."""
+    from functools import partial
+
+    from tests import zygote
+    from zephon.demo import launch
+
+    monkeypatch.setattr(launch, "Ranks", partial(launch.Ranks, popen=zygote.popen_like()))
     save_dir = f"{azure_backend.url}/demo"
     options = json.dumps(azure_backend.storage_options)
     argv = ["demo", "--json", "--work-dir", str(tmp_path), "--save-dir", save_dir]
