@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["PRELOAD", "Forked", "popen", "run"]
+__all__ = ["PRELOAD", "Forked", "address_of", "popen", "popen_like", "requesters", "run"]
 
 #: what the zygote imports before it forks: the libraries every rank process imports first
 #: (never Zephon itself: the code under test imports itself in each process)
@@ -53,7 +53,7 @@ PRELOAD = (
 READ_AT_IMPORT = ("TORCH_CPP_LOG_LEVEL",)
 
 _SERVER = r"""
-import json, os, runpy, selectors, signal, socket, sys, traceback
+import io, json, os, runpy, selectors, signal, socket, struct, sys, traceback
 
 for name in json.loads(sys.argv[2]):
     __import__(name)
@@ -66,6 +66,7 @@ selector = selectors.DefaultSelector()
 selector.register(listener, selectors.EVENT_READ, "accept")
 selector.register(sys.stdin, selectors.EVENT_READ, "stdin")  # closed: the test process ended
 children = {}  # pid -> the connection that asked for it
+requested_by = {}  # pid -> the pid of the process that asked for it
 
 
 def become(request, fds):
@@ -91,11 +92,18 @@ def become(request, fds):
         sys.modules["tempfile"].tempdir = None
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     module, args = request.get("module"), request["args"]
+    unbuffered = request["unbuffered"]
     first = os.getcwd() if module else os.path.dirname(os.path.abspath(request["script"]))
     sys.path[:] = [first, *extra, *BASE_PATH]
     sys.stdin = open(0, closefd=False)
-    sys.stdout = open(1, "w", closefd=False)
-    sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")
+    if unbuffered:  # python -u
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), errors="backslashreplace", write_through=True
+        )
+    else:
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     try:
         if module:
@@ -119,6 +127,11 @@ def start(conn):
         conn.close()
         return
     request = json.loads(message)
+    if request.get("query"):  # which process asked for each living child
+        conn.send(json.dumps({"requested_by": requested_by}).encode())
+        return
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    requester = struct.unpack("3i", creds)[0]
     pid = os.fork()
     if pid == 0:
         try:
@@ -132,6 +145,7 @@ def start(conn):
         os.close(fd)
     conn.send(json.dumps({"pid": pid}).encode())
     children[pid] = conn
+    requested_by[pid] = requester
     selector.unregister(conn)
 
 
@@ -149,6 +163,7 @@ while True:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             break
+        requested_by.pop(pid, None)
         conn = children.pop(pid, None)
         if conn is not None:
             try:
@@ -343,17 +358,22 @@ def popen(
     text: bool = False,
     start_new_session: bool = False,
     preload: Sequence[str] = PRELOAD,
+    address: str | None = None,
 ) -> Forked:
     """``subprocess.Popen([sys.executable, *target], ...)`` through the zygote: ``target`` is
     ``["-m", module, *args]`` or ``[script, *args]``; streams as Popen takes them (PIPE,
-    DEVNULL, a file or descriptor, None to inherit; stderr also STDOUT);
-    ``start_new_session`` as Popen's; ``preload``: what the zygote imported
-    (one zygote per set: a framework's tests preload the framework too)."""
+    DEVNULL, a file or descriptor, None to inherit; stderr also STDOUT); ``-u`` may come
+    first, as for python; ``start_new_session`` as Popen's; ``preload``: what the zygote
+    imported (one zygote per set: a framework's tests preload the framework too);
+    ``address``: a zygote already running (``address_of``), whatever ``preload``."""
     target = list(target)
+    unbuffered = target[0] == "-u"
+    target = target[1:] if unbuffered else target
     request: dict[str, Any] = {
         "cwd": str(cwd),
         "env": dict(env),
         "new_session": start_new_session,
+        "unbuffered": unbuffered,
     }
     if target[0] == "-m":
         request.update(module=target[1], args=target[2:])
@@ -364,7 +384,7 @@ def popen(
     ends.append((os.dup(ends[1][0]), None) if together else _child_end(stderr, 2))
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        conn.connect(_zygote_of(tuple(preload), request["env"]).address)
+        conn.connect(address or _zygote_of(tuple(preload), request["env"]).address)
         socket.send_fds(conn, [json.dumps(request).encode()], [end[0] for end in ends])
         reply = conn.recv(4096)
     except BaseException:
@@ -388,6 +408,30 @@ def popen(
         else:
             streams.append(open(parent, mode + "b", buffering=0 if mode == "w" else -1))  # noqa: SIM115
     return Forked([sys.executable, *target], conn, json.loads(reply)["pid"], tuple(streams))
+
+
+def requesters() -> dict[int, int]:
+    """For every living process a zygote of this test process forked: the pid of the process
+    that asked for it (a torchrun agent, for its workers), so that a test that kills a process
+    tree can count them as that process's children (tests/zephon/multinode/nodes.py)."""
+    found: dict[int, int] = {}
+    with _lock:
+        addresses = [z.address for z in _zygotes.values() if z._server.poll() is None]
+    for address in addresses:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.settimeout(30)
+            conn.connect(address)
+            conn.send(json.dumps({"query": True}).encode())
+            reply = json.loads(conn.recv(1 << 20))
+        found.update({int(child): parent for child, parent in reply["requested_by"].items()})
+    return found
+
+
+def address_of(env: dict[str, str], preload: Sequence[str] = PRELOAD) -> str:
+    """The socket of the zygote ``popen(..., env=env, preload=preload)`` would use, started
+    if need be: for a child that starts processes of its own through the same zygote
+    (tests/torchrun.py)."""
+    return _zygote_of(tuple(preload), env).address
 
 
 def popen_like(preload: Sequence[str] = PRELOAD):

@@ -54,9 +54,11 @@ def launch(
             "PYTHONWARNINGS": "ignore",
             "TORCH_CPP_LOG_LEVEL": "ERROR",
         }
-        argv = [  # the agent forked from an interpreter that imported torch (tests/zygote.py)
+        # torchrun, forked from the zygote, forking its workers from it too (tests/torchrun.py)
+        argv = [
             "-m",
-            "torch.distributed.run",
+            "tests.torchrun",
+            zygote.address_of(env),
             f"--nnodes={len(memory_dirs)}",
             f"--node-rank={node}",
             f"--nproc-per-node={nproc}",

@@ -31,8 +31,12 @@ OUTPUTS = ("start.json", "steps.jsonl", "final.pt", "held.json")
 
 
 def descendants(root: int) -> list[int]:
-    """``root`` and every process below it, from /proc (parents before children)."""
+    """``root`` and every process below it, from /proc (parents before children); a process
+    the tests' zygote forked at another's request counts as that one's child
+    (tests/zygote.py: torchrun's workers under tests/torchrun.py)."""
     children: dict[int, list[int]] = {}
+    for child, parent in zygote.requesters().items():
+        children.setdefault(parent, []).append(child)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
