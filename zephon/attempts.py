@@ -312,6 +312,11 @@ class Registration:
         _UNWRITTEN.add(attempt_id)
         return cls(location, catalog, lineage, floor, online, attempt_id, committed)
 
+    def abandon(self) -> None:
+        """This registration will never be written (the load stopped first, or the start
+        resumes nothing): its attempt id is no longer a claim under way."""
+        _UNWRITTEN.discard(self.attempt_id)
+
     @property
     def lineage(self) -> Lineage:
         """The lineage once this attempt has claimed its epoch, before it decides."""

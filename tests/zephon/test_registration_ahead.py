@@ -101,3 +101,14 @@ def test_a_fresh_start_chosen_ahead_sees_a_step_committed_before_the_claim(catal
     save_step(old, 10, catalog)
     attempt, stands = registration.decide_in_background(chosen, choose).wait()
     assert not stands and attempt.resumed_from == 10
+
+
+def test_an_abandoned_registration_is_no_longer_a_claim_under_way(catalog, store_backend):
+    """A registration the load stopped before writing (or a read-ahead left unused) leaves
+    the process's set of unwritten claims: no lineage can ever be headed by it."""
+    from zephon import attempts
+
+    _, _, registration, _, _ = chosen_ahead(catalog, store_backend, [10])
+    assert registration.attempt_id in attempts._UNWRITTEN
+    registration.abandon()
+    assert registration.attempt_id not in attempts._UNWRITTEN

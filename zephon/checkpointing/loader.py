@@ -243,7 +243,11 @@ class Loader:
                 # are written while every rank loads, and confirmed before the job goes on.
                 self._settle()  # a choice passed over (damaged): its registration first
                 registration = self._begin_registration()
-                step, (latest, use_local) = choose(registration.lineage)
+                try:
+                    step, (latest, use_local) = choose(registration.lineage)
+                except BaseException:
+                    registration.abandon()
+                    raise
                 self._pending = registration.decide_in_background(step, choose)
             if use_local and local is not None:
                 try:
@@ -293,7 +297,7 @@ class Loader:
         pending, self._pending = self._pending, None
         with contextlib.suppress(Exception):
             if reading is not None:
-                reading.result()
+                reading.result().abandon()
         with contextlib.suppress(Exception):
             attempt = pending.written() if pending is not None else None
             if attempt is not None:
@@ -306,7 +310,7 @@ class Loader:
         def settle() -> bool:
             reading, self._reading = self._reading, None
             if reading is not None:  # read ahead but not used (an inference job's start)
-                reading.result()
+                reading.result().abandon()
             return self._settle()
 
         return self.job.coll.from_main(settle, "register the job's attempt")
