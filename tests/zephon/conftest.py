@@ -11,7 +11,6 @@ import pytest
 from tests.conftest import unavailable
 from tests.pg_cluster import PostgresCluster
 from tests.servers import ServerUnavailable
-from tests.zephon.preloaded import PreloadedPython
 from zephon.catalog import Catalog
 from zephon.cli import main
 
@@ -88,16 +87,3 @@ def stoppable_catalog(own_postgres) -> Iterator[StoppableCatalog]:
         if not own_postgres.running:
             own_postgres.start()
         own_postgres.drop_database(database)
-
-
-@pytest.fixture(scope="session")
-def preloaded_python() -> Iterator[PreloadedPython]:
-    """One interpreter with torch imported, forked for each docs block (tests/zephon/
-    preloaded.py): the import is paid once per test process instead of once per block."""
-    from tests.zephon.doc_checks import clean_env
-
-    python = PreloadedPython(clean_env())
-    try:
-        yield python
-    finally:
-        python.close()

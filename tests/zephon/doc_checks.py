@@ -19,8 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.zephon.doc_blocks import REPO, Block, block, output_of
-from tests.zephon.preloaded import PreloadedPython
+
+#: what the interpreter each Python block is forked from imported: torch, nothing of Zephon
+#: (whose imports read the block's own environment)
+DOCS_PRELOAD = ("torch",)
 
 Checker = Callable[[Block, pytest.FixtureRequest, Path], None]
 _BUCKET = re.compile(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?=[/\"'])")
@@ -80,14 +84,13 @@ def run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 240):
 
 def run_python(doc: Block, request: pytest.FixtureRequest, tmp_path: Path, **env: str) -> None:
     """Run the block as printed in a process of its own (``env`` added to a reader's shell's),
-    forked from an interpreter that has imported torch (tests/zephon/preloaded.py); its shown
-    output must match exactly."""
+    forked from an interpreter that has imported torch and nothing else (tests/zygote.py); its
+    shown output must match exactly."""
     prepare(tmp_path)
     script = tmp_path / "example.py"
     script.write_text(doc.code)
     env = clean_env(**s3_env(doc, request), **azure_env(doc, request), **env)
-    python: PreloadedPython = request.getfixturevalue("preloaded_python")
-    done = python.run(script, tmp_path, env, timeout=240)
+    done = zygote.run([str(script)], cwd=tmp_path, env=env, timeout=240, preload=DOCS_PRELOAD)
     assert done.returncode == 0, f"{doc.id} failed:\n{done.stderr[-3000:]}"
     shown = output_of(doc)
     if shown is not None:

@@ -4,7 +4,7 @@ Blocks are found on every page (a glob, so a new page is covered at once) and di
 kind:
 
 - ``python``: run as printed in a process of its own (forked from an interpreter that has
-  imported torch and nothing else: tests/zephon/preloaded.py) in a temporary directory
+  imported torch and nothing else: tests/zygote.py) in a temporary directory
   (PYTHONPATH = the repository); a block followed by "prints" and an output block must print
   exactly that. A
   block naming ``s3://`` runs against the moto server (endpoint and keys from the environment,
