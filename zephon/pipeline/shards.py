@@ -183,13 +183,17 @@ class ParquetShard(_FileShard):
         pq = self._pq()
         import pyarrow
 
-        # The file's bytes are read here and handed to pyarrow as a buffer: reading through a
-        # Python file object lets pyarrow's own threads call back into Python, and with pyarrow
-        # 26 such a process then often ends in std::terminate at exit ("terminate called
-        # without an active exception": 8 runs of 20 here). The shard is loaded whole anyway.
+        # The bytes are copied into memory pyarrow owns, and read with one synchronous reader.
+        # pyarrow 26 may drop its last reference to the source on one of its own threads, even
+        # after the read returned; when that source wraps a Python object (a file object or
+        # bytes), the drop takes the GIL, and at interpreter exit that ends the process in
+        # std::terminate ("terminate called without an active exception", seen in about one
+        # run in twenty). Memory pyarrow owns is freed without Python.
         try:
             data = self._with_file(lambda handle: handle.read())
-            return pq.read_table(pyarrow.BufferReader(data)).to_pylist()
+            owned = pyarrow.allocate_buffer(len(data))
+            memoryview(owned).cast("B")[:] = data
+            return pq.ParquetFile(pyarrow.BufferReader(owned)).read().to_pylist()
         except (OSError, ValueError) as exc:
             raise DataSourceError(
                 f"cannot read Parquet shard {self._display}: {exc}; check that it is a Parquet "
