@@ -4,8 +4,8 @@ Routes (every view's state is in its URL, so any view can be shared as a link):
 
 - ``/runs?page=N&status=S``: the runs page; ``/api/runs`` the same as JSON.
 - ``/runs/<name>?since=ISO&until=ISO&state=S``: a run's timeline; ``/api/runs/<name>`` JSON.
-- ``/static/...``: the page's script and style, and plotly.js from the installed ``plotly``
-  package (never a CDN: the page loads nothing from outside this server).
+- ``/static/...``: the page's script (its refresh) and style. Charts are SVG drawn here
+  (``zephon.ui.charts``), inside the page: it loads nothing from outside this server.
 
 Pages refresh themselves: ``ui.js`` fetches the page's own URL every ``refresh`` seconds and
 swaps its content in (``?refresh=0`` in the URL turns it off for that view).
@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.resources
-import json
-import os
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from zephon.catalog import Catalog, CatalogError, InvalidValueError, RunNotFoundError
 from zephon.ui.access import ReadOnlyMethods, TokenGate
+from zephon.ui.charts import run_charts
 from zephon.ui.figures import GoodputCache
 from zephon.ui.views import PHASES, RunFilter, run_view, runs_view
 
@@ -39,20 +38,10 @@ _STATES = ("pending", "committed", "deleting", "deleted", "failed", "corrupt", "
 _STATUSES = ("active", "finished", "failed")
 #: the browser may load scripts, styles and data from this server only
 _CSP = (
-    "default-src 'self'; script-src 'self' 'unsafe-eval'; style-src 'self' 'unsafe-inline'; "
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
     "img-src 'self' data: blob:; connect-src 'self'; object-src 'none'; base-uri 'none'; "
     "frame-ancestors 'none'"
 )
-
-
-def plotly_js() -> str:
-    """The path of plotly.js as the installed ``plotly`` package ships it."""
-    import plotly
-
-    path = os.path.join(os.path.dirname(plotly.__file__), "package_data", "plotly.min.js")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: reinstall with pip install 'zephon[ui]'")
-    return path
 
 
 def _bad(name: str, value: str, expected: str) -> HTTPException:
@@ -92,12 +81,6 @@ def _filter(request: Request) -> RunFilter:
     return RunFilter(since=_time(request, "since"), until=_time(request, "until"), states=states)
 
 
-def _embedded(data: Any) -> str:
-    """JSON safe inside a <script> element (no ``</script>`` can end it early)."""
-    text = json.dumps(data, separators=(",", ":"))
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-
-
 def create_app(
     catalog: Catalog,
     *,
@@ -114,12 +97,14 @@ def create_app(
     templates.env.filters["seconds"] = _human_seconds
     templates.env.filters["percent"] = lambda v: "-" if v is None else f"{100 * v:.1f}%"
 
-    def render(request: Request, name: str, data: dict[str, Any], title: str) -> Response:
+    def render(
+        request: Request, name: str, data: dict[str, Any], title: str, **extra: Any
+    ) -> Response:
         refresh = request.query_params.get("refresh")
         seconds = min(int(refresh), 3600) if refresh and refresh.isdigit() else refresh_s
         context = {
+            **extra,
             "data": data,
-            "embedded": _embedded(data),
             "title": title,
             "refresh_s": seconds,
             "phases": PHASES,
@@ -149,16 +134,14 @@ def create_app(
 
     def run_page(request: Request) -> Response:
         data = run_data(request)
-        return render(request, "run.html", data, f"Run {data['run']['name']}")
+        title = f"Run {data['run']['name']}"
+        return render(request, "run.html", data, title, charts=run_charts(data))
 
     def run_api(request: Request) -> Response:
         return JSONResponse(run_data(request))
 
     def home(request: Request) -> Response:
         return RedirectResponse("/runs", status_code=307)
-
-    def plotly(request: Request) -> Response:
-        return FileResponse(plotly_js(), headers={"cache-control": "max-age=86400"})
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -186,7 +169,6 @@ def create_app(
             Route("/runs/{name}", run_page),
             Route("/api/runs", runs_api),
             Route("/api/runs/{name}", run_api),
-            Route("/static/plotly.min.js", plotly),
             Mount("/static", _CachedStatic(directory=str(_HERE / "static")), name="static"),
         ],
         middleware=[Middleware(BaseHTTPMiddleware, dispatch=headers)],

@@ -83,11 +83,9 @@ def serve(url: str, *, host: str, port: int, allow_remote: bool, refresh_s: int)
     try:
         import uvicorn
 
-        from zephon.ui.app import create_app, plotly_js
+        from zephon.ui.app import create_app
         from zephon.ui.figures import GoodputCache
-
-        plotly_js()
-    except (ImportError, FileNotFoundError) as exc:
+    except ImportError as exc:
         raise ConfigError(f"zephon ui needs its extra ({exc}); pip install 'zephon[ui]'") from None
     catalog = Catalog(url, read_only=True)
     try:

@@ -15,10 +15,12 @@ PAGES = {
 
 
 def charts_drawn(page) -> None:
-    """Wait until plotly drew every chart of the page (an SVG with at least one trace)."""
+    """Wait until every chart of the page is drawn: an SVG with at least one series, laid
+    out by the browser (a box of non-zero size)."""
     page.wait_for_function(
-        "() => [...document.querySelectorAll('[data-chart]')]"
-        ".every((n) => n.querySelector('.main-svg .trace'))",
+        "() => [...document.querySelectorAll('[data-chart]')].every((n) => {"
+        " const svg = n.querySelector('svg'); const box = svg && svg.getBoundingClientRect();"
+        " return box && box.width > 0 && box.height > 0 && n.querySelector('.series'); })",
         timeout=20_000,
     )
 

@@ -31,15 +31,20 @@ def test_a_run_page_draws_its_timeline_and_lists_attempts_retention_and_damage(b
     page.wait_for_url("**/runs/alpha")
     charts_drawn(page)
     timeline = page.locator("#chart-timeline")
-    # plotly's legend names each trace: the attempts, the emergency save, the starts
-    legend = timeline.locator(".legendtext").all_text_contents()
+    # the legend names each series: the attempts, the emergency save, the starts
+    legend = timeline.locator(".legend-text").all_text_contents()
     assert "emergency save" in legend and "attempt 1" in legend and "attempt start" in legend
-    assert timeline.locator(".scatterlayer .point").count() >= 6
-    phases = page.locator("#chart-phases .legendtext").all_text_contents()
+    assert timeline.locator(".markers .point").count() >= 6
+    # a point's hover text names the save
+    hover = timeline.locator('.markers[data-series="emergency save"] .point title')
+    assert hover.all_text_contents() == ["emergency save at step 7: committed"]
+    phases = page.locator("#chart-phases .legend-text").all_text_contents()
     assert "write_s" in phases and "stall_s" in phases
-    assert page.locator("#chart-phases .bars .point").count() > 0
-    tiers = page.locator("#chart-tiers .legendtext").all_text_contents()
+    bars = page.locator('#chart-phases .bars[data-series="write_s"] .bar')
+    assert bars.count() > 0 and bars.first.bounding_box()["height"] > 0
+    tiers = page.locator("#chart-tiers .legend-text").all_text_contents()
     assert "upload lag (s)" in tiers and "on local" in tiers and "on save_dir" in tiers
+    assert page.locator('#chart-tiers .markers[data-series="on save_dir"] .point').count() >= 3
     # tables: tiers and upload lag, the emergency marker, attempts, retention, damage
     emergency = page.locator('#checkpoints tr.checkpoint.emergency[data-step="7"]')
     assert emergency.locator("td.trigger").inner_text() == "emergency"
