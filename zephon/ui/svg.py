@@ -173,7 +173,11 @@ class Plot:
         base = [0.0] * len(xs)
         for index, (name, column) in enumerate(zip(names, columns, strict=True)):
             color = colors[index] if colors else self._color(None)
-            texts = [f"{name} at {_label(x)}: {y:.3f}" for x, y in zip(xs, column, strict=True)]
+            texts = (
+                [f"{name} at {_label(x)}: {y:.3f}" for x, y in zip(xs, column, strict=True)]
+                if kind == "bars"
+                else None
+            )
             self.series.append(
                 _Series(name, kind, list(xs), list(column), color, texts, base=list(base))
             )
@@ -210,7 +214,11 @@ class Plot:
             'font-size="11" font-family="system-ui, sans-serif">'
         ]
         parts += _axes(self, (x0, x1, y0, y1), sx, sy)
-        for series in self.series:
+        # areas first, the top of the stack first: each is drawn from zero to its part's top,
+        # opaque, so the next one down covers all but its own part (half the points of an
+        # area drawn between its base and its top)
+        areas = [s for s in self.series if s.kind == "area"][::-1]
+        for series in areas + [s for s in self.series if s.kind != "area"]:
             parts.append(_draw(series, sx, sy))
         parts.append(_legend([s for s in self.series if s.name]))
         if not any(s.xs for s in self.series):
@@ -329,13 +337,13 @@ def _draw(series: _Series, sx, sy) -> str:
             )
         out.append("</g>")
         return "".join(out)
-    # area: the top edge left to right, then the base right to left
-    upper = [f"{_num(sx(x))} {_num(sy(base[i] + y))}" for i, (x, y) in enumerate(points)]
-    lower = [f"{_num(sx(x))} {_num(sy(base[i]))}" for i, (x, _) in enumerate(points)][::-1]
+    # area: from zero up to the part's top along the points, and back down to zero
+    upper = "L".join(f"{_num(sx(x))} {_num(sy(base[i] + y))}" for i, (x, y) in enumerate(points))
+    zero = _num(sy(0.0))
+    first, last = _num(sx(points[0][0])), _num(sx(points[-1][0]))
     return (
         f'<path class="series area" data-series={quoteattr(series.name)} '
-        f'd="M{"L".join(upper)}L{"L".join(lower)}Z" fill="{series.color}" '
-        f'fill-opacity="0.75" stroke="none"/>'
+        f'd="M{first} {zero}L{upper}L{last} {zero}Z" fill="{series.color}" stroke="none"/>'
     )
 
 
