@@ -29,6 +29,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Collection
+from functools import partial
 from typing import Any
 
 from tests import servers, zygote
@@ -40,6 +41,7 @@ RESULT = "RESULT "
 __all__ = [
     "CONFIG_ENV",
     "ROOT",
+    "demo_ranks",
     "launch",
     "rank_config",
     "report",
@@ -117,6 +119,17 @@ def launch(
     for record in ranks:
         assert "crash" not in record, record["crash"]
     return ranks
+
+
+def demo_ranks() -> Callable[..., Any]:
+    """The demo's ``zephon.demo.launch.Ranks`` with each rank forked from the zygote
+    (tests/zygote.py), which imported torch once, instead of started afresh: called as
+    ``Ranks(spec, world)``. The class is taken now, so a test may also put the result in its
+    place, ``monkeypatch.setattr(launch, "Ranks", demo_ranks())``, for ``zephon demo`` itself
+    to start its ranks so. Imported here, not at the top: the ranks import this module."""
+    from zephon.demo.launch import Ranks
+
+    return partial(Ranks, popen=zygote.popen_like())
 
 
 # -- the rank side --------------------------------------------------------------------------

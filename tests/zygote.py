@@ -4,14 +4,15 @@ interpreter that has already imported torch: ``popen`` is ``subprocess.Popen`` f
 The multi-process suites start hundreds of rank processes, and importing torch and its
 distributed checkpointing took most of each start (about 3 CPU-seconds; a test of two starts
 of two ranks paid it four times, on a machine of two cores). The zygote is one interpreter
-per test process that imports them once and, asked over a Unix socket, forks a child that
-becomes ``python [-m] target args`` would: the working directory, exactly the environment
-given, ``sys.argv``, and ``sys.path`` as the interpreter would compute them (the target's
-directory, then ``PYTHONPATH``, then the installation's), its own standard streams (pipes,
-files or /dev/null, passed as file descriptors), running the target as ``__main__`` and
-ending through the interpreter's normal shutdown. The child is an ordinary process: it can be
-signalled by pid, it exits with the code (or dies of the signal) ``python`` would, and only the
-module cache of torch is shared, never a name the target did not import itself.
+per test process (tests/zygote_server.py; this module is its client) that imports them once
+and, asked over a Unix socket, forks a child that becomes ``python [-m] target args`` would:
+the working directory, exactly the environment given, ``sys.argv``, and ``sys.path`` as the
+interpreter would compute them (the target's directory, then ``PYTHONPATH``, then the
+installation's), its own standard streams (pipes, files or /dev/null, passed as file
+descriptors), running the target as ``__main__`` and ending through the interpreter's normal
+shutdown. The child is an ordinary process: it can be signalled by pid, it exits with the code
+(or dies of the signal) ``python`` would, and only the module cache of torch is shared, never a
+name the target did not import itself.
 
 What cannot match a fresh interpreter, and so must not be relied on by a target: settings
 read once when an interpreter starts (``PYTHONHASHSEED``, ``-X`` options, ``PYTHONUNBUFFERED``)
@@ -52,126 +53,8 @@ PRELOAD = (
 #: differs from the test process's gets a zygote started with its value
 READ_AT_IMPORT = ("TORCH_CPP_LOG_LEVEL",)
 
-_SERVER = r"""
-import io, json, os, runpy, selectors, signal, socket, struct, sys, traceback
-
-for name in json.loads(sys.argv[2]):
-    __import__(name)
-
-BASE_PATH = sys.path[1:]  # the installation's: the zygote runs with no PYTHONPATH
-listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-listener.bind(sys.argv[1])
-listener.listen(64)
-selector = selectors.DefaultSelector()
-selector.register(listener, selectors.EVENT_READ, "accept")
-selector.register(sys.stdin, selectors.EVENT_READ, "stdin")  # closed: the test process ended
-children = {}  # pid -> the connection that asked for it
-requested_by = {}  # pid -> the pid of the process that asked for it
-
-
-def become(request, fds):
-    for key in list(selector.get_map().values()):
-        if key.data != "stdin":
-            key.fileobj.close()
-    for target, fd in zip((0, 1, 2), fds):
-        os.dup2(fd, target)
-    for fd in fds:
-        if fd > 2:
-            os.close(fd)
-    if request["new_session"]:
-        os.setsid()
-    os.chdir(request["cwd"])
-    options = request["env"].get("PYTHONWARNINGS")
-    if options and options != os.environ.get("PYTHONWARNINGS"):  # read at start: apply them
-        import warnings
-
-        warnings._processoptions([o for o in options.split(",") if o])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    if "tempfile" in sys.modules:  # chosen from the zygote's TMPDIR when a preload asked
-        sys.modules["tempfile"].tempdir = None
-    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    module, args = request.get("module"), request["args"]
-    unbuffered = request["unbuffered"]
-    first = os.getcwd() if module else os.path.dirname(os.path.abspath(request["script"]))
-    sys.path[:] = [first, *extra, *BASE_PATH]
-    sys.stdin = open(0, closefd=False)
-    if unbuffered:  # python -u
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), errors="backslashreplace", write_through=True
-        )
-    else:
-        sys.stdout = open(1, "w", closefd=False)
-        sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")
-    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
-    try:
-        if module:
-            sys.argv = ["-m", *args]
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = [request["script"], *args]
-            runpy.run_path(request["script"], run_name="__main__")
-    except SystemExit:
-        raise
-    except BaseException:
-        traceback.print_exc()
-        raise SystemExit(1)
-    raise SystemExit(0)
-
-
-def start(conn):
-    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    if not message:
-        selector.unregister(conn)
-        conn.close()
-        return
-    request = json.loads(message)
-    if request.get("query"):  # which process asked for each living child
-        conn.send(json.dumps({"requested_by": requested_by}).encode())
-        return
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    requester = struct.unpack("3i", creds)[0]
-    pid = os.fork()
-    if pid == 0:
-        try:
-            become(request, fds)
-        except SystemExit:
-            raise
-        except BaseException:
-            traceback.print_exc()
-            os._exit(70)
-    for fd in fds:
-        os.close(fd)
-    conn.send(json.dumps({"pid": pid}).encode())
-    children[pid] = conn
-    requested_by[pid] = requester
-    selector.unregister(conn)
-
-
-while True:
-    for key, _ in selector.select(timeout=0.02):
-        if key.data == "stdin":
-            if not os.read(sys.stdin.fileno(), 4096):
-                sys.exit(0)
-        elif key.data == "accept":
-            conn, _ = listener.accept()
-            selector.register(conn, selectors.EVENT_READ, "request")
-        else:
-            start(key.fileobj)
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            break
-        requested_by.pop(pid, None)
-        conn = children.pop(pid, None)
-        if conn is not None:
-            try:
-                conn.send(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
-            except OSError:
-                pass
-            conn.close()
-"""
+#: the zygote itself: run by path, never imported here (what it imports, every child starts with)
+_SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_server.py")
 
 
 class _Zygote:
@@ -186,7 +69,7 @@ class _Zygote:
             if value is not None:
                 env[name] = value
         self._server = subprocess.Popen(
-            [sys.executable, "-c", _SERVER, self.address, json.dumps(preload)],
+            [sys.executable, _SERVER, self.address, json.dumps(preload)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             env=env,

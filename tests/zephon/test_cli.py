@@ -238,12 +238,10 @@ def test_demo_resumes_bit_for_bit_on_azure(tmp_path, capsys, azure_backend, monk
     """``zephon demo --save-dir az://...``: every rank writes through adlfs to Azurite. The
     ranks are forked from the tests' zygote (tests/zygote.py); the test above starts them as
     the command does."""
-    from functools import partial
-
-    from tests import zygote
+    from tests.ranks import demo_ranks
     from zephon.demo import launch
 
-    monkeypatch.setattr(launch, "Ranks", partial(launch.Ranks, popen=zygote.popen_like()))
+    monkeypatch.setattr(launch, "Ranks", demo_ranks())
     save_dir = f"{azure_backend.url}/demo"
     options = json.dumps(azure_backend.storage_options)
     argv = ["demo", "--json", "--work-dir", str(tmp_path), "--save-dir", save_dir]

@@ -6,18 +6,16 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
-from functools import partial
 
 import pytest
 import torch
 
-from tests import zygote
+from tests.ranks import demo_ranks
 from zephon.demo.job import JobSpec
-from zephon.demo.launch import Ranks as DemoRanks
 from zephon.demo.launch import read_losses
 
 #: the demo's ranks, forked from an interpreter that imported torch once (tests/zygote.py)
-Ranks = partial(DemoRanks, popen=zygote.popen_like())
+Ranks = demo_ranks()
 
 
 def losses(spec: JobSpec, tag: str, rank: int) -> dict[int, float]:
