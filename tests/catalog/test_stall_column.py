@@ -1,6 +1,6 @@
 """``checkpoints.stall_s``, the stall of ``timings`` as a column, on SQLite and PostgreSQL: its
-revision fills it from existing rows' timings, and every write of timings keeps the two
-equal."""
+revision fills it from existing rows' timings, every write of timings keeps the two equal,
+and the dashboard's goodput reads use ``ix_checkpoints_attempt_saves`` alone."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from datetime import UTC, datetime, timedelta
 import sqlalchemy as sa
 from alembic import command
 
-from tests.catalog.conftest import diff_against_models, migrate
+from tests.catalog.conftest import commit_step, diff_against_models, migrate, register
 from zephon import catalog
 from zephon.catalog import Catalog
-from zephon.catalog.models import UtcDateTime
+from zephon.catalog.models import Checkpoint, Run, UtcDateTime
+from zephon.catalog.roles.overview import _attempt_saves
 from zephon.migrations.columns import JSON_DOCUMENT
 
 BEFORE = "5d41c0a7e9b2"  # the revision before the column
@@ -190,3 +191,79 @@ def test_every_write_of_timings_keeps_the_stall_column_equal_to_timings_stall(ca
     stalls = _stalls(catalog_url)
     assert stalls == expected
     assert stalls == {step: (t or {}).get("stall_s") for step, t in timings.items()}
+
+
+def _fill(url: str, runs: int, per_run: int) -> None:
+    Catalog(url).close()
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                sa.insert(Run),
+                [
+                    dict(
+                        name=f"run-{r}",
+                        storage_url=f"/c/run-{r}",
+                        kind="train",
+                        status="active",
+                        created_at=AT,
+                        updated_at=AT,
+                    )
+                    for r in range(runs)
+                ],
+            )
+            ids = dict(connection.execute(sa.text("SELECT name, id FROM runs")).all())
+            connection.execute(
+                sa.insert(Checkpoint),
+                [
+                    dict(
+                        run_id=ids[f"run-{r}"],
+                        step=s,
+                        state="committed",
+                        path=f"/c/{s}",
+                        save_id="a",
+                        epoch=1 + 2 * s // per_run,
+                        pinned=False,
+                        timings={"stall_s": 0.5},
+                        stall_s=0.5,
+                        created_at=AT + timedelta(minutes=s),
+                        committed_at=AT,
+                        updated_at=AT,
+                    )
+                    for r in range(runs)
+                    for s in range(per_run)
+                ],
+            )
+    finally:
+        engine.dispose()
+
+
+def test_the_goodput_aggregate_reads_only_its_index(catalog_url):
+    _fill(catalog_url, runs=100, per_run=200)
+    with Catalog(catalog_url) as opened:
+        register(opened, "run-7", 1)
+        register(opened, "run-7", 2, resumed_from=50)
+        commit_step(opened, "run-7", 500, epoch=2)
+    engine = sa.create_engine(catalog_url)
+    try:
+        with engine.connect() as connection:
+            ids = list(
+                connection.execute(
+                    sa.text("SELECT id FROM runs WHERE name IN ('run-7', 'run-8', 'run-9')")
+                ).scalars()
+            )
+            statement = _attempt_saves(ids, engine.dialect.name)
+            sql = str(statement.compile(engine, compile_kwargs={"literal_binds": True}))
+            if engine.dialect.name == "postgresql":
+                connection.execute(sa.text("ANALYZE"))
+                plan = "\n".join(connection.execute(sa.text(f"EXPLAIN {sql}")).scalars())
+                assert f"Index Only Scan using {INDEX} on checkpoints" in plan, plan
+                assert "Seq Scan on checkpoints" not in plan, plan
+            else:
+                rows = connection.execute(sa.text(f"EXPLAIN QUERY PLAN {sql}")).all()
+                plan = "\n".join(row[-1] for row in rows)
+                searches = [line for line in plan.splitlines() if "checkpoints" in line]
+                assert searches and all(f"COVERING INDEX {INDEX}" in s for s in searches), plan
+            assert len(connection.execute(statement).all()) == 3 * 2  # two attempts each
+    finally:
+        engine.dispose()
