@@ -134,8 +134,28 @@ def _without_jit(session: Session) -> None:
 def _attempt_saves(ids: list[int], dialect: str) -> Select:
     """The per-attempt aggregate of ``save_summaries`` over the runs ``ids``: one row per
     (run_id, epoch) with ``saves``, ``first``, ``last``, ``committed``, ``stall``,
-    ``kept_until`` and ``after`` (``AttemptSaves`` defines each)."""
+    ``kept_until`` and ``after`` (``AttemptSaves`` defines each).
+
+    One pass over the runs' entries of ``ix_checkpoints_attempt_saves`` aggregates them per
+    attempt; then, per attempt, two short reads of its own range of the index: its newest
+    committed row at or below the floor (read backwards from the newest, so it stops at
+    the kept save) and the stall from that save on. Joining the floors to every row instead
+    cost SQLite a lookup per row, as much as the aggregate itself."""
     created = _when(Checkpoint.created_at, dialect)
+    per_attempt = (
+        select(
+            Checkpoint.run_id,
+            Checkpoint.epoch,
+            func.count().label("saves"),
+            func.min(created).label("first"),
+            func.max(created).label("last"),
+            func.max(_when(Checkpoint.committed_at, dialect)).label("committed"),
+            func.sum(func.coalesce(Checkpoint.stall_s, 0.0)).label("stall"),
+        )
+        .where(Checkpoint.run_id.in_(ids))
+        .group_by(Checkpoint.run_id, Checkpoint.epoch)
+        .subquery("per_attempt")
+    )
     later = aliased(Attempt)
     # the lowest step a later decided attempt resumed from (-1: a fresh start), per
     # attempt of the runs: only rows at or below it were kept
@@ -155,43 +175,42 @@ def _attempt_saves(ids: list[int], dialect: str) -> Select:
         )
         .where(Attempt.run_id.in_(ids))
         .group_by(Attempt.run_id, Attempt.epoch)
-        .subquery()
+        .subquery("floors")
     )
-    kept = and_(Checkpoint.committed_at.is_not(None), Checkpoint.step <= floors.c.floor)
-    per_attempt = (
-        select(
-            Checkpoint.run_id,
-            Checkpoint.epoch,
-            func.count().label("saves"),
-            func.min(created).label("first"),
-            func.max(created).label("last"),
-            func.max(_when(Checkpoint.committed_at, dialect)).label("committed"),
-            func.sum(func.coalesce(Checkpoint.stall_s, 0.0)).label("stall"),
-            func.max(created).filter(kept).label("kept_until"),
+    kept_rows = aliased(Checkpoint)
+    kept_until = (
+        select(_when(kept_rows.created_at, dialect))
+        .where(
+            kept_rows.run_id == per_attempt.c.run_id,
+            kept_rows.epoch == per_attempt.c.epoch,
+            kept_rows.committed_at.is_not(None),
+            kept_rows.step <= floors.c.floor,
         )
+        .order_by(kept_rows.created_at.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    kept = (
+        select(per_attempt, kept_until.label("kept_until"))
         .outerjoin(
             floors,
-            and_(floors.c.run_id == Checkpoint.run_id, floors.c.epoch == Checkpoint.epoch),
+            and_(floors.c.run_id == per_attempt.c.run_id, floors.c.epoch == per_attempt.c.epoch),
         )
-        .where(Checkpoint.run_id.in_(ids))
-        .group_by(Checkpoint.run_id, Checkpoint.epoch)
-        .subquery("per_attempt")
+        .subquery("kept")
     )
-    # the stall of the attempt's rows from its kept save on: a correlated subquery, one
-    # range of the index per attempt (NULL without a kept save: no row compares >= NULL)
-    rows = aliased(Checkpoint)
+    # NULL without a kept save (no later decided attempt, or none of its rows at or below
+    # the floor): no row compares >= NULL
+    after_rows = aliased(Checkpoint)
     after = (
-        select(func.sum(func.coalesce(rows.stall_s, 0.0)))
+        select(func.sum(func.coalesce(after_rows.stall_s, 0.0)))
         .where(
-            rows.run_id == per_attempt.c.run_id,
-            rows.epoch == per_attempt.c.epoch,
-            _when(rows.created_at, dialect) >= per_attempt.c.kept_until,
+            after_rows.run_id == kept.c.run_id,
+            after_rows.epoch == kept.c.epoch,
+            _when(after_rows.created_at, dialect) >= kept.c.kept_until,
         )
         .scalar_subquery()
     )
-    return select(per_attempt, after.label("after")).order_by(
-        per_attempt.c.run_id, per_attempt.c.epoch
-    )
+    return select(kept, after.label("after")).order_by(kept.c.run_id, kept.c.epoch)
 
 
 class OverviewMethods(CatalogBase):
