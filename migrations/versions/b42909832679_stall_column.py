@@ -14,7 +14,7 @@ heap tuple on PostgreSQL, where the planner also hashed the whole table for the 
   ``timings`` from now on; this revision fills it for existing rows from their timings (a
   number there, or null), so no row's goodput changes. On PostgreSQL that rewrites every
   timed row in the upgrade's transaction, which holds writers to ``checkpoints`` back
-  meanwhile (about 20 s per million timed rows on the benchmark machine).
+  meanwhile (10-20 s per million timed rows on the benchmark machine).
 - ``ix_checkpoints_attempt_saves (run_id, epoch, created_at, committed_at, step,
   stall_s)``: a run's rows per attempt in time order, with every column those reads take,
   so they are index-only, and "the rows of attempt E from time T on" is one range of it.
