@@ -340,9 +340,9 @@ class OverviewMethods(CatalogBase):
         computed by the database, so that a page of runs does not move every row into
         Python.
 
-        One query over the runs' entries of ``ix_checkpoints_attempt_saves`` (index-only:
-        the stall is a column, no row's JSON is read), in the index's order, plus one short
-        range of it per attempt kept by a restart (its saves from the kept one on)."""
+        One query, index-only on ``ix_checkpoints_attempt_saves`` (the stall is a column:
+        no row's JSON is read): the runs' entries aggregated per attempt, then two short
+        reads of each attempt's own range (``_attempt_saves``)."""
         names = self._names(runs)
         dialect = self.dialect
         found: dict[str, list[AttemptSaves]] = {name: [] for name in names}
