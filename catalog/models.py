@@ -21,6 +21,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
+    Double,
     ForeignKey,
     Index,
     Integer,
@@ -189,6 +190,19 @@ class Checkpoint(Base):
         # "Newest committed of run R" is a backward scan of this index that stops at the first
         # entry; listing a run's rows in one state uses the same index.
         Index("ix_checkpoints_run_id_state_step", "run_id", "state", "step"),
+        # A run's rows per attempt in time order, carrying every column the dashboard's
+        # goodput reads (``Catalog.save_summaries``, ``save_rows``): those reads are
+        # index-only, whatever else a row holds; "the rows of attempt E from time T on" is
+        # one range of it.
+        Index(
+            "ix_checkpoints_attempt_saves",
+            "run_id",
+            "epoch",
+            "created_at",
+            "committed_at",
+            "step",
+            "stall_s",
+        ),
         CheckConstraint(_in("state", CheckpointState), name="state"),
         CheckConstraint("step >= 0", name="step"),
     )
@@ -209,6 +223,10 @@ class Checkpoint(Base):
     failure_reason: Mapped[str | None] = mapped_column(Text)
     # phase name -> seconds of the save that committed the row (``catalog.timings``)
     timings: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
+    # ``timings["stall_s"]`` as a column of its own, written with ``timings`` by every
+    # statement that writes them (``catalog.replicas.timing_values``, ``CLEARED_TIMINGS``):
+    # summing it over a run's rows reads no JSON
+    stall_s: Mapped[float | None] = mapped_column(Double)
     claimed_by: Mapped[str | None] = mapped_column(String(255))
     claimed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)

@@ -106,7 +106,7 @@ def upsert_committed(
             values: dict[str, Any] = {**differs, "updated_at": now}
             if row.save_id != save_id:
                 values["committed_at"] = committed_at
-                values["timings"] = None  # the other save's phases, not this marker's
+                values.update(replicas.CLEARED_TIMINGS)  # the other save's, not this marker's
             outcome = SyncOutcome.UPDATED
         else:
             values = {
@@ -119,7 +119,7 @@ def upsert_committed(
                 "claimed_at": None,
             }
             if row.save_id != save_id:
-                values["timings"] = None  # the other save's phases, not this marker's
+                values.update(replicas.CLEARED_TIMINGS)  # the other save's, not this marker's
             outcome = SyncOutcome.PROMOTED
         moved = guarded.update_one(session, Checkpoint, guarded.unchanged(Checkpoint, row), values)
         if moved is not None:

@@ -7,6 +7,8 @@ Internal to the catalog: the row work of ``Catalog``'s timings and replicas role
 - **Timings** (``checkpoints.timings``): phase name -> seconds of the save that committed the
   row (``catalog.validate.TIMING_PHASES``). ``mark_committed(timings=)`` records those known at
   the commit, ``add_timings`` merges those measured later (an async save's stall, an upload).
+  ``checkpoints.stall_s`` mirrors ``timings["stall_s"]`` for the goodput reads: every statement
+  that writes ``timings`` writes it too (``timing_values``, ``CLEARED_TIMINGS``).
 - **Replicas** (``checkpoint_replicas``): one row per copy of a checkpoint on a tier, unique
   per ``(run, step, tier, host)``. A job with a local tier commits each save to a node-local
   disk (``tier="local"``, one row per host), then a background uploader copies it to the
@@ -45,14 +47,15 @@ from zephon.catalog.errors import (
 from zephon.catalog.models import Checkpoint, JsonDocument, Replica, ReplicaState, Run
 
 __all__ = [
+    "CLEARED_TIMINGS",
     "add_to_save",
     "delete_committed",
     "finish",
     "merge_timings",
-    "merged_timings",
     "of_run",
     "save_dir_copy_gone",
     "start",
+    "timing_values",
 ]
 
 PENDING = ReplicaState.PENDING
@@ -114,21 +117,29 @@ def save_dir_copy_gone(session: Session, run_id: int, step: int, now: datetime) 
     return delete_committed(session, run_id, step, "save_dir", "", now) is not None
 
 
-def merged_timings(session: Session, timings: dict[str, float]) -> ColumnElement[Any]:
-    """SQL for "the row's timings with ``timings`` merged in" (keys present are
-    overwritten): ``coalesce(timings, '{}') || :new`` on PostgreSQL's JSONB, ``json_patch``
-    on SQLite. One atomic ``UPDATE ... SET timings = <this>``, so two merges racing on a row
-    never lose a phase, with no read and no lock of their own."""
+#: a checkpoint row's timings cleared (a re-arm, another save's marker recorded by a repair):
+#: the document and the stall column that mirrors it
+CLEARED_TIMINGS: dict[str, Any] = {"timings": None, "stall_s": None}
+
+
+def timing_values(session: Session, timings: dict[str, float]) -> dict[str, Any]:
+    """The values an ``UPDATE`` of a checkpoint row sets to merge ``timings`` into the row's
+    (keys present are overwritten): ``timings`` as SQL, ``coalesce(timings, '{}') || :new``
+    on PostgreSQL's JSONB, ``json_patch`` on SQLite, and ``stall_s`` when the merge sets the
+    stall, so the column stays the document's ``stall_s``. One atomic ``UPDATE``, so two
+    merges racing on a row never lose a phase, with no read and no lock of their own."""
     document = json.dumps(timings)
     if session.get_bind().dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import JSONB  # loaded with the dialect, not before
 
         empty = cast(literal("{}"), JSONB)
         merged = func.coalesce(Checkpoint.timings, empty).op("||")(cast(literal(document), JSONB))
-        return type_coerce(merged, JsonDocument)
-    return type_coerce(
-        func.json_patch(func.coalesce(Checkpoint.timings, "{}"), document), JsonDocument
-    )
+    else:
+        merged = func.json_patch(func.coalesce(Checkpoint.timings, "{}"), document)
+    values: dict[str, Any] = {"timings": type_coerce(merged, JsonDocument)}
+    if "stall_s" in timings:
+        values["stall_s"] = timings["stall_s"]
+    return values
 
 
 def merge_timings(
@@ -136,9 +147,7 @@ def merge_timings(
 ) -> Checkpoint | None:
     """Merge ``timings`` into the checkpoint row matching ``conditions`` (one statement);
     the row, or None when none matched."""
-    return guarded.update_one(
-        session, Checkpoint, conditions, {"timings": merged_timings(session, timings)}
-    )
+    return guarded.update_one(session, Checkpoint, conditions, timing_values(session, timings))
 
 
 def add_to_save(

@@ -33,6 +33,7 @@ from zephon.catalog.errors import (
     StateConflictError,
 )
 from zephon.catalog.models import Checkpoint, CheckpointState, Run
+from zephon.catalog.replicas import CLEARED_TIMINGS
 
 _BEGIN_RETRIES = 5
 
@@ -48,7 +49,7 @@ _CLEARED_ON_REARM: dict[str, Any] = {
     "file_count": None,
     "manifest_checksum": None,
     "meta": None,
-    "timings": None,
+    **CLEARED_TIMINGS,
     "failure_reason": None,
     "claimed_by": None,
     "claimed_at": None,

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import Float, String, and_, cast, func, select, type_coerce
-from sqlalchemy.orm import aliased
+from sqlalchemy import Select, String, and_, func, select, text, type_coerce
+from sqlalchemy.orm import Session, aliased
 
 from zephon.catalog import validate
 from zephon.catalog.models import Attempt, Checkpoint, CheckpointState, Replica, Run
@@ -106,18 +106,111 @@ def _when(column, dialect: str):
     return type_coerce(column, String) if dialect == "sqlite" else column
 
 
-def _stall(dialect: str):
-    if dialect == "sqlite":
-        return func.json_extract(Checkpoint.timings, "$.stall_s")
-    return cast(func.jsonb_extract_path_text(Checkpoint.timings, "stall_s"), Float)
-
-
 def _time(value: str | datetime | None) -> datetime | None:
     if value is None:
         return None
     if isinstance(value, str):
         return datetime.fromisoformat(value).replace(tzinfo=UTC)
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _run_ids(session: Session, names: list[str]) -> dict[int, str]:
+    """The ids of the runs named ``names`` that exist, to their names. The batch reads then
+    filter by id: PostgreSQL plans a filter by a list of ids from the index's statistics,
+    where behind a join on names it scanned and hashed the whole table."""
+    return dict(session.execute(select(Run.id, Run.name).where(Run.name.in_(names))).all())
+
+
+def _without_jit(session: Session) -> None:
+    """PostgreSQL: no JIT compilation for the rest of this transaction. The planner guesses
+    3,000 attempts for any page and prices the per-attempt subquery at each, so it put the
+    aggregate of 50 runs above ``jit_above_cost`` (and 500 runs above the inlining and
+    optimising thresholds): compiling then took 0.2-2 s for a query that runs in 15-60 ms.
+    Reads bounded by ``MAX_PAGE`` runs never win that back."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SET LOCAL jit = off"))
+
+
+def _attempt_saves(ids: list[int], dialect: str) -> Select:
+    """The per-attempt aggregate of ``save_summaries`` over the runs ``ids``: one row per
+    (run_id, epoch) with ``saves``, ``first``, ``last``, ``committed``, ``stall``,
+    ``kept_until`` and ``after`` (``AttemptSaves`` defines each).
+
+    One pass over the runs' entries of ``ix_checkpoints_attempt_saves`` aggregates them per
+    attempt; then, per attempt, two short reads of its own range of the index: its newest
+    committed row at or below the floor (read backwards from the newest, so it stops at
+    the kept save) and the stall from that save on. Joining the floors to every row instead
+    cost SQLite a lookup per row, as much as the aggregate itself."""
+    created = _when(Checkpoint.created_at, dialect)
+    per_attempt = (
+        select(
+            Checkpoint.run_id,
+            Checkpoint.epoch,
+            func.count().label("saves"),
+            func.min(created).label("first"),
+            func.max(created).label("last"),
+            func.max(_when(Checkpoint.committed_at, dialect)).label("committed"),
+            func.sum(func.coalesce(Checkpoint.stall_s, 0.0)).label("stall"),
+        )
+        .where(Checkpoint.run_id.in_(ids))
+        .group_by(Checkpoint.run_id, Checkpoint.epoch)
+        .subquery("per_attempt")
+    )
+    later = aliased(Attempt)
+    # the lowest step a later decided attempt resumed from (-1: a fresh start), per
+    # attempt of the runs: only rows at or below it were kept
+    floors = (
+        select(
+            Attempt.run_id,
+            Attempt.epoch,
+            func.min(func.coalesce(later.resumed_from, -1)).label("floor"),
+        )
+        .join(
+            later,
+            and_(
+                later.run_id == Attempt.run_id,
+                later.epoch > Attempt.epoch,
+                later.decided_at.is_not(None),
+            ),
+        )
+        .where(Attempt.run_id.in_(ids))
+        .group_by(Attempt.run_id, Attempt.epoch)
+        .subquery("floors")
+    )
+    kept_rows = aliased(Checkpoint)
+    kept_until = (
+        select(_when(kept_rows.created_at, dialect))
+        .where(
+            kept_rows.run_id == per_attempt.c.run_id,
+            kept_rows.epoch == per_attempt.c.epoch,
+            kept_rows.committed_at.is_not(None),
+            kept_rows.step <= floors.c.floor,
+        )
+        .order_by(kept_rows.created_at.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    kept = (
+        select(per_attempt, kept_until.label("kept_until"))
+        .outerjoin(
+            floors,
+            and_(floors.c.run_id == per_attempt.c.run_id, floors.c.epoch == per_attempt.c.epoch),
+        )
+        .subquery("kept")
+    )
+    # NULL without a kept save (no later decided attempt, or none of its rows at or below
+    # the floor): no row compares >= NULL
+    after_rows = aliased(Checkpoint)
+    after = (
+        select(func.sum(func.coalesce(after_rows.stall_s, 0.0)))
+        .where(
+            after_rows.run_id == kept.c.run_id,
+            after_rows.epoch == kept.c.epoch,
+            _when(after_rows.created_at, dialect) >= kept.c.kept_until,
+        )
+        .scalar_subquery()
+    )
+    return select(kept, after.label("after")).order_by(kept.c.run_id, kept.c.epoch)
 
 
 class OverviewMethods(CatalogBase):
@@ -212,116 +305,57 @@ class OverviewMethods(CatalogBase):
         an empty list."""
         names = self._names(runs)
         dialect = self.dialect
-        statement = (
-            select(
-                Run.name,
-                Checkpoint.step,
-                Checkpoint.epoch,
-                _when(Checkpoint.created_at, dialect),
-                _when(Checkpoint.committed_at, dialect),
-                _stall(dialect),
-            )
-            .join(Run, Run.id == Checkpoint.run_id)
-            .where(Run.name.in_(names))
-            .order_by(Checkpoint.run_id, Checkpoint.step)
-        )
         found: dict[str, list[SaveRow]] = {name: [] for name in names}
         with self._transaction("read the saves of runs", write=False) as transaction:
-            for name, step, epoch, created, committed, stall in transaction.session.execute(
-                statement
-            ):
+            session = transaction.session
+            ids = _run_ids(session, names)
+            if not ids:
+                return found
+            _without_jit(session)
+            # index-only on ix_checkpoints_attempt_saves: no row's JSON is read
+            statement = (
+                select(
+                    Checkpoint.run_id,
+                    Checkpoint.step,
+                    Checkpoint.epoch,
+                    _when(Checkpoint.created_at, dialect),
+                    _when(Checkpoint.committed_at, dialect),
+                    Checkpoint.stall_s,
+                )
+                .where(Checkpoint.run_id.in_(ids))
+                .order_by(Checkpoint.run_id, Checkpoint.step)
+            )
+            for run_id, step, epoch, created, committed, stall in session.execute(statement):
                 created_at = _time(created)
                 assert created_at is not None  # created_at is NOT NULL
-                stall_s = float(stall) if isinstance(stall, int | float) else 0.0
-                found[name].append(
-                    SaveRow(step, epoch, created_at, _time(committed), max(0.0, stall_s))
+                stall_s = max(0.0, stall) if stall is not None else 0.0
+                found[ids[run_id]].append(
+                    SaveRow(step, epoch, created_at, _time(committed), stall_s)
                 )
         return found
 
     def save_summaries(self, runs: Sequence[str]) -> dict[str, list[AttemptSaves]]:
         """Per run of ``runs`` (at most ``MAX_PAGE`` names), its checkpoint rows aggregated
         per attempt that armed them, ascending epoch: what goodput needs of a run's saves,
-        computed by the database (two aggregate queries over those runs' rows, however
-        many), so that a page of runs does not move every row into Python."""
+        computed by the database, so that a page of runs does not move every row into
+        Python.
+
+        One query, index-only on ``ix_checkpoints_attempt_saves`` (the stall is a column:
+        no row's JSON is read): the runs' entries aggregated per attempt, then two short
+        reads of each attempt's own range (``_attempt_saves``)."""
         names = self._names(runs)
         dialect = self.dialect
-        created = _when(Checkpoint.created_at, dialect)
-        stall = func.coalesce(_stall(dialect), 0.0)
-        later = aliased(Attempt)
-        # the lowest step a later decided attempt resumed from (-1: a fresh start), per
-        # attempt of the runs: only rows at or below it were kept
-        floors = (
-            select(
-                Attempt.run_id,
-                Attempt.epoch,
-                func.min(func.coalesce(later.resumed_from, -1)).label("floor"),
-            )
-            .join(
-                later,
-                and_(
-                    later.run_id == Attempt.run_id,
-                    later.epoch > Attempt.epoch,
-                    later.decided_at.is_not(None),
-                ),
-            )
-            .group_by(Attempt.run_id, Attempt.epoch)
-            .subquery()
-        )
-        kept = and_(Checkpoint.committed_at.is_not(None), Checkpoint.step <= floors.c.floor)
-        per_attempt = (
-            select(
-                Checkpoint.run_id,
-                Checkpoint.epoch,
-                func.count().label("saves"),
-                func.min(created).label("first"),
-                func.max(created).label("last"),
-                func.max(_when(Checkpoint.committed_at, dialect)).label("committed"),
-                func.sum(stall).label("stall"),
-                func.max(created).filter(kept).label("kept_until"),
-            )
-            .join(Run, Run.id == Checkpoint.run_id)
-            .outerjoin(
-                floors,
-                and_(floors.c.run_id == Checkpoint.run_id, floors.c.epoch == Checkpoint.epoch),
-            )
-            .where(Run.name.in_(names))
-            .group_by(Checkpoint.run_id, Checkpoint.epoch)
-            # a CTE: read twice below, computed once (SQLite and PostgreSQL materialise a
-            # CTE named more than once), so each row's JSON is parsed once for it
-            .cte("per_attempt")
-        )
-        after = (
-            select(
-                per_attempt.c.run_id,
-                per_attempt.c.epoch,
-                func.sum(stall).label("after"),
-            )
-            .join(
-                Checkpoint,
-                and_(
-                    Checkpoint.run_id == per_attempt.c.run_id,
-                    Checkpoint.epoch == per_attempt.c.epoch,
-                    created >= per_attempt.c.kept_until,
-                ),
-            )
-            .group_by(per_attempt.c.run_id, per_attempt.c.epoch)
-            .subquery()
-        )
-        statement = (
-            select(Run.name, per_attempt, after.c.after)
-            .join(Run, Run.id == per_attempt.c.run_id)
-            .outerjoin(
-                after,
-                and_(after.c.run_id == per_attempt.c.run_id, after.c.epoch == per_attempt.c.epoch),
-            )
-            .order_by(per_attempt.c.run_id, per_attempt.c.epoch)
-        )
         found: dict[str, list[AttemptSaves]] = {name: [] for name in names}
         with self._transaction("summarise the saves of runs", write=False) as transaction:
-            for row in transaction.session.execute(statement):
+            session = transaction.session
+            ids = _run_ids(session, names)
+            if not ids:
+                return found
+            _without_jit(session)
+            for row in session.execute(_attempt_saves(list(ids), dialect)):
                 first, last = _time(row.first), _time(row.last)
                 assert first is not None and last is not None  # a group has rows
-                found[row.name].append(
+                found[ids[row.run_id]].append(
                     AttemptSaves(
                         epoch=row.epoch,
                         saves=row.saves,

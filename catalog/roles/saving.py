@@ -95,7 +95,7 @@ class SaveMethods(CatalogBase):
                 return CheckpointRecord.of(done, run)
             attempts.check_current(session, self.url, owner, epoch)
             if phases:  # merged in the commit's own guarded UPDATE
-                facts["timings"] = replicas.merged_timings(session, phases)
+                facts.update(replicas.timing_values(session, phases))
             row, moved = transitions.commit(
                 session, self.url, owner, step, save_id, epoch, facts, utc_now()
             )

@@ -9,10 +9,13 @@ from datetime import UTC, datetime
 
 import pytest
 from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, text
 
 from zephon.catalog import Catalog, schema
 from zephon.catalog.engine import Database
+from zephon.catalog.models import Base
 
 
 @pytest.fixture
@@ -74,6 +77,20 @@ def migrate(url: str, target: str, how=command.upgrade) -> None:
             how(config, target)
     finally:
         db.dispose()
+
+
+def diff_against_models(url: str) -> list:
+    """Alembic's ``compare_metadata`` of the database at ``url`` against the ORM models
+    (types and server defaults too): empty when the tables are the models'."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            context = MigrationContext.configure(
+                connection, opts={"compare_type": True, "compare_server_default": True}
+            )
+            return compare_metadata(context, Base.metadata)
+    finally:
+        engine.dispose()
 
 
 def in_threads(work: Callable[[int], None], catalogs: Sequence[Catalog]) -> None:

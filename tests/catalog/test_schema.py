@@ -8,13 +8,11 @@ from datetime import UTC, datetime
 
 import pytest
 from alembic import command
-from alembic.autogenerate import compare_metadata
-from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, insert, text
 from sqlalchemy.exc import IntegrityError
 
 from tests.catalog import workers
-from tests.catalog.conftest import execute_sql, migrate
+from tests.catalog.conftest import diff_against_models, execute_sql, migrate
 from zephon import catalog, migrations
 from zephon.catalog import (
     Catalog,
@@ -28,18 +26,6 @@ from zephon.catalog.models import Base, Checkpoint, CheckpointState, Run
 from zephon.catalog.queries import latest_committed
 
 
-def _diff_against_models(url: str) -> list:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as connection:
-            context = MigrationContext.configure(
-                connection, opts={"compare_type": True, "compare_server_default": True}
-            )
-            return compare_metadata(context, Base.metadata)
-    finally:
-        engine.dispose()
-
-
 def test_an_empty_database_is_created_at_head_on_first_open(catalog_url):
     with Catalog(catalog_url) as opened:
         assert opened.current_revision() == catalog.head_revision()
@@ -49,7 +35,7 @@ def test_an_empty_database_is_created_at_head_on_first_open(catalog_url):
 
 def test_upgrade_from_empty_equals_the_orm_models(catalog_url):
     assert catalog.upgrade(catalog_url) == (None, catalog.head_revision())
-    assert _diff_against_models(catalog_url) == []
+    assert diff_against_models(catalog_url) == []
 
 
 def test_reopening_a_catalog_at_head_changes_nothing(catalog_url):
@@ -70,7 +56,7 @@ def test_an_alembic_version_table_without_a_row_is_behind_and_upgrade_fixes_it(c
     assert catalog.upgrade(catalog_url) == (None, catalog.head_revision())
     with Catalog(catalog_url) as opened:
         assert opened.list_runs() == []
-    assert _diff_against_models(catalog_url) == []
+    assert diff_against_models(catalog_url) == []
 
 
 def test_an_unknown_revision_is_refused_by_open_and_by_upgrade(catalog_url):
@@ -192,7 +178,7 @@ def test_a_catalog_at_the_initial_revision_upgrades_keeping_its_rows(catalog_url
     assert caught.value.current == INITIAL and caught.value.known
 
     assert catalog.upgrade(catalog_url) == (INITIAL, catalog.head_revision())
-    assert _diff_against_models(catalog_url) == []
+    assert diff_against_models(catalog_url) == []
     with Catalog(catalog_url) as opened:
         run = opened.get_run("old")
         assert (run.epoch, run.num_to_keep) == (0, 2)
@@ -244,7 +230,7 @@ def test_a_downgrade_to_the_initial_revision_keeps_the_rows_under_their_old_name
     finally:
         engine.dispose()
     assert catalog.upgrade(catalog_url) == (INITIAL, catalog.head_revision())
-    assert _diff_against_models(catalog_url) == []
+    assert diff_against_models(catalog_url) == []
 
 
 @pytest.mark.parametrize("upgraded", [False, True], ids=["created-at-head", "upgraded"])
@@ -357,7 +343,7 @@ def test_the_timings_and_replicas_revision_upgrades_keeping_every_row(catalog_ur
     assert caught.value.current == EVENTS_AT
 
     assert catalog.upgrade(catalog_url) == (EVENTS_AT, catalog.head_revision())
-    assert _diff_against_models(catalog_url) == []
+    assert diff_against_models(catalog_url) == []
     with Catalog(catalog_url) as opened:
         rows = {c.step: c for c in opened.list_checkpoints("old")}
         assert {s: (c.state, c.save_id, c.bytes, c.timings) for s, c in rows.items()} == {
@@ -408,7 +394,7 @@ def test_a_downgrade_below_timings_and_replicas_drops_only_them(catalog_url):
     with pytest.raises(SchemaOutdatedError):
         Catalog(catalog_url)
     assert catalog.upgrade(catalog_url) == (EVENTS_AT, catalog.head_revision())
-    assert _diff_against_models(catalog_url) == []
+    assert diff_against_models(catalog_url) == []
     with Catalog(catalog_url) as opened:
         again = opened.get_checkpoint("r", 1)
         assert (again.state, again.bytes, again.timings) == ("committed", 7, None)

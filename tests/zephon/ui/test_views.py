@@ -17,7 +17,9 @@ FIELDS = ("wall_s", "productive_s", "lost_s", "overhead_s", "stall_s", "restarts
 
 
 def over_rows(catalog: Catalog, name: str) -> dict:
-    """``compute`` over every checkpoint row, the attempts as ``goodput_of`` takes them."""
+    """``compute`` over every checkpoint row, the attempts as ``goodput_of`` takes them; each
+    row's stall read from its JSON timings (the run page's read), not from the stall column
+    that ``save_summaries`` sums, so the two are checked against each other too."""
     record = catalog.get_run(name)
     attempts = [
         AttemptSpan(
@@ -25,11 +27,14 @@ def over_rows(catalog: Catalog, name: str) -> dict:
         )
         for a in catalog.list_attempts(name)
     ]
-    rows = catalog.save_rows([name])[name]
+    rows, _ = catalog.timeline(name)
     if not attempts:
         first = min([record.created_at, *(r.created_at for r in rows)])
         attempts = [AttemptSpan(0, first, first, None)]
-    saves = [SaveSpan(r.step, r.epoch, r.created_at, r.committed_at, r.stall_s) for r in rows]
+    saves = [
+        SaveSpan(r.step, r.epoch, r.created_at, r.committed_at, r.timings.get("stall_s", 0.0))
+        for r in rows
+    ]
     ended = record.updated_at if record.status == "finished" else None
     return compute(name, attempts, saves, ended_at=ended).to_dict()
 
