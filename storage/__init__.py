@@ -81,6 +81,8 @@ _LAZY = {
         name: "zephon.storage.lineage"
         for name in ("AttemptRecord", "Fence", "Lineage", "newer_epochs")
     },
+    **{name: "zephon.storage.chunks" for name in ("ChunkRef", "DEFAULT_MAX_CHUNK")},
+    "ChunkSweep": "zephon.storage.chunk_sweep",
     "Location": "zephon.storage.location",
     "open_location": "zephon.storage.location",
     **{name: "zephon.storage.manifest" for name in ("FileEntry", "Manifest", "validate_save_id")},
@@ -112,6 +114,9 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "ChunkRef",
+    "ChunkSweep",
+    "DEFAULT_MAX_CHUNK",
     "MARKER_NAME",
     "MAX_JSON_DEPTH",
     "JsonDocumentError",

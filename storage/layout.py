@@ -26,6 +26,10 @@ __all__ = [
     "RunLayout",
 ]
 
+#: a save id (and payload directory name): what one ``begin`` of a step is called
+SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: the run's directory of content-addressed chunks (deduplicated saves, ``storage/chunks.py``)
+CHUNK_DIR = "_chunks"
 MARKER_NAME = "_COMMIT"
 #: ``save-<step>/_CORRUPT.<save_id>``: that save failed verification (reason and its manifest)
 CORRUPT_PREFIX = "_CORRUPT."
@@ -49,11 +53,15 @@ def validate_run(run: str | None) -> str | None:
         raise InvalidNameError(
             f"run name must be a string, got {type(run).__name__} {run!r}", run=None
         )
-    if not _RUN_NAME.fullmatch(run) or run in {".", "..", ATTEMPTS_DIR} or _STEP_DIR.fullmatch(run):
+    if (
+        not _RUN_NAME.fullmatch(run)
+        or run in {".", "..", ATTEMPTS_DIR, CHUNK_DIR}
+        or _STEP_DIR.fullmatch(run)
+    ):
         raise InvalidNameError(
             f"invalid run name {run!r}: use 1-128 characters from A-Z a-z 0-9 . _ - "
-            f"(not '.', '..', {ATTEMPTS_DIR!r} or a step directory name like 'save-5'), e.g. "
-            "'llama-7b.lr3e-4'",
+            f"(not '.', '..', {ATTEMPTS_DIR!r}, {CHUNK_DIR!r} or a step directory name like "
+            "'save-5'), e.g. 'llama-7b.lr3e-4'",
             run=run if len(run) <= 200 else run[:200] + "...",
         )
     return run
@@ -146,6 +154,15 @@ class RunLayout:
     def payload_path(self, step: int, save_id: str) -> str:
         """The payload directory of one save of the step."""
         return f"{self.checkpoint_path(step)}/{save_id}"
+
+    def chunk_path(self, name: str) -> str:
+        """One chunk instance of the run (``_chunks/<sha256>.<save_id>``)."""
+        return f"{self.run_path}/{CHUNK_DIR}/{name}"
+
+    @property
+    def chunk_dir(self) -> str:
+        """The run's chunk directory."""
+        return f"{self.run_path}/{CHUNK_DIR}"
 
     def record_path(self, step: int, key: str) -> str:
         """The ``_CORRUPT.<key>`` record condemning a save (or a damaged marker) of the step."""

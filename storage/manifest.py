@@ -25,20 +25,21 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from zephon.storage.checksum import crc32c_of
+from zephon.storage.chunks import MAX_CHUNKS_PER_FILE, ChunkRef
 from zephon.storage.errors import CorruptCheckpointError, InvalidNameError
 from zephon.storage.jsondoc import parse_json
-from zephon.storage.layout import MAX_STEP, validate_file_name
+from zephon.storage.layout import MAX_STEP, SAVE_ID, validate_file_name
 
 __all__ = [
     "FORMAT_VERSION",
     "MAX_INLINE_BYTES",
     "MAX_INLINE_FILE",
+    "PLAIN_FORMAT_VERSION",
     "FileEntry",
     "Manifest",
     "SAVE_ID",
@@ -46,9 +47,9 @@ __all__ = [
     "validate_save_id",
 ]
 
-FORMAT_VERSION = 2
-#: a save id (and payload directory name): what one ``begin`` of a step is called
-SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+FORMAT_VERSION = 3
+#: the format a manifest without chunk references is written in (readable by older versions)
+PLAIN_FORMAT_VERSION = 2
 #: no single file of a checkpoint is larger than this (1 PiB); anything above is damage
 MAX_FILE_SIZE = 1 << 50
 #: no checkpoint lists more files than this; anything above is damage or hostility
@@ -77,14 +78,19 @@ def validate_save_id(save_id: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class FileEntry:
-    """One payload file: its path relative to the payload directory, size and CRC32C."""
+    """One payload file: its path relative to the payload directory, size and CRC32C; a
+    deduplicated file (``chunks``) is stored as those chunk instances instead, in order."""
 
     name: str
     size: int
     crc32c: str
+    chunks: tuple[ChunkRef, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "size": self.size, "crc32c": self.crc32c}
+        body: dict[str, Any] = {"name": self.name, "size": self.size, "crc32c": self.crc32c}
+        if self.chunks is not None:
+            body["chunks"] = [chunk.to_list() for chunk in self.chunks]
+        return body
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +114,38 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     committed_at: str = ""
-    format_version: int = FORMAT_VERSION
+    format_version: int = PLAIN_FORMAT_VERSION
     inline: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Format 3 is format 2 plus chunk references: a manifest is written in it only when
+        # a file has chunks, so that an older Zephon refuses it by name instead of reading a
+        # deduplicated file as a missing one.
+        if self.format_version == PLAIN_FORMAT_VERSION and self.chunked:
+            object.__setattr__(self, "format_version", FORMAT_VERSION)
+
+    @property
+    def chunked(self) -> bool:
+        """Whether any file is stored as chunks (a deduplicated save)."""
+        return any(entry.chunks is not None for entry in self.files)
+
+    def chunk_refs(self) -> list[ChunkRef]:
+        """Every chunk reference of the manifest, in file order (repeats included)."""
+        return [chunk for entry in self.files for chunk in entry.chunks or ()]
+
+    @property
+    def new_bytes(self) -> int:
+        """Bytes this save stored itself: its plain files and the chunk instances it uploaded
+        (each once), not the chunks it references from earlier saves."""
+        own: dict[str, int] = {}
+        plain = 0
+        for entry in self.files:
+            if entry.chunks is None:
+                plain += entry.size
+            for chunk in entry.chunks or ():
+                if chunk.save_id == self.save_id:
+                    own[chunk.name] = chunk.size
+        return plain + sum(own.values())
 
     @property
     def total_bytes(self) -> int:
@@ -221,7 +257,7 @@ class Manifest:
         raw_files = body["files"]
         if not isinstance(raw_files, list) or len(raw_files) > MAX_FILES:
             raise ValueError("files is not a list of at most 1,000,000 entries")
-        files = tuple(_entry(f) for f in raw_files)
+        files = tuple(_entry(f, chunked=version >= 3) for f in raw_files)
         names = [f.name for f in files]
         if len(set(names)) != len(names):
             raise ValueError("a file name is listed twice")
@@ -282,7 +318,7 @@ def _inline(value: Any, listed: set[str]) -> dict[str, str]:
     return copies
 
 
-def _entry(raw: Any) -> FileEntry:
+def _entry(raw: Any, *, chunked: bool) -> FileEntry:
     if not isinstance(raw, dict):
         raise ValueError(f"file entry {str(raw)[:60]!r} is not an object")
     name = raw["name"]
@@ -306,4 +342,12 @@ def _entry(raw: Any) -> FileEntry:
             raise ValueError(f"crc32c of {name[:80]!r} is not a base64 CRC32C")
     except binascii.Error:
         raise ValueError(f"crc32c of {name[:80]!r} is not a base64 CRC32C") from None
-    return FileEntry(name, size, crc)
+    raw_chunks = raw.get("chunks") if chunked else None
+    if raw_chunks is None:
+        return FileEntry(name, size, crc)
+    if not isinstance(raw_chunks, list) or len(raw_chunks) > MAX_CHUNKS_PER_FILE:
+        raise ValueError(f"chunks of {name[:80]!r} is not a list of chunk references")
+    chunks = tuple(ChunkRef.from_list(c, max_size=MAX_FILE_SIZE) for c in raw_chunks)
+    if sum(c.size for c in chunks) != size:
+        raise ValueError(f"chunks of {name[:80]!r} do not add up to its size {size}")
+    return FileEntry(name, size, crc, chunks)

@@ -18,6 +18,8 @@ from typing import BinaryIO
 
 from zephon.storage.backend import copy_file, make_dirs, open_read, same_store
 from zephon.storage.checksum import Crc32c
+from zephon.storage.chunked_file import ChunkedFile, SaveChunks
+from zephon.storage.chunks import DEFAULT_MAX_CHUNK, ChunkRef
 from zephon.storage.errors import InvalidNameError, WriteAbortedError
 from zephon.storage.layout import RunLayout, validate_file_name
 from zephon.storage.location import Location
@@ -67,6 +69,7 @@ class PayloadWriter:
         self._own: set[str] = set()  # names this writer wrote itself (not add_entries)
         self._lock = threading.Lock()
         self._dirs: set[str] = {self.payload_path, self.path}
+        self._chunks: SaveChunks | None = None  # deduplicate()
         self._state = "open"
 
     # -- writing -------------------------------------------------------------------------------
@@ -117,6 +120,52 @@ class PayloadWriter:
             with self._open_file(target) as out:
                 yield out
             self._record(name, out.crc)
+
+    def deduplicate(
+        self, base: Mapping[str, ChunkRef], *, max_chunk: int = DEFAULT_MAX_CHUNK
+    ) -> None:
+        """Write the files of ``open_chunked`` as content-addressed chunks from now on,
+        listing ``base``'s instance (SHA-256 hex -> ``ChunkRef``) instead of uploading the
+        same content again. ``base`` must come from the newest committed checkpoint of this
+        save's history (``Manifest.chunk_refs``), which retention keeps (docs/dedup.md)."""
+        self._check_open()
+        self._chunks = SaveChunks(
+            self._location,
+            self._layout,
+            self.save_id,
+            base,
+            part_size=self._part_size,
+            max_chunk=max_chunk,
+        )
+        with self._lock:
+            self._dirs.add(self._layout.chunk_dir)
+
+    @property
+    def chunk_stats(self) -> tuple[int, int]:
+        """``(uploaded, reused)`` chunk bytes of this writer's deduplicated files so far."""
+        chunks = self._chunks
+        return (chunks.uploaded_bytes, chunks.reused_bytes) if chunks else (0, 0)
+
+    @contextlib.contextmanager
+    def open_chunked(self, name: str) -> Iterator[ChunkedFile]:
+        """A file to ``write()`` into as ``open``, stored as chunks once ``deduplicate`` was
+        called (plain otherwise: the caller need not tell the two apart)."""
+        if self._chunks is None:
+            with self.open(name) as out:
+                yield out  # type: ignore[misc]
+            return
+        self._claim_name(name)
+        with self._guard(name):
+            out = ChunkedFile(self._chunks)
+            try:
+                yield out
+            except BaseException:
+                out.discard()
+                raise
+            refs = out.finish()
+            entry = FileEntry(name, out.crc.size, out.crc.encoded(), refs)
+            with self._lock:
+                self._entries[name] = entry
 
     def can_copy_from(self, source: Location) -> bool:
         """Whether ``copy_from`` can copy files of ``source`` into this save on the server."""
@@ -189,7 +238,7 @@ class PayloadWriter:
                 step=self.step,
             )
 
-    def _claim(self, name: str) -> str:
+    def _claim_name(self, name: str) -> None:
         self._check_open()
         validate_file_name(name)
         with self._lock:
@@ -201,6 +250,9 @@ class PayloadWriter:
                     path=name,
                 )
             self._own.add(name)
+
+    def _claim(self, name: str) -> str:
+        self._claim_name(name)
         target = f"{self.payload_path}/{name}"
         location = self._location
         if location.backend.has_directories:

@@ -3,12 +3,14 @@ lists, with every whole-file read checked against the manifest's size and CRC32C
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable
 from typing import Any, BinaryIO, Protocol
 
 from zephon.storage.backend import get_file, open_read, read_file, read_range
 from zephon.storage.checksum import Crc32c
+from zephon.storage.chunked_read import ChunkedReader, ChunkedStream
 from zephon.storage.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -40,7 +42,8 @@ class CheckpointReader:
         self.manifest = manifest
         #: whether ``read_bytes`` compares every file's CRC32C with the manifest
         self.verify = verify
-        step_path = location.run_layout(manifest.run).checkpoint_path(manifest.step)
+        self._layout = location.run_layout(manifest.run)
+        step_path = self._layout.checkpoint_path(manifest.step)
         self.url = location.display(step_path)
         #: the directory holding the files (``save-<step>/<save_id>``; format 1: the step's)
         self.path = f"{step_path}/{manifest.payload}" if manifest.payload else step_path
@@ -51,6 +54,11 @@ class CheckpointReader:
 
     def _target(self, name: str) -> str:
         return f"{self.path}/{self._entry(name).name}"
+
+    def _chunked(self, name: str) -> ChunkedReader | None:
+        """The chunks of a deduplicated file (None for a plain one)."""
+        chunks = self._entry(name).chunks
+        return None if chunks is None else ChunkedReader(self._location, self._layout, chunks)
 
     def _entry(self, name: str) -> FileEntry:
         entry = self.manifest.file(name)
@@ -68,6 +76,9 @@ class CheckpointReader:
     def open(self, name: str) -> BinaryIO:
         """One file open for reading (on object stores in ranged requests, each tried again
         on its own); not checked against the manifest."""
+        chunked = self._chunked(name)
+        if chunked is not None:
+            return io.BufferedReader(ChunkedStream(chunked), 8 << 20)  # type: ignore[return-value]
         target = self._target(name)
         location = self._location
         try:
@@ -89,9 +100,12 @@ class CheckpointReader:
         return data
 
     def _read_whole(self, name: str) -> bytes:
+        chunked = self._chunked(name)
         target = self._target(name)
         location = self._location
         try:
+            if chunked is not None:
+                return chunked.read_all()
             return read_file(location, target)
         except FileNotFoundError:
             raise self._missing(name) from None
@@ -118,9 +132,12 @@ class CheckpointReader:
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of one file, in one ranged request; fewer bytes than asked
         for means the file is shorter than that (the caller decides if that is damage)."""
+        chunked = self._chunked(name)
         target = self._target(name)
         location = self._location
         try:
+            if chunked is not None:
+                return chunked.read_range(start, end)
             return read_range(location, target, start, end)
         except FileNotFoundError:
             raise self._missing(name) from None
@@ -130,8 +147,11 @@ class CheckpointReader:
         C-contiguous buffer, e.g. a tensor's bytes), as many as it holds, in one ranged
         request; returns how many arrived (fewer means the file is shorter). No bytes object
         is made on the way where the backend can avoid it (local disk, the native client)."""
+        chunked = self._chunked(name)
         target = self._target(name)
         try:
+            if chunked is not None:
+                return chunked.read_range_into(start, buffer)
             return self._location.backend.read_range_into(target, start, buffer)
         except FileNotFoundError:
             raise self._missing(name) from None
@@ -143,8 +163,11 @@ class CheckpointReader:
         they arrive from one ranged request (on object stores with the native client; the
         fsspec path reads bounded ranges); returns how many arrived (fewer means the file is
         shorter). The chunks are valid only during the call to ``sink``."""
+        chunked = self._chunked(name)
         target = self._target(name)
         try:
+            if chunked is not None:
+                return chunked.read_range_stream(start, end, sink)
             return self._location.backend.read_range_stream(target, start, end, sink)
         except FileNotFoundError:
             raise self._missing(name) from None
@@ -153,7 +176,8 @@ class CheckpointReader:
         """The file's path on a local (POSIX) file system, for callers that read it in place
         (e.g. straight into tensor memory); None on object stores."""
         target = self._target(name)
-        return target if self._location.backend.posix_paths else None
+        plain = self._entry(name).chunks is None
+        return target if plain and self._location.backend.posix_paths else None
 
     def open_in_place(self, name: str) -> BinaryIO:
         """One file of a checkpoint on a local (POSIX) file system, open unbuffered for reads
@@ -161,7 +185,7 @@ class CheckpointReader:
         Only where ``local_path`` is not None."""
         target = self._target(name)
         backend = self._location.backend
-        if not backend.posix_paths:
+        if not backend.posix_paths or self._entry(name).chunks is not None:
             raise InvalidArgumentError(
                 f"{self.url} is not on a local file system: read {name} with read_range",
                 url=self.url,
@@ -176,9 +200,15 @@ class CheckpointReader:
         return self._missing(name)
 
     def get_file(self, name: str, local_path: str | os.PathLike) -> None:
+        chunked = self._chunked(name)
         target = self._target(name)
         location = self._location
         try:
+            if chunked is not None:
+                with open(local_path, "wb") as out:
+                    for path, start, end in chunked.pieces(0, chunked.size):
+                        out.write(location.backend.read_range(path, start, end))
+                return
             get_file(location, target, os.fspath(local_path))
         except FileNotFoundError:
             raise self._missing(name) from None

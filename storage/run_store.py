@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from zephon.storage.backend import file_exists, make_dirs
+from zephon.storage.chunk_sweep import ChunkSweep, sweep_chunks
 from zephon.storage.deletion import delete_checkpoints
 from zephon.storage.errors import (
     CheckpointNotFoundError,
@@ -369,6 +370,7 @@ class RunStore:
             url=self.checkpoint_url(step),
             deep=deep,
             executor_factory=self.store.executor,
+            chunk_dir=self.layout.chunk_dir,
         )
 
     def delete(self, step: int) -> int:
@@ -386,6 +388,26 @@ class RunStore:
         several steps. Idempotent. Returns step -> payload files removed.
         """
         return delete_checkpoints(self.location, self.layout, steps)
+
+    def sweep_chunks(
+        self,
+        *,
+        older_than_s: float,
+        finished: Collection[str] = (),
+        lineage: Lineage | None = None,
+    ) -> ChunkSweep:
+        """Remove the run's chunk instances that no marker references and whose save is over
+        (fenced out, one of ``finished``, or older than ``older_than_s``); see
+        ``storage/chunk_sweep.py`` and docs/dedup.md for why this is safe at any moment."""
+        lineage = lineage if lineage is not None else self.lineage()
+        return sweep_chunks(
+            self.location,
+            self.layout,
+            newest_epoch=lineage.epoch,
+            older_than_s=older_than_s,
+            finished=finished,
+            executor=self.store.executor(),
+        )
 
     def condemned(self) -> list[tuple[int, str]]:
         """``(step, save_id)`` of every save a ``_CORRUPT`` record condemns."""

@@ -8,10 +8,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from zephon.storage.backend import list_files, read_ranges
-from zephon.storage.checksum import Crc32c
+from zephon.storage.checksum import Crc32c, decode_crc32c
 from zephon.storage.errors import CorruptCheckpointError
 from zephon.storage.location import Location
-from zephon.storage.manifest import Manifest
+from zephon.storage.manifest import FileEntry, Manifest
 from zephon.storage.redact import redact
 
 __all__ = ["FileProblem", "VerifyReport", "verify_checkpoint"]
@@ -68,6 +68,33 @@ def _crc_of_file(location: Location, path: str, size: int) -> tuple[int, str]:
     return running.size, running.encoded()
 
 
+def _chunk_problem(entry: FileEntry, listed: dict[str, int]) -> FileProblem | None:
+    """The problem of a deduplicated file whose chunks are not all there with their sizes."""
+    for chunk in entry.chunks or ():
+        size = listed.get(chunk.name)
+        if size is None:
+            return FileProblem(entry.name, "missing", f"chunk {chunk.name} is missing")
+        if size != chunk.size:
+            return FileProblem(
+                entry.name, "size", f"chunk {chunk.name} holds {size} bytes, not {chunk.size}"
+            )
+    return None
+
+
+def _crc_of_chunks(location: Location, chunk_dir: str | None, entry: FileEntry) -> tuple[int, str]:
+    """The size and CRC32C of a deduplicated file, read chunk by chunk; a chunk that does not
+    match its own reference raises (reported as unreadable, naming it)."""
+    total = Crc32c()
+    for chunk in entry.chunks or ():
+        size, crc = _crc_of_file(location, f"{chunk_dir}/{chunk.name}", chunk.size)
+        if size != chunk.size or crc != chunk.crc32c:
+            raise ValueError(
+                f"chunk {chunk.name} has crc32c {crc}, its reference says {chunk.crc32c}"
+            )
+        total.extend(decode_crc32c(crc), size)
+    return total.size, total.encoded()
+
+
 def verify_checkpoint(
     location: Location,
     path: str,
@@ -76,12 +103,28 @@ def verify_checkpoint(
     url: str,
     deep: bool,
     executor_factory: Callable[[], Executor],
+    chunk_dir: str | None = None,
 ) -> VerifyReport:
+    """``path``: the payload directory; ``chunk_dir``: the run's chunk directory, where the
+    chunks of a deduplicated file are (each checked as its file's part: present with its
+    size, and deep, its CRC32C)."""
     report = VerifyReport(url=url, run=manifest.run, step=manifest.step, deep=deep)
-    listed = {f.path: f.size for f in list_files(location, path)}
+    plain = [e for e in manifest.files if e.chunks is None]
+    listed = {f.path: f.size for f in list_files(location, path)} if plain else {}
+    chunked = [e for e in manifest.files if e.chunks is not None]
+    chunks_listed: dict[str, int] = {}
+    if chunked and chunk_dir is not None:
+        chunks_listed = {f.path.rsplit("/", 1)[-1]: f.size for f in list_files(location, chunk_dir)}
     prefix = f"{path}/"
     present = []
     for entry in manifest.files:
+        if entry.chunks is not None:
+            problem = _chunk_problem(entry, chunks_listed)
+            if problem is None:
+                present.append(entry)
+            else:
+                report.problems.append(problem)
+            continue
         size = listed.get(prefix + entry.name)
         if size is None:
             report.problems.append(FileProblem(entry.name, "missing", "missing"))
@@ -97,7 +140,13 @@ def verify_checkpoint(
         return report
     pool = executor_factory()
     futures = {
-        e.name: (e, pool.submit(_crc_of_file, location, prefix + e.name, e.size)) for e in present
+        e.name: (
+            e,
+            pool.submit(_crc_of_chunks, location, chunk_dir, e)
+            if e.chunks is not None
+            else pool.submit(_crc_of_file, location, prefix + e.name, e.size),
+        )
+        for e in present
     }
     for name, (entry, future) in futures.items():
         try:

@@ -224,6 +224,8 @@ class CheckpointWriter(PayloadWriter):
             self._state = "aborted"
             return
         location = self._location
+        if self._chunks is not None:  # chunks only this save uploaded: no marker names them
+            remove_files(location, self._chunks.uploaded)
         if self.primary:
             remove_files(location, [f.path for f in list_files(location, self.payload_path)])
             remove_empty_dirs(location, self.payload_path)
@@ -262,8 +264,11 @@ class CheckpointWriter(PayloadWriter):
         # re-check narrows the window in which a stale attempt can still publish a marker;
         # readers ignore one that slips through (its epoch is not in the lineage).
         steps: list[Callable[[], object]] = []
-        if earlier:
-            steps.append(functools.partial(self._check_payload_present, earlier))
+        # a deduplicated file has no payload file: its chunks were acknowledged as uploaded,
+        # or are the base's, which retention keeps (docs/dedup.md)
+        plain = [entry for entry in earlier if entry.chunks is None]
+        if plain:
+            steps.append(functools.partial(self._check_payload_present, plain))
         if self.fence is not None:
             steps.append(functools.partial(check_fence, self._location, self._layout, self.fence))
         if files:

@@ -59,7 +59,7 @@ def test_round_trip_records_every_file_with_size_and_crc32c(store, tmp_path):
         "streamed.bin": b"part one;part two",
     }
     assert manifest.run == "run-a" and manifest.step == 10
-    assert manifest.format_version == storage.manifest.FORMAT_VERSION
+    assert manifest.format_version == storage.manifest.PLAIN_FORMAT_VERSION
     assert {f.name: (f.size, f.crc32c) for f in manifest.files} == {
         name: (len(data), crc32c_of(data)) for name, data in expected.items()
     }
