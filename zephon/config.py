@@ -146,6 +146,9 @@ class CheckpointingConfig:
     memory_num_to_keep: int = 1
     #: peer nodes holding a copy of each node's memory checkpoint
     memory_replicas: int = 1
+    #: store each save's tensors as content-addressed chunks under the run, uploading only the
+    #: chunks the previous checkpoint does not hold already (docs/dedup.md)
+    dedup: bool = False
     #: how transient storage failures (5xx, throttling, timeouts, broken connections) are
     #: tried again, for every store the job opens; YAML: a mapping of ``RetryPolicy`` fields
     retry: RetryPolicy = DEFAULT_RETRY
@@ -208,10 +211,17 @@ class CheckpointingConfig:
                 f"{MAX_CATALOG_OUTAGE_S:g}",
             )
         self.catalog_outage_s = float(outage)
-        for key in ("async_save", "verify_on_load"):
+        for key in ("async_save", "verify_on_load", "dedup"):
             if not isinstance(getattr(self, key), bool):
                 raise _fail(f"{p}.{key}", getattr(self, key), "use true or false")
         self._check_local_tier()
+        if self.dedup and (self.local_dir is not None or self.memory_tier):
+            raise _fail(
+                f"{p}.dedup",
+                self.dedup,
+                "deduplicated saves go straight to save_dir in this version: unset local_dir "
+                "and memory_tier, or set dedup: false",
+            )
         self.retry = retry_policy_from(self.retry, f"{p}.retry")
         self.emergency_save = EmergencySaveConfig.of(self.emergency_save, f"{p}.emergency_save")
         self._check_goodput_options()
@@ -346,6 +356,7 @@ _CHECKPOINTING_KEYS = {
     "memory_dir",
     "memory_num_to_keep",
     "memory_replicas",
+    "dedup",
     "retry",
     "catalog_outage_s",
     "emergency_save",

@@ -224,6 +224,8 @@ def gc_run(
                 lease=policy.lease,
             )
         _delete_claimed(catalog, location, claimed, report)
+        if not dry_run and claimed:
+            sweep_chunks_of(location, lineage, policy.grace, [row.save_id for row in claimed])
     if held.unknown:
         report.remaining.extend(still_held(catalog, name, held.unknown, policy.lease))
 
@@ -328,6 +330,8 @@ def _remove_leftovers(catalog, location: RunLocation, policy: GcPolicy, dry_run,
     so a directory the listing saw has a row this read sees, and a live save is never taken
     for a leftover however small the grace."""
     store, storage_run, name = location.store, location.storage_run, location.name
+    if not dry_run:
+        sweep_chunks_of(location, None, policy.grace)
     leftovers = store.orphans(policy.grace.total_seconds(), runs=[storage_run])
     condemned = store.run(storage_run).condemned() if policy.corrupt else []
     rows = {row.step: row for row in catalog.list_checkpoints(name)}
@@ -464,7 +468,27 @@ def retain_without_catalog(
         if plan.to_delete:
             store.run(storage_run).check_fence(fence)
             store.run(storage_run).delete_many(plan.to_delete)
+            finished = [m.save_id for m in manifests if m.step in set(plan.to_delete)]
+            store.run(storage_run).sweep_chunks(
+                older_than_s=DEFAULT_GRACE.total_seconds(), finished=finished, lineage=fence.lineage
+            )
     return plan.to_delete
+
+
+def sweep_chunks_of(
+    location: RunLocation,
+    lineage: Lineage | None,
+    grace: dt.timedelta,
+    finished: Iterable[str | None] = (),
+) -> None:
+    """Remove the run's chunk instances that no checkpoint references any more (deduplicated
+    saves; docs/dedup.md): after retention deleted checkpoints, whose saves (``finished``)
+    are over, and in every full gc pass. A no-op listing for a run that never deduplicated."""
+    location.runstore.sweep_chunks(
+        older_than_s=grace.total_seconds(),
+        finished=[save_id for save_id in finished if save_id],
+        lineage=lineage,
+    )
 
 
 def retention_drops(

@@ -33,7 +33,7 @@ from zephon.collectives import Collectives
 from zephon.errors import ZephonError, as_zephon_error
 from zephon.saving import Save
 from zephon.state_tree import split_state, tensor_keys
-from zephon.storage import CheckpointWriter, FileEntry
+from zephon.storage import CheckpointWriter, FileEntry, Manifest
 
 __all__ = ["PreparedState", "Saver"]
 
@@ -73,6 +73,16 @@ class Saver:
         self.asynchronous = job.config.async_save if asynchronous is None else asynchronous
         #: rank 0: told of each commit (step, seconds since the save began, bytes): metrics
         self.on_committed: Callable[[int, float, int | None], None] | None = None
+        #: rank 0, with ``dedup``: the newest checkpoint committed in save_dir's history as
+        #: this process knows it (None until it looked, or committed one)
+        self._dedup_base: Manifest | None = None
+
+    def dedup_base(self) -> Manifest | None:
+        """Rank 0: the base of the next deduplicated save: the checkpoint this process
+        committed last, else the run's latest complete one on storage (docs/dedup.md)."""
+        if self._dedup_base is None:
+            self._dedup_base = self.job.destination.store.run(self.job.run).latest()
+        return self._dedup_base
 
     def save(
         self,
@@ -122,6 +132,7 @@ class Saver:
                 writer,
                 subdir=DCP_SUBDIR,
                 commit_metadata={**(metadata or {}), "step": step, "kind": job.kind},
+                dedup_base=self.dedup_base if job.config.dedup else None,
             )
             if self.asynchronous:
                 staging = time.monotonic()
@@ -223,6 +234,8 @@ class Saver:
         destination = self.job.destination
         if self.coll.is_main:
             assert save is not None
+            if save.writer.manifest is not None:
+                self._dedup_base = save.writer.manifest
             destination.committed(save, timings, started)
             if self.on_committed is not None:
                 manifest = save.writer.manifest

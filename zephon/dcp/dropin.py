@@ -32,12 +32,12 @@ from zephon.dcp.addressing import RunURL, check_step, parse_run_url, step_of_che
 from zephon.dcp.errors import WriterSetupError, portable
 from zephon.dcp.writer import CommitMetadata, ZephonStorageWriter, _FilePrefix
 from zephon.destinations import Destination, TierConfig
-from zephon.errors import ConfigError, as_zephon_error
+from zephon.errors import ConfigError, as_zephon_error, invalid_option
 from zephon.locations import RunLocation
 from zephon.retention import Retention, check_resume_step
 from zephon.saving import Save
 from zephon.session import CatalogArg, RunSession, resolve_catalog
-from zephon.storage import CheckpointStore, CheckpointWriter, Manifest, RetryPolicy
+from zephon.storage import CheckpointStore, CheckpointWriter, ChunkRef, Manifest, RetryPolicy
 
 __all__ = ["RunURL", "Writer", "parse_run_url"]
 
@@ -60,6 +60,8 @@ class _SaveTarget:
     save_id: str
     step: int
     prefix: str
+    #: a deduplicated save: the base's chunks of this rank's shards (``_FilePrefix.base``)
+    base: tuple[ChunkRef, ...] | None = None
 
 
 class Writer(ZephonStorageWriter):
@@ -94,7 +96,8 @@ class Writer(ZephonStorageWriter):
     ``memory_tier=True`` adds the memory tier instead (docs/tiers.md, "The memory tier"): a
     save commits into host memory (``memory_dir``, default /dev/shm/zephon) on every node,
     each node's part is copied to ``memory_replicas`` peer nodes and uploaded to ``url`` in
-    the background; collective too.
+    the background; collective too. ``dedup=True`` stores the shards as content-addressed
+    chunks and uploads only those the previous checkpoint does not hold (docs/dedup.md).
 
     Failures: plain ``dcp.save`` raises DCP's ``CheckpointException`` (a BaseException) whose
     ``failures`` hold Zephon's errors; ``zephon.dcp.save``/``async_save`` raise Zephon's error
@@ -126,6 +129,7 @@ class Writer(ZephonStorageWriter):
         memory_dir: str | os.PathLike | None = None,
         memory_num_to_keep: int = 1,
         memory_replicas: int = 1,
+        dedup: bool = False,
     ) -> None:
         StorageWriter.__init__(self)  # ZephonStorageWriter's own __init__ needs a bound writer
         self.target = parse_run_url(url, "Writer")
@@ -149,8 +153,25 @@ class Writer(ZephonStorageWriter):
                 memory_num_to_keep=memory_num_to_keep,
                 memory_replicas=memory_replicas,
             )
+        if not isinstance(dedup, bool):
+            raise invalid_option("Writer.dedup", dedup, "use True or False")
+        if dedup and tier is not None:
+            raise invalid_option(
+                "Writer.dedup",
+                dedup,
+                "deduplicated saves go straight to url in this version: drop local_dir and "
+                "memory_tier, or dedup",
+            )
+        #: coordinator, with ``dedup``: the manifest this Writer committed last (the base)
+        self._last_manifest: Manifest | None = None
         try:
-            self._configure(subdir, thread_count, commit_metadata, on_commit)
+            self._configure(
+                subdir,
+                thread_count,
+                commit_metadata,
+                on_commit,
+                self._dedup_base if dedup else None,
+            )
         except ValueError as exc:
             raise ConfigError(f"Writer: {exc}") from None
         self.num_to_keep = retention.num_to_keep
@@ -283,10 +304,20 @@ class Writer(ZephonStorageWriter):
             raise translated from exc
         self.writer = self._save.writer
         save_id = self._save.save_id
+        prefixes = self._file_prefixes(len(plans))
         return [
-            dataclasses.replace(plan, storage_data=_SaveTarget(save_id, step, f"__{i}_"))
-            for i, plan in enumerate(plans)
+            dataclasses.replace(
+                plan, storage_data=_SaveTarget(save_id, step, prefix.prefix, prefix.base)
+            )
+            for plan, prefix in zip(plans, prefixes, strict=True)
         ]
+
+    def _dedup_base(self) -> Manifest | None:
+        """Coordinator: the base of a deduplicated save: the checkpoint this Writer committed
+        last, else the run's latest complete one (docs/dedup.md)."""
+        if self._last_manifest is None:
+            self._last_manifest = self.store.run(self.target.run).latest()
+        return self._last_manifest
 
     # -- writing and committing ----------------------------------------------------------
 
@@ -301,7 +332,7 @@ class Writer(ZephonStorageWriter):
         try:
             if not self.is_coordinator:
                 self.writer = self._attach(target)
-            inner = dataclasses.replace(plan, storage_data=_FilePrefix(target.prefix))
+            inner = dataclasses.replace(plan, storage_data=_FilePrefix(target.prefix, target.base))
             return super().write_data(inner, planner)
         except BaseException as exc:
             self._settle_unfinished(exc)
@@ -332,6 +363,7 @@ class Writer(ZephonStorageWriter):
             _raise_translated(exc)
             raise
         self._save = None
+        self._last_manifest = save.writer.manifest
         self.committed_steps.append(save.step)
         try:
             self.destination.committed(save, {}, self._started)

@@ -65,7 +65,8 @@ class RangeFetcher:
         try:
             if self.local:  # each file once, shared by the threads (preadv has no position)
                 for name in dict.fromkeys(g.file for g in groups):
-                    handles[name] = self.reader.open_in_place(name)
+                    if self.reader.local_path(name) is not None:  # not a deduplicated file
+                        handles[name] = self.reader.open_in_place(name)
             if len(groups) <= 1 or self.thread_count == 1:
                 for g in groups:
                     self._read_group(g, planner, handles.get(g.file))

@@ -37,6 +37,7 @@ from zephon.dcp.stock_format import STOCK_METADATA_FILE, ShardStream, own_storag
 from zephon.errors import ArgumentTypeError, UsageError
 from zephon.storage import (
     CheckpointWriter,
+    ChunkRef,
     FileEntry,
     Manifest,
     crc32c_extend,
@@ -67,9 +68,16 @@ class _RankPlan:
 
 @dataclass(frozen=True)
 class _FilePrefix:
-    """The coordinator's answer: the rank-unique prefix of this rank's shard file names."""
+    """The coordinator's answer: the rank-unique prefix of this rank's shard file names, and
+    for a deduplicated save the chunks of the base this rank's shards may refer to."""
 
     prefix: str
+    base: tuple[ChunkRef, ...] | None = None
+
+
+#: A deduplicated save's base, asked on the coordinator before any rank writes: the manifest
+#: of the newest committed checkpoint of the save's history (None: there is none yet).
+DedupBase = Callable[[], "Manifest | None"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,14 @@ class _Written:
     slice: ShardSlice
     stock: _StorageInfo
     entry: FileEntry
+
+
+def _shard_rank(name: str) -> int | None:
+    """The rank whose shard file ``name`` (``__<rank>_<i>.distcp``) is, else None."""
+    if not name.startswith("__") or not name.endswith(".distcp"):
+        return None
+    head = name[2:].split("_", 1)[0]
+    return int(head) if head.isdigit() and len(head) < 8 else None
 
 
 def shard_prefix(subdir: str) -> str:
@@ -162,7 +178,10 @@ class ZephonStorageWriter(StorageWriter):
         thread_count: int = 4,
         commit_metadata: CommitMetadata | None = None,
         on_commit: Callable[[Manifest], None] | None = None,
+        dedup_base: DedupBase | None = None,
     ) -> None:
+        """``dedup_base``: store the shards as content-addressed chunks, referring to the
+        chunks of the checkpoint it returns (docs/dedup.md); None: plain files."""
         super().__init__()
         if not isinstance(writer, CheckpointWriter):
             raise ArgumentTypeError(
@@ -170,7 +189,7 @@ class ZephonStorageWriter(StorageWriter):
                 f"store.attach), got {type(writer).__name__}"
             )
         self.writer = writer
-        self._configure(subdir, thread_count, commit_metadata, on_commit)
+        self._configure(subdir, thread_count, commit_metadata, on_commit, dedup_base)
 
     def _configure(
         self,
@@ -178,6 +197,7 @@ class ZephonStorageWriter(StorageWriter):
         thread_count: int,
         commit_metadata: CommitMetadata | None,
         on_commit: Callable[[Manifest], None] | None,
+        dedup_base: DedupBase | None = None,
     ) -> None:
         """The settings every writer of this class holds (shared with ``zephon.dcp.Writer``,
         which binds its ``CheckpointWriter`` per save)."""
@@ -187,6 +207,7 @@ class ZephonStorageWriter(StorageWriter):
         self.thread_count = thread_count
         self._commit_metadata = commit_metadata
         self._on_commit = on_commit
+        self._dedup_base = dedup_base
         self.is_coordinator = False
         self.rank = 0
         #: the committed manifest, on the coordinator once ``finish`` succeeded
@@ -280,10 +301,26 @@ class ZephonStorageWriter(StorageWriter):
                 f"{'; '.join(wrong)}: broadcast the primary writer's save_id and attach every "
                 "rank to the same run, step and attempt"
             )
+        prefixes = self._file_prefixes(len(plans))
         return [
-            dataclasses.replace(plan, storage_data=_FilePrefix(f"__{i}_"))
-            for i, plan in enumerate(plans)
+            dataclasses.replace(plan, storage_data=prefix)
+            for plan, prefix in zip(plans, prefixes, strict=True)
         ]
+
+    def _file_prefixes(self, ranks: int) -> list[_FilePrefix]:
+        """Coordinator: each rank's file-name prefix ``__<rank>_`` and, for a deduplicated
+        save, the base's chunks of that rank's shard files (a rank writes the same tensors
+        from one save to the next, so that is where its unchanged bytes are)."""
+        if self._dedup_base is None:
+            return [_FilePrefix(f"__{i}_") for i in range(ranks)]
+        base = self._dedup_base()
+        per_rank: list[dict[str, ChunkRef]] = [{} for _ in range(ranks)]
+        for entry in base.files if base is not None else ():
+            head = entry.name[len(self.prefix) :] if entry.name.startswith(self.prefix) else ""
+            rank = _shard_rank(head)
+            if entry.chunks and rank is not None and rank < ranks:
+                per_rank[rank].update((c.sha256, c) for c in entry.chunks)
+        return [_FilePrefix(f"__{i}_", tuple(refs.values())) for i, refs in enumerate(per_rank)]
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -300,6 +337,8 @@ class ZephonStorageWriter(StorageWriter):
                 f"rank {self.rank} got no file prefix for {self.url}: the coordinator is not "
                 "using ZephonStorageWriter"
             )
+        if target.base is not None:
+            self.writer.deduplicate({c.sha256: c for c in target.base})
         groups = _balance(list(plan.items), self.thread_count)
         names = [f"{self.prefix}{target.prefix}{i}.distcp" for i in range(len(groups))]
         results: list[WriteResult] = []
@@ -328,7 +367,7 @@ class ZephonStorageWriter(StorageWriter):
     ) -> list[WriteResult]:
         placed: list[tuple[WriteItem, ShardSlice, _StorageInfo]] = []
         relative = name[len(self.prefix) :]
-        with self.writer.open(name) as out:
+        with self.writer.open_chunked(name) as out:  # plain unless the save deduplicates
 
             def emit(view: memoryview) -> int:
                 # One native pass (GIL released) for the piece's CRC; the storage writer
