@@ -215,6 +215,9 @@ class Checkpoint(Base):
     save_id: Mapped[str] = mapped_column(String(64))
     epoch: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # of ``bytes``, those the save stored itself: a deduplicated save's new chunks and plain
+    # files (docs/dedup.md); null: a save that stored all of them
+    stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
     file_count: Mapped[int | None] = mapped_column(Integer)
     manifest_checksum: Mapped[str | None] = mapped_column(String(128))
     pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())

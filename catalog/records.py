@@ -126,6 +126,9 @@ class CheckpointRecord(_Record):
     committed_at: datetime | None
     updated_at: datetime
     timings: dict[str, float] | None = None
+    #: of ``bytes``, those this save stored itself (a deduplicated save's new chunks and its
+    #: plain files); None: it stored all of them
+    stored_bytes: int | None = None
 
     @classmethod
     def of(cls, row: Checkpoint, run: str) -> CheckpointRecord:

@@ -46,6 +46,7 @@ FAILED = CheckpointState.FAILED
 # survives into the new one.
 _CLEARED_ON_REARM: dict[str, Any] = {
     "bytes": None,
+    "stored_bytes": None,
     "file_count": None,
     "manifest_checksum": None,
     "meta": None,

@@ -294,10 +294,13 @@ def checkpoint_facts(
     files: int | None,
     manifest_checksum: str | None,
     metadata: dict[str, Any] | None,
+    stored: int | None = None,
 ) -> dict[str, Any]:
     """What a committed checkpoint's row records about its files (``bytes``, ``file_count``,
-    ``manifest_checksum``, ``meta``: the ``metadata``), checked, as column values."""
+    ``manifest_checksum``, ``meta``: the ``metadata``, ``stored_bytes``), checked, as column
+    values."""
     byte_count(size)
+    optional_integer("stored_bytes", stored, minimum=0)
     file_count(files)
     if manifest_checksum is not None:
         text("manifest_checksum", manifest_checksum, maximum=128)
@@ -307,6 +310,7 @@ def checkpoint_facts(
         "file_count": files,
         "manifest_checksum": manifest_checksum,
         "meta": metadata,
+        "stored_bytes": stored,
     }
 
 

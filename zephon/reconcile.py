@@ -132,6 +132,7 @@ def manifest_facts(manifest: Manifest) -> dict[str, Any]:
         "file_count": manifest.file_count,
         "manifest_checksum": manifest.checksum(),
         "metadata": manifest.metadata or None,
+        "stored_bytes": manifest.new_bytes if manifest.chunked else None,
     }
 
 

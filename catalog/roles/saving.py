@@ -64,8 +64,10 @@ class SaveMethods(CatalogBase):
         manifest_checksum: str | None,
         metadata: dict[str, Any] | None = None,
         timings: Mapping[str, float] | None = None,
+        stored_bytes: int | None = None,
     ) -> CheckpointRecord:
         """``pending -> committed`` after the commit marker is written, for this save only.
+        ``stored_bytes``: of ``bytes``, those the save stored itself (a deduplicated save).
 
         ``timings`` (phase name -> seconds: ``write_s``, ``commit_s``, ``total_s``,
         ``stall_s``...; ``catalog.validate.TIMING_PHASES``) are merged into the row's, in the
@@ -83,7 +85,9 @@ class SaveMethods(CatalogBase):
         run, step = validate.run_name(run), validate.step(step)
         save_id = validate.token("save_id", save_id)
         epoch = validate.epoch(epoch)
-        facts = validate.checkpoint_facts(bytes, file_count, manifest_checksum, metadata)
+        facts = validate.checkpoint_facts(
+            bytes, file_count, manifest_checksum, metadata, stored_bytes
+        )
         phases = validate.timings(timings)
         action = f"commit run {run!r} step {step}"
         with self._run_transaction(action, run, lock="share") as transaction:

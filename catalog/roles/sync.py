@@ -44,6 +44,7 @@ class SyncMethods(CatalogBase):
         manifest_checksum: str | None,
         metadata: dict[str, Any] | None = None,
         committed_at: datetime | None = None,
+        stored_bytes: int | None = None,
     ) -> tuple[CheckpointRecord | None, SyncOutcome]:
         """Storage holds a complete, verified marker of save ``save_id`` (attempt ``epoch``) at
         ``step``: make the catalog agree. Idempotent; used by the resume probe, gc and sync.
@@ -65,7 +66,9 @@ class SyncMethods(CatalogBase):
         epoch = validate.epoch(epoch)
         facts = {
             "path": validate.storage_url("path", path),
-            **validate.checkpoint_facts(bytes, file_count, manifest_checksum, metadata),
+            **validate.checkpoint_facts(
+                bytes, file_count, manifest_checksum, metadata, stored_bytes
+            ),
         }
         if metadata is None:
             del facts["meta"]  # unknown here: keep what the row has

@@ -77,7 +77,8 @@ def test_a_dropped_replicas_table_or_timings_column_is_named(catalog_url):
     execute_sql(catalog_url, "DROP TABLE checkpoint_replicas")
     for error in _refusals(catalog_url, SchemaDriftError):
         assert error.differences == ("missing table checkpoint_replicas",)
-    # and what the stall column's revision added after them
+    # and what the stall column's and the stored bytes' revisions added after them
+    _drop_column(catalog_url, "checkpoints", "stored_bytes")
     execute_sql(catalog_url, "DROP INDEX ix_checkpoints_attempt_saves")
     _drop_column(catalog_url, "checkpoints", "stall_s")
     _drop_column(catalog_url, "checkpoints", "timings")

@@ -179,6 +179,8 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         at = at.astimezone(dt.UTC)
         return at.isoformat(timespec="seconds") if args.wide else at.strftime("%Y-%m-%d %H:%M")
 
+    # a deduplicated save lists more bytes than it stored: "new" shows what it added
+    deduplicated = any(r.stored_bytes is not None for r in rows)
     print_table(
         f"checkpoints of run {args.run} in {record.storage_url}",
         [
@@ -186,6 +188,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             "state",
             Column("epoch", numeric=True, drop=3),
             Column("size", numeric=True),
+            *([Column("new", numeric=True)] if deduplicated else []),
             Column("files", numeric=True, drop=4),
             Column("duration", numeric=True),
             Column("MB/s", numeric=True),
@@ -201,6 +204,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                     _state_shown(r),
                     r.epoch,
                     human_bytes(r.bytes),
+                    *([_stored(r)] if deduplicated else []),
                     r.file_count,
                     timing.duration(r.timings),
                     timing.rate(r.bytes, r.timings),
@@ -211,12 +215,25 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                 )
                 for r in rows
             ]
-            + [timing.local_only_row(step, held, committed) for step, held in local_only.items()],
+            + [
+                _with_new(timing.local_only_row(step, held, committed), deduplicated)
+                for step, held in local_only.items()
+            ],
             key=lambda row: row[0],
         ),
         wide=args.wide,
     )
     return EXIT_OK
+
+
+def _stored(row: CheckpointRecord) -> str:
+    """The bytes a save added to storage (all it lists, unless it was deduplicated)."""
+    return human_bytes(row.stored_bytes if row.stored_bytes is not None else row.bytes)
+
+
+def _with_new(row: tuple, deduplicated: bool) -> tuple:
+    """A local-only step's row with an empty "new" cell when the table shows that column."""
+    return (*row[:4], "", *row[4:]) if deduplicated else row
 
 
 @contextlib.contextmanager

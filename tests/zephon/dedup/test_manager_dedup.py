@@ -3,6 +3,7 @@ stored, what is loaded, what retention and gc remove, on local disk and on objec
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -158,3 +159,24 @@ def test_dedup_is_a_yaml_key_and_refuses_the_tiers_for_now(tmp_path):
         CheckpointingConfig(save_dir=str(tmp_path), dedup="yes")
     with pytest.raises(ConfigError, match="local_dir"):
         CheckpointingConfig(save_dir=str(tmp_path), dedup=True, local_dir=str(tmp_path / "l"))
+
+
+def test_the_catalog_and_zephon_checkpoints_show_what_each_save_added(tmp_path, catalog_url, cli):
+    config = CheckpointingConfig(
+        save_dir=str(tmp_path / "ckpt"), period_steps=1, dedup=True, catalog_url=catalog_url
+    )
+    model = Adapted(base_mib=2)
+    optimizer = torch.optim.Adam([model.adapter.weight], lr=0.1)
+    with CheckpointManager(config, run_name="r", total_steps=10) as manager:
+        for step in (1, 2):
+            model.step(optimizer)
+            manager.save(step, {"model": model, "optimizer": optimizer})
+    code, out, _ = cli("checkpoints", "r", "--json")
+    assert code == 0
+    rows = {row["step"]: row for row in json.loads(out)}
+    assert rows[1]["stored_bytes"] == rows[1]["bytes"]  # the first save stored everything
+    assert rows[2]["stored_bytes"] < rows[2]["bytes"] / 10
+    code, out, _ = cli("checkpoints", "r", "--wide")
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("step"))
+    assert header.split()[:5] == ["step", "state", "epoch", "size", "new"]
+    assert "2.0 MiB" in out or "2.1 MiB" in out
