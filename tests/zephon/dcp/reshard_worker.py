@@ -221,6 +221,22 @@ def dcp_save(url: str, options: dict, model, optim) -> None:
         writer.close()
 
 
+def dcp_save_deduplicated(url: str, options: dict, model, optim) -> None:
+    """The same state saved twice with ``dedup=True`` (docs/dedup.md): the second save's
+    shards are all chunks the first uploaded, which the loads of the latest then read."""
+    model_sd, optim_sd = get_state_dict(model, optim)
+    writer = zd.Writer(url, storage_options=options, dedup=True)
+    try:
+        for step in (1, 2):
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd},
+                storage_writer=writer,
+                checkpoint_id=f"{url}/save-{step}",
+            )
+    finally:
+        writer.close()
+
+
 def dcp_load(url: str, options: dict, model, optim, *, verify: bool = True) -> None:
     """torch's own recipe: the state dicts of the new layout, ``dcp.load`` into them, set."""
     model_sd, optim_sd = get_state_dict(model, optim)
@@ -303,6 +319,7 @@ def phase_save(rank: int, root: str, options: dict, out: dict) -> dict[str, torc
     out["saved_rng_draws"] = save_with_manager(root, options, "manager", model, optim, rank)
     dcp_save(f"{root}/dcp/{RUN}", options, model, optim)
     dcp_save(f"{root}/dcp/damaged", options, model, optim)
+    dcp_save_deduplicated(f"{root}/dedup/{RUN}", options, model, optim)
     dist.barrier()
     if rank == 0:
         out["damaged"] = damage_one_chunk(f"{root}/dcp/damaged", options)
@@ -332,6 +349,7 @@ def phase_two(rank: int, root: str, options: dict, expected: dict, out: dict) ->
     ways: dict[str, Callable] = {
         "manager": lambda m, o: load_with_manager(root, options, "manager", m, o),
         "dcp": lambda m, o: dcp_load(f"{root}/dcp/{RUN}", options, m, o),
+        "dcp_dedup": lambda m, o: dcp_load(f"{root}/dedup/{RUN}", options, m, o),
         "manager_via_reader": lambda m, o: manager_checkpoint_via_reader(
             f"{root}/manager/{RUN}", options, m, o
         ),
@@ -383,6 +401,7 @@ def phase_one(root: str, options: dict, expected: dict, out: dict) -> None:
         "manager": lambda m, o: load_with_manager(root, options, "manager", m, o),
         "manager2": lambda m, o: load_with_manager(root, options, "manager2", m, o),
         "dcp": lambda m, o: dcp_load(f"{root}/dcp/{RUN}", options, m, o),
+        "dcp_dedup": lambda m, o: dcp_load(f"{root}/dedup/{RUN}", options, m, o),
         "manager_via_reader": lambda m, o: manager_checkpoint_via_reader(
             f"{root}/manager/{RUN}", options, m, o
         ),

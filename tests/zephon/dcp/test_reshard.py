@@ -1,7 +1,8 @@
 """Resharding on load: DTensor model and AdamW state saved on 4 gloo ranks as ``Shard(0)`` loads on
 2 ranks as ``Shard(0)``, ``Replicate()`` and ``Shard(1)``, on 4 ranks from a 2-rank save, and in
 one process as plain tensors, through the checkpoint manager, through torch's ``dcp.save``/
-``dcp.load`` with ``zephon.dcp.Writer``/``Reader``, and a manager checkpoint through the plain
+``dcp.load`` with ``zephon.dcp.Writer``/``Reader`` (also a deduplicated save whose shards
+are all chunks of the one before, docs/dedup.md), and a manager checkpoint through the plain
 Reader; what each new rank gets of the manager's non-tensor state; verification of resharded
 reads; and docs/manager.md's example, run as printed.
 
@@ -76,7 +77,7 @@ def test_the_saved_shards_are_uneven_and_one_is_empty(ranks):
         assert [record["saved_layout"][name] for record in ranks] == shapes
 
 
-@pytest.mark.parametrize("way", ["manager", "dcp", "manager_via_reader"])
+@pytest.mark.parametrize("way", ["manager", "dcp", "dcp_dedup", "manager_via_reader"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_four_ranks_of_shard0_load_on_two_ranks_with_equal_full_tensors(ranks, layout, way):
     for record in ranks[:2]:
@@ -106,7 +107,7 @@ def test_a_two_rank_save_loads_on_four_ranks(ranks):
         assert record["four"]["manager2"]["layout"] == record["saved_layout"]
 
 
-@pytest.mark.parametrize("way", ["manager", "manager2", "dcp", "manager_via_reader"])
+@pytest.mark.parametrize("way", ["manager", "manager2", "dcp", "dcp_dedup", "manager_via_reader"])
 def test_one_process_loads_plain_tensors_with_equal_values(ranks, way):
     load = ranks[0]["one"][way]
     assert_equal_after_load(load)
