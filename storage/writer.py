@@ -48,7 +48,7 @@ from zephon.storage.manifest import (
     Manifest,
     inline_copy,
 )
-from zephon.storage.markers import describe_commit
+from zephon.storage.markers import describe_commit, marker_bytes, parse_marker
 from zephon.storage.parallel import concurrently
 from zephon.storage.payload_writer import Payload, PayloadWriter
 
@@ -98,6 +98,7 @@ class CheckpointWriter(PayloadWriter):
         self._sent: Manifest | None = None  # the manifest the marker requests carry
         self._present_only = False  # keep_present_only()
         self._created_at = _now()
+        self._base: Manifest | None = None  # keep_base()
         #: the committed manifest, once ``commit`` succeeded
         self.manifest: Manifest | None = None
 
@@ -134,6 +135,12 @@ class CheckpointWriter(PayloadWriter):
                         path=entry.name,
                     )
                 self._entries[entry.name] = entry
+
+    def keep_base(self, base: Manifest) -> None:
+        """This save lists chunks of ``base`` (a deduplicated save, docs/dedup.md): the commit
+        re-reads the base's marker, beside the fence re-check, and refuses to commit if it is
+        gone or another save's (someone deleted the run's newest checkpoint meanwhile)."""
+        self._base = base
 
     # -- commit / abort ------------------------------------------------------------------------
 
@@ -273,6 +280,8 @@ class CheckpointWriter(PayloadWriter):
             steps.append(functools.partial(check_fence, self._location, self._layout, self.fence))
         if files:
             steps.append(functools.partial(self.write_many, files))
+        if self._base is not None:
+            steps.append(self._check_base)
         concurrently(*steps)
         sync_dirs(location, sorted(self._dirs, key=len, reverse=True))  # local disk: fsync
         entries = self.entries
@@ -342,6 +351,22 @@ class CheckpointWriter(PayloadWriter):
                 self.abort()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _check_base(self) -> None:
+        base = self._base
+        assert base is not None
+        data = marker_bytes(self._location, self._layout, base.step)
+        if data is None or parse_marker(self._location, self._layout, base.step, data).save_id != (
+            base.save_id
+        ):
+            self._state = "failed"
+            raise WriteAbortedError(
+                f"refusing to commit {self.url}: it lists chunks of step {base.step}, whose "
+                "checkpoint was deleted while it saved (retention never deletes a run's newest "
+                "checkpoint: was it deleted by hand?); save again",
+                run=self.run,
+                step=self.step,
+            )
 
     def _check_payload_present(self, entries: list[FileEntry]) -> None:
         location = self._location

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zephon.storage import CheckpointStore, CorruptCheckpointError, Manifest
+from zephon.storage import CheckpointStore, CorruptCheckpointError, Manifest, WriteAbortedError
 from zephon.storage.chunks import ChunkRef, parse_chunk_name
 
 KIB = 1 << 10
@@ -212,3 +212,17 @@ def test_a_marker_that_cannot_be_read_stops_the_sweep(store):
     store.location.backend.put_bytes(run.layout.marker_path(2), b"{not json", 1 << 20)
     result = run.sweep_chunks(older_than_s=0)
     assert result.removed == 0 and "step 2" in (result.skipped or "")
+
+
+def test_a_save_whose_base_was_deleted_meanwhile_is_not_committed(store):
+    run, fence = start(store)
+    base = save(run, fence, 1, [os.urandom(20 * KIB)], None)
+    with run.begin(2, fence=fence) as writer:
+        writer.deduplicate({c.sha256: c for c in base.chunk_refs()})
+        writer.keep_base(base)
+        with writer.open_chunked("shard.bin") as out:
+            out.write(os.urandom(20 * KIB))
+        run.delete(1)  # by hand, while the save runs
+        with pytest.raises(WriteAbortedError, match="step 1"):
+            writer.commit()
+    assert run.committed_steps() == []

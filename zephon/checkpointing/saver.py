@@ -249,6 +249,7 @@ class Saver:
         when no save began."""
         if not self.coll.is_main:
             return
+        self._dedup_base = None  # looked up again: the failure may be that it was deleted
         if save is not None:
             self.job.destination.failed(save, exc)
         else:

@@ -388,6 +388,7 @@ class Writer(ZephonStorageWriter):
         removed (``Save.failed`` never raises); the other ranks' parts, handed in as their
         write ended, are voided."""
         save, self._save = self._save, None
+        self._last_manifest = None  # looked up again: the failure may be that it was deleted
         if save is not None and save.writer.manifest is None:
             self.destination.failed(save, exc or RuntimeError("the DCP save did not finish"))
             self.destination.void(save, self._started)

@@ -314,6 +314,8 @@ class ZephonStorageWriter(StorageWriter):
         if self._dedup_base is None:
             return [_FilePrefix(f"__{i}_") for i in range(ranks)]
         base = self._dedup_base()
+        if base is not None:
+            self.writer.keep_base(base)  # the commit re-checks that it is still there
         per_rank: list[dict[str, ChunkRef]] = [{} for _ in range(ranks)]
         for entry in base.files if base is not None else ():
             head = entry.name[len(self.prefix) :] if entry.name.startswith(self.prefix) else ""
