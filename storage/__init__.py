@@ -81,7 +81,7 @@ _LAZY = {
         name: "zephon.storage.lineage"
         for name in ("AttemptRecord", "Fence", "Lineage", "newer_epochs")
     },
-    **{name: "zephon.storage.chunks" for name in ("ChunkRef", "DEFAULT_MAX_CHUNK")},
+    **{name: "zephon.storage.chunks" for name in ("CHUNK_SCOPES", "ChunkRef", "DEFAULT_MAX_CHUNK")},
     "ChunkSweep": "zephon.storage.chunk_sweep",
     "Location": "zephon.storage.location",
     "open_location": "zephon.storage.location",
@@ -114,6 +114,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "CHUNK_SCOPES",
     "ChunkRef",
     "ChunkSweep",
     "DEFAULT_MAX_CHUNK",

@@ -23,12 +23,12 @@ of the run: what it references is unknown.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from zephon.storage.backend import list_files, remove_files, sync_dirs
-from zephon.storage.chunks import chunk_epoch, parse_chunk_name
+from zephon.storage.chunks import LEASE_DIR, chunk_epoch, lease_uploaders, parse_chunk_name
 from zephon.storage.errors import CheckpointNotFoundError, CorruptCheckpointError
 from zephon.storage.layout import RunLayout
 from zephon.storage.location import Location
@@ -55,64 +55,101 @@ class ChunkSweep:
 
 def sweep_chunks(
     location: Location,
-    layout: RunLayout,
+    chunk_dir: str,
+    layouts: Iterable[RunLayout],
     *,
-    newest_epoch: int,
+    newest_epoch: int | None,
     older_than_s: float,
     finished: Collection[str] = (),
     now: float | None = None,
     executor: Executor | None = None,
 ) -> ChunkSweep:
-    """Remove the run's unreferenced chunk instances whose save is over (module docstring).
-    ``newest_epoch``: the run's newest attempt (``Lineage.epoch``), read before the sweep;
-    ``executor``: threads reading the markers in parallel."""
+    """Remove the unreferenced chunk instances of ``chunk_dir`` whose save is over (module
+    docstring). ``layouts``: the runs whose markers may reference them (one run for a run's
+    own chunks; every run of the store for the store's). ``newest_epoch``: the run's newest
+    attempt (``Lineage.epoch``), read before the sweep; None where instances of several runs
+    meet (their epochs are not comparable: only ``finished`` and the age apply).
+    ``executor``: threads reading the markers and leases in parallel."""
     result = ChunkSweep()
-    if not list_files(location, layout.chunk_dir):
-        return result  # a run that never deduplicated: one listing, nothing read
-    referenced: set[str] = set()
-    steps = [listing.step for listing in scan_steps(location, layout.run_path) if listing.committed]
+    if not list_files(location, chunk_dir):
+        return result  # nothing was ever deduplicated here: one listing, nothing read
+    steps = [
+        (layout, listing.step)
+        for layout in layouts
+        for listing in scan_steps(location, layout.run_path)
+        if listing.committed
+    ]
 
-    def references(step: int) -> set[str] | str:
+    def references(target: tuple[RunLayout, int]) -> set[str] | str:
+        layout, step = target
         try:
             manifest = read_manifest(location, layout, step)
         except CheckpointNotFoundError:
             return set()  # deleted since the listing: its chunks are unreferenced
         except CorruptCheckpointError as exc:
-            return f"the marker of step {step} cannot be read ({exc})"
+            where = location.display(layout.run_path)
+            return f"the marker of step {step} of {where} cannot be read ({exc})"
         return {chunk.name for chunk in manifest.chunk_refs()}
 
-    found = executor.map(references, steps) if executor is not None else map(references, steps)
-    for names in found:
+    run_all = executor.map if executor is not None else map
+    referenced: set[str] = set()
+    for names in run_all(references, steps):
         if isinstance(names, str):
             result.skipped = names
             return result
         referenced.update(names)
     now = time.time() if now is None else now
+    leases_prefix = f"{chunk_dir}/{LEASE_DIR}/"
+    listed = list_files(location, chunk_dir)
+    leases = [f for f in listed if f.path.startswith(leases_prefix)]
     doomed: list[tuple[str, int, str]] = []
-    for listed in list_files(location, layout.chunk_dir):
-        name = listed.path.rsplit("/", 1)[-1]
-        parsed = parse_chunk_name(name)
+    young: list[str] = []
+    for lease in leases:
+        if _age(now, lease.mtime) >= older_than_s:
+            doomed.append((lease.path, lease.size, lease.path.rsplit("/", 1)[-1]))
+        else:
+            young.append(lease.path)
+
+    def uploaders(path: str) -> set[str]:
+        try:
+            return lease_uploaders(location.backend.read_small(path)) or set()
+        except FileNotFoundError:
+            return set()  # removed since the listing: its save committed or gave up
+
+    protected: set[str] = set()
+    for names in run_all(uploaders, young):
+        protected.update(names)
+    for entry in listed:
+        name = entry.path.rsplit("/", 1)[-1]
+        parsed = parse_chunk_name(name) if not entry.path.startswith(leases_prefix) else None
         if parsed is None:
-            continue  # not a chunk (a crashed write's temporary file is the backend's)
+            continue  # a lease, or not a chunk (a crashed write's temporary file)
         if name in referenced:
             result.referenced += 1
             continue
         save_id = parsed[1]
+        if save_id in protected:
+            result.kept_in_flight += 1
+            continue
         epoch = chunk_epoch(save_id)
-        age = now - listed.mtime if listed.mtime is not None else float("inf")
         over = (
-            (epoch is not None and epoch < newest_epoch)
+            (newest_epoch is not None and epoch is not None and epoch < newest_epoch)
             or save_id in finished
-            or age >= older_than_s
+            or _age(now, entry.mtime) >= older_than_s
         )
         if over:
-            doomed.append((listed.path, listed.size, name))
+            doomed.append((entry.path, entry.size, name))
         else:
             result.kept_in_flight += 1
     if doomed:
         remove_files(location, [path for path, _, _ in doomed])
-        sync_dirs(location, [layout.chunk_dir])
-        result.removed = len(doomed)
-        result.removed_bytes = sum(size for _, size, _ in doomed)
-        result.removed_names = [name for _, _, name in doomed]
+        sync_dirs(location, [chunk_dir])
+        chunks = [(size, name) for _, size, name in doomed if parse_chunk_name(name)]
+        result.removed = len(chunks)
+        result.removed_bytes = sum(size for size, _ in chunks)
+        result.removed_names = sorted(name for _, name in chunks)
     return result
+
+
+def _age(now: float, mtime: float | None) -> float:
+    return now - mtime if mtime is not None else float("inf")

@@ -20,7 +20,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from zephon.storage.checksum import Crc32c, crc32c_extend, encode_crc32c
 from zephon.storage.chunks import DEFAULT_MAX_CHUNK, ChunkRef
-from zephon.storage.layout import RunLayout
 from zephon.storage.location import Location
 
 __all__ = ["ChunkedFile", "SaveChunks"]
@@ -41,7 +40,7 @@ class SaveChunks:
     def __init__(
         self,
         location: Location,
-        layout: RunLayout,
+        chunk_dir: str,
         save_id: str,
         base: Mapping[str, ChunkRef],
         *,
@@ -51,7 +50,7 @@ class SaveChunks:
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be at least 1 byte, not {max_chunk}")
         self._location = location
-        self._layout = layout
+        self.chunk_dir = chunk_dir
         self.save_id = save_id
         self._base = dict(base)
         self._part_size = part_size
@@ -64,15 +63,11 @@ class SaveChunks:
         self.reused_bytes = 0
 
     @property
-    def chunk_dir(self) -> str:
-        return self._layout.chunk_dir
-
-    @property
     def uploaded(self) -> list[str]:
         """The chunk instances this save uploaded (paths), for an abort to remove."""
         with self._lock:
             done = [f for f in self._own.values() if f.done() and f.exception() is None]
-        return [self._layout.chunk_path(f.result().name) for f in done]
+        return [f"{self.chunk_dir}/{f.result().name}" for f in done]
 
     def place(self, view: memoryview, crc: int) -> ChunkRef:
         """Hash ``view`` and upload it unless its content is known (in the base, or uploaded
@@ -98,7 +93,7 @@ class SaveChunks:
         try:
             self._make_dir()
             self._location.backend.put_buffer(
-                self._layout.chunk_path(ref.name), view, self._part_size, ref.crc32c
+                f"{self.chunk_dir}/{ref.name}", view, self._part_size, ref.crc32c
             )
         except BaseException as exc:
             with self._lock:

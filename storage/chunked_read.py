@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from zephon.storage.chunks import ChunkRef
-from zephon.storage.layout import RunLayout
 from zephon.storage.location import Location
 
 __all__ = ["ChunkedReader", "ChunkedStream"]
@@ -23,9 +22,9 @@ class ChunkedReader:
     """Ranges of one deduplicated file, read from its chunks. ``FileNotFoundError`` (from
     the backend) names a missing chunk; the caller turns it into damage."""
 
-    def __init__(self, location: Location, layout: RunLayout, chunks: tuple[ChunkRef, ...]):
+    def __init__(self, location: Location, chunk_dir: str, chunks: tuple[ChunkRef, ...]):
         self._backend = location.backend
-        self._layout = layout
+        self._chunk_dir = chunk_dir
         self.chunks = chunks
         self._starts: list[int] = []
         position = 0
@@ -43,7 +42,7 @@ class ChunkedReader:
         while index < len(self.chunks) and self._starts[index] < end:
             chunk, base = self.chunks[index], self._starts[index]
             yield (
-                self._layout.chunk_path(chunk.name),
+                f"{self._chunk_dir}/{chunk.name}",
                 max(start, base) - base,
                 min(end, base + chunk.size) - base,
             )

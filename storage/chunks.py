@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ from zephon.storage.layout import CHUNK_DIR, SAVE_ID
 
 __all__ = [
     "CHUNK_DIR",
+    "CHUNK_SCOPES",
+    "LEASE_DIR",
     "ChunkRef",
     "DEFAULT_MAX_CHUNK",
     "MAX_CHUNKS_PER_FILE",
@@ -39,6 +42,12 @@ __all__ = [
     "parse_chunk_name",
 ]
 
+#: where a deduplicated save's chunks live: ``run`` (``<run>/_chunks/``) or ``save_dir`` (the
+#: store's root, ``<save_dir>/_chunks/``, shared by every run under it)
+CHUNK_SCOPES = ("run", "save_dir")
+#: inside a chunk directory: one lease per save in flight that lists chunks of a base
+#: (``<save_id>.json``, naming the saves whose instances it may list); docs/dedup.md
+LEASE_DIR = "_leases"
 #: the largest chunk a writer cuts by default (a tensor above it is cut into pieces of this
 #: size, so a large tensor whose rows change only in part is deduplicated in part)
 DEFAULT_MAX_CHUNK = 8 << 20
@@ -94,6 +103,26 @@ def parse_chunk_name(name: str) -> tuple[str, str] | None:
     if not dot or not _HASH.fullmatch(sha) or not SAVE_ID.fullmatch(save_id):
         return None
     return sha, save_id
+
+
+def lease_body(save_id: str, uploaders: set[str]) -> bytes:
+    """A save's lease: the saves whose chunk instances it may list (its base's uploaders)."""
+    return json.dumps({"save_id": save_id, "uploaders": sorted(uploaders)}).encode()
+
+
+def lease_uploaders(data: bytes) -> set[str] | None:
+    """The uploaders a lease protects; None if it is not a lease (damage: it protects
+    nothing, and goes once it is older than the grace)."""
+    try:
+        body = json.loads(data)
+        uploaders = body["uploaders"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(uploaders, list) or not all(
+        isinstance(u, str) and SAVE_ID.fullmatch(u) for u in uploaders
+    ):
+        return None
+    return set(uploaders)
 
 
 def chunk_epoch(save_id: str) -> int | None:

@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlsplit
 from zephon.storage.backends import DEFAULT_POOL_CONNECTIONS, Backend, backend_for
 from zephon.storage.backends.connect import open_filesystem
 from zephon.storage.errors import InvalidNameError
-from zephon.storage.layout import RunLayout
+from zephon.storage.layout import CHUNK_DIR, RunLayout
 from zephon.storage.redact import (
     environment_secrets,
     is_secret_name,
@@ -87,6 +87,14 @@ class Location:
     def display(self, path: str) -> str:
         """A full, credential-free URL for a path of this filesystem, for messages."""
         return self.backend.display(path)
+
+    def chunk_dir(self, scope: str, run: str | None) -> str:
+        """The chunk directory of a deduplicated save of ``run`` in ``scope`` (``run``: its
+        run's ``_chunks``; ``save_dir``: the root's, shared by every run; the inference
+        layout's run directory is the root, so both are the root's there)."""
+        if scope == "save_dir":
+            return self.join(CHUNK_DIR)
+        return self.run_layout(run).chunk_dir
 
     def run_layout(self, run: str | None) -> RunLayout:
         """The paths of run ``run`` under the root (``None``: the inference layout, straight

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zephon.storage.checksum import crc32c_of
-from zephon.storage.chunks import MAX_CHUNKS_PER_FILE, ChunkRef
+from zephon.storage.chunks import CHUNK_SCOPES, MAX_CHUNKS_PER_FILE, ChunkRef
 from zephon.storage.errors import CorruptCheckpointError, InvalidNameError
 from zephon.storage.jsondoc import parse_json
 from zephon.storage.layout import MAX_STEP, SAVE_ID, validate_file_name
@@ -116,6 +116,8 @@ class Manifest:
     committed_at: str = ""
     format_version: int = PLAIN_FORMAT_VERSION
     inline: dict[str, str] = field(default_factory=dict)
+    #: where the chunks of a deduplicated save are (``storage.chunks.CHUNK_SCOPES``)
+    chunk_scope: str = "run"
 
     def __post_init__(self) -> None:
         # Format 3 is format 2 plus chunk references: a manifest is written in it only when
@@ -201,6 +203,8 @@ class Manifest:
         }
         if self.inline and with_copies:  # absent otherwise: markers as they were before
             body["inline"] = self.inline
+        if self.chunked:
+            body["chunk_scope"] = self.chunk_scope
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
     @classmethod
@@ -280,6 +284,7 @@ class Manifest:
             committed_at=str(body.get("committed_at", "")),
             format_version=version,
             inline=_inline(body.get("inline"), set(names)),
+            chunk_scope=_scope(body.get("chunk_scope", "run")),
         )
 
     def checksum(self) -> str:
@@ -287,6 +292,12 @@ class Manifest:
         The file copies are left out: they only repeat files the manifest lists (and are
         checked against them), and a version that does not know them computes the same."""
         return crc32c_of(self._serialise(with_copies=False))
+
+
+def _scope(value: Any) -> str:
+    if value not in CHUNK_SCOPES:
+        raise ValueError(f"chunk_scope {str(value)[:40]!r} is not one of {', '.join(CHUNK_SCOPES)}")
+    return value
 
 
 def _count(value: Any, what: str) -> int:

@@ -19,8 +19,8 @@ from typing import BinaryIO
 from zephon.storage.backend import copy_file, make_dirs, open_read, same_store
 from zephon.storage.checksum import Crc32c
 from zephon.storage.chunked_file import ChunkedFile, SaveChunks
-from zephon.storage.chunks import DEFAULT_MAX_CHUNK, ChunkRef
-from zephon.storage.errors import InvalidNameError, WriteAbortedError
+from zephon.storage.chunks import CHUNK_SCOPES, DEFAULT_MAX_CHUNK, ChunkRef
+from zephon.storage.errors import InvalidArgumentError, InvalidNameError, WriteAbortedError
 from zephon.storage.layout import RunLayout, validate_file_name
 from zephon.storage.location import Location
 from zephon.storage.manifest import FileEntry, validate_save_id
@@ -70,6 +70,8 @@ class PayloadWriter:
         self._lock = threading.Lock()
         self._dirs: set[str] = {self.payload_path, self.path}
         self._chunks: SaveChunks | None = None  # deduplicate()
+        #: where a deduplicated save's chunks go (``deduplicate``)
+        self.chunk_scope = "run"
         self._state = "open"
 
     # -- writing -------------------------------------------------------------------------------
@@ -122,23 +124,34 @@ class PayloadWriter:
             self._record(name, out.crc)
 
     def deduplicate(
-        self, base: Mapping[str, ChunkRef], *, max_chunk: int = DEFAULT_MAX_CHUNK
+        self,
+        base: Mapping[str, ChunkRef],
+        *,
+        max_chunk: int = DEFAULT_MAX_CHUNK,
+        scope: str = "run",
     ) -> None:
         """Write the files of ``open_chunked`` as content-addressed chunks from now on,
         listing ``base``'s instance (SHA-256 hex -> ``ChunkRef``) instead of uploading the
         same content again. ``base`` must come from the newest committed checkpoint of this
-        save's history (``Manifest.chunk_refs``), which retention keeps (docs/dedup.md)."""
+        save's history (``Manifest.chunk_refs``), which retention keeps, or from a checkpoint
+        the commit re-checks (``CheckpointWriter.keep_base``); docs/dedup.md. ``scope``: where
+        the chunks go (``storage.chunks.CHUNK_SCOPES``)."""
         self._check_open()
+        if scope not in CHUNK_SCOPES:
+            raise InvalidArgumentError(
+                f"chunk scope {scope!r} is not one of {', '.join(CHUNK_SCOPES)}"
+            )
+        self.chunk_scope = scope
         self._chunks = SaveChunks(
             self._location,
-            self._layout,
+            self._location.chunk_dir(scope, self.run),
             self.save_id,
             base,
             part_size=self._part_size,
             max_chunk=max_chunk,
         )
         with self._lock:
-            self._dirs.add(self._layout.chunk_dir)
+            self._dirs.add(self._chunks.chunk_dir)
 
     @property
     def chunk_stats(self) -> tuple[int, int]:

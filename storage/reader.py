@@ -58,7 +58,10 @@ class CheckpointReader:
     def _chunked(self, name: str) -> ChunkedReader | None:
         """The chunks of a deduplicated file (None for a plain one)."""
         chunks = self._entry(name).chunks
-        return None if chunks is None else ChunkedReader(self._location, self._layout, chunks)
+        if chunks is None:
+            return None
+        chunk_dir = self._location.chunk_dir(self.manifest.chunk_scope, self.manifest.run)
+        return ChunkedReader(self._location, chunk_dir, chunks)
 
     def _entry(self, name: str) -> FileEntry:
         entry = self.manifest.file(name)

@@ -80,6 +80,10 @@ class SharedByRuns(Protocol):
 
     def executor(self) -> ThreadPoolExecutor: ...
 
+    def sweep_chunks(
+        self, *, older_than_s: float, finished: Collection[str] = ()
+    ) -> ChunkSweep: ...
+
 
 class RunStore:
     """One run of a ``CheckpointStore``: ``<root>/<name>/save-<step>/`` (``name=None``: the
@@ -370,7 +374,7 @@ class RunStore:
             url=self.checkpoint_url(step),
             deep=deep,
             executor_factory=self.store.executor,
-            chunk_dir=self.layout.chunk_dir,
+            chunk_dir=self.location.chunk_dir(reader.manifest.chunk_scope, self.name),
         )
 
     def delete(self, step: int) -> int:
@@ -399,10 +403,13 @@ class RunStore:
         """Remove the run's chunk instances that no marker references and whose save is over
         (fenced out, one of ``finished``, or older than ``older_than_s``); see
         ``storage/chunk_sweep.py`` and docs/dedup.md for why this is safe at any moment."""
+        if self.name is None:  # the inference layout's chunks are the store's
+            return self.store.sweep_chunks(older_than_s=older_than_s, finished=finished)
         lineage = lineage if lineage is not None else self.lineage()
         return sweep_chunks(
             self.location,
-            self.layout,
+            self.layout.chunk_dir,
+            [self.layout],
             newest_epoch=lineage.epoch,
             older_than_s=older_than_s,
             finished=finished,

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from zephon.storage.backend import list_dirs
 from zephon.storage.backends import Backend, PosixBackend
+from zephon.storage.chunk_sweep import ChunkSweep, sweep_chunks
 from zephon.storage.errors import InvalidArgumentError
 from zephon.storage.layout import validate_run
 from zephon.storage.leftovers import Orphan, find_orphans, remove_orphan
@@ -129,6 +130,22 @@ class CheckpointStore:
         targets: list[str | None] = list(runs) if runs is not None else [*self.runs(), None]
         layouts = [self.run(name).layout for name in targets]
         return find_orphans(self.location, layouts, older_than_s, now=now)
+
+    def sweep_chunks(self, *, older_than_s: float, finished: Collection[str] = ()) -> ChunkSweep:
+        """Remove the store's own chunk instances (``<root>/_chunks/``: deduplicated saves with
+        ``chunk_scope`` save_dir, and the inference layout's) that no marker of any run
+        references and whose save is over (in ``finished``, or older than ``older_than_s``);
+        ``storage/chunk_sweep.py``. Reads every run's markers."""
+        layouts = [self.run(name).layout for name in [*self.runs(), None]]
+        return sweep_chunks(
+            self.location,
+            self.location.chunk_dir("save_dir", None),
+            layouts,
+            newest_epoch=None,
+            older_than_s=older_than_s,
+            finished=finished,
+            executor=self.executor(),
+        )
 
     def remove_orphan(self, orphan: Orphan) -> None:
         """Delete one leftover found by ``orphans``."""

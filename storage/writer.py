@@ -17,7 +17,7 @@ import functools
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from zephon.storage.backend import (
@@ -30,6 +30,7 @@ from zephon.storage.backend import (
     remove_files,
     sync_dirs,
 )
+from zephon.storage.chunks import LEASE_DIR, lease_body
 from zephon.storage.errors import (
     BackendUnavailableError,
     CommitConflictError,
@@ -99,6 +100,8 @@ class CheckpointWriter(PayloadWriter):
         self._present_only = False  # keep_present_only()
         self._created_at = _now()
         self._base: Manifest | None = None  # keep_base()
+        self._lease: Future[None] | None = None
+        self._lease_path: str | None = None
         #: the committed manifest, once ``commit`` succeeded
         self.manifest: Manifest | None = None
 
@@ -136,11 +139,31 @@ class CheckpointWriter(PayloadWriter):
                     )
                 self._entries[entry.name] = entry
 
-    def keep_base(self, base: Manifest) -> None:
-        """This save lists chunks of ``base`` (a deduplicated save, docs/dedup.md): the commit
-        re-reads the base's marker, beside the fence re-check, and refuses to commit if it is
-        gone or another save's (someone deleted the run's newest checkpoint meanwhile)."""
+    def keep_base(self, base: Manifest, *, scope: str = "run") -> None:
+        """This save lists chunks of ``base`` (a deduplicated save storing its chunks in
+        ``scope``; docs/dedup.md). A lease naming the base's uploaders goes out at once, in the
+        background, into the scope's chunk directory: a sweep spares what a young lease names.
+        The commit then waits for the lease and re-reads the base's marker, beside the fence
+        re-check, and refuses to commit if it is gone or another save's: either a sweep saw
+        the lease, or this save sees the base gone. The lease is removed after the commit."""
         self._base = base
+        uploaders = {chunk.save_id for chunk in base.chunk_refs()}
+        if not uploaders:
+            return
+        directory = self._location.chunk_dir(scope, self.run)
+        self._lease_path = f"{directory}/{LEASE_DIR}/{self.save_id}.json"
+        backend, path, body = (
+            self._location.backend,
+            self._lease_path,
+            lease_body(self.save_id, uploaders),
+        )
+
+        def write() -> None:
+            if backend.has_directories:
+                backend.make_dirs(f"{directory}/{LEASE_DIR}", durable=True)
+            backend.put_bytes(path, body, self._part_size)
+
+        self._lease = self._executor().submit(write)
 
     # -- commit / abort ------------------------------------------------------------------------
 
@@ -214,7 +237,19 @@ class CheckpointWriter(PayloadWriter):
             )
         self._state = "committed"
         self.manifest = manifest
+        self._drop_lease()  # the marker names what the lease protected
         return manifest
+
+    def _drop_lease(self) -> None:
+        """Remove this save's lease (one request; a lease left behind by a kill only protects
+        its base's chunks until the gc grace has passed)."""
+        lease, path = self._lease, self._lease_path
+        if lease is None or path is None:
+            return
+        self._lease = None
+        with contextlib.suppress(Exception):
+            lease.result()
+            remove_files(self._location, [path])
 
     def abort(self) -> None:
         """Remove what was written. The primary removes its save's payload directory (never
@@ -233,6 +268,7 @@ class CheckpointWriter(PayloadWriter):
         location = self._location
         if self._chunks is not None:  # chunks only this save uploaded: no marker names them
             remove_files(location, self._chunks.uploaded)
+        self._drop_lease()
         if self.primary:
             remove_files(location, [f.path for f in list_files(location, self.payload_path)])
             remove_empty_dirs(location, self.payload_path)
@@ -298,6 +334,7 @@ class CheckpointWriter(PayloadWriter):
             created_at=self._created_at,
             committed_at=_now(),
             inline=_copies(files, inline),
+            chunk_scope=self.chunk_scope,
         )
 
     def _create_marker(self, data: bytes) -> bytes | None:
@@ -355,8 +392,11 @@ class CheckpointWriter(PayloadWriter):
     def _check_base(self) -> None:
         base = self._base
         assert base is not None
-        data = marker_bytes(self._location, self._layout, base.step)
-        if data is None or parse_marker(self._location, self._layout, base.step, data).save_id != (
+        if self._lease is not None:
+            self._lease.result()  # the lease is out before the base is looked at
+        layout = self._location.run_layout(base.run)
+        data = marker_bytes(self._location, layout, base.step)
+        if data is None or parse_marker(self._location, layout, base.step, data).save_id != (
             base.save_id
         ):
             self._state = "failed"

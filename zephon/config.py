@@ -149,6 +149,9 @@ class CheckpointingConfig:
     #: store each save's tensors as content-addressed chunks under the run, uploading only the
     #: chunks the previous checkpoint does not hold already (docs/dedup.md)
     dedup: bool = False
+    #: where deduplicated chunks go: "run" (``<run>/_chunks/``) or "save_dir" (shared by every
+    #: run under save_dir; a run's first save can then reuse its source_checkpoint's chunks)
+    dedup_scope: str = "run"
     #: how transient storage failures (5xx, throttling, timeouts, broken connections) are
     #: tried again, for every store the job opens; YAML: a mapping of ``RetryPolicy`` fields
     retry: RetryPolicy = DEFAULT_RETRY
@@ -215,6 +218,8 @@ class CheckpointingConfig:
             if not isinstance(getattr(self, key), bool):
                 raise _fail(f"{p}.{key}", getattr(self, key), "use true or false")
         self._check_local_tier()
+        if self.dedup_scope not in ("run", "save_dir"):
+            raise _fail(f"{p}.dedup_scope", self.dedup_scope, 'use "run" or "save_dir"')
         if self.dedup and (self.local_dir is not None or self.memory_tier):
             raise _fail(
                 f"{p}.dedup",
@@ -357,6 +362,7 @@ _CHECKPOINTING_KEYS = {
     "memory_num_to_keep",
     "memory_replicas",
     "dedup",
+    "dedup_scope",
     "retry",
     "catalog_outage_s",
     "emergency_save",

@@ -139,13 +139,21 @@ def collect_garbage(
         records = [summary.run for summary in catalog.list_runs()]
     else:
         records = [catalog.get_run(name) for name in runs]
+    stores: dict[str, CheckpointStore] = {}
     for record in records:
         progress(record.name)
         try:
             location = run_location(record, storage_options, retry)
             gc_run(catalog, location, policy=policy, dry_run=dry_run, report=report)
+            stores.setdefault(location.store.location.canonical_url, location.store)
         except (CatalogError, StorageError) as exc:
             report.problems.append(f"run {record.name}: {exc}")
+    if not dry_run:
+        for url, store in stores.items():  # the chunks every run of a save_dir shares
+            try:
+                store.sweep_chunks(older_than_s=policy.grace.total_seconds())
+            except StorageError as exc:
+                report.problems.append(f"chunks of {url}: {exc}")
     if runs is None and policy.events_age is not None and not dry_run:
         try:
             report.events_pruned = catalog.prune_events(older_than=policy.events_age)
@@ -225,7 +233,8 @@ def gc_run(
             )
         _delete_claimed(catalog, location, claimed, report)
         if not dry_run and claimed:
-            sweep_chunks_of(location, lineage, policy.grace, [row.save_id for row in claimed])
+            finished = [row.save_id for row in claimed]
+            sweep_chunks_of(location, lineage, policy.grace, finished, store_too=not orphans)
     if held.unknown:
         report.remaining.extend(still_held(catalog, name, held.unknown, policy.lease))
 
@@ -469,8 +478,12 @@ def retain_without_catalog(
             store.run(storage_run).check_fence(fence)
             store.run(storage_run).delete_many(plan.to_delete)
             finished = [m.save_id for m in manifests if m.step in set(plan.to_delete)]
-            store.run(storage_run).sweep_chunks(
-                older_than_s=DEFAULT_GRACE.total_seconds(), finished=finished, lineage=fence.lineage
+            sweep_chunks_of(
+                RunLocation(storage_run or "inference", store, storage_run),
+                fence.lineage,
+                DEFAULT_GRACE,
+                finished,
+                store_too=True,
             )
     return plan.to_delete
 
@@ -480,15 +493,20 @@ def sweep_chunks_of(
     lineage: Lineage | None,
     grace: dt.timedelta,
     finished: Iterable[str | None] = (),
+    *,
+    store_too: bool = False,
 ) -> None:
     """Remove the run's chunk instances that no checkpoint references any more (deduplicated
     saves; docs/dedup.md): after retention deleted checkpoints, whose saves (``finished``)
-    are over, and in every full gc pass. A no-op listing for a run that never deduplicated."""
+    are over, and in every full gc pass. ``store_too``: the store's shared chunks as well
+    (``dedup_scope: save_dir``), which reads every run's markers; a full gc pass sweeps those
+    once for all its runs instead. A no-op listing where nothing was deduplicated."""
+    done = [save_id for save_id in finished if save_id]
     location.runstore.sweep_chunks(
-        older_than_s=grace.total_seconds(),
-        finished=[save_id for save_id in finished if save_id],
-        lineage=lineage,
+        older_than_s=grace.total_seconds(), finished=done, lineage=lineage
     )
+    if store_too and location.storage_run is not None:
+        location.store.sweep_chunks(older_than_s=grace.total_seconds(), finished=done)
 
 
 def retention_drops(

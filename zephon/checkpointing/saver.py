@@ -29,11 +29,12 @@ from zephon.checkpointing.files import (
 )
 from zephon.checkpointing.job import Job
 from zephon.checkpointing.layout import IN_PLACE, PER_RANK, StateLayout
+from zephon.checkpointing.source import parse_checkpoint_url
 from zephon.collectives import Collectives
 from zephon.errors import ZephonError, as_zephon_error
 from zephon.saving import Save
 from zephon.state_tree import split_state, tensor_keys
-from zephon.storage import CheckpointWriter, FileEntry, Manifest
+from zephon.storage import CheckpointWriter, FileEntry, Manifest, StorageError
 
 __all__ = ["PreparedState", "Saver"]
 
@@ -79,10 +80,31 @@ class Saver:
 
     def dedup_base(self) -> Manifest | None:
         """Rank 0: the base of the next deduplicated save: the checkpoint this process
-        committed last, else the run's latest complete one on storage (docs/dedup.md)."""
+        committed last, else the run's latest complete one on storage, else (``dedup_scope:
+        save_dir``) the run's ``source_checkpoint`` when it is a checkpoint of the same
+        save_dir (docs/dedup.md)."""
         if self._dedup_base is None:
-            self._dedup_base = self.job.destination.store.run(self.job.run).latest()
+            store = self.job.destination.store
+            self._dedup_base = store.run(self.job.run).latest()
+            if self._dedup_base is None and self.job.config.dedup_scope == "save_dir":
+                self._dedup_base = self._source_base()
         return self._dedup_base
+
+    def _source_base(self) -> Manifest | None:
+        """The manifest of ``source_checkpoint`` if it is a checkpoint under save_dir."""
+        source = self.job.model_stage.source_checkpoint
+        if source is None:
+            return None
+        try:
+            save_dir, run, step = parse_checkpoint_url(source)
+        except ZephonError:
+            return None  # a safetensors export: nothing to share
+        if save_dir.rstrip("/") != self.job.config.save_dir.rstrip("/"):
+            return None
+        try:
+            return self.job.destination.store.run(run).read_manifest(step)
+        except StorageError:
+            return None
 
     def save(
         self,
@@ -133,6 +155,7 @@ class Saver:
                 subdir=DCP_SUBDIR,
                 commit_metadata={**(metadata or {}), "step": step, "kind": job.kind},
                 dedup_base=self.dedup_base if job.config.dedup else None,
+                dedup_scope=job.config.dedup_scope,
             )
             if self.asynchronous:
                 staging = time.monotonic()

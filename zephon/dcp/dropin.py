@@ -62,6 +62,7 @@ class _SaveTarget:
     prefix: str
     #: a deduplicated save: the base's chunks of this rank's shards (``_FilePrefix.base``)
     base: tuple[ChunkRef, ...] | None = None
+    scope: str = "run"
 
 
 class Writer(ZephonStorageWriter):
@@ -97,7 +98,8 @@ class Writer(ZephonStorageWriter):
     save commits into host memory (``memory_dir``, default /dev/shm/zephon) on every node,
     each node's part is copied to ``memory_replicas`` peer nodes and uploaded to ``url`` in
     the background; collective too. ``dedup=True`` stores the shards as content-addressed
-    chunks and uploads only those the previous checkpoint does not hold (docs/dedup.md).
+    chunks and uploads only those the previous checkpoint does not hold (docs/dedup.md);
+    ``dedup_scope="save_dir"`` keeps them in ``<save_dir>/_chunks/``, shared by every run.
 
     Failures: plain ``dcp.save`` raises DCP's ``CheckpointException`` (a BaseException) whose
     ``failures`` hold Zephon's errors; ``zephon.dcp.save``/``async_save`` raise Zephon's error
@@ -130,6 +132,7 @@ class Writer(ZephonStorageWriter):
         memory_num_to_keep: int = 1,
         memory_replicas: int = 1,
         dedup: bool = False,
+        dedup_scope: str = "run",
     ) -> None:
         StorageWriter.__init__(self)  # ZephonStorageWriter's own __init__ needs a bound writer
         self.target = parse_run_url(url, "Writer")
@@ -171,6 +174,7 @@ class Writer(ZephonStorageWriter):
                 commit_metadata,
                 on_commit,
                 self._dedup_base if dedup else None,
+                dedup_scope,
             )
         except ValueError as exc:
             raise ConfigError(f"Writer: {exc}") from None
@@ -307,7 +311,8 @@ class Writer(ZephonStorageWriter):
         prefixes = self._file_prefixes(len(plans))
         return [
             dataclasses.replace(
-                plan, storage_data=_SaveTarget(save_id, step, prefix.prefix, prefix.base)
+                plan,
+                storage_data=_SaveTarget(save_id, step, prefix.prefix, prefix.base, prefix.scope),
             )
             for plan, prefix in zip(plans, prefixes, strict=True)
         ]
@@ -332,7 +337,9 @@ class Writer(ZephonStorageWriter):
         try:
             if not self.is_coordinator:
                 self.writer = self._attach(target)
-            inner = dataclasses.replace(plan, storage_data=_FilePrefix(target.prefix, target.base))
+            inner = dataclasses.replace(
+                plan, storage_data=_FilePrefix(target.prefix, target.base, target.scope)
+            )
             return super().write_data(inner, planner)
         except BaseException as exc:
             self._settle_unfinished(exc)

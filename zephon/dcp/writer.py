@@ -36,6 +36,7 @@ from zephon.dcp.metadata_codec import FORMAT_VERSION, ShardSlice, dtype_name, en
 from zephon.dcp.stock_format import STOCK_METADATA_FILE, ShardStream, own_storage, stock_metadata
 from zephon.errors import ArgumentTypeError, UsageError
 from zephon.storage import (
+    CHUNK_SCOPES,
     CheckpointWriter,
     ChunkRef,
     FileEntry,
@@ -73,6 +74,8 @@ class _FilePrefix:
 
     prefix: str
     base: tuple[ChunkRef, ...] | None = None
+    #: where a deduplicated save's chunks go (``storage.chunks.CHUNK_SCOPES``)
+    scope: str = "run"
 
 
 #: A deduplicated save's base, asked on the coordinator before any rank writes: the manifest
@@ -179,9 +182,11 @@ class ZephonStorageWriter(StorageWriter):
         commit_metadata: CommitMetadata | None = None,
         on_commit: Callable[[Manifest], None] | None = None,
         dedup_base: DedupBase | None = None,
+        dedup_scope: str = "run",
     ) -> None:
         """``dedup_base``: store the shards as content-addressed chunks, referring to the
-        chunks of the checkpoint it returns (docs/dedup.md); None: plain files."""
+        chunks of the checkpoint it returns (docs/dedup.md); None: plain files.
+        ``dedup_scope``: where the chunks go, ``run`` or ``save_dir``."""
         super().__init__()
         if not isinstance(writer, CheckpointWriter):
             raise ArgumentTypeError(
@@ -189,7 +194,7 @@ class ZephonStorageWriter(StorageWriter):
                 f"store.attach), got {type(writer).__name__}"
             )
         self.writer = writer
-        self._configure(subdir, thread_count, commit_metadata, on_commit, dedup_base)
+        self._configure(subdir, thread_count, commit_metadata, on_commit, dedup_base, dedup_scope)
 
     def _configure(
         self,
@@ -198,6 +203,7 @@ class ZephonStorageWriter(StorageWriter):
         commit_metadata: CommitMetadata | None,
         on_commit: Callable[[Manifest], None] | None,
         dedup_base: DedupBase | None = None,
+        dedup_scope: str = "run",
     ) -> None:
         """The settings every writer of this class holds (shared with ``zephon.dcp.Writer``,
         which binds its ``CheckpointWriter`` per save)."""
@@ -207,7 +213,12 @@ class ZephonStorageWriter(StorageWriter):
         self.thread_count = thread_count
         self._commit_metadata = commit_metadata
         self._on_commit = on_commit
+        if dedup_scope not in CHUNK_SCOPES:
+            raise UsageError(
+                f"dedup_scope = {dedup_scope!r} is invalid: use one of {', '.join(CHUNK_SCOPES)}"
+            )
         self._dedup_base = dedup_base
+        self._dedup_scope = dedup_scope
         self.is_coordinator = False
         self.rank = 0
         #: the committed manifest, on the coordinator once ``finish`` succeeded
@@ -314,15 +325,18 @@ class ZephonStorageWriter(StorageWriter):
         if self._dedup_base is None:
             return [_FilePrefix(f"__{i}_") for i in range(ranks)]
         base = self._dedup_base()
+        scope = self._dedup_scope
         if base is not None:
-            self.writer.keep_base(base)  # the commit re-checks that it is still there
+            self.writer.keep_base(base, scope=scope)  # the commit re-checks that it is there
         per_rank: list[dict[str, ChunkRef]] = [{} for _ in range(ranks)]
         for entry in base.files if base is not None else ():
             head = entry.name[len(self.prefix) :] if entry.name.startswith(self.prefix) else ""
             rank = _shard_rank(head)
-            if entry.chunks and rank is not None and rank < ranks:
+            if entry.chunks and rank is not None and rank < ranks and base.chunk_scope == scope:
                 per_rank[rank].update((c.sha256, c) for c in entry.chunks)
-        return [_FilePrefix(f"__{i}_", tuple(refs.values())) for i, refs in enumerate(per_rank)]
+        return [
+            _FilePrefix(f"__{i}_", tuple(refs.values()), scope) for i, refs in enumerate(per_rank)
+        ]
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -340,7 +354,7 @@ class ZephonStorageWriter(StorageWriter):
                 "using ZephonStorageWriter"
             )
         if target.base is not None:
-            self.writer.deduplicate({c.sha256: c for c in target.base})
+            self.writer.deduplicate({c.sha256: c for c in target.base}, scope=target.scope)
         groups = _balance(list(plan.items), self.thread_count)
         names = [f"{self.prefix}{target.prefix}{i}.distcp" for i in range(len(groups))]
         results: list[WriteResult] = []
