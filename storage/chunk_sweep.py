@@ -11,7 +11,9 @@ The sweep of one run, in this order:
      attempt's chunks are garbage, never a reason to keep anything;
    - or it is one of ``finished``: saves the caller knows ended (the saves this very attempt
      committed, whose every chunk a marker named);
-   - or it is older than ``older_than_s`` (a save still in flight is younger than that).
+   - or it is older than ``older_than_s`` (a save still in flight is younger than that), and
+     it is not one of the saves ``live`` names (a catalog knows every save in progress: a gc
+     with a grace of 0 beside a saving job must spare them).
 
 A save in flight references only chunks that it uploaded itself (younger than the limit, its
 own epoch, not finished) or that its base lists, and its base is the newest checkpoint of its
@@ -23,7 +25,7 @@ of the run: what it references is unknown.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -63,13 +65,16 @@ def sweep_chunks(
     finished: Collection[str] = (),
     now: float | None = None,
     executor: Executor | None = None,
+    live: Callable[[], Collection[str]] | None = None,
 ) -> ChunkSweep:
     """Remove the unreferenced chunk instances of ``chunk_dir`` whose save is over (module
     docstring). ``layouts``: the runs whose markers may reference them (one run for a run's
     own chunks; every run of the store for the store's). ``newest_epoch``: the run's newest
     attempt (``Lineage.epoch``), read before the sweep; None where instances of several runs
     meet (their epochs are not comparable: only ``finished`` and the age apply).
-    ``executor``: threads reading the markers and leases in parallel."""
+    ``executor``: threads reading the markers and leases in parallel. ``live``: asked once the
+    chunks are listed, the saves known to be in progress or kept (a catalog's live rows: a
+    save's row exists before its first chunk), whose chunks are spared whatever their age."""
     result = ChunkSweep()
     if not list_files(location, chunk_dir):
         return result  # nothing was ever deduplicated here: one listing, nothing read
@@ -116,7 +121,7 @@ def sweep_chunks(
         except FileNotFoundError:
             return set()  # removed since the listing: its save committed or gave up
 
-    protected: set[str] = set()
+    protected: set[str] = set(live()) if live is not None else set()
     for names in run_all(uploaders, young):
         protected.update(names)
     for entry in listed:

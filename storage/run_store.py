@@ -81,7 +81,11 @@ class SharedByRuns(Protocol):
     def executor(self) -> ThreadPoolExecutor: ...
 
     def sweep_chunks(
-        self, *, older_than_s: float, finished: Collection[str] = ()
+        self,
+        *,
+        older_than_s: float,
+        finished: Collection[str] = (),
+        live: Callable[[], Collection[str]] | None = None,
     ) -> ChunkSweep: ...
 
 
@@ -399,12 +403,14 @@ class RunStore:
         older_than_s: float,
         finished: Collection[str] = (),
         lineage: Lineage | None = None,
+        live: Callable[[], Collection[str]] | None = None,
     ) -> ChunkSweep:
         """Remove the run's chunk instances that no marker references and whose save is over
-        (fenced out, one of ``finished``, or older than ``older_than_s``); see
-        ``storage/chunk_sweep.py`` and docs/dedup.md for why this is safe at any moment."""
+        (fenced out, one of ``finished``, or older than ``older_than_s``, and not one of
+        ``live``'s); see ``storage/chunk_sweep.py`` and docs/dedup.md for why this is safe at
+        any moment."""
         if self.name is None:  # the inference layout's chunks are the store's
-            return self.store.sweep_chunks(older_than_s=older_than_s, finished=finished)
+            return self.store.sweep_chunks(older_than_s=older_than_s, finished=finished, live=live)
         lineage = lineage if lineage is not None else self.lineage()
         return sweep_chunks(
             self.location,
@@ -414,6 +420,7 @@ class RunStore:
             older_than_s=older_than_s,
             finished=finished,
             executor=self.store.executor(),
+            live=live,
         )
 
     def condemned(self) -> list[tuple[int, str]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -131,11 +131,17 @@ class CheckpointStore:
         layouts = [self.run(name).layout for name in targets]
         return find_orphans(self.location, layouts, older_than_s, now=now)
 
-    def sweep_chunks(self, *, older_than_s: float, finished: Collection[str] = ()) -> ChunkSweep:
+    def sweep_chunks(
+        self,
+        *,
+        older_than_s: float,
+        finished: Collection[str] = (),
+        live: Callable[[], Collection[str]] | None = None,
+    ) -> ChunkSweep:
         """Remove the store's own chunk instances (``<root>/_chunks/``: deduplicated saves with
         ``chunk_scope`` save_dir, and the inference layout's) that no marker of any run
-        references and whose save is over (in ``finished``, or older than ``older_than_s``);
-        ``storage/chunk_sweep.py``. Reads every run's markers."""
+        references and whose save is over (in ``finished``, or older than ``older_than_s`` and
+        not one of ``live``'s); ``storage/chunk_sweep.py``. Reads every run's markers."""
         layouts = [self.run(name).layout for name in [*self.runs(), None]]
         return sweep_chunks(
             self.location,
@@ -145,6 +151,7 @@ class CheckpointStore:
             older_than_s=older_than_s,
             finished=finished,
             executor=self.executor(),
+            live=live,
         )
 
     def remove_orphan(self, orphan: Orphan) -> None:

@@ -151,8 +151,11 @@ def collect_garbage(
     if not dry_run:
         for url, store in stores.items():  # the chunks every run of a save_dir shares
             try:
-                store.sweep_chunks(older_than_s=policy.grace.total_seconds())
-            except StorageError as exc:
+                store.sweep_chunks(
+                    older_than_s=policy.grace.total_seconds(),
+                    live=lambda: _live_saves(catalog, [s.run.name for s in catalog.list_runs()]),
+                )
+            except (CatalogError, StorageError) as exc:
                 report.problems.append(f"chunks of {url}: {exc}")
     if runs is None and policy.events_age is not None and not dry_run:
         try:
@@ -234,7 +237,14 @@ def gc_run(
         _delete_claimed(catalog, location, claimed, report)
         if not dry_run and claimed:
             finished = [row.save_id for row in claimed]
-            sweep_chunks_of(location, lineage, policy.grace, finished, store_too=not orphans)
+            sweep_chunks_of(
+                location,
+                lineage,
+                policy.grace,
+                finished,
+                store_too=not orphans,
+                live=lambda: _live_saves(catalog, [name]),
+            )
     if held.unknown:
         report.remaining.extend(still_held(catalog, name, held.unknown, policy.lease))
 
@@ -340,7 +350,7 @@ def _remove_leftovers(catalog, location: RunLocation, policy: GcPolicy, dry_run,
     for a leftover however small the grace."""
     store, storage_run, name = location.store, location.storage_run, location.name
     if not dry_run:
-        sweep_chunks_of(location, None, policy.grace)
+        sweep_chunks_of(location, None, policy.grace, live=lambda: _live_saves(catalog, [name]))
     leftovers = store.orphans(policy.grace.total_seconds(), runs=[storage_run])
     condemned = store.run(storage_run).condemned() if policy.corrupt else []
     rows = {row.step: row for row in catalog.list_checkpoints(name)}
@@ -495,18 +505,31 @@ def sweep_chunks_of(
     finished: Iterable[str | None] = (),
     *,
     store_too: bool = False,
+    live: Callable[[], Iterable[str]] | None = None,
 ) -> None:
     """Remove the run's chunk instances that no checkpoint references any more (deduplicated
     saves; docs/dedup.md): after retention deleted checkpoints, whose saves (``finished``)
     are over, and in every full gc pass. ``store_too``: the store's shared chunks as well
     (``dedup_scope: save_dir``), which reads every run's markers; a full gc pass sweeps those
-    once for all its runs instead. A no-op listing where nothing was deduplicated."""
+    once for all its runs instead. ``live``: the saves a catalog knows to be in progress or
+    kept (its live rows), whose chunks are spared whatever the grace. A no-op listing where
+    nothing was deduplicated."""
     done = [save_id for save_id in finished if save_id]
+    spared = (lambda: set(live())) if live is not None else None
     location.runstore.sweep_chunks(
-        older_than_s=grace.total_seconds(), finished=done, lineage=lineage
+        older_than_s=grace.total_seconds(), finished=done, lineage=lineage, live=spared
     )
     if store_too and location.storage_run is not None:
-        location.store.sweep_chunks(older_than_s=grace.total_seconds(), finished=done)
+        location.store.sweep_chunks(older_than_s=grace.total_seconds(), finished=done, live=spared)
+
+
+def _live_saves(catalog: Catalog, runs: Iterable[str]) -> set[str]:
+    """The save ids of the runs' live rows (pending, committed, deleting): a save's row is
+    armed before its first file or chunk, so a chunk a listing saw belongs to a save whose row
+    this read sees (gc's leftovers follow the same order)."""
+    return {
+        row.save_id for run in runs for row in catalog.list_checkpoints(run, states=sorted(_LIVE))
+    }
 
 
 def retention_drops(
