@@ -216,6 +216,17 @@ def decode_crc32c(text: str) -> int:
     return value
 
 
+def is_encoded_crc32c(text: object) -> bool:
+    """Whether ``text`` is a CRC32C in its encoded form (base64 of 4 bytes), as manifests and
+    chunk references record it."""
+    if not isinstance(text, str) or len(text) != 8:
+        return False
+    try:
+        return len(base64.b64decode(text, validate=True)) == 4
+    except binascii.Error:
+        return False
+
+
 class Crc32c:
     """A running CRC32C and byte count over data fed in order."""
 

@@ -22,13 +22,12 @@ why it is safe under kills and fencing.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from zephon.storage.checksum import is_encoded_crc32c
 from zephon.storage.layout import CHUNK_DIR, SAVE_ID
 
 __all__ = [
@@ -87,13 +86,8 @@ class ChunkRef:
             raise ValueError(f"chunk save id {str(save_id)[:80]!r} is not a save id")
         if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= max_size:
             raise ValueError(f"chunk size {str(size)[:40]!r} is not 1 to {max_size} bytes")
-        if not isinstance(crc, str) or len(crc) != 8:
+        if not is_encoded_crc32c(crc):
             raise ValueError(f"chunk crc32c {str(crc)[:40]!r} is not a base64 CRC32C")
-        try:
-            if len(base64.b64decode(crc, validate=True)) != 4:
-                raise ValueError(f"chunk crc32c {crc!r} is not a base64 CRC32C")
-        except binascii.Error:
-            raise ValueError(f"chunk crc32c {crc!r} is not a base64 CRC32C") from None
         return cls(sha, save_id, size, crc)
 
 

@@ -29,7 +29,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from zephon.storage.checksum import crc32c_of
+from zephon.storage.checksum import crc32c_of, is_encoded_crc32c
 from zephon.storage.chunks import CHUNK_SCOPES, MAX_CHUNKS_PER_FILE, ChunkRef
 from zephon.storage.errors import CorruptCheckpointError, InvalidNameError
 from zephon.storage.jsondoc import parse_json
@@ -346,13 +346,8 @@ def _entry(raw: Any, *, chunked: bool) -> FileEntry:
         raise ValueError(f"size of {name[:80]!r} is {shown} bytes, beyond any real checkpoint")
     size = _count(size, f"size of {name[:80]!r}")
     crc = raw["crc32c"]
-    if not isinstance(crc, str) or len(crc) != 8:
+    if not is_encoded_crc32c(crc):
         raise ValueError(f"crc32c of {name[:80]!r} is not a base64 CRC32C")
-    try:
-        if len(base64.b64decode(crc, validate=True)) != 4:
-            raise ValueError(f"crc32c of {name[:80]!r} is not a base64 CRC32C")
-    except binascii.Error:
-        raise ValueError(f"crc32c of {name[:80]!r} is not a base64 CRC32C") from None
     raw_chunks = raw.get("chunks") if chunked else None
     if raw_chunks is None:
         return FileEntry(name, size, crc)
