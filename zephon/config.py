@@ -215,13 +215,6 @@ class CheckpointingConfig:
             if not isinstance(getattr(self, key), bool):
                 raise _fail(f"{p}.{key}", getattr(self, key), "use true or false")
         self._check_local_tier()
-        if self.dedup and (self.local_dir is not None or self.memory_tier):
-            raise _fail(
-                f"{p}.dedup",
-                self.dedup,
-                "deduplicated saves go straight to save_dir in this version: unset local_dir "
-                "and memory_tier, or set dedup: false",
-            )
         self.retry = retry_policy_from(self.retry, f"{p}.retry")
         self.emergency_save = EmergencySaveConfig.of(self.emergency_save, f"{p}.emergency_save")
         self._check_goodput_options()
@@ -259,6 +252,7 @@ class CheckpointingConfig:
             memory_dir=self.memory_dir,
             memory_num_to_keep=self.memory_num_to_keep,
             memory_replicas=self.memory_replicas,
+            dedup=self.dedup,
         )
 
     @property
