@@ -28,8 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from zephon.storage import ChunkRef, FileEntry, Manifest
-from zephon.storage.chunks import DEFAULT_MAX_CHUNK
+from zephon.storage import DEFAULT_MAX_CHUNK, ChunkRef, FileEntry, Manifest
 
 __all__ = ["DIRECT_BYTES", "GATHER_BYTES", "DedupPlan", "is_shard", "pieces_of", "plan_upload"]
 
