@@ -5,6 +5,7 @@ save loads bit for bit from save_dir once the tier is gone."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -215,3 +216,41 @@ def test_a_shard_is_cut_as_the_direct_save_cuts_it():
     many = [(i * 1000, 1000) for i in range(3000)]
     gathered = pieces_of(3_000_000, many)
     assert sum(gathered) == 3_000_000 and max(gathered) <= GATHER_BYTES and len(gathered) == 3
+
+
+# -- two ranks (tests/zephon/tier/tier_worker.py): every rank's shards reach save_dir as chunks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["shared", "per-node"])
+def test_every_ranks_shards_are_uploaded_as_chunks_and_load_from_fresh_local_dirs(
+    monkeypatch, s3_backend, tmp_path, layout
+):
+    from tests.ranks import launch, store_config
+
+    local_dir = tmp_path / ("local" if layout == "shared" else "node{rank}")
+    config = {
+        "run": "ranks",
+        "catalog_url": f"sqlite:///{tmp_path / 'catalog.db'}",
+        "local_dir": str(local_dir),
+        "dedup": True,
+    }
+    script = [["save", 1, "a"], ["wait"], ["save", 2, "a"], ["wait"]]
+    script += [["reopen", str(tmp_path / "fresh{rank}")], ["load", "a"]]
+    monkeypatch.setenv("ZEPHON_TIER_TEST", json.dumps({**config, "script": script}))
+    ranks = launch("tests.zephon.tier.tier_worker", 2, store_config(s3_backend))
+    for record in ranks:
+        assert not [a for a in record["actions"] if "error" in a], record
+        loads = [a["ok"] for a in record["actions"] if a["action"][0] == "load"]
+        assert [got["step"] for got in loads] == [2] and loads[0]["differing"] == [], loads
+    store = s3_backend.open_store()
+    run = store.run("ranks")
+    assert run.committed_steps() == [1, 2]
+    for step in (1, 2):
+        manifest = run.read_manifest(step)
+        shards = [e for e in manifest.files if e.name.endswith(".distcp")]
+        # each rank's shards, stored as chunks and listed by rank 0's commit
+        assert {e.name.split("/")[1].split("_")[2] for e in shards} == {"0", "1"}
+        assert shards and all(e.chunks for e in shards), manifest.files
+        run.verify(step, deep=True).raise_for_problems()
+    store.close()
