@@ -1,5 +1,5 @@
 """Deduplicated saves through the local and memory tiers (``dedup`` with ``local_dir`` or
-``memory_tier``; docs/dedup.md, "The tiers"): a save commits into the tier as plain files, its
+``memory_tier``; docs/dedup.md, "Layout"): a save commits into the tier as plain files, its
 upload stores the shards in save_dir as chunks against save_dir's newest checkpoint, and every
 save loads bit for bit from save_dir once the tier is gone."""
 

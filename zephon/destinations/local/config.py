@@ -47,7 +47,7 @@ class TierConfig:
 
     ``dedup``: the tier's own copy stays plain files and its uploader stores the shard files
     in ``save_dir`` as content-addressed chunks against the newest checkpoint there
-    (docs/dedup.md, "The tiers").
+    (docs/dedup.md, "Layout", the tiers).
     """
 
     local_dir: str | None = None

@@ -1,4 +1,4 @@
-"""Deduplicated uploads from a tier (docs/dedup.md, "The tiers"): which files of a local
+"""Deduplicated uploads from a tier (docs/dedup.md, "Layout", the tiers): which files of a local
 checkpoint go to ``save_dir`` as content-addressed chunks, where each is cut, and against which
 base.
 

@@ -59,7 +59,7 @@ class TieredDestination(Destination):
     #: the uploader of this tier's checkpoints to save_dir
     uploader_class: type[Uploader] = Uploader
     #: the tier's own copy is plain files; with ``dedup`` the uploader stores the shards in
-    #: save_dir as chunks (docs/dedup.md, "The tiers")
+    #: save_dir as chunks (docs/dedup.md, "Layout", the tiers)
     chunks_in_save = False
 
     def _open_tier(

@@ -26,6 +26,9 @@ _CHUNK = 8 << 20
 
 #: files one rank uploads at once: each holds about a read chunk and an upload part in memory
 UPLOAD_THREADS = 8
+#: with a ``DedupPlan``: files one rank uploads at once, each with up to 8 pieces (of up to
+#: 8 MiB) hashing or uploading in its own threads, so at most 128 MiB of a rank's memory
+CHUNKED_THREADS = 2
 
 
 def copy_verified(
@@ -43,6 +46,8 @@ def copy_verified(
     the shard files go out as chunks, cut where it says (``writer.deduplicate`` called)."""
     if not files:
         return
+    if plan is not None:
+        threads = min(threads, CHUNKED_THREADS)
     failed = threading.Event()
 
     def copy(entry: FileEntry) -> None:

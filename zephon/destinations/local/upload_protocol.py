@@ -93,7 +93,7 @@ class UploadProtocol:
     _cond: threading.Condition
     _unsettled: set[int]
     _uploaded: set[int]
-    #: store the shard files in save_dir as chunks (docs/dedup.md, "The tiers")
+    #: store the shard files in save_dir as chunks (docs/dedup.md, "Layout", the tiers)
     dedup: bool = False
     #: rank 0, with ``dedup``: the save_dir checkpoint this uploader committed last (the next
     #: upload's base), and the plan of the upload under way
