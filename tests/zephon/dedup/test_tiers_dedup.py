@@ -34,13 +34,18 @@ def s3_backend(request, tmp_path):
 
 
 def tier_options(kind: str, tmp_path) -> dict:
-    if kind == "local":
-        return {"local_dir": str(tmp_path / "nvme")}
-    return {"memory_tier": True, "memory_dir": str(tmp_path / "shm")}
+    options: dict = {}
+    if "local" in kind:
+        options["local_dir"] = str(tmp_path / "nvme")
+    if "memory" in kind:
+        options.update(memory_tier=True, memory_dir=str(tmp_path / "shm"))
+    return options
 
 
-def tier_dir(kind: str, tmp_path) -> str:
-    return str(tmp_path / ("nvme" if kind == "local" else "shm"))
+def tier_dirs(kind: str, tmp_path) -> list[str]:
+    return [
+        str(tmp_path / name) for key, name in (("memory", "shm"), ("local", "nvme")) if key in kind
+    ]
 
 
 def save_steps(config, steps, model, optimizer, saved) -> None:
@@ -53,7 +58,7 @@ def save_steps(config, steps, model, optimizer, saved) -> None:
         manager.wait()
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("kind", ["local", "memory", "memory+local"])
 def test_a_tier_uploads_only_what_changed_and_every_save_loads_from_save_dir(
     kind, s3_backend, tmp_path
 ):
@@ -87,14 +92,16 @@ def test_a_tier_uploads_only_what_changed_and_every_save_loads_from_save_dir(
         # the base's chunks are listed, not uploaded again: the first save's instance
         owners = {c.save_id for c in manifest.chunk_refs() if c.size >= base_bytes // 4}
         assert owners == {manifests[1].save_id}, step
-    # the tier's own copy is plain files: no chunk there, no chunk listed
-    tier_store = CheckpointStore(tier_dir(kind, tmp_path))
-    for manifest in tier_store.run(RUN).complete():
-        assert not manifest.chunked
-    assert not os.path.exists(os.path.join(tier_dir(kind, tmp_path), RUN, "_chunks"))
+    # the tiers' own copies are plain files: no chunk there, no chunk listed
+    for where in tier_dirs(kind, tmp_path):
+        run_there = CheckpointStore(where).run(RUN)
+        held = [run_there.read_manifest(step) for step in run_there.committed_steps()]
+        assert held and not any(manifest.chunked for manifest in held), where
+        assert not os.path.exists(os.path.join(where, RUN, "_chunks"))
 
-    # the tier is gone: every save loads bit for bit from save_dir alone
-    shutil.rmtree(tier_dir(kind, tmp_path))
+    # the tiers are gone: every save loads bit for bit from save_dir alone
+    for where in tier_dirs(kind, tmp_path):
+        shutil.rmtree(where)
     for step in range(1, SAVES + 1):
         run.verify(step, deep=True).raise_for_problems()
         out = tmp_path / f"export-{step}"
@@ -168,7 +175,7 @@ def test_the_drop_in_writer_with_a_local_dir_uploads_chunks(s3_backend, tmp_path
         writer.close()
     local = CheckpointStore(str(tmp_path / "nvme")).run("lora")
     assert local.committed_steps() == [1, 2, 3]
-    assert not any(m.chunked for m in local.complete())
+    assert not any(local.read_manifest(step).chunked for step in (1, 2, 3))
     shutil.rmtree(tmp_path / "nvme")
     store = CheckpointStore(s3_backend.url, s3_backend.storage_options)
     manifests = {m.step: m for m in store.run("lora").complete()}
