@@ -19,9 +19,9 @@ from tests.conftest import make_backend
 from tests.zephon.dedup.test_manager_dedup import MIB, Adapted, stored_bytes
 from zephon.checkpointing import CheckpointManager, export_safetensors
 from zephon.config import CheckpointingConfig
-from zephon.destinations.local.dedup import DIRECT_BYTES, GATHER_BYTES, pieces_of
+from zephon.destinations.local.dedup import DIRECT_BYTES, GATHER_BYTES, DedupPlan, pieces_of
 from zephon.errors import ConfigError
-from zephon.storage import CheckpointStore
+from zephon.storage import CheckpointStore, FileEntry
 from zephon.storage.chunks import DEFAULT_MAX_CHUNK
 
 RUN = "r"
@@ -261,3 +261,15 @@ def test_every_ranks_shards_are_uploaded_as_chunks_and_load_from_fresh_local_dir
         assert shards and all(e.chunks for e in shards), manifest.files
         run.verify(step, deep=True).raise_for_problems()
     store.close()
+
+
+def test_only_shard_files_are_chunked_and_one_the_metadata_does_not_describe_on_a_grid():
+    size = 3 * GATHER_BYTES + 1
+    plan = DedupPlan(pieces={"dcp/__1_0.distcp": (size - 10, 10)})
+    assert plan.cut(FileEntry("dcp/__1_0.distcp", size, "AAAAAA==")) == [size - 10, 10]
+    grid = [GATHER_BYTES] * 3 + [1]
+    assert plan.cut(FileEntry("dcp/__0_0.distcp", size, "AAAAAA==")) == grid
+    # pieces that do not add up to the file's size are not trusted
+    assert plan.cut(FileEntry("dcp/__1_0.distcp", size + 1, "AAAAAA==")) == grid[:-1] + [2]
+    for plain in ("ranks/0.json", "zephon.json", "dcp/.metadata", "dcp/__x_0.distcp"):
+        assert plan.cut(FileEntry(plain, size, "AAAAAA==")) is None, plain
