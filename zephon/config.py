@@ -220,12 +220,16 @@ class CheckpointingConfig:
         self._check_local_tier()
         if self.dedup_scope not in ("run", "save_dir"):
             raise _fail(f"{p}.dedup_scope", self.dedup_scope, 'use "run" or "save_dir"')
-        if self.dedup and (self.local_dir is not None or self.memory_tier):
+        if (
+            self.dedup
+            and self.dedup_scope == "save_dir"
+            and (self.local_dir is not None or self.memory_tier)
+        ):
             raise _fail(
-                f"{p}.dedup",
-                self.dedup,
-                "deduplicated saves go straight to save_dir in this version: unset local_dir "
-                "and memory_tier, or set dedup: false",
+                f"{p}.dedup_scope",
+                self.dedup_scope,
+                'a tier\'s uploads keep chunks per run in this version: use dedup_scope "run" '
+                "with local_dir or memory_tier",
             )
         self.retry = retry_policy_from(self.retry, f"{p}.retry")
         self.emergency_save = EmergencySaveConfig.of(self.emergency_save, f"{p}.emergency_save")
@@ -264,6 +268,7 @@ class CheckpointingConfig:
             memory_dir=self.memory_dir,
             memory_num_to_keep=self.memory_num_to_keep,
             memory_replicas=self.memory_replicas,
+            dedup=self.dedup,
         )
 
     @property

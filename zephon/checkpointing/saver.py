@@ -154,7 +154,9 @@ class Saver:
                 writer,
                 subdir=DCP_SUBDIR,
                 commit_metadata={**(metadata or {}), "step": step, "kind": job.kind},
-                dedup_base=self.dedup_base if job.config.dedup else None,
+                dedup_base=self.dedup_base
+                if job.config.dedup and job.destination.chunks_in_save
+                else None,
                 dedup_scope=job.config.dedup_scope,
             )
             if self.asynchronous:

@@ -98,8 +98,9 @@ class Writer(ZephonStorageWriter):
     save commits into host memory (``memory_dir``, default /dev/shm/zephon) on every node,
     each node's part is copied to ``memory_replicas`` peer nodes and uploaded to ``url`` in
     the background; collective too. ``dedup=True`` stores the shards as content-addressed
-    chunks and uploads only those the previous checkpoint does not hold (docs/dedup.md);
-    ``dedup_scope="save_dir"`` keeps them in ``<save_dir>/_chunks/``, shared by every run.
+    chunks and uploads only those the previous checkpoint does not hold (docs/dedup.md); with
+    a tier, its uploader does so for the copy to ``url``. ``dedup_scope="save_dir"`` keeps
+    them in ``<save_dir>/_chunks/``, shared by every run (not with a tier).
 
     Failures: plain ``dcp.save`` raises DCP's ``CheckpointException`` (a BaseException) whose
     ``failures`` hold Zephon's errors; ``zephon.dcp.save``/``async_save`` raise Zephon's error
@@ -141,6 +142,8 @@ class Writer(ZephonStorageWriter):
         self.resume_step = check_resume_step("Writer", resume_step)
         retention = Retention.checked("Writer", num_to_keep, keep_every_steps)
         catalog = resolve_catalog(catalog, "Writer")
+        if not isinstance(dedup, bool):
+            raise invalid_option("Writer.dedup", dedup, "use True or False")
         tier = None
         if local_dir is not None or memory_tier is not False:
             tier = TierConfig(
@@ -155,16 +158,14 @@ class Writer(ZephonStorageWriter):
                 else memory_dir,
                 memory_num_to_keep=memory_num_to_keep,
                 memory_replicas=memory_replicas,
+                dedup=dedup,
             )
-        if not isinstance(dedup, bool):
-            raise invalid_option("Writer.dedup", dedup, "use True or False")
-        if dedup and tier is not None:
-            raise invalid_option(
-                "Writer.dedup",
-                dedup,
-                "deduplicated saves go straight to url in this version: drop local_dir and "
-                "memory_tier, or dedup",
-            )
+            if dedup and dedup_scope == "save_dir":
+                raise invalid_option(
+                    "Writer.dedup_scope",
+                    dedup_scope,
+                    'a tier\'s uploads keep chunks per run in this version: use "run"',
+                )
         #: coordinator, with ``dedup``: the manifest this Writer committed last (the base)
         self._last_manifest: Manifest | None = None
         try:
@@ -173,7 +174,8 @@ class Writer(ZephonStorageWriter):
                 thread_count,
                 commit_metadata,
                 on_commit,
-                self._dedup_base if dedup else None,
+                # a tier keeps plain files; its uploader deduplicates the copy to url
+                self._dedup_base if dedup and tier is None else None,
                 dedup_scope,
             )
         except ValueError as exc:

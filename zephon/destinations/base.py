@@ -45,6 +45,9 @@ class Destination:
 
     #: the store this process writes a save's files into (secondary ranks attach to it)
     store: CheckpointStore
+    #: with ``dedup``: whether a save writes its shards as chunks into ``store`` (direct);
+    #: a tier keeps plain files and its uploader deduplicates the copy to save_dir
+    chunks_in_save: bool = True
 
     # -- saving ------------------------------------------------------------------------------
 

@@ -145,7 +145,7 @@ def test_export_to_safetensors_reads_a_deduplicated_save(tmp_path):
         assert torch.equal(exported[key], value), key
 
 
-def test_dedup_is_a_yaml_key_and_refuses_the_tiers_for_now(tmp_path):
+def test_dedup_is_a_yaml_key_checked_as_a_bool(tmp_path):
     job = load_job_config(
         {
             "run": {"name": "r"},
@@ -157,8 +157,6 @@ def test_dedup_is_a_yaml_key_and_refuses_the_tiers_for_now(tmp_path):
     assert job.checkpointing.dedup is True
     with pytest.raises(ConfigError, match="dedup"):
         CheckpointingConfig(save_dir=str(tmp_path), dedup="yes")
-    with pytest.raises(ConfigError, match="local_dir"):
-        CheckpointingConfig(save_dir=str(tmp_path), dedup=True, local_dir=str(tmp_path / "l"))
 
 
 def test_the_catalog_and_zephon_checkpoints_show_what_each_save_added(tmp_path, catalog_url, cli):

@@ -120,3 +120,10 @@ def test_a_lease_keeps_a_base_whose_checkpoint_was_deleted_until_the_grace(tmp_p
 def test_dedup_scope_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="dedup_scope"):
         CheckpointingConfig(save_dir=str(tmp_path), dedup=True, dedup_scope="bucket")
+    with pytest.raises(ConfigError, match="dedup_scope"):
+        CheckpointingConfig(
+            save_dir=str(tmp_path),
+            dedup=True,
+            dedup_scope="save_dir",
+            local_dir=str(tmp_path / "local"),
+        )

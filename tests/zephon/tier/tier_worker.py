@@ -6,7 +6,8 @@ The save_dir comes from that launcher's configuration (``url``, ``storage_option
 
     {"run": name, "catalog_url": URL or null, "local_dir": path ("{rank}" is replaced by the
      rank: per-node local disks), "local_num_to_keep": 1, "max_pending_uploads": 2,
-     "async_save": false, "sync_dir": directory for the files a test and its ranks wait on,
+     "async_save": false, "dedup": false, "sync_dir": directory for the files a test and
+     its ranks wait on,
      "script": [[action, arg], ...]}
 
 A rank runs one start (attempt) of a job: a ``CheckpointManager`` with the local tier, and the
@@ -161,7 +162,7 @@ class Job:
         options: dict[str, Any] = {}
         if local_dir is not None:
             options["local_dir"] = local_dir.replace("{rank}", str(self.rank))
-        for key in ("local_num_to_keep", "max_pending_uploads", "async_save"):
+        for key in ("local_num_to_keep", "max_pending_uploads", "async_save", "dedup"):
             if key in self.config:
                 options[key] = self.config[key]
         checkpointing = CheckpointingConfig(

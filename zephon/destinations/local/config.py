@@ -44,6 +44,10 @@ class TierConfig:
     are kept beyond those still waiting for their upload. With both, ``local_dir`` is a
     durable tier behind host memory: each save is copied there after the peer copies and
     before the upload (docs/memory.md, "A local disk behind memory").
+
+    ``dedup``: the tier's own copy stays plain files and its uploader stores the shard files
+    in ``save_dir`` as content-addressed chunks against the newest checkpoint there
+    (docs/dedup.md, "Layout", the tiers).
     """
 
     local_dir: str | None = None
@@ -55,6 +59,7 @@ class TierConfig:
     memory_dir: str | None = None
     memory_num_to_keep: int = 1
     memory_replicas: int = 1
+    dedup: bool = False
 
     def __post_init__(self) -> None:
         if self.local_dir is not None:
@@ -66,6 +71,8 @@ class TierConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_KEEP:
                 raise self._fail(key, f"use an integer from 1 to {MAX_KEEP}")
         self._check_memory_tier()
+        if not isinstance(self.dedup, bool):
+            raise self._fail("dedup", "use true or false")
 
     @property
     def enabled(self) -> bool:

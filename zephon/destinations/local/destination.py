@@ -52,11 +52,15 @@ class TieredDestination(Destination):
             retain=session.retain,
             num_to_keep=session.retention.num_to_keep,
             keep_every_steps=session.retention.keep_every_steps,
+            dedup=config.dedup,
             **self._uploader_options(),
         )
 
     #: the uploader of this tier's checkpoints to save_dir
     uploader_class: type[Uploader] = Uploader
+    #: the tier's own copy is plain files; with ``dedup`` the uploader stores the shards in
+    #: save_dir as chunks (docs/dedup.md, "Layout", the tiers)
+    chunks_in_save = False
 
     def _open_tier(
         self, config: TierConfig, name: str, run: str | None, coll: Collectives

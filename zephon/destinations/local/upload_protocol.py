@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zephon.attempts import Attempt
+from zephon.destinations.local.dedup import DedupPlan, local_reader, plan_upload
 from zephon.destinations.local.exchange import Exchange
 from zephon.destinations.local.tier import LocalTier
 from zephon.destinations.local.tracking import LOCAL, SAVE_DIR, Tracker
@@ -92,6 +93,12 @@ class UploadProtocol:
     _cond: threading.Condition
     _unsettled: set[int]
     _uploaded: set[int]
+    #: store the shard files in save_dir as chunks (docs/dedup.md, "Layout", the tiers)
+    dedup: bool = False
+    #: rank 0, with ``dedup``: the save_dir checkpoint this uploader committed last (the next
+    #: upload's base), and the plan of the upload under way
+    _base: Manifest | None = None
+    _plan: DedupPlan | None = None
 
     def _protected(self) -> set[int]:
         with self._cond:
@@ -126,15 +133,25 @@ class UploadProtocol:
             )
             self._log_failure(step, outcome)
             return outcome, error
+        plan: DedupPlan | None = None
+        if self.dedup:  # every rank: the base's chunks and the shards' cut, from rank 0
+            plan = self.exchange.broadcast(self._plan if self.is_main else None)
+            self._plan = None
 
         status: str | None = None
         damaged = False
         last: list[FileEntry] = []  # rank 0's files the commit sends
+        chunked: list[FileEntry] = []  # this rank's files stored as chunks (rank 0 lists them)
         try:
             if self.is_main:
                 assert save is not None and manifest is not None
                 others = {e["name"] for entries in everything[1:] for e in entries}
                 own = [e for e in manifest.files if e.name not in others]
+                if plan is not None:
+                    save.writer.deduplicate(plan.base_map())
+                    shards = [e for e in own if plan.cut(e) is not None]
+                    own = [e for e in own if plan.cut(e) is None]
+                    copy_verified(shards, self.tier.payload_path(manifest), save.writer, plan=plan)
                 if len(everything) == 1:
                     # the only rank: its files go out with the commit's fence re-check, one
                     # round trip fewer (docs/fencing.md, the commit rule); with other ranks,
@@ -147,12 +164,15 @@ class UploadProtocol:
                 writer = self.remote.runstore.attach(
                     step, save_id=head["save_id"], fence=head["fence"]
                 )
-                copy_verified(job.own, job.local_payload, writer)
+                if plan is not None:
+                    writer.deduplicate(plan.base_map())
+                copy_verified(job.own, job.local_payload, writer, plan=plan)
+                chunked = [e for e in writer.entries if e.chunks is not None]
         except Exception as exc:
             error = exc
             damaged = isinstance(exc, CorruptCheckpointError)
             status = failure_reason(exc)
-        statuses = self.exchange.gather((status, damaged))
+        statuses = self.exchange.gather((status, damaged, chunked))
 
         outcome = _Outcome(ok=True)
         if self.is_main:
@@ -180,7 +200,8 @@ class UploadProtocol:
     def _begin(
         self, job: UploadJob
     ) -> tuple[dict[str, Any], Save | None, Manifest | None, BaseException | None]:
-        """Rank 0: read the local manifest, begin the save_dir save, plan local retention."""
+        """Rank 0: read the local manifest (with ``dedup``: choose the base and plan the cut),
+        begin the save_dir save, plan local retention."""
         doomed: list[int] = []
         attempt: Attempt | None = None
         save_id = ""
@@ -188,6 +209,12 @@ class UploadProtocol:
             attempt = self._attempt()
             manifest = self.tier.manifest(job.step)
             job.local_save_id = job.local_save_id or manifest.save_id
+            if self.dedup:
+                self._plan = plan_upload(
+                    manifest,
+                    self._dedup_base(),
+                    local_reader(self.tier.payload_path(manifest)),
+                )
             save_id = new_save_id(attempt.fence)
             save = Save.begin(
                 attempt,
@@ -237,20 +264,26 @@ class UploadProtocol:
         manifest: Manifest,
         elsewhere: list[FileEntry],
         last: list[FileEntry],
-        statuses: list[tuple[str | None, bool]],
+        statuses: list[tuple[str | None, bool, list[FileEntry]]],
         error: BaseException | None,
         began: float,
     ) -> tuple[_Outcome, BaseException | None]:
         """Rank 0: commit the save_dir save if every rank uploaded its files, else fail it.
         ``last``: rank 0's files not uploaded yet, sent with the commit."""
         attempt = self._attempt()
-        failed = [(rank, text) for rank, (text, _) in enumerate(statuses) if text is not None]
-        damaged = any(flag for _, flag in statuses)
+        failed = [(rank, text) for rank, (text, *_) in enumerate(statuses) if text is not None]
+        damaged = any(flag for _, flag, _ in statuses)
         if not failed:
             try:
-                held = {e.name for e in last}
+                # files stored as chunks (by rank 0, and those the other ranks report) are
+                # listed with their chunks, not as the local marker's plain entries
+                chunked = [e for _, _, entries in statuses for e in entries]
+                save.writer.add_entries(chunked)
+                held = {e.name for e in last} | {e.name for e in chunked}
+                held |= {e.name for e in save.writer.entries if e.chunks is not None}
                 save.writer.add_entries(e for e in manifest.files if e.name not in held)
-                save.writer.add_entries(elsewhere)  # files of local directories not rank 0's
+                # files of local directories not rank 0's
+                save.writer.add_entries(e for e in elsewhere if e.name not in held)
                 payload = self.tier.payload_path(manifest)
                 save.commit(files=verified_sources(last, payload, save.writer))
                 timings = dict(job.timings)
@@ -265,6 +298,8 @@ class UploadProtocol:
             else:
                 if self.tracker is not None:
                     self.tracker.committed(job.step, SAVE_DIR, committed, timings)
+                if self.dedup:
+                    self._base = committed  # save_dir's newest of the history now
                 try:
                     self._retain()
                 except Exception as exc:  # noqa: BLE001 - the checkpoint is committed
@@ -306,6 +341,14 @@ class UploadProtocol:
             current=getattr(error, "current", None),
         )
         return outcome, error
+
+    def _dedup_base(self) -> Manifest | None:
+        """Rank 0: the base of a deduplicated upload: the save_dir checkpoint this uploader
+        committed last, else save_dir's latest under the run's lineage (docs/dedup.md: the
+        newest checkpoint of the history, which retention never deletes)."""
+        if self._base is None:
+            self._base = self.remote.runstore.latest()
+        return self._base
 
     def _settle_local(self, job: UploadJob, exc: BaseException, for_good: bool) -> None:
         """Rank 0: an upload refused for good marks the local replica failed with the reason

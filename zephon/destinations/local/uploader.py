@@ -131,6 +131,7 @@ class Uploader(UploadProtocol):
         retain: Callable[[], Any],
         num_to_keep: int | None = None,
         keep_every_steps: int | None = None,
+        dedup: bool = False,
     ) -> None:
         self.rank = coll.rank
         self.world_size = coll.world_size
@@ -145,6 +146,8 @@ class Uploader(UploadProtocol):
         #: save_dir's retention, which decides when a failed upload is superseded
         self.num_to_keep = num_to_keep
         self.keep_every_steps = keep_every_steps
+        #: the shard files go to save_dir as chunks (``dedup``; docs/dedup.md, "Layout", the tiers)
+        self.dedup = dedup
         self.retry_base_s = RETRY_BASE_S
         self.retry_max_s = RETRY_MAX_S
         self._cond = threading.Condition()
