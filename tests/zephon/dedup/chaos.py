@@ -74,6 +74,7 @@ class Round:
     index: int
     victim: str  # "saver" or "gc"
     plan: str  # the kill point ("before-marker@2") or "wall"
+    saves: int = 0  # the saves the job was to make
     killed: bool = False
     how: str = ""  # where the kill landed: the point, or "wall +1.23s"
     resumed: int | None = None
@@ -285,7 +286,7 @@ def play_round(config: ChaosConfig, index: int, rng: random.Random, save_s: floa
         plan = f"{point}@{nth}"
     else:
         plan = "wall"
-    result = Round(index=index, victim=victim, plan=plan)
+    result = Round(index=index, victim=victim, plan=plan, saves=saves)
     base_args = {"url": config.url, "storage_options": config.storage_options, "run": RUN}
     base_args["catalog"] = config.catalog
     saver_args = {**base_args, "num_to_keep": config.num_to_keep, "saves": saves}
