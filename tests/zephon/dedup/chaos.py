@@ -292,11 +292,10 @@ def play_round(config: ChaosConfig, index: int, rng: random.Random, save_s: floa
     saver_args = {**base_args, "num_to_keep": config.num_to_keep, "saves": saves}
     if victim == "saver" and plan != "wall":
         saver_args["kill"] = plan
-    saver = Child("tests.zephon.dedup.chaos_saver", saver_args)
-    resumed = saver.wait_line("resumed", timeout=300)
     gcs: list[Child] = []
     stop = os.path.join(config.workdir, f"stop-{index}")
-    if resumed is not None:  # the run is in the catalog now: gc can name it
+
+    def start_gcs() -> None:
         for i in range(config.gc_processes):
             gc_args = {
                 **base_args,
@@ -307,10 +306,20 @@ def play_round(config: ChaosConfig, index: int, rng: random.Random, save_s: floa
             if victim == "gc" and i == 0 and plan != "wall":
                 gc_args["kill"] = plan
             gcs.append(Child("tests.zephon.dedup.chaos_gc", gc_args))
+
+    # gc names the run, so it starts once the catalog has it: after the first job's start,
+    # then before each job (its passes meet the job's registration, its resume, its saves)
+    early = index > 1
+    if early:
+        start_gcs()
+    saver = Child("tests.zephon.dedup.chaos_saver", saver_args)
+    resumed = saver.wait_line("resumed", timeout=300)
+    if not early and resumed is not None:
+        start_gcs()
     target = saver if victim == "saver" else (gcs[0] if gcs else None)
     if plan == "wall" and target is not None:
         delay = rng.uniform(0.0, saves * save_s)
-        if victim == "gc":
+        if victim == "gc" and not early:
             delay += 1.5  # the gc process's own start (imports), so that it is at work
         time.sleep(delay)
         if target.kill():
