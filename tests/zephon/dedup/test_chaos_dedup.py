@@ -137,17 +137,11 @@ def test_an_old_attempts_checkpoint_in_the_lineage_keeps_its_chunks_until_nothin
         location.runstore.verify(step, deep=True).raise_for_problems()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FOUND by the chaos driver: a gc sweep with grace 0 removes the chunks of a "
-    "deduplicated save in flight, which then commits a checkpoint with missing chunks "
-    "(report of h/dchaos); remove this mark once the sweep protects a save in progress",
-)
 def test_gc_with_grace_0_beside_a_deduplicated_save_in_flight_keeps_its_chunks(backend, catalog):
     """``zephon gc --grace``: "a save in progress is protected whatever it says"; gc.py: "--grace
-    0 beside a live job is safe". The sweep's age rule removes any unreferenced instance older
-    than the grace, so with grace 0 it removes the chunks a pending save uploaded, and nothing
-    at the commit notices (a deduplicated file has no payload file to list)."""
+    0 beside a live job is safe". Found by the chaos driver: the sweep's age rule removed the
+    chunks a pending save uploaded (nothing at the commit notices: a deduplicated file has no
+    payload file to list); the sweep now spares the saves of the catalog's live rows."""
     location = make_run(catalog, backend, num_to_keep=2)
     attempt = start(location, catalog)
     save = dedup_save(attempt, 1, catalog, {"w.bin": FROZEN + ADAPTER[1]})
