@@ -87,10 +87,10 @@ def install(spec: str | None) -> None:
 
         real_sweep = gc.sweep_chunks_of
 
-        def sweep_chunks_of(location, lineage, grace, finished=()):
+        def sweep_chunks_of(*args, **kwargs):
             if reached():
                 die(spec)
-            return real_sweep(location, lineage, grace, finished)
+            return real_sweep(*args, **kwargs)
 
         gc.sweep_chunks_of = sweep_chunks_of
     elif name == "mid-sweep":
