@@ -14,9 +14,10 @@ Measured on a shared 2-CPU machine (seed 0, num_to_keep 2, two gc processes):
 - ``--grace 10`` (above any save here): 100 kills, 0 violations, on S3 (moto; 60 of the job, 40
   of gc, 10.7 min) and on local disk (56 and 44, 8.9 min); 0 bytes left unreferenced after the
   final gc.
-- ``--grace 0``: a violation on local disk in round 1 and on S3 in round 91: a gc sweep removed
-  a chunk that a save in flight had uploaded, and the save then committed a checkpoint that
-  names it (tests/zephon/dedup/test_chaos_dedup.py reproduces it deterministically).
+- ``--grace 0``: before the fix, a violation on local disk in round 1 and on S3 in round 91: a
+  gc sweep removed a chunk that a save in flight had uploaded, and the save then committed a
+  checkpoint that names it. The sweep now spares the saves of the catalog's live rows
+  (tests/zephon/dedup/test_chaos_dedup.py holds the deterministic reproduction).
 """
 
 from __future__ import annotations
