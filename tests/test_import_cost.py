@@ -40,6 +40,7 @@ HEAVY = (
     "rich",
     "yaml",
     "google_crc32c",
+    "crc32c",
 )
 
 _REPORT = (

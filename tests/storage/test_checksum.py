@@ -1,5 +1,6 @@
-"""CRC32C: combining the CRCs of two blocks, appending a block by its CRC, the copy-free native
-path over every kind of buffer, and the encoded form, against direct computation."""
+"""CRC32C: combining the CRCs of two blocks, appending a block by its CRC, the copy-free
+hardware path over every kind of buffer (with the GIL released), and the encoded form, against
+direct computation with another library (google-crc32c)."""
 
 from __future__ import annotations
 
@@ -163,19 +164,53 @@ def test_a_non_contiguous_buffer_is_refused_rather_than_checksummed_wrongly():
         crc32c_extend(0, memoryview(values))
 
 
-def test_the_native_path_is_in_use_on_this_machine():
-    # The copy-free, GIL-free path is what makes verifying on load cheap; losing it silently
-    # (a google-crc32c wheel without its C library) would make loads several times slower.
+def test_the_hardware_path_is_in_use_on_this_machine():
+    # The CPU's CRC32C instruction is what makes verifying on load cheap; losing it silently
+    # (a crc32c build without it) would make every save and load several times slower.
     assert checksum.NATIVE
 
 
-def test_the_pure_python_fallback_agrees(monkeypatch):
-    data = bytes(range(256)) * 100
-    expected = direct(data)
-    monkeypatch.setattr(checksum, "_NATIVE", None)
-    assert crc32c_extend(0, data) == expected
-    assert crc32c_extend(0, memoryview(data)[10:]) == direct(data[10:])
-    assert crc32c_extend(0, bytearray(data)) == expected
+def _longest_pause_of_another_thread(view: memoryview) -> tuple[float, float]:
+    """How long one ``crc32c_extend`` over ``view`` took on a worker thread, and the longest
+    the main thread, spinning meanwhile, went without running: about the call's whole length if
+    the call held the GIL, a small part of it if it released it."""
+    import sys
+    import threading
+    import time
+
+    finished = threading.Event()
+    took = [0.0]
+
+    def one_call() -> None:
+        began = time.perf_counter()
+        crc32c_extend(0, view)
+        took[0] = time.perf_counter() - began
+        finished.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # hand the GIL over quickly, so only a held call shows a pause
+    try:
+        worker = threading.Thread(target=one_call)
+        longest, last = 0.0, time.perf_counter()
+        worker.start()
+        while True:
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+            if finished.is_set():
+                break
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    return took[0], longest
+
+
+def test_checksumming_releases_the_gil_so_threads_run_side_by_side():
+    # A reader's threads checksum what they read at once; a call holding the GIL would make
+    # them, and the training thread, take turns. The best of three tries keeps a moment of the
+    # shared machine's scheduling out of it.
+    data = np.random.default_rng(0).integers(0, 256, 256 << 20, dtype=np.uint8)
+    tries = [_longest_pause_of_another_thread(memoryview(data)) for _ in range(3)]
+    assert min(pause / took for took, pause in tries) < 0.5, tries
 
 
 # -- encoded form ---------------------------------------------------------------------------------
