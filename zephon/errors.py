@@ -103,6 +103,12 @@ class NotCommittedError(ZephonError, RuntimeError):
     once every file is written (a ``RuntimeError``: the calls came in the wrong order)."""
 
 
+class CopyUnavailableError(ZephonError):
+    """A resume could not bring the files its ranks read of a fast tier's copy to where they
+    load it (a peer holding a memory copy went away): the copy is not damaged, only out of
+    reach, and the next tier is loaded instead. Raised on every rank alike."""
+
+
 class SaveBelowLatestError(ZephonError):
     """A job that did not say where it resumes tried to save a step below the run's latest
     complete checkpoint: it restarted from scratch by mistake (a resume that found nothing it

@@ -35,7 +35,7 @@ from zephon.checkpointing.files import (
 from zephon.checkpointing.job import ALREADY_COMPLETE, Job
 from zephon.checkpointing.layout import StateLayout
 from zephon.checkpointing.source import load_frozen_from_source
-from zephon.errors import ConfigError, ZephonError
+from zephon.errors import ConfigError, CopyUnavailableError, ZephonError
 from zephon.latest import LatestCheckpoint, find_latest
 from zephon.state_tree import join_state, split_state, tensor_keys
 from zephon.storage import CheckpointStore, CorruptCheckpointError, ahead
@@ -165,6 +165,11 @@ class Loader:
             # and the step it chose once it fenced the older attempts out is the one loaded.
             if not self._registered():
                 continue  # an older attempt committed or deleted meanwhile: choose again
+            if isinstance(problem, CopyUnavailableError):  # every rank alike; not damage
+                if coll.is_main:
+                    log.warning("zephon: %s; the next tier is loaded", problem)
+                local = destination.next_candidate()
+                continue
             if damaged is None:
                 if problem is not None:
                     raise problem
@@ -338,13 +343,20 @@ class Loader:
         job, coll = self.job, self.job.coll
         plan: LoadPlan | None = None
         problem: Exception | None = None
+        reads: dict[str, list[tuple[int, int]]] | None = None
         try:
             plan = self._plan(point, state, allow_partial_load, store)
+            if point.local:  # what this rank reads of the destination's copy
+                reads = zdcp.ranges_read(
+                    plan.targets, plan.reader, allow_partial_load=allow_partial_load
+                )
         except Exception as exc:
             problem = exc
         # Every rank must be ready before the collective load, or the others would wait forever.
         coll.agree(problem, f"prepare loading step {point.step}")
         assert plan is not None
+        if point.local:  # what this rank reads, where it is not yet (peers' memory)
+            job.destination.fetch_reads(point.step, reads)
         kinds = plan.layout.kinds()
         zdcp.load(
             plan.targets,

@@ -25,7 +25,7 @@ from zephon.dcp.writer import ZephonStorageWriter
 from zephon.errors import as_zephon_error
 from zephon.storage import CheckpointStore, CheckpointWriter
 
-__all__ = ["as_zephon_error", "async_save", "attach_ranks", "load", "save"]
+__all__ = ["as_zephon_error", "async_save", "attach_ranks", "ranges_read", "load", "save"]
 
 # Without torch.distributed a single process is what the caller asked for (a one-process job,
 # an export); DCP warns about it on every call, also from the threads of an async save, so the
@@ -147,6 +147,26 @@ def load(
         )
     except CheckpointException as exc:
         raise as_zephon_error(exc, where=reader.url, local_failure=reader.failure) from exc
+
+
+def ranges_read(
+    state_dict: dict[str, Any], reader: ZephonStorageReader, *, allow_partial_load: bool = False
+) -> dict[str, list[tuple[int, int]]]:
+    """What ``load(state_dict, reader)`` on this rank will read of the checkpoint's shard
+    files, as its own planner chooses: for each file, the ``(offset, length)`` of every saved
+    item it reads whole (a checked read covers the whole item, to check its CRC32C), sorted.
+    Reads the metadata (kept by ``reader`` for the load that follows). Lets a copy that is not
+    whole in one place (the memory tier's resume on a node) bring only what this rank needs."""
+    metadata = reader.read_metadata()
+    planner = ZephonLoadPlanner(allow_partial_load=allow_partial_load, where=reader.url)
+    planner.set_up_planner(dict(state_dict), metadata, is_coordinator=False)
+    slices = metadata.storage_data
+    spans: dict[str, set[tuple[int, int]]] = {}
+    for item in planner.create_local_plan().items:
+        where = slices.get(item.storage_index)
+        if where is not None:  # a missing item is the load's to report, naming it
+            spans.setdefault(where.file, set()).add((where.offset, where.length))
+    return {file: sorted(found) for file, found in sorted(spans.items())}
 
 
 def attach_ranks(

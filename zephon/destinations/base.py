@@ -29,6 +29,7 @@ of its own; the saver, the loader and the Writer do not change.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from zephon.storage import CheckpointStore, CheckpointWriter, Lineage
@@ -124,6 +125,13 @@ class Destination:
         """The store a resume from this destination's candidate reads (by default the one
         saves go to; the memory tier's is the save it assembled)."""
         return self.store
+
+    def fetch_reads(self, step: int, reads: Mapping[str, Sequence[tuple[int, int]]] | None) -> None:
+        """Collective, every rank, before the resume loads this destination's copy of
+        ``step``: ``reads`` maps the shard files this rank reads to the byte ranges
+        ``(offset, length)`` it reads of each (None: every file whole). A copy that is not
+        whole in one place brings them here; raises ``CopyUnavailableError``
+        (``zephon.errors``) on every rank if it cannot. Nothing to do by default."""
 
     def resumed(self, step: int | None) -> None:
         """Every rank, once the job resumed from ``step`` (None: a fresh start), wherever it

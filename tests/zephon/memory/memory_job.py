@@ -10,7 +10,8 @@ rank appends ``{"step", "rank", "loss"}`` to ``<out>/losses-<rank>.jsonl``; rank
 ``<out>/start.json`` (the step resumed from and the URL it was read from). ``die_at`` ends
 every process once that step ran, before its save. ``crash_after``
 ends every process at once, without closing anything, once that step's save is copied to
-its peers and uploaded (the job dies; its nodes' memory stays).
+its peers and uploaded (the job dies; its nodes' memory stays). ``table_kib`` adds a table
+sharded over the ranks, which a resume must bring back as saved (exit 19 otherwise).
 """
 
 from __future__ import annotations
@@ -88,6 +89,40 @@ def reference_losses(world: int, steps: int) -> dict[tuple[int, int], float]:
     return found
 
 
+def _table_values(rows: int, world: int) -> torch.Tensor:
+    return torch.arange(rows * world * 64, dtype=torch.float32).reshape(rows * world, 64)
+
+
+def _table(kib: int | None, world: int):
+    """``table_kib``: a table of ``kib`` KiB per rank, sharded by rows over the ranks (a
+    DTensor: each rank saves and loads its own rows only), never trained. -1 everywhere until
+    ``_check_table`` fills a fresh start's."""
+    if not kib:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rows = kib * 1024 // (64 * 4)
+    mesh = init_device_mesh("cpu", (world,))
+    table = nn.Module()  # a module's state: one key on every rank, each holding its rows
+    table.register_buffer(
+        "rows", distribute_tensor(torch.full((rows * world, 64), -1.0), mesh, [Shard(0)])
+    )
+    return table
+
+
+def _check_table(table, world: int, resumed: bool) -> None:
+    """A fresh start fills the table; a resume must have loaded it whole (exit 19 if not)."""
+    local = table.rows.to_local()
+    rows = local.shape[0]
+    expected = _table_values(rows, world)[dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
+    if not resumed:
+        local.copy_(expected)
+    elif not torch.equal(local, expected):
+        print(f"rank {dist.get_rank()}: the table was not loaded as saved", flush=True)
+        os._exit(19)
+
+
 def main(spec: dict) -> None:
     faulthandler.register(signal.SIGUSR1)  # the test asks a hung job where it is
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -107,7 +142,12 @@ def main(spec: dict) -> None:
     out = spec["out"]
     with zephon.CheckpointManager(config, run_name=spec["run"], total_steps=spec["steps"]) as m:
         state = {"model": model, "optimizer": optimizer}
+        table = _table(spec.get("table_kib"), world)
+        if table is not None:
+            state["table"] = table
         resume = m.load_latest(state)
+        if table is not None:
+            _check_table(table, world, resumed=resume.step is not None)
         if rank == 0:
             with open(os.path.join(out, "start.json"), "w") as handle:
                 json.dump({"step": resume.step, "url": resume.url}, handle)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zephon.collectives import Collectives
@@ -21,7 +22,7 @@ from zephon.destinations.local.destination import TieredDestination
 from zephon.destinations.local.tracking import MEMORY
 from zephon.destinations.local.upload_protocol import UploadJob, failure_reason, first_line
 from zephon.destinations.local.uploader import Uploader
-from zephon.destinations.memory.assembly import assemble
+from zephon.destinations.memory.assembly import assemble, fetch_reads
 from zephon.destinations.memory.records import record_name
 from zephon.destinations.memory.tier import MemoryTier
 from zephon.saving import Save
@@ -190,6 +191,19 @@ class MemoryDestination(TieredDestination):
         """Collective: the newest memory save the nodes hold in full between them, assembled
         on every node (own memory linked, the rest fetched from peers); None: save_dir."""
         return assemble(self.tier, self.coll)
+
+    def fetch_reads(self, step: int, reads: Mapping[str, Sequence[tuple[int, int]]] | None) -> None:
+        """Collective: what each node's ranks read of the assembled save and the node does
+        not hold, from its peers (``assembly.fetch_reads``)."""
+        resumed = self.tier.resumed
+        if resumed is not None and resumed.step == step:
+            fetch_reads(self.tier, self.coll, reads)
+
+    def persist_resumed(self, step: int) -> None:
+        """Every rank: rank 0's node first brings the rest of the assembled save (the upload
+        reads all of it there), then the upload is queued."""
+        self.fetch_reads(step, None if self.coll.is_main else {})
+        super().persist_resumed(step)
 
     def prefers(self, candidate: int | None, lineage: Lineage, remote: int | None) -> bool:
         """Rank 0: the assembled save, if the run's lineage admits it (never a stale

@@ -12,8 +12,9 @@ retention, a directory per node) with what host memory adds:
 - deletes reach every node's directory, marker or not (a node other than rank 0's holds its
   part of a save without a marker);
 - a resume assembles the chosen save on every node (``assembly``) into ``<memory_dir>/.resume``:
-  files the node holds are linked (no copy), the others fetched from the peer that holds
-  them, each checked against its CRC32C as it arrives; the loader then reads that store.
+  files the node holds are linked (no copy), the others its ranks read fetched from the peer
+  that holds them, each checked against its CRC32C as it arrives; the loader then reads that
+  store.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from zephon.attempts import Attempt
 from zephon.collectives import Collectives
@@ -33,6 +35,9 @@ from zephon.destinations.memory.peers import Nodes
 from zephon.destinations.memory.records import write_record
 from zephon.saving import Save
 from zephon.storage import CheckpointStore, FileEntry, Lineage, Manifest, StorageError
+
+if TYPE_CHECKING:
+    from zephon.destinations.memory.assembly import Assembly
 
 __all__ = ["RESUME_DIR", "MemoryTier"]
 
@@ -63,6 +68,8 @@ class MemoryTier(LocalTier):
         #: the save a resume assembled (and the store it is in), until the job closes
         self.resumed: Candidate | None = None
         self.resume_store: CheckpointStore | None = None
+        #: a node leader: how far its assembled store of ``resumed`` is (``assembly``)
+        self.assembly: Assembly | None = None
         #: rank 0: a copy a resume loaded from the tier behind memory (the local tier), its
         #: manifest and payload path: what the upload of that step reads
         self.loaded: tuple[Manifest, str] | None = None
