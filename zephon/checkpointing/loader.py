@@ -35,6 +35,7 @@ from zephon.checkpointing.files import (
 from zephon.checkpointing.job import ALREADY_COMPLETE, Job
 from zephon.checkpointing.layout import StateLayout
 from zephon.checkpointing.source import load_frozen_from_source
+from zephon.dcp.api import ranges_read
 from zephon.errors import ConfigError, CopyUnavailableError, ZephonError
 from zephon.latest import LatestCheckpoint, find_latest
 from zephon.state_tree import join_state, split_state, tensor_keys
@@ -347,7 +348,7 @@ class Loader:
         try:
             plan = self._plan(point, state, allow_partial_load, store)
             if point.local:  # what this rank reads of the destination's copy
-                reads = zdcp.ranges_read(
+                reads = ranges_read(
                     plan.targets, plan.reader, allow_partial_load=allow_partial_load
                 )
         except Exception as exc:

@@ -7,7 +7,7 @@ DCP metadata is stored as versioned JSON, never pickled. See ``docs/dcp.md``.
 Imports torch; ``import zephon`` alone does not import this package.
 """
 
-from zephon.dcp.api import as_zephon_error, async_save, attach_ranks, load, ranges_read, save
+from zephon.dcp.api import as_zephon_error, async_save, attach_ranks, load, save
 from zephon.dcp.dropin import Writer
 from zephon.dcp.dropin_reader import Reader, ReaderDisagreementError
 from zephon.dcp.errors import (
@@ -49,7 +49,6 @@ __all__ = [
     "decode_metadata",
     "encode_metadata",
     "load",
-    "ranges_read",
     "save",
     "stock_directory",
 ]

@@ -25,7 +25,7 @@ from zephon.dcp.writer import ZephonStorageWriter
 from zephon.errors import as_zephon_error
 from zephon.storage import CheckpointStore, CheckpointWriter
 
-__all__ = ["as_zephon_error", "async_save", "attach_ranks", "ranges_read", "load", "save"]
+__all__ = ["as_zephon_error", "async_save", "attach_ranks", "load", "ranges_read", "save"]
 
 # Without torch.distributed a single process is what the caller asked for (a one-process job,
 # an export); DCP warns about it on every call, also from the threads of an async save, so the

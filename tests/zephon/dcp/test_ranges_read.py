@@ -1,4 +1,4 @@
-"""``zephon.dcp.ranges_read``: what a load will read, as its planner chooses it, which the
+"""``zephon.dcp.api.ranges_read``: what a load will read, as its planner chooses it, which the
 memory tier's resume fetches from peers instead of whole files; and ``merge_spans``, which
 joins those ranges per file."""
 
@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zephon import dcp as zd
+from zephon.dcp.api import ranges_read
 from zephon.destinations.memory.assembly import merge_spans
 
 
@@ -24,8 +25,8 @@ def test_a_load_of_some_keys_reads_their_items_and_nothing_else(local_backend, p
     store = _saved(local_backend, state)
     try:
         reader = zd.ZephonStorageReader(store, "r", 1)
-        every = zd.ranges_read({k: torch.zeros_like(v) for k, v in state.items()}, reader)
-        only_a = zd.ranges_read(
+        every = ranges_read({k: torch.zeros_like(v) for k, v in state.items()}, reader)
+        only_a = ranges_read(
             {"a": torch.zeros(64, 32)},
             zd.ZephonStorageReader(store, "r", 1),
             allow_partial_load=True,

@@ -8,7 +8,7 @@ two steps:
    nearest peer that holds it, checked against its CRC32C as it arrives, and each shard file
    gets a placeholder (``Assembly.hold_place``); a marker listing every file of the save is
    written last.
-2. ``fetch_reads``, once every rank knows what its load will read (``zephon.dcp.ranges_read``):
+2. ``fetch_reads``, once every rank knows what its load will read (``dcp.api.ranges_read``):
    what the node's ranks read of the shard files it does not hold, from the same peers: a file
    they read for the most part whole is streamed whole and checked by its CRC32C, the items
    they read of other files are fetched as byte ranges into the placeholder (the load checks
