@@ -25,6 +25,7 @@ from zephon.destinations.local.uploader import Uploader
 from zephon.destinations.memory.assembly import assemble, fetch_reads
 from zephon.destinations.memory.records import record_name
 from zephon.destinations.memory.tier import MemoryTier
+from zephon.errors import CopyUnavailableError
 from zephon.saving import Save
 from zephon.storage import CheckpointStore, CheckpointWriter, Lineage, crc32c_of
 
@@ -189,7 +190,8 @@ class MemoryDestination(TieredDestination):
 
     def resume_candidate(self) -> int | None:
         """Collective: the newest memory save the nodes hold in full between them, assembled
-        on every node (own memory linked, the rest fetched from peers); None: save_dir."""
+        on every node (own memory linked, the small files fetched from peers; the shard files
+        its ranks read come with ``fetch_reads``); None: save_dir."""
         return assemble(self.tier, self.coll)
 
     def fetch_reads(self, step: int, reads: Mapping[str, Sequence[tuple[int, int]]] | None) -> None:
@@ -201,8 +203,14 @@ class MemoryDestination(TieredDestination):
 
     def persist_resumed(self, step: int) -> None:
         """Every rank: rank 0's node first brings the rest of the assembled save (the upload
-        reads all of it there), then the upload is queued."""
-        self.fetch_reads(step, None if self.coll.is_main else {})
+        reads all of it there), then the upload is queued. If it cannot, the job goes on
+        from what it loaded and its next save is uploaded as usual."""
+        try:
+            self.fetch_reads(step, None if self.coll.is_main else {})
+        except CopyUnavailableError as exc:  # every rank alike
+            if self.coll.is_main:
+                log.warning("zephon: step %d is not uploaded to save_dir: %s", step, exc)
+            return
         super().persist_resumed(step)
 
     def prefers(self, candidate: int | None, lineage: Lineage, remote: int | None) -> bool:
